@@ -1,0 +1,124 @@
+//! The [`Backend`] trait: everything the allocators ask of a GPU runtime.
+//!
+//! It is object safe (`Arc<dyn Backend>`), `Send + Sync`, and speaks in plain handles
+//! ([`crate::types`]). Every operation returns a typed [`BackendError`](crate::BackendError);
+//! none panics on bad input. Two implementations exist: [`crate::sim::SimBackend`], the
+//! simulated GPU every test runs, and `cuda::CudaBackend` behind the `cuda` feature.
+//!
+//! Semantics follow CUDA's driver API, so code written against the sim behaves the same on
+//! a GPU:
+//! - `free` synchronizes the device before releasing memory (as `cuMemFree` does);
+//! - an event that was never recorded queries as complete; `event_record` replaces what an
+//!   event tracks; `stream_wait_event` waits for the record current at the time of the call;
+//! - a host callback runs after all work enqueued on its stream before it;
+//! - virtual memory follows the VMM API: reserve an address range, create physical
+//!   memory, map it at a granularity-aligned offset, then set access before use.
+
+use std::os::fd::OwnedFd;
+
+use crate::error::Result;
+use crate::types::{
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
+    PhysHandle, StreamHandle,
+};
+
+/// A GPU runtime, as the allocators see it. See the module docs for the semantics.
+pub trait Backend: Send + Sync + 'static {
+    /// Short name for logs: `"sim"` or `"cuda"`.
+    fn name(&self) -> &'static str;
+
+    // ---- devices and device memory ----
+
+    /// Number of devices.
+    fn device_count(&self) -> Result<u32>;
+    /// Free and total memory of `device`.
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
+    /// Allocates `size` bytes of device memory, synchronously (`cuMemAlloc`).
+    fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr>;
+    /// Frees memory from [`Backend::malloc`]; synchronizes the device first (`cuMemFree`).
+    fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()>;
+    /// Blocks until all work on all streams of `device` is done.
+    fn device_synchronize(&self, device: DeviceId) -> Result<()>;
+
+    // ---- streams ----
+
+    /// Creates a stream on `device`.
+    fn stream_create(&self, device: DeviceId) -> Result<StreamHandle>;
+    /// Destroys a stream once the work queued on it has finished.
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
+    /// Blocks until all work queued on `stream` is done.
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
+    /// Makes future work on `stream` wait until `event` (as last recorded) completes.
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
+    /// Enqueues `f` on `stream`; it runs on a backend thread after the work before it.
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()>;
+    /// Copies `len` bytes from `src` to `dst` in stream order. Both are device or
+    /// page-locked host addresses (unified addressing).
+    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()>;
+    /// Sets `len` bytes at `dst` to `value` in stream order.
+    fn memset_async(&self, stream: StreamHandle, dst: DevicePtr, value: u8, len: u64)
+        -> Result<()>;
+    /// Copies host bytes into device memory and waits for the copy (stream-ordered).
+    fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// Copies device memory into host bytes and waits for the copy (stream-ordered).
+    fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr)
+        -> Result<()>;
+
+    // ---- events ----
+
+    /// Creates an event on `device` (timing disabled).
+    fn event_create(&self, device: DeviceId) -> Result<EventHandle>;
+    /// Records `event` on `stream`; both must belong to the same device.
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
+    /// True when the event's last record has completed (or it was never recorded).
+    fn event_query(&self, event: EventHandle) -> Result<bool>;
+    /// Blocks until the event's last record has completed.
+    fn event_synchronize(&self, event: EventHandle) -> Result<()>;
+    /// Destroys an event; a pending record still completes for the streams waiting on it.
+    fn event_destroy(&self, event: EventHandle) -> Result<()>;
+
+    // ---- pinned and registered host memory ----
+
+    /// Allocates `size` bytes of page-locked host memory (`cuMemHostAlloc`).
+    fn host_alloc(&self, size: u64) -> Result<*mut u8>;
+    /// Frees memory from [`Backend::host_alloc`].
+    fn host_free(&self, ptr: *mut u8) -> Result<()>;
+    /// Page-locks existing host memory `[ptr, ptr + len)` (`cuMemHostRegister`).
+    /// `ptr` and `len` must be page aligned.
+    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()>;
+    /// Undoes [`Backend::host_register`] of the range starting at `ptr`.
+    fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+
+    // ---- virtual memory ----
+
+    /// Granularity of physical allocations and mappings on `device` (2 MiB on current GPUs).
+    fn vmm_granularity(&self, device: DeviceId) -> Result<u64>;
+    /// Reserves `size` bytes of device virtual address space aligned to `alignment`.
+    fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr>;
+    /// Releases a reservation; nothing may still be mapped in it.
+    fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()>;
+    /// Creates `size` bytes (a multiple of the granularity) of physical memory on `device`.
+    fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle>;
+    /// Releases physical memory; it lives on while a mapping of it remains.
+    fn phys_release(&self, handle: PhysHandle) -> Result<()>;
+    /// Maps `size` bytes of `handle` starting at `offset` at `ptr` inside a reservation.
+    fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()>;
+    /// Unmaps `[ptr, ptr + size)`, which must be exactly mapped ranges.
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()>;
+    /// Grants `device` read/write access to the mapped range `[ptr, ptr + size)`.
+    fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()>;
+    /// Exports physical memory as a POSIX file descriptor another process can import.
+    fn phys_export_fd(&self, handle: PhysHandle) -> Result<OwnedFd>;
+    /// Imports physical memory from an fd made by [`Backend::phys_export_fd`].
+    fn phys_import_fd(&self, device: DeviceId, fd: OwnedFd) -> Result<PhysHandle>;
+
+    // ---- legacy IPC ----
+
+    /// A handle another process can open for the allocation containing `ptr` (the whole
+    /// allocation from [`Backend::malloc`]; callers add their own offset, as PyTorch does).
+    fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle>;
+    /// Opens a handle made by another process; returns the allocation's base in this process.
+    fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr>;
+    /// Closes what [`Backend::ipc_open_mem_handle`] opened.
+    fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()>;
+}

@@ -1,0 +1,74 @@
+//! Typed errors of the GPU runtime layer.
+//!
+//! Every backend operation returns [`Result`]; no backend panics on bad input. The variants
+//! mirror the classes of failure a CUDA driver reports, so the allocators above can react to
+//! them (an [`BackendError::OutOfMemory`] starts the OOM chain, anything else is passed up).
+
+/// Result of a backend operation.
+pub type Result<T, E = BackendError> = std::result::Result<T, E>;
+
+/// What a backend operation can fail with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The device (or host) has no memory left for this request.
+    #[error("out of memory: requested {requested} bytes on {what}")]
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// Which memory ran out ("device 0", "pinned host", ...).
+        what: String,
+    },
+    /// An argument is invalid: zero or overflowing size, unknown pointer, unmapped range,
+    /// a handle of another device, an fd that is not a memory handle...
+    #[error("invalid value: {0}")]
+    InvalidValue(String),
+    /// The backend does not implement this operation (or this device lacks the capability).
+    #[error("not supported: {0}")]
+    NotSupported(String),
+    /// No such device ordinal.
+    #[error("invalid device {0}")]
+    InvalidDevice(u32),
+    /// The handle (stream, event, physical handle) is unknown or already destroyed.
+    #[error("invalid handle: {0}")]
+    InvalidHandle(String),
+    /// The backend is unusable: no driver library, no device, or it was shut down.
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    /// An OS call failed (mmap, memfd, ...).
+    #[error("os error in {op}: {errno}")]
+    Os {
+        /// The call that failed.
+        op: &'static str,
+        /// The error it returned.
+        errno: std::io::ErrorKind,
+    },
+    /// The driver returned an error code that has no better mapping.
+    #[error("driver error {code} ({name})")]
+    Driver {
+        /// Numeric driver error code.
+        code: i32,
+        /// Its symbolic name, e.g. `CUDA_ERROR_LAUNCH_FAILED`.
+        name: String,
+    },
+    /// A backend call was failed on purpose by the sim's fault injection.
+    #[error("injected fault in {0}")]
+    Injected(&'static str),
+}
+
+impl BackendError {
+    /// True for [`BackendError::OutOfMemory`] (and injected OOMs, which the sim reports as
+    /// `OutOfMemory`): the caller may free cached memory and retry.
+    pub fn is_oom(&self) -> bool {
+        matches!(self, BackendError::OutOfMemory { .. })
+    }
+
+    /// Shorthand for an [`BackendError::InvalidValue`].
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        BackendError::InvalidValue(msg.into())
+    }
+
+    /// Maps an OS error from `op`.
+    pub fn os(op: &'static str, err: impl Into<std::io::Error>) -> Self {
+        BackendError::Os { op, errno: err.into().kind() }
+    }
+}

@@ -1,0 +1,28 @@
+//! The GPU runtime layer of gpualloc.
+//!
+//! - [`Backend`]: every GPU-runtime operation the allocators need, object safe, typed errors.
+//! - [`sim`]: a simulated GPU made of real OS memory (memfd, mmap, worker-thread streams);
+//!   the embedded default, what every test and benchmark runs on.
+//! - [`accounting`]: a backend that only counts bytes and hands out addresses, for replaying
+//!   traces far larger than this machine's memory.
+//! - `cuda` (feature `cuda`): the same trait on cudarc's driver API.
+//! - [`Stream`], [`Event`] and [`Completion`]: RAII handles and futures that resolve when the
+//!   GPU has passed a point, woken by a backend host callback rather than polling.
+//!
+//! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
+
+pub mod backend;
+pub mod completion;
+pub mod error;
+pub mod stream;
+pub mod sync;
+pub mod types;
+
+pub use backend::Backend;
+pub use completion::{Completion, CompletionCell};
+pub use error::{BackendError, Result};
+pub use stream::{Event, Stream};
+pub use types::{
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
+    PhysHandle, StreamHandle,
+};

@@ -1,0 +1,153 @@
+//! [`Stream`] and [`Event`]: the RAII handles users hold, over any [`Backend`].
+//!
+//! A `Stream` is cheap to clone (the clones share one backend stream, destroyed when the last
+//! goes). `Stream::record_event` returns an [`Event`] whose [`Event::completed`] future is
+//! woken by a host callback enqueued right after the record, never by polling.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::completion::{Completion, CompletionCell};
+use crate::error::Result;
+use crate::types::{DeviceId, EventHandle, StreamHandle};
+
+struct StreamInner {
+    backend: Arc<dyn Backend>,
+    handle: StreamHandle,
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        if let Err(e) = self.backend.stream_destroy(self.handle) {
+            tracing::warn!(stream = ?self.handle, error = %e, "stream_destroy failed");
+        }
+    }
+}
+
+/// An in-order queue of work on one device.
+#[derive(Clone)]
+pub struct Stream {
+    inner: Arc<StreamInner>,
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("backend", &self.inner.backend.name())
+            .field("handle", &self.inner.handle)
+            .finish()
+    }
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.handle == other.inner.handle
+            && Arc::ptr_eq(&self.inner.backend, &other.inner.backend)
+    }
+}
+
+impl Eq for Stream {}
+
+impl Stream {
+    /// Creates a new stream on `device`.
+    pub fn new(backend: &Arc<dyn Backend>, device: DeviceId) -> Result<Stream> {
+        let handle = backend.stream_create(device)?;
+        Ok(Stream { inner: Arc::new(StreamInner { backend: backend.clone(), handle }) })
+    }
+
+    /// The backend's handle.
+    pub fn handle(&self) -> StreamHandle {
+        self.inner.handle
+    }
+
+    /// The device this stream runs on.
+    pub fn device(&self) -> DeviceId {
+        self.inner.handle.device
+    }
+
+    /// The backend the stream belongs to.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// Blocks the calling thread until the stream's queued work is done. Use
+    /// [`Stream::completed`] from async code.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.backend.stream_synchronize(self.inner.handle)
+    }
+
+    /// A future that resolves when all work queued so far has finished.
+    pub fn completed(&self) -> Completion {
+        let cell = CompletionCell::new();
+        let waker_cell = cell.clone();
+        match self
+            .inner
+            .backend
+            .launch_host_func(self.inner.handle, Box::new(move || waker_cell.complete(Ok(()))))
+        {
+            Ok(()) => Completion::new(cell),
+            Err(e) => Completion::ready(Err(e)),
+        }
+    }
+
+    /// Records a new event at the current end of the stream.
+    pub fn record_event(&self) -> Result<Event> {
+        let backend = &self.inner.backend;
+        let handle = backend.event_create(self.device())?;
+        let event = Event { backend: backend.clone(), handle, cell: CompletionCell::new() };
+        backend.event_record(handle, self.inner.handle)?;
+        let cell = event.cell.clone();
+        backend.launch_host_func(self.inner.handle, Box::new(move || cell.complete(Ok(()))))?;
+        Ok(event)
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.inner.backend.stream_wait_event(self.inner.handle, event.handle)
+    }
+}
+
+/// A recorded event. Dropping it destroys the backend event.
+pub struct Event {
+    backend: Arc<dyn Backend>,
+    handle: EventHandle,
+    cell: Arc<CompletionCell>,
+}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event").field("handle", &self.handle).finish()
+    }
+}
+
+impl Event {
+    /// The backend's handle.
+    pub fn handle(&self) -> EventHandle {
+        self.handle
+    }
+
+    /// True when the stream has passed the event.
+    pub fn query(&self) -> Result<bool> {
+        self.backend.event_query(self.handle)
+    }
+
+    /// Blocks until the stream has passed the event.
+    pub fn synchronize(&self) -> Result<()> {
+        self.backend.event_synchronize(self.handle)
+    }
+
+    /// A future that resolves when the stream has passed the event (woken by a host
+    /// callback, no polling).
+    pub fn completed(&self) -> Completion {
+        Completion::new(self.cell.clone())
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if let Err(e) = self.backend.event_destroy(self.handle) {
+            tracing::warn!(event = ?self.handle, error = %e, "event_destroy failed");
+        }
+    }
+}
