@@ -11,6 +11,7 @@
 //!
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
+pub mod accounting;
 pub mod backend;
 pub mod completion;
 pub mod error;
