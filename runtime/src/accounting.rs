@@ -141,10 +141,13 @@ impl AccountingBackend {
         if size == 0 {
             return Err(BackendError::invalid("size 0"));
         }
-        size.checked_add(ALIGNMENT - 1)
-            .map(|s| s & !(ALIGNMENT - 1))
-            .filter(|s| *s <= WINDOW)
-            .ok_or_else(|| BackendError::invalid(format!("size {size} is too large")))
+        let rounded = size
+            .checked_next_multiple_of(ALIGNMENT)
+            .ok_or_else(|| BackendError::invalid(format!("size {size} overflows")))?;
+        if rounded > WINDOW {
+            return Err(BackendError::OutOfMemory { requested: size, what: "device".into() });
+        }
+        Ok(rounded)
     }
 
     /// Lowest `ALIGNMENT`-aligned gap of `size` bytes in the device's window, or `want` if free.
@@ -539,6 +542,7 @@ mod tests {
         let b = AccountingBackend::new(1, 1 << 30);
         assert!(matches!(b.malloc(DeviceId(0), 0), Err(BackendError::InvalidValue(_))));
         assert!(matches!(b.malloc(DeviceId(0), u64::MAX - 100), Err(BackendError::InvalidValue(_))));
+        assert!(b.malloc(DeviceId(0), 1 << 62).unwrap_err().is_oom());
         assert!(matches!(b.malloc(DeviceId(3), 1), Err(BackendError::InvalidDevice(3))));
         assert!(matches!(b.free(DeviceId(0), DevicePtr(12)), Err(BackendError::InvalidValue(_))));
         assert!(matches!(b.unmap(DevicePtr(BASE), ALIGNMENT), Err(BackendError::InvalidValue(_))));
