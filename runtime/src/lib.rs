@@ -12,6 +12,7 @@
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
 pub mod accounting;
+pub mod actor;
 pub mod backend;
 pub mod completion;
 pub mod error;
@@ -24,6 +25,6 @@ pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
 pub use stream::{Event, Stream};
 pub use types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
