@@ -11,6 +11,7 @@
 mod block;
 pub mod config;
 mod core;
+mod detached;
 pub mod error;
 mod events;
 mod inspect;
@@ -25,6 +26,7 @@ pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
 };
 pub use config::{AllocatorConfig, ConfigError};
+pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatType};
