@@ -1,39 +1,55 @@
 //! Fork detection: the allocator remembers the process that created it; a call from a
 //! forked child gets [`Error::Forked`](crate::Error::Forked) instead of touching device
 //! state and threads that did not survive the fork (which could hang).
+//!
+//! The check itself costs one memory load (see `gpualloc_runtime::actor::fork`).
+
+use gpualloc_runtime::actor::ForkGuard;
 
 use crate::error::Error;
 
 /// The process an allocator belongs to.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ProcessGuard {
-    pid: u32,
+    guard: ForkGuard,
+    #[cfg(test)]
+    fake_parent: Option<u32>,
 }
 
 impl ProcessGuard {
     /// Remembers the current process.
     pub fn current() -> Self {
         ProcessGuard {
-            pid: std::process::id(),
+            guard: ForkGuard::current(),
+            #[cfg(test)]
+            fake_parent: None,
         }
     }
 
     /// True in a forked child.
+    #[inline]
     pub fn forked(&self) -> bool {
-        std::process::id() != self.pid
+        #[cfg(test)]
+        if self.fake_parent.is_some() {
+            return true;
+        }
+        self.guard.forked()
     }
 
     /// `Err(Forked)` in a forked child.
+    #[inline]
     pub fn check(&self) -> Result<(), Error> {
-        let now = std::process::id();
-        if now == self.pid {
-            Ok(())
-        } else {
-            Err(Error::Forked {
-                parent: self.pid,
-                child: now,
-            })
+        if !self.forked() {
+            return Ok(());
         }
+        #[cfg(test)]
+        let parent = self.fake_parent.unwrap_or(self.guard.pid());
+        #[cfg(not(test))]
+        let parent = self.guard.pid();
+        Err(Error::Forked {
+            parent,
+            child: std::process::id(),
+        })
     }
 }
 
@@ -47,7 +63,8 @@ mod tests {
         assert!(!here.forked());
         assert!(here.check().is_ok());
         let parent = ProcessGuard {
-            pid: std::process::id().wrapping_add(1),
+            fake_parent: Some(std::process::id().wrapping_add(1)),
+            ..here
         };
         assert!(parent.forked());
         let err = parent.check().unwrap_err();

@@ -16,6 +16,7 @@ pub(crate) fn spawn_actor_task(
     runtime: &Handle,
     reaper_interval: Duration,
 ) -> JoinHandle<()> {
+    actor.mailbox.attach_drainer();
     runtime.spawn(async move {
         let drainer = async {
             loop {
@@ -36,6 +37,7 @@ pub(crate) fn spawn_actor_task(
                     async move { actor.call(|st| st.reap()).await.unwrap_or(false) }
                 });
         tokio::join!(drainer, reaper);
+        actor.mailbox.detach_drainer();
         tracing::debug!(device = actor.device.0, "device actor task stopped");
     })
 }

@@ -6,6 +6,10 @@
 //! a poster sets `PENDING` (and tries to take `LOCKED` in the same step); the owner can only
 //! release with a compare-exchange from exactly `LOCKED`, which fails while `PENDING` is set,
 //! so it must clear `PENDING` and drain first.
+//!
+//! All accesses are sequentially consistent: the mailbox's hand-off to its drainer task
+//! pairs a gate store with a load of another flag (a store-buffer pattern), and on x86 the
+//! read-modify-writes cost the same either way.
 
 use crate::sync::atomic::{AtomicUsize, Ordering};
 
@@ -35,7 +39,7 @@ impl Gate {
 
     /// Takes the gate if nobody holds it.
     pub fn try_acquire(&self) -> Option<Acquired> {
-        let prev = self.state.fetch_or(LOCKED, Ordering::AcqRel);
+        let prev = self.state.fetch_or(LOCKED, Ordering::SeqCst);
         if prev & LOCKED != 0 {
             None
         } else {
@@ -49,7 +53,7 @@ impl Gate {
     /// `Some` means the caller now holds the gate and must drain; `None` means the holder
     /// will see `PENDING` before it can release.
     pub fn announce(&self) -> Option<Acquired> {
-        let prev = self.state.fetch_or(LOCKED | PENDING, Ordering::AcqRel);
+        let prev = self.state.fetch_or(LOCKED | PENDING, Ordering::SeqCst);
         if prev & LOCKED != 0 {
             None
         } else {
@@ -59,31 +63,31 @@ impl Gate {
 
     /// Holder only: clears `PENDING`; true if it was set (drain the queue now).
     pub fn take_pending(&self) -> bool {
-        self.state.fetch_and(!PENDING, Ordering::AcqRel) & PENDING != 0
+        self.state.fetch_and(!PENDING, Ordering::SeqCst) & PENDING != 0
     }
 
     /// Holder only: releases the gate if nothing is pending. False means messages arrived:
     /// take them with [`Gate::take_pending`], drain, and try again.
     pub fn try_release(&self) -> bool {
         self.state
-            .compare_exchange(LOCKED, 0, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(LOCKED, 0, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
     }
 
     /// Holder only: releases the gate but leaves `PENDING` set, so the next acquirer drains
     /// (used to hand work to the actor task instead of draining forever).
     pub fn release_with_pending(&self) {
-        self.state.store(PENDING, Ordering::Release);
+        self.state.store(PENDING, Ordering::SeqCst);
     }
 
     /// True while someone holds the gate (a hint: it may change at once).
     pub fn is_locked(&self) -> bool {
-        self.state.load(Ordering::Acquire) & LOCKED != 0
+        self.state.load(Ordering::SeqCst) & LOCKED != 0
     }
 
     /// True while messages are announced and not yet taken (a hint).
     pub fn is_pending(&self) -> bool {
-        self.state.load(Ordering::Acquire) & PENDING != 0
+        self.state.load(Ordering::SeqCst) & PENDING != 0
     }
 }
 

@@ -6,7 +6,10 @@
 //! message and the holder runs it: a holder drains the queue before it releases the gate
 //! (the gate refuses to open while messages are announced), so no message is stranded. A
 //! holder that keeps finding new messages stops after a bounded number of rounds, leaves
-//! the pending bit set and wakes the actor task ([`Mailbox::wake`]), which drains the rest.
+//! the pending bit set and wakes the actor task ([`Mailbox::wake`]), which drains the rest;
+//! it does so only while a drainer is attached ([`Mailbox::attach_drainer`]), and takes the
+//! work back if the drainer detached meanwhile, so a queued message never waits on a task
+//! that is gone.
 //!
 //! Messages run on whichever thread holds the gate (an async task, a blocking-pool thread,
 //! a thread dropping a buffer): handlers must be quick and must never block. Slow work is
@@ -15,6 +18,7 @@
 use crate::actor::gate::{Acquired, Gate};
 use crate::actor::notify::Notify;
 use crate::actor::reply::{reply_slot, ReplyFuture};
+use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{lock, Mutex, MutexGuard};
 
 #[cfg(not(loom))]
@@ -50,6 +54,8 @@ pub struct Mailbox<S: Actor> {
     inner: Mutex<Inner<S>>,
     pub(crate) tx: Sender<S::Msg>,
     wake: Notify,
+    /// An actor task is attached and drains what holders hand to it.
+    drainer: AtomicBool,
 }
 
 /// What [`Mailbox::call`] did with a request.
@@ -77,12 +83,32 @@ impl<S: Actor> Mailbox<S> {
             inner: Mutex::new(Inner { state, rx }),
             tx,
             wake: Notify::new(),
+            drainer: AtomicBool::new(false),
         }
+    }
+
+    /// A task that waits on [`Mailbox::wake`] and calls [`Mailbox::drain`] is running: holders
+    /// may hand long drains to it.
+    pub fn attach_drainer(&self) {
+        self.drainer.store(true, Ordering::SeqCst);
+    }
+
+    /// The drainer task is leaving: holders drain everything themselves from now on. Drains
+    /// once more, for work handed over just before.
+    pub fn detach_drainer(&self) {
+        self.drainer.store(false, Ordering::SeqCst);
+        self.drain();
     }
 
     /// The actor task waits on this; it is notified when work was left for it.
     pub fn wake(&self) -> &Notify {
         &self.wake
+    }
+
+    /// True while someone holds the gate (a hint: spin on this, which only reads, before
+    /// trying to take it, which writes and would steal the holder's cache line).
+    pub fn is_busy(&self) -> bool {
+        self.gate.is_locked()
     }
 
     /// True while messages are announced and not yet drained (a hint).
@@ -209,18 +235,27 @@ impl<S: Actor> Drop for Held<'_, S> {
         }
         let mut rounds = 0;
         loop {
-            if gate.take_pending() {
-                self.drain_queue();
-            }
             self.inner = None;
+            // One compare-exchange when nothing was queued meanwhile (the common case).
             if gate.try_release() {
                 return;
             }
+            if gate.take_pending() {
+                self.drain_queue();
+            }
             rounds += 1;
-            if rounds >= MAX_DRAIN_ROUNDS {
+            if rounds >= MAX_DRAIN_ROUNDS && self.mailbox.drainer.load(Ordering::SeqCst) {
                 gate.release_with_pending();
                 self.mailbox.wake.notify();
-                return;
+                if self.mailbox.drainer.load(Ordering::SeqCst) {
+                    return;
+                }
+                // The drainer detached meanwhile: take the work back unless someone else
+                // took the gate (they drain before releasing).
+                if gate.try_acquire().is_none() {
+                    return;
+                }
+                rounds = 0;
             }
         }
     }

@@ -12,10 +12,12 @@
 //! - [`reaper`]: the arm/disarm logic of the timed reaper (interval while work is pending,
 //!   asleep when none).
 //! - [`shutdown`]: the shutdown signal.
+//! - [`fork`]: telling a forked child from its parent with one memory load.
 //!
 //! None of these know what state they guard: they are generic, so the host allocator's actor
 //! reuses them.
 
+pub mod fork;
 pub mod gate;
 pub mod handoff;
 pub mod mailbox;
@@ -25,6 +27,7 @@ pub mod reply;
 pub mod shutdown;
 pub mod waiters;
 
+pub use fork::ForkGuard;
 pub use mailbox::{Actor, Mailbox};
 pub use notify::{Notified, Notify};
 pub use reaper::ReaperArm;
