@@ -11,11 +11,13 @@
 //!
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
+#[cfg(not(loom))]
 pub mod accounting;
 pub mod actor;
 pub mod backend;
 pub mod completion;
 pub mod error;
+#[cfg(not(loom))]
 pub mod stream;
 pub mod sync;
 pub mod types;
@@ -23,6 +25,7 @@ pub mod types;
 pub use backend::Backend;
 pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
+#[cfg(not(loom))]
 pub use stream::{Event, Stream};
 pub use types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,

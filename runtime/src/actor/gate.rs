@@ -77,7 +77,10 @@ impl Gate {
     /// Holder only: releases the gate but leaves `PENDING` set, so the next acquirer drains
     /// (used to hand work to the actor task instead of draining forever).
     pub fn release_with_pending(&self) {
-        self.state.store(PENDING, Ordering::SeqCst);
+        // Read-modify-writes only (no plain store), so every transition of the word stays
+        // in one total order with the posters' announcements.
+        self.state.fetch_or(PENDING, Ordering::SeqCst);
+        self.state.fetch_and(!LOCKED, Ordering::SeqCst);
     }
 
     /// True while someone holds the gate (a hint: it may change at once).

@@ -41,7 +41,12 @@ pub trait Actor: Send + 'static {
 }
 
 /// Holder rounds of draining before the rest is handed to the actor task.
+#[cfg(not(loom))]
 const MAX_DRAIN_ROUNDS: usize = 8;
+
+/// One round under loom, so the models reach the hand-off to the drainer.
+#[cfg(loom)]
+const MAX_DRAIN_ROUNDS: usize = 1;
 
 struct Inner<S: Actor> {
     state: S,
