@@ -25,9 +25,7 @@ pub struct CompletionCell {
 impl CompletionCell {
     /// A new, pending cell.
     pub fn new() -> Arc<Self> {
-        Arc::new(CompletionCell {
-            state: Mutex::new(State::Pending(None)),
-        })
+        Arc::new(CompletionCell { state: Mutex::new(State::Pending(None)) })
     }
 
     /// Marks the cell done with `result` and wakes the waiter, if any. Later calls are ignored
@@ -125,10 +123,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
             cell.complete(Err(BackendError::invalid("boom")));
         });
-        assert_eq!(
-            futures::executor::block_on(fut),
-            Err(BackendError::invalid("boom"))
-        );
+        assert_eq!(futures::executor::block_on(fut), Err(BackendError::invalid("boom")));
         t.join().unwrap();
     }
 }

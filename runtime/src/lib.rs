@@ -28,6 +28,6 @@ pub use error::{BackendError, Result};
 #[cfg(not(loom))]
 pub use stream::{Event, Stream};
 pub use types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
-    StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
+    PhysHandle, StreamHandle,
 };
