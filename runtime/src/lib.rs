@@ -13,6 +13,8 @@
 
 pub mod backend;
 pub mod completion;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod stream;
 pub mod sync;
