@@ -1,6 +1,7 @@
 //! `CudaBackend::new()` on whatever machine runs the tests: without a driver or a GPU it must
 //! return the typed `Unavailable` error (never panic); with a GPU it must work, and a short
-//! smoke test runs. The test prints which case it saw.
+//! smoke test runs. The test prints which case it saw; with `GPUALLOC_REQUIRE_GPU` set (as
+//! `scripts/gpu-check.sh` does) the no-GPU case fails instead.
 #![cfg(feature = "cuda")]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,6 +16,11 @@ fn new_is_typed_unavailable_without_a_gpu_and_ok_with_one() {
     match &first {
         Err(BackendError::Unavailable(msg)) => {
             println!("no GPU here: CudaBackend::new() -> Unavailable({msg:?})");
+            // scripts/gpu-check.sh sets this on GPU machines, where a skip would hide a bug.
+            assert!(
+                std::env::var_os("GPUALLOC_REQUIRE_GPU").is_none(),
+                "GPUALLOC_REQUIRE_GPU is set but the CUDA backend is unavailable: {msg}"
+            );
             assert!(
                 msg.starts_with("no CUDA driver found")
                     || msg.starts_with("no CUDA device")
