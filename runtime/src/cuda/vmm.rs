@@ -48,27 +48,38 @@ const POSIX_FD: sys::CUmemAllocationHandleType =
 const NO_HANDLE: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
 
+/// `cuMemGetAllocationGranularity` (minimum) of memory on `device` with `handle_type`.
+fn granularity_of(device: DeviceId, handle_type: sys::CUmemAllocationHandleType) -> Result<usize> {
+    let prop = alloc_prop(device, handle_type);
+    let mut g: usize = 0;
+    drv("cuMemGetAllocationGranularity", || {
+        // SAFETY: `g` is a valid out-pointer and `prop` a fully initialized property struct,
+        // both alive for the call.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+    })?;
+    Ok(g)
+}
+
 impl CudaBackend {
     pub(crate) fn cu_granularity(&self, device: DeviceId) -> Result<u64> {
-        self.contexts.check(device)?;
-        let slot = &self.granularity[device.0 as usize];
+        let slot = (self.granularity.get(device.0 as usize))
+            .ok_or(BackendError::InvalidDevice(device.0))?;
         if let Some(g) = slot.get() {
             return Ok(*g);
         }
         self.bind_device(device)?;
-        let prop = alloc_prop(device, POSIX_FD);
-        let mut g: usize = 0;
-        drv("cuMemGetAllocationGranularity", || {
-            // SAFETY: `g` is a valid out-pointer and `prop` a fully initialized property
-            // struct, both alive for the call.
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                )
+        let g = match granularity_of(device, POSIX_FD) {
+            Err(BackendError::NotSupported(_) | BackendError::InvalidValue(_)) => {
+                granularity_of(device, NO_HANDLE)
             }
-        })?;
+            other => other,
+        }?;
         if g == 0 {
             return Err(BackendError::NotSupported(format!(
                 "virtual memory on {device}"
