@@ -1,0 +1,1 @@
+//! RMM CSV placeholder.
