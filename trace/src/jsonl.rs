@@ -20,7 +20,7 @@
 //! | `device_free` | integer ≥ 0 | no | for `oom`: the device's free bytes |
 //! | `frames` | list of `{"filename": str, "line": int, "name": str}` | no | call stack, innermost first |
 //!
-//! Blank lines and lines starting with `#` are skipped. [`write`] produces this format
+//! Blank lines and lines starting with `#` are skipped. [`write()`] produces this format
 //! (addresses as integers) and [`parse`] reads it back unchanged.
 
 use serde_json::{Map, Value as Json};

@@ -190,3 +190,26 @@ fn values_outside_memoryviz_are_refused() {
         })
     );
 }
+
+#[test]
+fn equal_flat_dicts_are_written_once() {
+    let frame = |line: i64| {
+        Value::str_dict([
+            ("filename", Value::from("model.py")),
+            ("line", Value::Int(line)),
+            ("name", Value::from("forward")),
+        ])
+    };
+    let repeated = Value::List((0..10_000).map(|i| frame(i % 3)).collect());
+    let bytes = pickle::write(&repeated).unwrap();
+    // 3 distinct dicts written out, 9,997 two-byte references.
+    assert!(bytes.len() < 25_000, "{} bytes", bytes.len());
+    assert_eq!(pickle::read(&bytes), Ok(repeated));
+    // Dicts holding containers are not shared.
+    let nested = Value::List(vec![
+        Value::str_dict([("k", Value::List(vec![]))]),
+        Value::str_dict([("k", Value::List(vec![]))]),
+    ]);
+    let bytes = pickle::write(&nested).unwrap();
+    assert_eq!(bytes.iter().filter(|&&b| b == op::EMPTY_DICT).count(), 2);
+}

@@ -152,6 +152,14 @@ impl Budget {
         Budget::new(scaled.clamp(64 * MIB, 1024 * MIB))
     }
 
+    /// The budget for typed snapshot import of an input of `input_len` bytes: 128 bytes per
+    /// input byte, at least 64 MiB and at most 1 GiB (the real snapshots need about 16).
+    pub fn for_snapshot(input_len: usize) -> Budget {
+        const MIB: u64 = 1 << 20;
+        let scaled = (input_len as u64).saturating_mul(128);
+        Budget::new(scaled.clamp(64 * MIB, 1024 * MIB))
+    }
+
     /// The limit this budget started with.
     pub fn limit(&self) -> u64 {
         self.limit

@@ -1,8 +1,11 @@
 //! The pickle writer, restricted to the opcodes MemoryViz.js's own unpickler understands.
 //!
 //! Output is protocol 4: `PROTO 4`, one `FRAME` holding the rest, the value, `STOP`. Strings
-//! are memoized (`MEMOIZE`, then `BINGET` / `LONG_BINGET` on repeats), so the many repeated
-//! keys and frame file names of a snapshot are written once. Containers are built the way
+//! and flat dicts (all keys and values strings, numbers, bools or None: a snapshot's stack
+//! frames) are memoized (`MEMOIZE`, then `BINGET` / `LONG_BINGET` on repeats), so the many
+//! repeated keys, file names and frames of a snapshot are written once, as CPython does for
+//! the shared objects PyTorch builds. (A reader therefore sees equal flat dicts as one shared
+//! object.) Containers are built the way
 //! CPython builds them (`EMPTY_LIST` + `APPENDS` in batches of 1000, `EMPTY_DICT` +
 //! `SETITEMS`, `TUPLE1`–`TUPLE3` or `MARK` … `TUPLE`). Nothing outside
 //! [`MEMORYVIZ_WHITELIST`](crate::pickle::MEMORYVIZ_WHITELIST) is emitted; values that need
@@ -24,6 +27,8 @@ pub fn write(value: &Value) -> Result<Vec<u8>, PickleError> {
     let mut w = Writer {
         out: Vec::with_capacity(1 << 16),
         memo: HashMap::new(),
+        dicts: HashMap::new(),
+        next_memo: 0,
     };
     w.out.extend_from_slice(&[op::PROTO, 4, op::FRAME]);
     let len_at = w.out.len();
@@ -38,6 +43,40 @@ pub fn write(value: &Value) -> Result<Vec<u8>, PickleError> {
 struct Writer<'v> {
     out: Vec<u8>,
     memo: HashMap<&'v str, u32>,
+    dicts: HashMap<Vec<(Scalar<'v>, Scalar<'v>)>, u32>,
+    next_memo: u32,
+}
+
+/// A hashable view of a scalar value, to recognise equal flat dicts.
+#[derive(PartialEq, Eq, Hash)]
+enum Scalar<'v> {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float(u64),
+    Str(&'v str),
+}
+
+fn scalar(v: &Value) -> Option<Scalar<'_>> {
+    Some(match v {
+        Value::None => Scalar::None,
+        Value::Bool(b) => Scalar::Bool(*b),
+        Value::Int(i) => Scalar::Int(*i),
+        Value::Float(f) => Scalar::Float(f.to_bits()),
+        Value::Str(s) => Scalar::Str(s),
+        _ => return None,
+    })
+}
+
+/// The memo key of a non-empty dict of scalars, `None` for any other dict.
+fn flat_key(items: &[(Value, Value)]) -> Option<Vec<(Scalar<'_>, Scalar<'_>)>> {
+    if items.is_empty() || items.len() > 16 {
+        return None;
+    }
+    items
+        .iter()
+        .map(|(k, v)| Some((scalar(k)?, scalar(v)?)))
+        .collect()
 }
 
 impl<'v> Writer<'v> {
@@ -85,7 +124,19 @@ impl<'v> Writer<'v> {
                 }
             },
             Value::Dict(items) => {
+                let key = flat_key(items);
+                if let Some(k) = &key {
+                    if let Some(&index) = self.dicts.get(k) {
+                        self.get(index);
+                        return Ok(());
+                    }
+                }
                 self.out.push(op::EMPTY_DICT);
+                if let Some(k) = key {
+                    if let Some(index) = self.memoize() {
+                        self.dicts.insert(k, index);
+                    }
+                }
                 for chunk in items.chunks(BATCH) {
                     if let [(k, v)] = chunk {
                         self.value(k, depth + 1)?;
@@ -145,13 +196,7 @@ impl<'v> Writer<'v> {
 
     fn str(&mut self, s: &'v str) -> Result<(), PickleError> {
         if let Some(&index) = self.memo.get(s) {
-            match u8::try_from(index) {
-                Ok(small) => self.out.extend_from_slice(&[op::BINGET, small]),
-                Err(_) => {
-                    self.out.push(op::LONG_BINGET);
-                    self.out.extend_from_slice(&index.to_le_bytes());
-                }
-            }
+            self.get(index);
             return Ok(());
         }
         if let Ok(len) = u8::try_from(s.len()) {
@@ -164,10 +209,27 @@ impl<'v> Writer<'v> {
             self.out.extend_from_slice(&len.to_le_bytes());
         }
         self.out.extend_from_slice(s.as_bytes());
-        if let Ok(index) = u32::try_from(self.memo.len()) {
-            self.out.push(op::MEMOIZE);
+        if let Some(index) = self.memoize() {
             self.memo.insert(s, index);
         }
         Ok(())
+    }
+
+    /// Stores the value just written in the memo; `None` once 2^32 entries are used.
+    fn memoize(&mut self) -> Option<u32> {
+        let index = self.next_memo;
+        self.next_memo = self.next_memo.checked_add(1)?;
+        self.out.push(op::MEMOIZE);
+        Some(index)
+    }
+
+    fn get(&mut self, index: u32) {
+        match u8::try_from(index) {
+            Ok(small) => self.out.extend_from_slice(&[op::BINGET, small]),
+            Err(_) => {
+                self.out.push(op::LONG_BINGET);
+                self.out.extend_from_slice(&index.to_le_bytes());
+            }
+        }
     }
 }

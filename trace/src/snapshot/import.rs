@@ -18,7 +18,7 @@ impl Snapshot {
     /// fail with an error naming the field.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot, TraceError> {
         let (arena, root) = pickle::parse(bytes)?;
-        let mut doc = Doc::new(&arena, Budget::for_input(bytes.len()));
+        let mut doc = Doc::new(&arena, Budget::for_snapshot(bytes.len()));
         read_snapshot(&mut doc, root)
     }
 }

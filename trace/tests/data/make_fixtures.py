@@ -49,3 +49,12 @@ with open("framed_p4.pickle", "wb") as f:
 with open("old_list_of_segments.pickle", "wb") as f:
     pickle.dump([{"device": 0, "address": 4096, "total_size": 2097152,
                   "blocks": [{"size": 2097152, "state": "inactive"}]}], f, protocol=4)
+
+def snapshot_with(addr, size):
+    return {"segments": [], "device_traces": [[{"action": "alloc", "addr": addr, "size": size,
+                                                "stream": 0, "frames": []}]]}
+
+with open("addr_2_63.pickle", "wb") as f:
+    pickle.dump(snapshot_with(2**63 + 5, 512), f, protocol=4)
+with open("size_2_64.pickle", "wb") as f:
+    pickle.dump(snapshot_with(4096, 2**64), f, protocol=4)
