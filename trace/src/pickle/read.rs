@@ -156,7 +156,7 @@ impl<'a> Machine<'a> {
                 self.push(Node::Int(i64::from(u16::from_le_bytes([b[0], b[1]]))));
             }
             op::LONG1 | op::LONG4 => {
-                let bytes = self.counted(at)?;
+                let bytes = self.counted(byte, at)?;
                 let node = text::long_from_le(bytes);
                 self.push(node);
             }
@@ -185,7 +185,7 @@ impl<'a> Machine<'a> {
                 self.push(Node::Float(f64::from_be_bytes(buf)));
             }
             op::BINUNICODE | op::SHORT_BINUNICODE | op::BINUNICODE8 => {
-                let bytes = self.counted(at)?;
+                let bytes = self.counted(byte, at)?;
                 let s = std::str::from_utf8(bytes).map_err(|_| PickleError::InvalidUtf8 {
                     opcode: at.opcode,
                     offset: at.offset,
@@ -199,7 +199,7 @@ impl<'a> Machine<'a> {
                 self.push(Node::Str(s));
             }
             op::BINSTRING | op::SHORT_BINSTRING => {
-                let bytes = self.counted(at)?;
+                let bytes = self.counted(byte, at)?;
                 let node = bytes_or_str(bytes.to_vec());
                 self.push(node);
             }
@@ -209,7 +209,7 @@ impl<'a> Machine<'a> {
                 self.push(bytes_or_str(bytes));
             }
             op::BINBYTES | op::SHORT_BINBYTES | op::BINBYTES8 | op::BYTEARRAY8 => {
-                let bytes = self.counted(at)?.to_vec();
+                let bytes = self.counted(byte, at)?.to_vec();
                 self.push(Node::Bytes(bytes));
             }
             op::EMPTY_LIST => self.push(Node::List(Vec::new())),
@@ -350,9 +350,10 @@ impl<'a> Machine<'a> {
         Ok(u64::from_le_bytes(buf))
     }
 
-    /// A length-prefixed argument; the length is checked against the input before use.
-    fn counted(&mut self, at: At) -> Result<&'a [u8], PickleError> {
-        let width = match op::info(self.data[at.offset]) {
+    /// The length-prefixed argument of opcode `byte`; the length is checked against the
+    /// input before anything is copied.
+    fn counted(&mut self, byte: u8, at: At) -> Result<&'a [u8], PickleError> {
+        let width = match op::info(byte) {
             Some((_, Arg::Counted(w))) => w,
             _ => return Err(at.bad_arg()),
         };
@@ -361,7 +362,7 @@ impl<'a> Machine<'a> {
             4 => {
                 let raw = self.u32(at)?;
                 // LONG4 and BINSTRING lengths are signed.
-                let signed = matches!(self.data[at.offset], op::LONG4 | op::BINSTRING);
+                let signed = matches!(byte, op::LONG4 | op::BINSTRING);
                 if signed && raw > i32::MAX as u32 {
                     return Err(at.bad_arg());
                 }
