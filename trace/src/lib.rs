@@ -9,6 +9,20 @@
 //! - [`jsonl`]: a documented JSON Lines trace format.
 //!
 //! All of them produce [`TraceEntry`] lists.
+//!
+//! ```no_run
+//! use gpualloc_trace::{Action, Snapshot};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let bytes = std::fs::read("memory_snapshot.pickle")?;
+//! // Refuses code-running pickles; typed errors name the bad field.
+//! let snapshot = Snapshot::from_pickle(&bytes)?;
+//! println!("{} events, {} segment_alloc", snapshot.event_count(), snapshot.count(Action::SegmentAlloc));
+//! // Write it back as a pickle PyTorch's memory viewer opens.
+//! std::fs::write("for_memory_viz.pickle", snapshot.to_pickle()?)?;
+//! # Ok(())
+//! # }
+//! ```
 
 mod error;
 mod event;
