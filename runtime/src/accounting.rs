@@ -19,8 +19,8 @@ use crate::backend::Backend;
 use crate::error::{BackendError, Result};
 use crate::sync::lock;
 use crate::types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
 
 /// Alignment of every device allocation and reservation (real drivers give at least this for
@@ -84,7 +84,11 @@ impl AccountingBackend {
             next_id: 1,
             ..State::default()
         };
-        AccountingBackend { capacity, manual_events: false, state: Mutex::new(state) }
+        AccountingBackend {
+            capacity,
+            manual_events: false,
+            state: Mutex::new(state),
+        }
     }
 
     /// Like [`AccountingBackend::new`], but recorded events stay pending until
@@ -112,7 +116,11 @@ impl AccountingBackend {
 
     /// Number of events whose last record is still pending.
     pub fn pending_events(&self) -> usize {
-        lock(&self.state).events.values().filter(|(rec, done)| done < rec).count()
+        lock(&self.state)
+            .events
+            .values()
+            .filter(|(rec, done)| done < rec)
+            .count()
     }
 
     /// The next `malloc` on `device` returns `addr` if that range is free (else the usual
@@ -130,11 +138,17 @@ impl AccountingBackend {
 
     /// Bytes in use on `device` (allocations plus physical memory for mappings).
     pub fn used(&self, device: DeviceId) -> u64 {
-        lock(&self.state).devices.get(device.0 as usize).map_or(0, |d| d.used)
+        lock(&self.state)
+            .devices
+            .get(device.0 as usize)
+            .map_or(0, |d| d.used)
     }
 
-    fn device<'a>(state: &'a mut State, device: DeviceId) -> Result<&'a mut DeviceState> {
-        state.devices.get_mut(device.0 as usize).ok_or(BackendError::InvalidDevice(device.0))
+    fn device(state: &mut State, device: DeviceId) -> Result<&mut DeviceState> {
+        state
+            .devices
+            .get_mut(device.0 as usize)
+            .ok_or(BackendError::InvalidDevice(device.0))
     }
 
     fn check_size(size: u64) -> Result<u64> {
@@ -145,7 +159,10 @@ impl AccountingBackend {
             .checked_next_multiple_of(ALIGNMENT)
             .ok_or_else(|| BackendError::invalid(format!("size {size} overflows")))?;
         if rounded > WINDOW {
-            return Err(BackendError::OutOfMemory { requested: size, what: "device".into() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: "device".into(),
+            });
         }
         Ok(rounded)
     }
@@ -203,7 +220,10 @@ impl Backend for AccountingBackend {
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         let mut state = lock(&self.state);
         let used = Self::device(&mut state, device)?.used;
-        Ok(MemInfo { free: self.capacity.saturating_sub(used), total: self.capacity })
+        Ok(MemInfo {
+            free: self.capacity.saturating_sub(used),
+            total: self.capacity,
+        })
     }
 
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
@@ -214,10 +234,16 @@ impl Backend for AccountingBackend {
         let want = dev.place_next.take();
         if dev.used + rounded > capacity {
             state.counts.failed_mallocs += 1;
-            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            });
         }
-        let addr = Self::find_gap(dev, device.0, size, want)
-            .ok_or_else(|| BackendError::OutOfMemory { requested: size, what: device.to_string() })?;
+        let addr =
+            Self::find_gap(dev, device.0, size, want).ok_or_else(|| BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            })?;
         dev.ranges.insert(addr, size);
         dev.used += rounded;
         state.counts.mallocs += 1;
@@ -228,7 +254,9 @@ impl Backend for AccountingBackend {
         let mut state = lock(&self.state);
         let dev = Self::device(&mut state, device)?;
         if dev.reservations.contains_key(&ptr.0) {
-            return Err(BackendError::invalid(format!("{ptr} is a reservation, not an allocation")));
+            return Err(BackendError::invalid(format!(
+                "{ptr} is a reservation, not an allocation"
+            )));
         }
         let size = dev
             .ranges
@@ -284,19 +312,27 @@ impl Backend for AccountingBackend {
     }
 
     fn memcpy_async(&self, _: StreamHandle, _: u64, _: u64, _: u64) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn memset_async(&self, _: StreamHandle, _: DevicePtr, _: u8, _: u64) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn copy_to_device(&self, _: StreamHandle, _: DevicePtr, _: &[u8]) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn copy_from_device(&self, _: StreamHandle, _: &mut [u8], _: DevicePtr) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
@@ -355,19 +391,27 @@ impl Backend for AccountingBackend {
     }
 
     fn host_alloc(&self, _: u64) -> Result<*mut u8> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no host memory".into(),
+        ))
     }
 
     fn host_free(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no host memory".into(),
+        ))
     }
 
     fn host_register(&self, _: *mut u8, _: u64, _: HostRegisterFlags) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no host memory".into(),
+        ))
     }
 
     fn host_unregister(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no host memory".into(),
+        ))
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
@@ -395,10 +439,16 @@ impl Backend for AccountingBackend {
         let dev = Self::device(&mut state, device)?;
         match dev.reservations.get(&ptr.0) {
             Some(&len) if len == Self::check_size(size)? => {}
-            _ => return Err(BackendError::invalid(format!("no reservation of {size} at {ptr}"))),
+            _ => {
+                return Err(BackendError::invalid(format!(
+                    "no reservation of {size} at {ptr}"
+                )))
+            }
         }
         if dev.mapped.range(ptr.0..ptr.0 + size).next().is_some() {
-            return Err(BackendError::invalid(format!("reservation at {ptr} is still mapped")));
+            return Err(BackendError::invalid(format!(
+                "reservation at {ptr} is still mapped"
+            )));
         }
         dev.reservations.remove(&ptr.0);
         dev.ranges.remove(&ptr.0);
@@ -407,14 +457,19 @@ impl Backend for AccountingBackend {
 
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
         if size == 0 || size % ALIGNMENT != 0 {
-            return Err(BackendError::invalid(format!("physical size {size} not a granule multiple")));
+            return Err(BackendError::invalid(format!(
+                "physical size {size} not a granule multiple"
+            )));
         }
         let mut state = lock(&self.state);
         let capacity = self.capacity;
         let dev = Self::device(&mut state, device)?;
         if dev.used + size > capacity {
             state.counts.failed_mallocs += 1;
-            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            });
         }
         dev.used += size;
         let raw = Self::new_id(&mut state);
@@ -438,9 +493,14 @@ impl Backend for AccountingBackend {
         if !state.phys.contains_key(&handle.raw) {
             return Err(BackendError::InvalidHandle(format!("{handle:?}")));
         }
-        if size == 0 || ptr.0 % ALIGNMENT != 0 || size % ALIGNMENT != 0 || offset + size > handle.size
+        if size == 0
+            || ptr.0 % ALIGNMENT != 0
+            || size % ALIGNMENT != 0
+            || offset + size > handle.size
         {
-            return Err(BackendError::invalid(format!("map of {size} at {ptr} offset {offset}")));
+            return Err(BackendError::invalid(format!(
+                "map of {size} at {ptr} offset {offset}"
+            )));
         }
         let dev = Self::device(&mut state, handle.device)?;
         let inside = dev
@@ -454,7 +514,9 @@ impl Backend for AccountingBackend {
             .next_back()
             .is_some_and(|(s, (len, _))| s + len > ptr.0);
         if !inside || overlaps {
-            return Err(BackendError::invalid(format!("map of {size} at {ptr}: not a free reserved range")));
+            return Err(BackendError::invalid(format!(
+                "map of {size} at {ptr}: not a free reserved range"
+            )));
         }
         dev.mapped.insert(ptr.0, (size, handle.raw));
         state.counts.maps += 1;
@@ -463,7 +525,9 @@ impl Backend for AccountingBackend {
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let mut state = lock(&self.state);
-        let end = ptr.checked_add(size).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let end = ptr
+            .checked_add(size)
+            .ok_or_else(|| BackendError::invalid("range overflows"))?;
         let device = state
             .devices
             .iter()
@@ -476,12 +540,16 @@ impl Backend for AccountingBackend {
         for s in &run {
             let (len, _) = dev.mapped[s];
             if *s != cursor {
-                return Err(BackendError::invalid(format!("hole in unmap range at {cursor:#x}")));
+                return Err(BackendError::invalid(format!(
+                    "hole in unmap range at {cursor:#x}"
+                )));
             }
             cursor += len;
         }
         if cursor != end.0 {
-            return Err(BackendError::invalid(format!("unmap of {size} at {ptr} splits a mapping")));
+            return Err(BackendError::invalid(format!(
+                "unmap of {size} at {ptr} splits a mapping"
+            )));
         }
         let n = run.len() as u64;
         for s in run {
@@ -496,23 +564,33 @@ impl Backend for AccountingBackend {
     }
 
     fn phys_export_fd(&self, _: PhysHandle) -> Result<OwnedFd> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn phys_import_fd(&self, _: DeviceId, _: OwnedFd) -> Result<PhysHandle> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_get_mem_handle(&self, _: DevicePtr) -> Result<IpcMemHandle> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_open_mem_handle(&self, _: DeviceId, _: &IpcMemHandle) -> Result<DevicePtr> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_close_mem_handle(&self, _: DevicePtr) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 }
 
@@ -540,12 +618,27 @@ mod tests {
     #[test]
     fn bad_input_is_typed() {
         let b = AccountingBackend::new(1, 1 << 30);
-        assert!(matches!(b.malloc(DeviceId(0), 0), Err(BackendError::InvalidValue(_))));
-        assert!(matches!(b.malloc(DeviceId(0), u64::MAX - 100), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(
+            b.malloc(DeviceId(0), 0),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.malloc(DeviceId(0), u64::MAX - 100),
+            Err(BackendError::InvalidValue(_))
+        ));
         assert!(b.malloc(DeviceId(0), 1 << 62).unwrap_err().is_oom());
-        assert!(matches!(b.malloc(DeviceId(3), 1), Err(BackendError::InvalidDevice(3))));
-        assert!(matches!(b.free(DeviceId(0), DevicePtr(12)), Err(BackendError::InvalidValue(_))));
-        assert!(matches!(b.unmap(DevicePtr(BASE), ALIGNMENT), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(
+            b.malloc(DeviceId(3), 1),
+            Err(BackendError::InvalidDevice(3))
+        ));
+        assert!(matches!(
+            b.free(DeviceId(0), DevicePtr(12)),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.unmap(DevicePtr(BASE), ALIGNMENT),
+            Err(BackendError::InvalidValue(_))
+        ));
     }
 
     #[test]
