@@ -63,6 +63,8 @@ struct State {
     devices: Vec<DeviceState>,
     /// Event raw → (last record seq, completed seq).
     events: HashMap<u64, (u64, u64)>,
+    /// Event raw → raw of the stream it was last recorded on.
+    event_streams: HashMap<u64, u64>,
     streams: HashMap<u64, DeviceId>,
     phys: HashMap<u64, PhysHandle>,
     next_id: u64,
@@ -111,6 +113,42 @@ impl AccountingBackend {
     pub fn complete_all_events(&self) {
         for (rec, done) in lock(&self.state).events.values_mut() {
             *done = *rec;
+        }
+    }
+
+    /// Completes every event last recorded on `stream` (the stream reached the end of its work).
+    pub fn complete_stream(&self, stream: StreamHandle) {
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+        for (raw, on) in &state.event_streams {
+            if *on == stream.raw {
+                if let Some((rec, done)) = state.events.get_mut(raw) {
+                    *done = *rec;
+                }
+            }
+        }
+    }
+
+    /// Registers a stream with a caller-chosen raw handle (a trace's stream id, so a replay
+    /// orders blocks by the same stream values the recording did).
+    pub fn register_stream(&self, device: DeviceId, raw: u64) -> Result<StreamHandle> {
+        let mut state = lock(&self.state);
+        Self::device(&mut state, device)?;
+        match state.streams.get(&raw) {
+            Some(d) if *d != device => {
+                Err(BackendError::invalid(format!("stream {raw:#x} already belongs to {d}")))
+            }
+            _ => {
+                state.streams.insert(raw, device);
+                Ok(StreamHandle { device, raw })
+            }
+        }
+    }
+
+    /// Forgets a pending [`AccountingBackend::place_next`].
+    pub fn clear_placement(&self, device: DeviceId) {
+        if let Some(d) = lock(&self.state).devices.get_mut(device.0 as usize) {
+            d.place_next = None;
         }
     }
 
@@ -195,8 +233,10 @@ impl AccountingBackend {
     }
 
     fn new_id(state: &mut State) -> u64 {
+        // Ids count down from the top so they never meet raws chosen by `register_stream`
+        // (trace stream ids are small integers or user-space addresses).
         state.next_id += 1;
-        state.next_id
+        u64::MAX - state.next_id
     }
 
     fn stream_device(state: &State, stream: StreamHandle) -> Result<DeviceId> {
@@ -361,6 +401,7 @@ impl Backend for AccountingBackend {
         if !manual {
             *done = *rec;
         }
+        state.event_streams.insert(event.raw, stream.raw);
         Ok(())
     }
 
