@@ -24,6 +24,6 @@ pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
 pub use stream::{Event, Stream};
 pub use types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
