@@ -205,7 +205,7 @@ impl AccountingBackend {
             .map_or(0, |d| d.used)
     }
 
-    fn device<'a>(state: &'a mut State, device: DeviceId) -> Result<&'a mut DeviceState> {
+    fn device(state: &mut State, device: DeviceId) -> Result<&mut DeviceState> {
         state
             .devices
             .get_mut(device.0 as usize)
