@@ -22,6 +22,8 @@
 //! `malloc` returns).
 
 use std::collections::{HashMap, VecDeque};
+
+use crate::addr_map::AddrMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -90,7 +92,7 @@ pub struct HostCore {
     config: HostConfig,
     threshold: Option<u64>,
     cap: Option<u64>,
-    blocks: HashMap<u64, Block>,
+    blocks: AddrMap<Block>,
     free: FreeList,
     /// Recorded events and the block each guards, oldest first.
     events: VecDeque<(EventHandle, u64)>,
@@ -119,14 +121,15 @@ impl HostCore {
         clock: Arc<dyn Clock>,
     ) -> Result<Self> {
         config.validate()?;
+        let cap = config.max_cached_bytes();
         Ok(HostCore {
             backend,
             clock,
             threshold: config.round_threshold_bytes(),
-            cap: config.max_cached_bytes(),
+            cap,
             config,
-            blocks: HashMap::new(),
-            free: FreeList::default(),
+            blocks: AddrMap::default(),
+            free: FreeList::new(cap.is_some()),
             events: VecDeque::new(),
             event_pool: HashMap::new(),
             reserve: Reserve::None,

@@ -12,8 +12,10 @@
 //! - [`free_list`], [`reserve`]: the cached blocks, and the reserve segment's bump allocator.
 //! - [`mapping`], [`prefault`]: the register path's OS memory and its parallel page faulting
 //!   (the only `unsafe` code is in `mapping`).
+//! - [`addr_map`]: the block table's cheap address hasher.
 //! - [`stats`]: [`HostStats`] with PyTorch's host keys; [`clock`]: [`Clock`]; [`error`].
 
+pub mod addr_map;
 pub mod clock;
 pub mod config;
 pub mod core;
