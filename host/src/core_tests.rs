@@ -447,3 +447,30 @@ fn dropping_the_core_returns_everything_not_in_use() {
         "reserve in use and the pending block stay"
     );
 }
+
+#[test]
+fn a_failed_reserve_falls_back_to_fresh_blocks_and_is_not_retried() {
+    let backend = Arc::new(AccountingBackend::new(1, GIB).with_host_capacity(MIB));
+    let config = HostConfig {
+        pinned_reserve_segment_size_mb: 2,
+        ..HostConfig::default()
+    };
+    let mut core =
+        HostCore::new(backend.clone(), config, Arc::new(ManualClock::default())).unwrap();
+    let a = core.malloc(KIB).unwrap();
+    let b = core.malloc(KIB).unwrap();
+    assert_ne!(a.ptr, b.ptr);
+    let s = core.stats();
+    assert_eq!((s.segment.current, s.reserve_unused_bytes), (2, 0));
+    assert_eq!(
+        backend.counts().host_allocs,
+        2,
+        "two fresh blocks; the 2 MiB reserve never fit"
+    );
+}
+
+#[test]
+fn the_core_can_move_to_an_actor_thread() {
+    fn assert_send<T: Send>() {}
+    assert_send::<HostCore>();
+}
