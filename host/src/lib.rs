@@ -10,7 +10,7 @@
 //! - [`size_class`]: power-of-two classes, and 2 MiB granularity above the rounding threshold.
 //! - [`core`]: [`HostCore`] — malloc, free, record_stream, events, cache cap, empty_cache.
 //! - [`free_list`], [`reserve`]: the cached blocks, and the reserve segment's bump allocator.
-//! - [`mapping`], [`prefault`]: the register path's OS memory and its parallel page faulting
+//! - [`mapping`], [`mod@prefault`]: the register path's OS memory and its parallel page faulting
 //!   (the only `unsafe` code is in `mapping`).
 //! - [`addr_map`]: the block table's cheap address hasher.
 //! - [`stats`]: [`HostStats`] with PyTorch's host keys; [`clock`]: [`Clock`]; [`error`].

@@ -1,7 +1,7 @@
 //! [`PageMapping`]: page-aligned anonymous memory from the OS, for the register path.
 //!
 //! `pinned_use_cuda_host_register` allocates ordinary memory, faults it in
-//! ([`crate::prefault`]), then page-locks it with `Backend::host_register`. The memory comes
+//! ([`crate::prefault()`]), then page-locks it with `Backend::host_register`. The memory comes
 //! from an anonymous private `mmap` (zero-filled, page aligned, not yet backed by pages) and
 //! goes back with `munmap` when the mapping is dropped. This file and nowhere else in the crate
 //! holds `unsafe` code.
