@@ -216,10 +216,16 @@ impl AccountingBackend {
         if size == 0 {
             return Err(BackendError::invalid("size 0"));
         }
-        size.checked_add(ALIGNMENT - 1)
-            .map(|s| s & !(ALIGNMENT - 1))
-            .filter(|s| *s <= WINDOW)
-            .ok_or_else(|| BackendError::invalid(format!("size {size} is too large")))
+        let rounded = size
+            .checked_next_multiple_of(ALIGNMENT)
+            .ok_or_else(|| BackendError::invalid(format!("size {size} overflows")))?;
+        if rounded > WINDOW {
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: "device".into(),
+            });
+        }
+        Ok(rounded)
     }
 
     /// Lowest `ALIGNMENT`-aligned gap of `size` bytes in the device's window, or `want` if free.
@@ -732,6 +738,7 @@ mod tests {
             b.malloc(DeviceId(0), u64::MAX - 100),
             Err(BackendError::InvalidValue(_))
         ));
+        assert!(b.malloc(DeviceId(0), 1 << 62).unwrap_err().is_oom());
         assert!(matches!(
             b.malloc(DeviceId(3), 1),
             Err(BackendError::InvalidDevice(3))

@@ -14,6 +14,8 @@
 pub mod accounting;
 pub mod backend;
 pub mod completion;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod stream;
 pub mod sync;
