@@ -9,7 +9,11 @@
 //! unless [`AccountingBackend::place_next`] asks for a specific address (trace replays use it
 //! to give a segment the address PyTorch gave it).
 //!
-//! Host memory, registration and IPC are not modelled: those calls return `NotSupported`.
+//! Pinned host memory is accounted the same way: `host_alloc` hands out 4 KiB-aligned addresses
+//! from a host window of its own (no memory behind them) and counts them against a host capacity
+//! ([`AccountingBackend::with_host_capacity`]); `host_register` records page-aligned,
+//! non-overlapping ranges (which count against the same capacity) and `host_unregister` removes
+//! them. IPC is not modelled: those calls return `NotSupported`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
@@ -28,6 +32,10 @@ use crate::types::{
 pub const ALIGNMENT: u64 = 2 << 20;
 const WINDOW: u64 = 1 << 40;
 const BASE: u64 = 0x7000_0000_0000;
+/// Page size the host calls validate against.
+pub const HOST_PAGE: u64 = 4096;
+/// Start of the window `host_alloc` hands out addresses from (below every device window).
+const HOST_BASE: u64 = 0x6000_0000_0000;
 
 /// Counts of the calls that change device memory, for tests and replay reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,6 +52,44 @@ pub struct AccountingCounts {
     pub maps: u64,
     /// `unmap` calls that succeeded.
     pub unmaps: u64,
+    /// `host_alloc` calls that succeeded.
+    pub host_allocs: u64,
+    /// `host_free` calls that succeeded.
+    pub host_frees: u64,
+    /// `host_register` calls that succeeded.
+    pub host_registers: u64,
+    /// `host_unregister` calls that succeeded.
+    pub host_unregisters: u64,
+}
+
+#[derive(Default)]
+struct HostState {
+    /// Live `host_alloc` allocations: start → size (rounded to [`HOST_PAGE`]).
+    allocs: BTreeMap<u64, u64>,
+    /// Registered ranges: start → length.
+    registered: BTreeMap<u64, u64>,
+    /// Bytes of `allocs` plus `registered`.
+    used: u64,
+}
+
+impl HostState {
+    fn overlaps(map: &BTreeMap<u64, u64>, start: u64, len: u64) -> bool {
+        map.range(..start.saturating_add(len))
+            .next_back()
+            .is_some_and(|(s, l)| s + l > start)
+    }
+
+    /// Lowest [`HOST_PAGE`]-aligned gap of `size` bytes in the host window.
+    fn find_gap(&self, size: u64) -> Option<u64> {
+        let mut cursor = HOST_BASE;
+        for (&s, &len) in &self.allocs {
+            if s >= cursor + size {
+                break;
+            }
+            cursor = cursor.max(s + len);
+        }
+        (cursor + size <= HOST_BASE + WINDOW).then_some(cursor)
+    }
 }
 
 #[derive(Default)]
@@ -69,11 +115,13 @@ struct State {
     phys: HashMap<u64, PhysHandle>,
     next_id: u64,
     counts: AccountingCounts,
+    host: HostState,
 }
 
 /// A backend with addresses and byte counts only. See the module docs.
 pub struct AccountingBackend {
     capacity: u64,
+    host_capacity: u64,
     manual_events: bool,
     state: Mutex<State>,
 }
@@ -88,9 +136,22 @@ impl AccountingBackend {
         };
         AccountingBackend {
             capacity,
+            host_capacity: WINDOW,
             manual_events: false,
             state: Mutex::new(state),
         }
+    }
+
+    /// Sets how many bytes of pinned host memory (`host_alloc` plus `host_register`) may be
+    /// held at once; the default is the whole 1 TiB host window.
+    pub fn with_host_capacity(mut self, bytes: u64) -> Self {
+        self.host_capacity = bytes;
+        self
+    }
+
+    /// Bytes of pinned host memory held (allocated plus registered).
+    pub fn host_used(&self) -> u64 {
+        lock(&self.state).host.used
     }
 
     /// Like [`AccountingBackend::new`], but recorded events stay pending until
@@ -431,28 +492,79 @@ impl Backend for AccountingBackend {
             .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))
     }
 
-    fn host_alloc(&self, _: u64) -> Result<*mut u8> {
-        Err(BackendError::NotSupported(
-            "the accounting backend has no host memory".into(),
-        ))
+    fn host_alloc(&self, size: u64) -> Result<*mut u8> {
+        if size == 0 {
+            return Err(BackendError::invalid("host_alloc of size 0"));
+        }
+        let rounded = size
+            .checked_next_multiple_of(HOST_PAGE)
+            .filter(|s| *s <= WINDOW)
+            .ok_or_else(|| BackendError::invalid(format!("host size {size} is too large")))?;
+        let mut state = lock(&self.state);
+        let oom = || BackendError::OutOfMemory {
+            requested: size,
+            what: "pinned host".into(),
+        };
+        if state.host.used + rounded > self.host_capacity {
+            return Err(oom());
+        }
+        let addr = state.host.find_gap(rounded).ok_or_else(oom)?;
+        state.host.allocs.insert(addr, rounded);
+        state.host.used += rounded;
+        state.counts.host_allocs += 1;
+        Ok(addr as *mut u8)
     }
 
-    fn host_free(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported(
-            "the accounting backend has no host memory".into(),
-        ))
+    fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let mut state = lock(&self.state);
+        let size = state.host.allocs.remove(&(ptr as u64)).ok_or_else(|| {
+            BackendError::invalid(format!("host_free of unknown pointer {ptr:?}"))
+        })?;
+        state.host.used -= size;
+        state.counts.host_frees += 1;
+        Ok(())
     }
 
-    fn host_register(&self, _: *mut u8, _: u64, _: HostRegisterFlags) -> Result<()> {
-        Err(BackendError::NotSupported(
-            "the accounting backend has no host memory".into(),
-        ))
+    fn host_register(&self, ptr: *mut u8, len: u64, _: HostRegisterFlags) -> Result<()> {
+        let start = ptr as u64;
+        if start == 0 || len == 0 || start % HOST_PAGE != 0 || len % HOST_PAGE != 0 {
+            return Err(BackendError::invalid(format!(
+                "host_register of {len} bytes at {ptr:?}: not a non-empty page-aligned range"
+            )));
+        }
+        if start.checked_add(len).is_none() {
+            return Err(BackendError::invalid("host_register range overflows"));
+        }
+        let mut state = lock(&self.state);
+        if HostState::overlaps(&state.host.registered, start, len)
+            || HostState::overlaps(&state.host.allocs, start, len)
+        {
+            return Err(BackendError::invalid(format!(
+                "host_register of {len} bytes at {ptr:?} overlaps pinned memory"
+            )));
+        }
+        if state.host.used + len > self.host_capacity {
+            return Err(BackendError::OutOfMemory {
+                requested: len,
+                what: "pinned host".into(),
+            });
+        }
+        state.host.registered.insert(start, len);
+        state.host.used += len;
+        state.counts.host_registers += 1;
+        Ok(())
     }
 
-    fn host_unregister(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported(
-            "the accounting backend has no host memory".into(),
-        ))
+    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        let mut state = lock(&self.state);
+        let len = state.host.registered.remove(&(ptr as u64)).ok_or_else(|| {
+            BackendError::invalid(format!(
+                "host_unregister of {ptr:?}: not a registered range"
+            ))
+        })?;
+        state.host.used -= len;
+        state.counts.host_unregisters += 1;
+        Ok(())
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
@@ -696,6 +808,75 @@ mod tests {
         b.event_record(e, s).unwrap();
         b.device_synchronize(DeviceId(0)).unwrap();
         assert!(b.event_query(e).unwrap());
+    }
+
+    #[test]
+    fn host_memory_is_accounted_and_validated() {
+        let b = AccountingBackend::new(1, 1 << 30).with_host_capacity(16 * HOST_PAGE);
+        let a = b.host_alloc(1).unwrap();
+        let c = b.host_alloc(HOST_PAGE + 1).unwrap();
+        assert_eq!(a as u64, HOST_BASE);
+        assert_eq!(
+            c as u64,
+            HOST_BASE + HOST_PAGE,
+            "4 KiB aligned, lowest first"
+        );
+        assert_eq!(b.host_used(), 3 * HOST_PAGE);
+        assert!(b.host_alloc(14 * HOST_PAGE).unwrap_err().is_oom());
+        assert!(matches!(
+            b.host_alloc(0),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.host_alloc(u64::MAX - 100),
+            Err(BackendError::InvalidValue(_))
+        ));
+        b.host_free(a).unwrap();
+        assert!(
+            matches!(b.host_free(a), Err(BackendError::InvalidValue(_))),
+            "double free"
+        );
+        assert_eq!(b.host_alloc(10).unwrap(), a, "lowest gap reused");
+
+        let r = 0x10_0000_0000u64 as *mut u8;
+        let flags = HostRegisterFlags::default();
+        assert!(
+            b.host_register(r.wrapping_add(1), HOST_PAGE, flags)
+                .is_err(),
+            "unaligned ptr"
+        );
+        assert!(b.host_register(r, 100, flags).is_err(), "unaligned len");
+        assert!(
+            b.host_register(c, HOST_PAGE, flags).is_err(),
+            "overlaps host_alloc"
+        );
+        b.host_register(r, 4 * HOST_PAGE, flags).unwrap();
+        assert!(
+            b.host_register(r.wrapping_add(4096), HOST_PAGE, flags)
+                .is_err(),
+            "overlap"
+        );
+        assert!(b
+            .host_register(r.wrapping_add(4 * 4096), 20 * HOST_PAGE, flags)
+            .unwrap_err()
+            .is_oom());
+        assert_eq!(b.host_used(), 7 * HOST_PAGE);
+        assert!(
+            b.host_unregister(r.wrapping_add(4096)).is_err(),
+            "not a range start"
+        );
+        b.host_unregister(r).unwrap();
+        assert!(b.host_unregister(r).is_err());
+        let n = b.counts();
+        assert_eq!(
+            (
+                n.host_allocs,
+                n.host_frees,
+                n.host_registers,
+                n.host_unregisters
+            ),
+            (3, 1, 1, 1)
+        );
     }
 
     #[test]
