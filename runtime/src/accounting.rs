@@ -196,9 +196,9 @@ impl AccountingBackend {
         let mut state = lock(&self.state);
         Self::device(&mut state, device)?;
         match state.streams.get(&raw) {
-            Some(d) if *d != device => {
-                Err(BackendError::invalid(format!("stream {raw:#x} already belongs to {d}")))
-            }
+            Some(d) if *d != device => Err(BackendError::invalid(format!(
+                "stream {raw:#x} already belongs to {d}"
+            ))),
             _ => {
                 state.streams.insert(raw, device);
                 Ok(StreamHandle { device, raw })
