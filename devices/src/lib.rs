@@ -16,9 +16,11 @@ mod events;
 mod inspect;
 mod pool;
 mod release;
+mod restore;
 pub mod sizes;
 pub mod snapshot;
 pub mod stats;
+mod summary;
 pub mod trace;
 
 pub use crate::core::{
@@ -26,6 +28,8 @@ pub use crate::core::{
 };
 pub use config::{AllocatorConfig, ConfigError};
 pub use error::{format_size, AllocError, OomReport};
+pub use restore::RestoredBlock;
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatType};
+pub use summary::memory_summary;
 pub use trace::{TraceAction, TraceEntry};
