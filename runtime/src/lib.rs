@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod completion;
 pub mod error;
+pub mod sim;
 pub mod stream;
 pub mod sync;
 pub mod types;
