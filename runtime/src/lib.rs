@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod completion;
+pub mod conformance;
 pub mod error;
 pub mod sim;
 pub mod stream;
