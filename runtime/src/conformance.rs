@@ -35,27 +35,81 @@ pub fn checks() -> &'static [Check] {
 }
 
 /// Runs every check on `device`; returns `(name, result)` for each.
-pub fn run_all(backend: &Arc<dyn Backend>, device: DeviceId) -> Vec<(&'static str, Result<(), String>)> {
-    checks().iter().map(|c| (c.name, (c.run)(backend, device))).collect()
+pub fn run_all(
+    backend: &Arc<dyn Backend>,
+    device: DeviceId,
+) -> Vec<(&'static str, Result<(), String>)> {
+    checks()
+        .iter()
+        .map(|c| (c.name, (c.run)(backend, device)))
+        .collect()
 }
 
 static CHECKS: &[Check] = &[
-    Check { name: "memory_read_write", run: memory_read_write },
-    Check { name: "memset_and_memcpy_async", run: memset_and_memcpy_async },
-    Check { name: "events_order_across_streams", run: events_order_across_streams },
-    Check { name: "host_callback_runs_after_preceding_work", run: host_callback_after_work },
-    Check { name: "event_query_tracks_progress", run: event_query_tracks_progress },
-    Check { name: "stream_wait_event_uses_record_at_call_time", run: wait_uses_current_record },
-    Check { name: "free_synchronizes_the_device", run: free_synchronizes },
-    Check { name: "vmm_map_export_import_roundtrip", run: vmm_roundtrip },
-    Check { name: "vmm_bad_mappings_are_rejected", run: vmm_bad_mappings },
-    Check { name: "oom_at_capacity", run: oom_at_capacity },
-    Check { name: "zero_sizes_are_invalid", run: zero_sizes },
-    Check { name: "overflowing_sizes_are_rejected", run: overflowing_sizes },
-    Check { name: "unmapping_what_is_not_mapped", run: unmap_not_mapped },
-    Check { name: "event_of_another_device", run: event_other_device },
-    Check { name: "importing_a_non_memory_fd", run: import_non_memory_fd },
-    Check { name: "host_register_checks_alignment", run: host_register_alignment },
+    Check {
+        name: "memory_read_write",
+        run: memory_read_write,
+    },
+    Check {
+        name: "memset_and_memcpy_async",
+        run: memset_and_memcpy_async,
+    },
+    Check {
+        name: "events_order_across_streams",
+        run: events_order_across_streams,
+    },
+    Check {
+        name: "host_callback_runs_after_preceding_work",
+        run: host_callback_after_work,
+    },
+    Check {
+        name: "event_query_tracks_progress",
+        run: event_query_tracks_progress,
+    },
+    Check {
+        name: "stream_wait_event_uses_record_at_call_time",
+        run: wait_uses_current_record,
+    },
+    Check {
+        name: "free_synchronizes_the_device",
+        run: free_synchronizes,
+    },
+    Check {
+        name: "vmm_map_export_import_roundtrip",
+        run: vmm_roundtrip,
+    },
+    Check {
+        name: "vmm_bad_mappings_are_rejected",
+        run: vmm_bad_mappings,
+    },
+    Check {
+        name: "oom_at_capacity",
+        run: oom_at_capacity,
+    },
+    Check {
+        name: "zero_sizes_are_invalid",
+        run: zero_sizes,
+    },
+    Check {
+        name: "overflowing_sizes_are_rejected",
+        run: overflowing_sizes,
+    },
+    Check {
+        name: "unmapping_what_is_not_mapped",
+        run: unmap_not_mapped,
+    },
+    Check {
+        name: "event_of_another_device",
+        run: event_other_device,
+    },
+    Check {
+        name: "importing_a_non_memory_fd",
+        run: import_non_memory_fd,
+    },
+    Check {
+        name: "host_register_checks_alignment",
+        run: host_register_alignment,
+    },
 ];
 
 /// How long a gate waits before a check gives up (a hung backend fails, never hangs).
@@ -86,7 +140,10 @@ fn expect_err<T: std::fmt::Debug>(
 }
 
 fn is_invalid(e: &BackendError) -> bool {
-    matches!(e, BackendError::InvalidValue(_) | BackendError::InvalidHandle(_))
+    matches!(
+        e,
+        BackendError::InvalidValue(_) | BackendError::InvalidHandle(_)
+    )
 }
 
 fn is_oom_or_invalid(e: &BackendError) -> bool {
@@ -94,7 +151,9 @@ fn is_oom_or_invalid(e: &BackendError) -> bool {
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// A stream destroyed on drop (errors ignored: checks report their own).
@@ -105,7 +164,10 @@ struct TestStream<'a> {
 
 impl<'a> TestStream<'a> {
     fn new(b: &'a Arc<dyn Backend>, d: DeviceId) -> Result<Self, String> {
-        Ok(TestStream { b, h: ok(b.stream_create(d), "stream_create")? })
+        Ok(TestStream {
+            b,
+            h: ok(b.stream_create(d), "stream_create")?,
+        })
     }
 }
 
@@ -124,7 +186,11 @@ struct TestAlloc<'a> {
 
 impl<'a> TestAlloc<'a> {
     fn new(b: &'a Arc<dyn Backend>, d: DeviceId, size: u64) -> Result<Self, String> {
-        Ok(TestAlloc { b, d, p: ok(b.malloc(d, size), "malloc")? })
+        Ok(TestAlloc {
+            b,
+            d,
+            p: ok(b.malloc(d, size), "malloc")?,
+        })
     }
 }
 
@@ -157,12 +223,19 @@ fn memory_read_write(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     ok(b.copy_to_device(s.h, a.p, &data), "copy_to_device")?;
     let mut back = vec![0u8; len];
     ok(b.copy_from_device(s.h, &mut back, a.p), "copy_from_device")?;
-    ensure(back == data, || "bytes read back differ from bytes written".into())?;
+    ensure(back == data, || {
+        "bytes read back differ from bytes written".into()
+    })?;
     // An interior offset.
     let off = 4096 + 5;
     let mut part = vec![0u8; 1000];
-    ok(b.copy_from_device(s.h, &mut part, DevicePtr(a.p.0 + off as u64)), "copy_from_device+off")?;
-    ensure(part[..] == data[off..off + 1000], || "interior read differs".into())
+    ok(
+        b.copy_from_device(s.h, &mut part, DevicePtr(a.p.0 + off as u64)),
+        "copy_from_device+off",
+    )?;
+    ensure(part[..] == data[off..off + 1000], || {
+        "interior read differs".into()
+    })
 }
 
 fn memset_and_memcpy_async(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
@@ -171,14 +244,23 @@ fn memset_and_memcpy_async(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Stri
     let x = TestAlloc::new(b, d, len)?;
     let y = TestAlloc::new(b, d, len)?;
     ok(b.memset_async(s.h, x.p, 0x5A, len), "memset_async")?;
-    ok(b.memset_async(s.h, DevicePtr(x.p.0 + 1000), 0x11, 24), "memset_async (inner)")?;
+    ok(
+        b.memset_async(s.h, DevicePtr(x.p.0 + 1000), 0x11, 24),
+        "memset_async (inner)",
+    )?;
     ok(b.memcpy_async(s.h, y.p.0, x.p.0, len), "memcpy_async")?;
     ok(b.stream_synchronize(s.h), "stream_synchronize")?;
     let mut back = vec![0u8; len as usize];
     ok(b.copy_from_device(s.h, &mut back, y.p), "copy_from_device")?;
     for (i, v) in back.iter().enumerate() {
-        let want = if (1000..1024).contains(&i) { 0x11 } else { 0x5A };
-        ensure(*v == want, || format!("byte {i} is {v:#x}, expected {want:#x}"))?;
+        let want = if (1000..1024).contains(&i) {
+            0x11
+        } else {
+            0x5A
+        };
+        ensure(*v == want, || {
+            format!("byte {i} is {v:#x}, expected {want:#x}")
+        })?;
     }
     Ok(())
 }
@@ -198,7 +280,10 @@ fn events_order_across_streams(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
     let open = gate(b, sa.h)?;
     ok(b.memset_async(sa.h, x.p, 7, len), "memset x=7 on a")?;
     let flag = a_done.clone();
-    ok(b.launch_host_func(sa.h, Box::new(move || flag.store(true, Ordering::SeqCst))), "host fn a")?;
+    ok(
+        b.launch_host_func(sa.h, Box::new(move || flag.store(true, Ordering::SeqCst))),
+        "host fn a",
+    )?;
     let e = ok(b.event_create(d), "event_create")?;
     ok(b.event_record(e, sa.h), "event_record")?;
     // B waits for the event, copies x to y, and looks at A's flag.
@@ -217,16 +302,30 @@ fn events_order_across_streams(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
         "host fn b",
     )?;
     std::thread::sleep(Duration::from_millis(30));
-    let early = b_saw.lock().map(|s| *s).map_err(|_| "poisoned".to_string())?;
-    ensure(early.is_none(), || "stream b ran past its wait while a was still blocked".into())?;
-    ensure(!ok(b.event_query(e), "event_query")?, || "event complete while a is blocked".into())?;
+    let early = b_saw
+        .lock()
+        .map(|s| *s)
+        .map_err(|_| "poisoned".to_string())?;
+    ensure(early.is_none(), || {
+        "stream b ran past its wait while a was still blocked".into()
+    })?;
+    ensure(!ok(b.event_query(e), "event_query")?, || {
+        "event complete while a is blocked".into()
+    })?;
     let _ = open.send(());
     ok(b.stream_synchronize(sb.h), "sync b")?;
-    let saw = b_saw.lock().map(|s| *s).map_err(|_| "poisoned".to_string())?;
-    ensure(saw == Some(true), || format!("b's host fn saw a's flag as {saw:?}"))?;
+    let saw = b_saw
+        .lock()
+        .map(|s| *s)
+        .map_err(|_| "poisoned".to_string())?;
+    ensure(saw == Some(true), || {
+        format!("b's host fn saw a's flag as {saw:?}")
+    })?;
     let mut back = vec![0u8; len as usize];
     ok(b.copy_from_device(sb.h, &mut back, y.p), "copy_from_device")?;
-    ensure(back.iter().all(|v| *v == 7), || "b copied x before a wrote it".into())?;
+    ensure(back.iter().all(|v| *v == 7), || {
+        "b copied x before a wrote it".into()
+    })?;
     ok(b.stream_synchronize(sa.h), "sync a")?;
     ok(b.event_destroy(e), "event_destroy")
 }
@@ -237,16 +336,23 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
     let a = TestAlloc::new(b, d, len as u64)?;
     // Registered host memory the device writes into; atomics make host reads sound.
     let page: usize = rustix::param::page_size();
-    let host: Arc<Vec<AtomicU8>> = Arc::new((0..len + 2 * page).map(|_| AtomicU8::new(0)).collect());
+    let host: Arc<Vec<AtomicU8>> =
+        Arc::new((0..len + 2 * page).map(|_| AtomicU8::new(0)).collect());
     let base = host.as_ptr() as usize;
     let start = base.next_multiple_of(page);
     let offset = start - base;
     let ptr = start as *mut u8;
-    ok(b.host_register(ptr, len as u64, HostRegisterFlags::default()), "host_register")?;
+    ok(
+        b.host_register(ptr, len as u64, HostRegisterFlags::default()),
+        "host_register",
+    )?;
     let result = (|| {
         let open = gate(b, s.h)?;
         ok(b.memset_async(s.h, a.p, 0xC3, len as u64), "memset")?;
-        ok(b.memcpy_async(s.h, start as u64, a.p.0, len as u64), "memcpy to host")?;
+        ok(
+            b.memcpy_async(s.h, start as u64, a.p.0, len as u64),
+            "memcpy to host",
+        )?;
         let seen = Arc::new(AtomicU64::new(u64::MAX));
         let (h, seen2) = (host.clone(), seen.clone());
         ok(
@@ -265,7 +371,9 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
         let _ = open.send(());
         ok(b.stream_synchronize(s.h), "stream_synchronize")?;
         let n = seen.load(Ordering::SeqCst);
-        ensure(n == len as u64, || format!("host fn saw {n} of {len} copied bytes"))
+        ensure(n == len as u64, || {
+            format!("host fn saw {n} of {len} copied bytes")
+        })
     })();
     ok(b.host_unregister(ptr), "host_unregister")?;
     result
@@ -274,14 +382,20 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
 fn event_query_tracks_progress(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let s = TestStream::new(b, d)?;
     let e = ok(b.event_create(d), "event_create")?;
-    ensure(ok(b.event_query(e), "query")?, || "a never-recorded event must query complete".into())?;
+    ensure(ok(b.event_query(e), "query")?, || {
+        "a never-recorded event must query complete".into()
+    })?;
     ok(b.event_synchronize(e), "synchronize never-recorded")?;
     let open = gate(b, s.h)?;
     ok(b.event_record(e, s.h), "event_record")?;
-    ensure(!ok(b.event_query(e), "query")?, || "event complete before its stream got there".into())?;
+    ensure(!ok(b.event_query(e), "query")?, || {
+        "event complete before its stream got there".into()
+    })?;
     let _ = open.send(());
     ok(b.event_synchronize(e), "event_synchronize")?;
-    ensure(ok(b.event_query(e), "query")?, || "event not complete after synchronize".into())?;
+    ensure(ok(b.event_query(e), "query")?, || {
+        "event not complete after synchronize".into()
+    })?;
     ok(b.event_destroy(e), "event_destroy")
 }
 
@@ -295,15 +409,23 @@ fn wait_uses_current_record(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
     let open = gate(b, sa.h)?;
     ok(b.event_record(e, sa.h), "record #2")?;
     let (tx, rx) = mpsc::channel::<()>();
-    ok(b.launch_host_func(sb.h, Box::new(move || {
-        let _ = tx.send(());
-    })), "host fn b")?;
+    ok(
+        b.launch_host_func(
+            sb.h,
+            Box::new(move || {
+                let _ = tx.send(());
+            }),
+        ),
+        "host fn b",
+    )?;
     let passed = rx.recv_timeout(Duration::from_secs(5)).is_ok();
     let _ = open.send(());
     ok(b.stream_synchronize(sa.h), "sync a")?;
     ok(b.stream_synchronize(sb.h), "sync b")?;
     ok(b.event_destroy(e), "event_destroy")?;
-    ensure(passed, || "stream b waited for a record made after its wait".into())
+    ensure(passed, || {
+        "stream b waited for a record made after its wait".into()
+    })
 }
 
 fn free_synchronizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
@@ -322,16 +444,22 @@ fn free_synchronizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
         "launch_host_func",
     )?;
     ok(b.free(d, p), "free")?;
-    ensure(done.load(Ordering::SeqCst), || "free returned before the device was idle".into())
+    ensure(done.load(Ordering::SeqCst), || {
+        "free returned before the device was idle".into()
+    })
 }
 
 fn vmm_roundtrip(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let g = ok(b.vmm_granularity(d), "vmm_granularity")?;
-    ensure(g.is_power_of_two(), || format!("granularity {g} is not a power of two"))?;
+    ensure(g.is_power_of_two(), || {
+        format!("granularity {g} is not a power of two")
+    })?;
     let s = TestStream::new(b, d)?;
     let phys = ok(b.phys_create(d, 2 * g), "phys_create")?;
     let va1 = ok(b.va_reserve(d, 4 * g, 0), "va_reserve 1")?;
-    ensure(va1.0 % g == 0, || format!("reservation {va1} not aligned to {g}"))?;
+    ensure(va1.0 % g == 0, || {
+        format!("reservation {va1} not aligned to {g}")
+    })?;
     // Map the second granule of the handle at the second granule of the reservation.
     let at1 = DevicePtr(va1.0 + g);
     ok(b.map(at1, g, g, phys), "map 1")?;
@@ -340,15 +468,25 @@ fn vmm_roundtrip(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     ok(b.copy_to_device(s.h, at1, &data), "write through mapping 1")?;
     let fd = ok(b.phys_export_fd(phys), "phys_export_fd")?;
     let imported = ok(b.phys_import_fd(d, fd), "phys_import_fd")?;
-    ensure(imported.size == 2 * g, || format!("imported size {} != {}", imported.size, 2 * g))?;
+    ensure(imported.size == 2 * g, || {
+        format!("imported size {} != {}", imported.size, 2 * g)
+    })?;
     let va2 = ok(b.va_reserve(d, 2 * g, 0), "va_reserve 2")?;
     ok(b.map(va2, 2 * g, 0, imported), "map 2")?;
     ok(b.set_access(d, va2, 2 * g), "set_access 2")?;
     let mut back = vec![0u8; g as usize];
-    ok(b.copy_from_device(s.h, &mut back, DevicePtr(va2.0 + g)), "read through mapping 2")?;
-    ensure(back == data, || "mapping 2 does not show what was written through mapping 1".into())?;
+    ok(
+        b.copy_from_device(s.h, &mut back, DevicePtr(va2.0 + g)),
+        "read through mapping 2",
+    )?;
+    ensure(back == data, || {
+        "mapping 2 does not show what was written through mapping 1".into()
+    })?;
     // And the other way round, with a device-side copy.
-    ok(b.memset_async(s.h, va2, 0x77, 16), "memset through mapping 2")?;
+    ok(
+        b.memset_async(s.h, va2, 0x77, 16),
+        "memset through mapping 2",
+    )?;
     ok(b.stream_synchronize(s.h), "sync")?;
     ok(b.unmap(va2, 2 * g), "unmap 2")?;
     ok(b.va_free(d, va2, 2 * g), "va_free 2")?;
@@ -358,12 +496,19 @@ fn vmm_roundtrip(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     ok(b.set_access(d, at0, g), "set_access granule 0")?;
     let mut head = vec![0u8; 16];
     ok(b.copy_from_device(s.h, &mut head, at0), "read granule 0")?;
-    ensure(head == vec![0x77; 16], || format!("granule 0 reads {head:?}"))?;
+    ensure(head == vec![0x77; 16], || {
+        format!("granule 0 reads {head:?}")
+    })?;
     // Release while mapped: the memory lives on until unmapped.
     ok(b.phys_release(phys), "phys_release while mapped")?;
     let mut again = vec![0u8; 16];
-    ok(b.copy_from_device(s.h, &mut again, at1), "read after release")?;
-    ensure(again[..] == data[..16], || "released-but-mapped memory changed".into())?;
+    ok(
+        b.copy_from_device(s.h, &mut again, at1),
+        "read after release",
+    )?;
+    ensure(again[..] == data[..16], || {
+        "released-but-mapped memory changed".into()
+    })?;
     ok(b.unmap(va1, 2 * g), "unmap both granules")?;
     ok(b.va_free(d, va1, 4 * g), "va_free 1")
 }
@@ -373,12 +518,28 @@ fn vmm_bad_mappings(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let phys = ok(b.phys_create(d, g), "phys_create")?;
     let va = ok(b.va_reserve(d, 2 * g, 0), "va_reserve")?;
     let r = (|| {
-        expect_err(b.map(DevicePtr(va.0 + 4096), g, 0, phys), "unaligned map", is_invalid)?;
-        expect_err(b.map(DevicePtr(va.0 + 2 * g), g, 0, phys), "map past the reservation", is_invalid)?;
-        expect_err(b.map(va, g, g, phys), "map past the handle's end", is_invalid)?;
+        expect_err(
+            b.map(DevicePtr(va.0 + 4096), g, 0, phys),
+            "unaligned map",
+            is_invalid,
+        )?;
+        expect_err(
+            b.map(DevicePtr(va.0 + 2 * g), g, 0, phys),
+            "map past the reservation",
+            is_invalid,
+        )?;
+        expect_err(
+            b.map(va, g, g, phys),
+            "map past the handle's end",
+            is_invalid,
+        )?;
         ok(b.map(va, g, 0, phys), "map")?;
         expect_err(b.map(va, g, 0, phys), "map over a mapping", is_invalid)?;
-        expect_err(b.va_free(d, va, 2 * g), "va_free with a live mapping", is_invalid)?;
+        expect_err(
+            b.va_free(d, va, 2 * g),
+            "va_free with a live mapping",
+            is_invalid,
+        )?;
         ok(b.unmap(va, g), "unmap")
     })();
     let _ = b.va_free(d, va, 2 * g);
@@ -388,12 +549,18 @@ fn vmm_bad_mappings(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
 
 fn oom_at_capacity(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let info = ok(b.mem_info(d), "mem_info")?;
-    ensure(info.free <= info.total && info.total > 0, || format!("bad mem_info {info:?}"))?;
+    ensure(info.free <= info.total && info.total > 0, || {
+        format!("bad mem_info {info:?}")
+    })?;
     let g = ok(b.vmm_granularity(d), "vmm_granularity")?;
     let too_big = info.total.saturating_add(g);
     expect_err(b.malloc(d, too_big), "malloc beyond total", |e| e.is_oom())?;
     let phys_big = too_big.next_multiple_of(g);
-    expect_err(b.phys_create(d, phys_big), "phys_create beyond total", |e| e.is_oom())
+    expect_err(
+        b.phys_create(d, phys_big),
+        "phys_create beyond total",
+        |e| e.is_oom(),
+    )
 }
 
 fn zero_sizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
@@ -404,15 +571,31 @@ fn zero_sizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
 
 fn overflowing_sizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     expect_err(b.malloc(d, u64::MAX), "malloc(u64::MAX)", is_oom_or_invalid)?;
-    expect_err(b.phys_create(d, u64::MAX), "phys_create(u64::MAX)", is_oom_or_invalid)?;
-    expect_err(b.va_reserve(d, u64::MAX, 0), "va_reserve(u64::MAX)", is_oom_or_invalid)?;
-    expect_err(b.host_alloc(u64::MAX), "host_alloc(u64::MAX)", is_oom_or_invalid)
+    expect_err(
+        b.phys_create(d, u64::MAX),
+        "phys_create(u64::MAX)",
+        is_oom_or_invalid,
+    )?;
+    expect_err(
+        b.va_reserve(d, u64::MAX, 0),
+        "va_reserve(u64::MAX)",
+        is_oom_or_invalid,
+    )?;
+    expect_err(
+        b.host_alloc(u64::MAX),
+        "host_alloc(u64::MAX)",
+        is_oom_or_invalid,
+    )
 }
 
 fn unmap_not_mapped(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let g = ok(b.vmm_granularity(d), "vmm_granularity")?;
     let va = ok(b.va_reserve(d, 2 * g, 0), "va_reserve")?;
-    let r = expect_err(b.unmap(va, g), "unmap of a reserved, unmapped range", is_invalid);
+    let r = expect_err(
+        b.unmap(va, g),
+        "unmap of a reserved, unmapped range",
+        is_invalid,
+    );
     ok(b.va_free(d, va, 2 * g), "va_free")?;
     r
 }
@@ -425,17 +608,29 @@ fn event_other_device(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let other = DeviceId((d.0 + 1) % n);
     let s = TestStream::new(b, other)?;
     let e = ok(b.event_create(d), "event_create")?;
-    let r = expect_err(b.event_record(e, s.h), "event of another device", is_invalid);
+    let r = expect_err(
+        b.event_record(e, s.h),
+        "event of another device",
+        is_invalid,
+    );
     ok(b.event_destroy(e), "event_destroy")?;
     r
 }
 
 fn import_non_memory_fd(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let null = std::fs::File::open("/dev/null").map_err(|e| format!("open /dev/null: {e}"))?;
-    expect_err(b.phys_import_fd(d, OwnedFd::from(null)), "import /dev/null", is_invalid)?;
+    expect_err(
+        b.phys_import_fd(d, OwnedFd::from(null)),
+        "import /dev/null",
+        is_invalid,
+    )?;
     let (sock, _peer) =
         std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
-    expect_err(b.phys_import_fd(d, OwnedFd::from(sock)), "import a socket", is_invalid)
+    expect_err(
+        b.phys_import_fd(d, OwnedFd::from(sock)),
+        "import a socket",
+        is_invalid,
+    )
 }
 
 fn host_register_alignment(b: &Arc<dyn Backend>, _d: DeviceId) -> Result<(), String> {
@@ -445,10 +640,25 @@ fn host_register_alignment(b: &Arc<dyn Backend>, _d: DeviceId) -> Result<(), Str
     let offset = (base as usize).next_multiple_of(page) - base as usize;
     let aligned = base.wrapping_add(offset);
     let flags = HostRegisterFlags::default();
-    expect_err(b.host_register(aligned.wrapping_add(1), page as u64, flags), "unaligned ptr", is_invalid)?;
-    expect_err(b.host_register(aligned, 100, flags), "unaligned length", is_invalid)?;
-    expect_err(b.host_register(aligned, 0, flags), "zero length", is_invalid)?;
-    ok(b.host_register(aligned, 2 * page as u64, flags), "host_register")?;
+    expect_err(
+        b.host_register(aligned.wrapping_add(1), page as u64, flags),
+        "unaligned ptr",
+        is_invalid,
+    )?;
+    expect_err(
+        b.host_register(aligned, 100, flags),
+        "unaligned length",
+        is_invalid,
+    )?;
+    expect_err(
+        b.host_register(aligned, 0, flags),
+        "zero length",
+        is_invalid,
+    )?;
+    ok(
+        b.host_register(aligned, 2 * page as u64, flags),
+        "host_register",
+    )?;
     ok(b.host_unregister(aligned), "host_unregister")?;
     drop(buf);
     Ok(())

@@ -15,13 +15,21 @@ fn sim_passes_every_conformance_check() {
     for device in [DeviceId(0), DeviceId(1)] {
         for check in checks() {
             let result = (check.run)(&backend, device);
-            println!("{device} {:<45} {}", check.name, if result.is_ok() { "ok" } else { "FAILED" });
+            println!(
+                "{device} {:<45} {}",
+                check.name,
+                if result.is_ok() { "ok" } else { "FAILED" }
+            );
             if let Err(e) = result {
                 failures.push(format!("{device} {}: {e}", check.name));
             }
         }
     }
-    assert!(failures.is_empty(), "conformance failures:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "conformance failures:\n{}",
+        failures.join("\n")
+    );
     assert!(checks().len() >= 16);
     // Every check cleans up after itself.
     assert_eq!(sim.live_allocations(), 0);
@@ -35,7 +43,11 @@ fn sim_passes_every_conformance_check() {
 #[test]
 fn sim_passes_the_suite_with_real_latencies() {
     // The default (real-hardware) latency model must not change any outcome.
-    let sim = SimBackend::new(SimConfig { devices: 2, ..SimConfig::default() }).unwrap();
+    let sim = SimBackend::new(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    })
+    .unwrap();
     let backend: Arc<dyn Backend> = sim;
     for check in checks() {
         if let Err(e) = (check.run)(&backend, DeviceId(0)) {

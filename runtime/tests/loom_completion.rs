@@ -86,7 +86,10 @@ fn double_complete_first_wins() {
         let got = loom::future::block_on(Completion::new(cell.clone()));
         a.join().unwrap();
         b.join().unwrap();
-        assert!(got == Ok(()) || got == Err(BackendError::invalid("second")), "{got:?}");
+        assert!(
+            got == Ok(()) || got == Err(BackendError::invalid("second")),
+            "{got:?}"
+        );
         // Once both ran, every observer sees the same winner, even after a third complete.
         cell.complete(Err(BackendError::invalid("third")));
         assert_eq!(poll_once(Completion::new(cell)), Poll::Ready(got));

@@ -51,8 +51,18 @@ fn counts_exactly_the_calls_made() {
 #[test]
 fn oom_on_the_third_malloc() {
     let sim = sim();
-    let oom = BackendError::OutOfMemory { requested: 0, what: "injected".into() };
-    sim.inject(Op::Malloc, Fault::FailNext { skip: 2, count: 1, error: oom.clone() });
+    let oom = BackendError::OutOfMemory {
+        requested: 0,
+        what: "injected".into(),
+    };
+    sim.inject(
+        Op::Malloc,
+        Fault::FailNext {
+            skip: 2,
+            count: 1,
+            error: oom.clone(),
+        },
+    );
     let a = sim.malloc(D0, 1 << 20).unwrap();
     let b = sim.malloc(D0, 1 << 20).unwrap();
     assert_eq!(sim.malloc(D0, 1 << 20), Err(oom));
@@ -70,7 +80,14 @@ fn oom_on_the_third_malloc() {
 fn fail_next_many_and_other_ops() {
     let sim = sim();
     let err = BackendError::Injected("free");
-    sim.inject(Op::Free, Fault::FailNext { skip: 0, count: 2, error: err.clone() });
+    sim.inject(
+        Op::Free,
+        Fault::FailNext {
+            skip: 0,
+            count: 2,
+            error: err.clone(),
+        },
+    );
     let p = sim.malloc(D0, 4096).unwrap();
     assert_eq!(sim.free(D0, p), Err(err.clone()));
     assert_eq!(sim.free(D0, p), Err(err));
@@ -84,7 +101,14 @@ fn random_faults_are_reproducible_and_clearable() {
     let outcomes = |seed| {
         let sim = sim();
         let err = BackendError::Injected("event_query");
-        sim.inject(Op::EventQuery, Fault::Random { probability: 0.5, seed, error: err });
+        sim.inject(
+            Op::EventQuery,
+            Fault::Random {
+                probability: 0.5,
+                seed,
+                error: err,
+            },
+        );
         let e = sim.event_create(D0).unwrap();
         let v: Vec<bool> = (0..64).map(|_| sim.event_query(e).is_ok()).collect();
         sim.clear_faults();
@@ -102,7 +126,14 @@ fn random_faults_are_reproducible_and_clearable() {
 fn injected_faults_hit_only_their_op() {
     let sim = sim();
     let err = BackendError::Injected("phys_create");
-    sim.inject(Op::PhysCreate, Fault::FailNext { skip: 0, count: 1, error: err.clone() });
+    sim.inject(
+        Op::PhysCreate,
+        Fault::FailNext {
+            skip: 0,
+            count: 1,
+            error: err.clone(),
+        },
+    );
     let p = sim.malloc(D0, 4096).unwrap();
     assert_eq!(sim.phys_create(D0, 2 << 20), Err(err));
     let h = sim.phys_create(D0, 2 << 20).unwrap();

@@ -18,7 +18,10 @@ fn defaults_model_real_hardware() {
     let m = LatencyModel::default();
     assert_eq!(m.malloc, Duration::from_micros(50));
     assert_eq!(m.event, Duration::from_micros(1));
-    assert_eq!(m.host_alloc_cost(10 << 20), Duration::from_micros(10 + 3000));
+    assert_eq!(
+        m.host_alloc_cost(10 << 20),
+        Duration::from_micros(10 + 3000)
+    );
     assert!(m.host_register_cost(1 << 30, 10) > m.host_register_cost(1 << 30, 1));
     assert_eq!(SimConfig::default().latency, m);
     assert_eq!(SimConfig::default().capacity_per_device, 16 << 30);
@@ -29,15 +32,35 @@ fn defaults_model_real_hardware() {
 fn malloc_costs_what_the_model_says_and_can_be_changed() {
     let sim = SimBackend::new(SimConfig::default()).unwrap();
     // 40 mallocs at 50 us each: at least 2 ms.
-    let (ptrs, took) = timed(|| (0..40).map(|_| sim.malloc(D0, 4096).unwrap()).collect::<Vec<_>>());
-    assert!(took >= Duration::from_micros(1_900), "40 mallocs took {took:?}");
-    sim.set_latency(LatencyModel { malloc: Duration::from_millis(5), ..LatencyModel::zero() });
+    let (ptrs, took) = timed(|| {
+        (0..40)
+            .map(|_| sim.malloc(D0, 4096).unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        took >= Duration::from_micros(1_900),
+        "40 mallocs took {took:?}"
+    );
+    sim.set_latency(LatencyModel {
+        malloc: Duration::from_millis(5),
+        ..LatencyModel::zero()
+    });
     assert_eq!(sim.latency().malloc, Duration::from_millis(5));
     let (p, took) = timed(|| sim.malloc(D0, 4096).unwrap());
-    assert!(took >= Duration::from_millis(5), "slow malloc took {took:?}");
+    assert!(
+        took >= Duration::from_millis(5),
+        "slow malloc took {took:?}"
+    );
     sim.set_latency(LatencyModel::zero());
-    let (more, took) = timed(|| (0..40).map(|_| sim.malloc(D0, 4096).unwrap()).collect::<Vec<_>>());
-    assert!(took < Duration::from_millis(100), "zero-latency mallocs took {took:?}");
+    let (more, took) = timed(|| {
+        (0..40)
+            .map(|_| sim.malloc(D0, 4096).unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        took < Duration::from_millis(100),
+        "zero-latency mallocs took {took:?}"
+    );
     for q in ptrs.into_iter().chain(more).chain([p]) {
         sim.free(D0, q).unwrap();
     }
@@ -48,9 +71,13 @@ fn free_waits_for_the_device() {
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
     let s = sim.stream_create(D0).unwrap();
     let p = sim.malloc(D0, 4096).unwrap();
-    sim.launch_kernel(s, Duration::from_millis(60), |_| Ok(())).unwrap();
+    sim.launch_kernel(s, Duration::from_millis(60), |_| Ok(()))
+        .unwrap();
     let ((), took) = timed(|| sim.free(D0, p).unwrap());
-    assert!(took >= Duration::from_millis(50), "free returned after {took:?}");
+    assert!(
+        took >= Duration::from_millis(50),
+        "free returned after {took:?}"
+    );
     sim.stream_destroy(s).unwrap();
 }
 
@@ -63,13 +90,18 @@ fn host_costs_scale_with_size_and_mappings() {
         ..LatencyModel::zero()
     });
     let (p, took) = timed(|| sim.host_alloc(16 << 20).unwrap());
-    assert!(took >= Duration::from_millis(16), "16 MiB host_alloc took {took:?}");
+    assert!(
+        took >= Duration::from_millis(16),
+        "16 MiB host_alloc took {took:?}"
+    );
     sim.host_free(p).unwrap();
 
     // Pinned memory is already page-locked: registering it again is an error.
     let page = rustix::param::page_size() as u64;
     let a = sim.host_alloc(page).unwrap();
-    assert!(sim.host_register(a, page, HostRegisterFlags::default()).is_err());
+    assert!(sim
+        .host_register(a, page, HostRegisterFlags::default())
+        .is_err());
     sim.host_free(a).unwrap();
 
     // Build host ranges with a known number of OS mappings from another sim's VMM: three
@@ -90,9 +122,18 @@ fn host_costs_scale_with_size_and_mappings() {
 
     let flags = HostRegisterFlags::default();
     let ((), three_took) = timed(|| sim.host_register(va.0 as *mut u8, 3 * g, flags).unwrap());
-    let ((), one_took) = timed(|| sim.host_register(single.0 as *mut u8, 3 * g, flags).unwrap());
-    assert!(three_took >= Duration::from_millis(15), "3 mappings took {three_took:?}");
-    assert!(one_took >= Duration::from_millis(5), "1 mapping took {one_took:?}");
+    let ((), one_took) = timed(|| {
+        sim.host_register(single.0 as *mut u8, 3 * g, flags)
+            .unwrap()
+    });
+    assert!(
+        three_took >= Duration::from_millis(15),
+        "3 mappings took {three_took:?}"
+    );
+    assert!(
+        one_took >= Duration::from_millis(5),
+        "1 mapping took {one_took:?}"
+    );
     sim.host_unregister(va.0 as *mut u8).unwrap();
     sim.host_unregister(single.0 as *mut u8).unwrap();
 

@@ -22,7 +22,9 @@ fn threads() -> usize {
 /// Mappings of sim memfds (device memory, physical handles, opened IPC handles).
 fn memfd_mappings() -> usize {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    maps.lines().filter(|l| l.contains("memfd:gpualloc-sim")).count()
+    maps.lines()
+        .filter(|l| l.contains("memfd:gpualloc-sim"))
+        .count()
 }
 
 /// True when any byte of `[start, start + len)` is mapped.
@@ -31,7 +33,10 @@ fn is_mapped(start: u64, len: u64) -> bool {
     maps.lines().any(|l| {
         let range = l.split_whitespace().next().unwrap();
         let (a, b) = range.split_once('-').unwrap();
-        let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        let (a, b) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
         a < start + len && start < b
     })
 }
@@ -49,8 +54,9 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
         let sim = SimBackend::new(SimConfig::fast(2)).unwrap();
         let backend: Arc<dyn Backend> = sim.clone();
         // Streams with slow work queued.
-        let streams: Vec<_> =
-            (0..4).map(|i| sim.stream_create(DeviceId(i % 2)).unwrap()).collect();
+        let streams: Vec<_> = (0..4)
+            .map(|i| sim.stream_create(DeviceId(i % 2)).unwrap())
+            .collect();
         assert_eq!(threads(), threads0 + 4);
         // Each stream's kernel adds its own bit.
         for (i, s) in streams.iter().enumerate() {
@@ -98,7 +104,11 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
         let _opened = sim.ipc_open_mem_handle(D0, &ipc).unwrap();
         let _event = sim.event_create(D0).unwrap();
         assert!(open_fds() > fds0 + 4);
-        assert_eq!(memfd_mappings(), 5, "2 allocations, 2 VMM mappings, 1 opened IPC handle");
+        assert_eq!(
+            memfd_mappings(),
+            5,
+            "2 allocations, 2 VMM mappings, 1 opened IPC handle"
+        );
         assert!(is_mapped(va_range.0, va_range.1) && is_mapped(pinned_range.0, pinned_range.1));
         // Slow work still queued when the last handle goes.
         for (i, s) in streams.iter().enumerate().skip(1) {
@@ -112,10 +122,20 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
         drop(backend);
         drop(sim);
     }
-    assert_eq!(ran.load(Ordering::SeqCst), 0b1110_0001_1111, "every queued kernel ran before the drop returned");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0b1110_0001_1111,
+        "every queued kernel ran before the drop returned"
+    );
     assert_eq!(threads(), threads0, "stream threads joined");
     assert_eq!(open_fds(), fds0, "every memfd and dup closed");
     assert_eq!(memfd_mappings(), 0, "every device mapping unmapped");
-    assert!(!is_mapped(va_range.0, va_range.1), "VA reservation unmapped");
-    assert!(!is_mapped(pinned_range.0, pinned_range.1), "pinned memory unmapped");
+    assert!(
+        !is_mapped(va_range.0, va_range.1),
+        "VA reservation unmapped"
+    );
+    assert!(
+        !is_mapped(pinned_range.0, pinned_range.1),
+        "pinned memory unmapped"
+    );
 }

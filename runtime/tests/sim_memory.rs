@@ -3,14 +3,19 @@
 use std::sync::Arc;
 
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
-use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, HostRegisterFlags, IpcMemHandle};
+use gpualloc_runtime::{
+    Backend, BackendError, DeviceId, DevicePtr, HostRegisterFlags, IpcMemHandle,
+};
 
 const D0: DeviceId = DeviceId(0);
 const D1: DeviceId = DeviceId(1);
 
 fn small(devices: u32, capacity: u64) -> Arc<SimBackend> {
-    SimBackend::new(SimConfig { capacity_per_device: capacity, ..SimConfig::fast(devices) })
-        .unwrap()
+    SimBackend::new(SimConfig {
+        capacity_per_device: capacity,
+        ..SimConfig::fast(devices)
+    })
+    .unwrap()
 }
 
 fn invalid<T: std::fmt::Debug>(r: Result<T, BackendError>) -> bool {
@@ -19,9 +24,21 @@ fn invalid<T: std::fmt::Debug>(r: Result<T, BackendError>) -> bool {
 
 #[test]
 fn config_is_validated() {
-    assert!(SimBackend::new(SimConfig { devices: 0, ..SimConfig::fast(1) }).is_err());
-    assert!(SimBackend::new(SimConfig { granularity: 3 << 20, ..SimConfig::fast(1) }).is_err());
-    assert!(SimBackend::new(SimConfig { capacity_per_device: 0, ..SimConfig::fast(1) }).is_err());
+    assert!(SimBackend::new(SimConfig {
+        devices: 0,
+        ..SimConfig::fast(1)
+    })
+    .is_err());
+    assert!(SimBackend::new(SimConfig {
+        granularity: 3 << 20,
+        ..SimConfig::fast(1)
+    })
+    .is_err());
+    assert!(SimBackend::new(SimConfig {
+        capacity_per_device: 0,
+        ..SimConfig::fast(1)
+    })
+    .is_err());
 }
 
 #[test]
@@ -45,7 +62,10 @@ fn capacity_is_enforced_per_device() {
     assert_eq!(sim.mem_info(D0).unwrap().free, 5 << 20);
     // Sizes round up to whole pages.
     let d = sim.malloc(D0, 1).unwrap();
-    assert_eq!(sim.used_bytes(D0).unwrap(), (3 << 20) + rustix::param::page_size() as u64);
+    assert_eq!(
+        sim.used_bytes(D0).unwrap(),
+        (3 << 20) + rustix::param::page_size() as u64
+    );
     for (dev, p) in [(D0, b), (D1, c), (D0, d)] {
         sim.free(dev, p).unwrap();
     }
@@ -55,15 +75,27 @@ fn capacity_is_enforced_per_device() {
 #[test]
 fn bad_device_and_pointer_arguments() {
     let sim = small(2, 16 << 20);
-    assert_eq!(sim.malloc(DeviceId(2), 64), Err(BackendError::InvalidDevice(2)));
-    assert_eq!(sim.stream_create(DeviceId(9)).unwrap_err(), BackendError::InvalidDevice(9));
+    assert_eq!(
+        sim.malloc(DeviceId(2), 64),
+        Err(BackendError::InvalidDevice(2))
+    );
+    assert_eq!(
+        sim.stream_create(DeviceId(9)).unwrap_err(),
+        BackendError::InvalidDevice(9)
+    );
     let p = sim.malloc(D0, 4096).unwrap();
     assert!(invalid(sim.free(D1, p)), "free on the wrong device");
-    assert!(invalid(sim.free(D0, DevicePtr(p.0 + 64))), "interior pointer");
+    assert!(
+        invalid(sim.free(D0, DevicePtr(p.0 + 64))),
+        "interior pointer"
+    );
     sim.free(D0, p).unwrap();
     assert!(invalid(sim.free(D0, p)), "double free");
     let s = sim.stream_create(D0).unwrap();
-    assert!(invalid(sim.memcpy_async(s, p.0, p.0, 16)), "copy of freed memory");
+    assert!(
+        invalid(sim.memcpy_async(s, p.0, p.0, 16)),
+        "copy of freed memory"
+    );
     assert!(invalid(sim.copy_to_device(s, DevicePtr(0x10), b"x")));
     assert!(invalid(sim.memset_async(s, DevicePtr(u64::MAX - 2), 0, 16)));
     sim.stream_destroy(s).unwrap();
@@ -74,13 +106,15 @@ fn device_pointers_are_real_addresses_shared_by_ipc() {
     let sim = small(1, 64 << 20);
     let s = sim.stream_create(D0).unwrap();
     let p = sim.malloc(D0, 1 << 20).unwrap();
-    sim.copy_to_device(s, DevicePtr(p.0 + 100), b"shared bytes").unwrap();
+    sim.copy_to_device(s, DevicePtr(p.0 + 100), b"shared bytes")
+        .unwrap();
     // A handle for an interior pointer names the whole allocation.
     let h = sim.ipc_get_mem_handle(DevicePtr(p.0 + 100)).unwrap();
     let q = sim.ipc_open_mem_handle(D0, &h).unwrap();
     assert_ne!(q, p, "the opened allocation is a second mapping");
     let mut out = [0u8; 12];
-    sim.copy_from_device(s, &mut out, DevicePtr(q.0 + 100)).unwrap();
+    sim.copy_from_device(s, &mut out, DevicePtr(q.0 + 100))
+        .unwrap();
     assert_eq!(&out, b"shared bytes");
     // Writes through the opened mapping show in the original.
     sim.memset_async(s, q, 0xEE, 4).unwrap();
@@ -104,12 +138,18 @@ fn vmm_rules() {
     let g = sim.vmm_granularity(D0).unwrap();
     assert_eq!(g, 2 << 20);
     assert!(invalid(sim.va_reserve(D0, g + 1, 0)), "size not granular");
-    assert!(invalid(sim.va_reserve(D0, g, 3 << 20)), "alignment not a power of two");
+    assert!(
+        invalid(sim.va_reserve(D0, g, 3 << 20)),
+        "alignment not a power of two"
+    );
     assert!(invalid(sim.phys_create(D0, g / 2)));
     let va = sim.va_reserve(D0, 4 * g, 8 * g).unwrap();
     assert_eq!(va.0 % (8 * g), 0, "alignment honoured");
     let h = sim.phys_create(D0, 2 * g).unwrap();
-    assert!(invalid(sim.set_access(D0, va, g)), "set_access of an unmapped range");
+    assert!(
+        invalid(sim.set_access(D0, va, g)),
+        "set_access of an unmapped range"
+    );
     sim.map(va, g, 0, h).unwrap();
     sim.map(DevicePtr(va.0 + g), g, g, h).unwrap();
     // Unmap must cover whole mappings.
@@ -119,8 +159,14 @@ fn vmm_rules() {
     assert!(invalid(sim.va_free(D1, va, 4 * g)), "wrong device");
     sim.set_access(D0, va, 2 * g).unwrap();
     sim.phys_release(h).unwrap();
-    assert!(matches!(sim.phys_release(h), Err(BackendError::InvalidHandle(_))));
-    assert!(matches!(sim.phys_export_fd(h), Err(BackendError::InvalidHandle(_))));
+    assert!(matches!(
+        sim.phys_release(h),
+        Err(BackendError::InvalidHandle(_))
+    ));
+    assert!(matches!(
+        sim.phys_export_fd(h),
+        Err(BackendError::InvalidHandle(_))
+    ));
     assert_eq!(sim.live_phys(), 1, "released but still mapped");
     assert_eq!(sim.used_bytes(D0).unwrap(), 2 * g);
     sim.unmap(va, 2 * g).unwrap();
@@ -131,7 +177,9 @@ fn vmm_rules() {
     assert!(invalid(sim.va_free(D0, va, 4 * g)), "va_free twice");
     // An imported handle maps like a created one and is not counted twice.
     let h = sim.phys_create(D0, g).unwrap();
-    let imported = sim.phys_import_fd(D1, sim.phys_export_fd(h).unwrap()).unwrap();
+    let imported = sim
+        .phys_import_fd(D1, sim.phys_export_fd(h).unwrap())
+        .unwrap();
     assert_eq!((imported.device, imported.size), (D1, g));
     assert_eq!(sim.used_bytes(D1).unwrap(), 0);
     sim.phys_release(imported).unwrap();
@@ -156,10 +204,16 @@ fn pinned_and_registered_host_memory() {
     sim.copy_from_device(s, &mut out, dev).unwrap();
     assert!(out[..page as usize].iter().all(|x| *x == 0x42));
     assert!(out[page as usize..].iter().all(|x| *x == 0));
-    assert!(invalid(sim.host_free(byte_offset(pinned, 1))), "interior pointer");
+    assert!(
+        invalid(sim.host_free(byte_offset(pinned, 1))),
+        "interior pointer"
+    );
     sim.host_free(pinned).unwrap();
     assert!(invalid(sim.host_free(pinned)), "double free");
-    assert!(invalid(sim.memcpy_async(s, pinned as u64, dev.0, 16)), "freed pinned memory");
+    assert!(
+        invalid(sim.memcpy_async(s, pinned as u64, dev.0, 16)),
+        "freed pinned memory"
+    );
 
     // Registering: aligned, mapped ranges only.
     let mut buf = vec![0u8; 6 * page as usize];
@@ -168,9 +222,15 @@ fn pinned_and_registered_host_memory() {
     let at = |a: u64| a as *mut u8;
     assert!(invalid(sim.host_register(at(start + 1), page, flags)));
     assert!(invalid(sim.host_register(at(start), page + 1, flags)));
-    assert!(invalid(sim.host_register(at(0x1000), page, flags)), "unmapped range");
+    assert!(
+        invalid(sim.host_register(at(0x1000), page, flags)),
+        "unmapped range"
+    );
     sim.host_register(at(start), 2 * page, flags).unwrap();
-    assert!(invalid(sim.host_register(at(start + page), 2 * page, flags)), "overlap");
+    assert!(
+        invalid(sim.host_register(at(start + page), 2 * page, flags)),
+        "overlap"
+    );
     sim.memset_async(s, dev, 0x17, page).unwrap();
     sim.memcpy_async(s, start + 8, dev.0, 100).unwrap();
     sim.stream_synchronize(s).unwrap();
@@ -179,7 +239,10 @@ fn pinned_and_registered_host_memory() {
     assert_eq!(buf[off + 108], 0);
     assert!(invalid(sim.host_unregister(at(start + page))));
     sim.host_unregister(at(start)).unwrap();
-    assert!(invalid(sim.memcpy_async(s, start, dev.0, 16)), "unregistered memory");
+    assert!(
+        invalid(sim.memcpy_async(s, start, dev.0, 16)),
+        "unregistered memory"
+    );
     sim.free(D0, dev).unwrap();
     sim.stream_destroy(s).unwrap();
 }

@@ -12,8 +12,8 @@ use crate::sim::os::{self, Mapping};
 use crate::sim::queue::{SimEvent, SimStream};
 use crate::sim::{host, latency, lock, Op, SimBackend};
 use crate::types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
 
 impl Backend for SimBackend {
@@ -34,7 +34,10 @@ impl Backend for SimBackend {
         let used = lock(&self.used)[device.0 as usize];
         latency::pay(self.latency().query);
         let total = self.config.capacity_per_device;
-        Ok(MemInfo { free: total.saturating_sub(used), total })
+        Ok(MemInfo {
+            free: total.saturating_sub(used),
+            total,
+        })
     }
 
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
@@ -43,7 +46,10 @@ impl Backend for SimBackend {
         if size == 0 {
             return Err(BackendError::invalid("malloc of 0 bytes"));
         }
-        let oom = || BackendError::OutOfMemory { requested: size, what: device.to_string() };
+        let oom = || BackendError::OutOfMemory {
+            requested: size,
+            what: device.to_string(),
+        };
         if size > self.config.capacity_per_device {
             return Err(oom());
         }
@@ -78,9 +84,13 @@ impl Backend for SimBackend {
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
         self.enter(Op::Free)?;
         self.check_device(device)?;
-        let owner = self.mem.with_region(ptr.0, RegionKind::Device, |r| r.device)?;
+        let owner = self
+            .mem
+            .with_region(ptr.0, RegionKind::Device, |r| r.device)?;
         if owner != Some(device) {
-            return Err(BackendError::invalid(format!("{ptr} is not an allocation of {device}")));
+            return Err(BackendError::invalid(format!(
+                "{ptr} is not an allocation of {device}"
+            )));
         }
         // cuMemFree semantics: the device is synchronized first.
         self.drain_device(device);
@@ -121,7 +131,11 @@ impl Backend for SimBackend {
             let mut streams = lock(&self.streams);
             match streams.get(&stream.raw) {
                 Some(s) if s.shared.device == stream.device => {}
-                _ => return Err(BackendError::InvalidHandle(format!("unknown stream {stream:?}"))),
+                _ => {
+                    return Err(BackendError::InvalidHandle(format!(
+                        "unknown stream {stream:?}"
+                    )))
+                }
             }
             streams.remove(&stream.raw)
         };
@@ -190,7 +204,13 @@ impl Backend for SimBackend {
         )
     }
 
-    fn memset_async(&self, stream: StreamHandle, dst: DevicePtr, value: u8, len: u64) -> Result<()> {
+    fn memset_async(
+        &self,
+        stream: StreamHandle,
+        dst: DevicePtr,
+        value: u8,
+        len: u64,
+    ) -> Result<()> {
         self.enter(Op::MemsetAsync)?;
         let (shared, tx) = self.stream(stream)?;
         if len == 0 {
@@ -230,7 +250,9 @@ impl Backend for SimBackend {
             }),
         )?;
         drop(tx);
-        done_rx.recv().map_err(|_| BackendError::Unavailable("stream worker is gone".into()))?
+        done_rx
+            .recv()
+            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))?
     }
 
     fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
@@ -314,7 +336,11 @@ impl Backend for SimBackend {
         let mut events = lock(&self.events);
         match events.get(&event.raw) {
             Some(e) if e.device == event.device => {}
-            _ => return Err(BackendError::InvalidHandle(format!("unknown event {event:?}"))),
+            _ => {
+                return Err(BackendError::InvalidHandle(format!(
+                    "unknown event {event:?}"
+                )))
+            }
         }
         // Pending records keep their own reference and still complete.
         events.remove(&event.raw);
@@ -328,10 +354,12 @@ impl Backend for SimBackend {
         if size == 0 {
             return Err(BackendError::invalid("host_alloc of 0 bytes"));
         }
-        let rounded = self.page_round(size).ok_or_else(|| BackendError::OutOfMemory {
-            requested: size,
-            what: "pinned host".into(),
-        })?;
+        let rounded = self
+            .page_round(size)
+            .ok_or_else(|| BackendError::OutOfMemory {
+                requested: size,
+                what: "pinned host".into(),
+            })?;
         let mapping = Mapping::anonymous(rounded)?;
         let addr = mapping.addr();
         let region = Region {
@@ -349,7 +377,9 @@ impl Backend for SimBackend {
 
     fn host_free(&self, ptr: *mut u8) -> Result<()> {
         self.enter(Op::HostFree)?;
-        let region = self.mem.remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
+        let region = self
+            .mem
+            .remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
         let len = region.len;
         drop(region);
         latency::pay(self.latency().host_free_cost(len));

@@ -94,7 +94,11 @@ impl CallCounts {
 
     /// The operations called at least once, with their counts.
     pub fn nonzero(&self) -> Vec<(Op, u64)> {
-        Op::ALL.iter().map(|op| (*op, self.get(*op))).filter(|(_, n)| *n > 0).collect()
+        Op::ALL
+            .iter()
+            .map(|op| (*op, self.get(*op)))
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 }
 
@@ -106,7 +110,9 @@ pub(crate) struct Counters {
 
 impl Default for Counters {
     fn default() -> Self {
-        Counters { counts: Op::ALL.iter().map(|_| AtomicU64::new(0)).collect() }
+        Counters {
+            counts: Op::ALL.iter().map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 }
 
@@ -118,7 +124,13 @@ impl Counters {
     }
 
     pub(crate) fn snapshot(&self) -> CallCounts {
-        CallCounts { counts: self.counts.iter().map(|c| c.load(Ordering::Relaxed)).collect() }
+        CallCounts {
+            counts: self
+                .counts
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect(),
+        }
     }
 
     pub(crate) fn reset(&self) {

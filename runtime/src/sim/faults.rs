@@ -34,8 +34,16 @@ pub enum Fault {
 
 #[derive(Debug)]
 enum Active {
-    Next { skip: u64, count: u64, error: BackendError },
-    Random { threshold: u64, state: u64, error: BackendError },
+    Next {
+        skip: u64,
+        count: u64,
+        error: BackendError,
+    },
+    Random {
+        threshold: u64,
+        state: u64,
+        error: BackendError,
+    },
 }
 
 /// splitmix64: a tiny, good-enough deterministic generator.
@@ -63,12 +71,27 @@ impl Faults {
     pub(crate) fn inject(&self, op: Op, fault: Fault) {
         let active = match fault {
             Fault::FailNext { skip, count, error } => Active::Next { skip, count, error },
-            Fault::Random { probability, seed, error } => {
-                let p = if probability.is_nan() { 0.0 } else { probability.clamp(0.0, 1.0) };
+            Fault::Random {
+                probability,
+                seed,
+                error,
+            } => {
+                let p = if probability.is_nan() {
+                    0.0
+                } else {
+                    probability.clamp(0.0, 1.0)
+                };
                 // p == 1.0 must always fail: saturate the threshold.
-                let threshold =
-                    if p >= 1.0 { u64::MAX } else { (p * (u64::MAX as f64)) as u64 };
-                Active::Random { threshold, state: seed, error }
+                let threshold = if p >= 1.0 {
+                    u64::MAX
+                } else {
+                    (p * (u64::MAX as f64)) as u64
+                };
+                Active::Random {
+                    threshold,
+                    state: seed,
+                    error,
+                }
             }
         };
         let mut table = self.table();
@@ -89,7 +112,9 @@ impl Faults {
             return Ok(());
         }
         let mut table = self.table();
-        let Some(active) = table.get_mut(&op) else { return Ok(()) };
+        let Some(active) = table.get_mut(&op) else {
+            return Ok(());
+        };
         let (result, done) = match active {
             Active::Next { skip, count, error } => {
                 if *skip > 0 {
@@ -102,7 +127,11 @@ impl Faults {
                     (Ok(()), true)
                 }
             }
-            Active::Random { threshold, state, error } => {
+            Active::Random {
+                threshold,
+                state,
+                error,
+            } => {
                 let draw = splitmix64(state);
                 let fail = *threshold == u64::MAX || draw < *threshold;
                 (if fail { Err(error.clone()) } else { Ok(()) }, false)
@@ -124,7 +153,14 @@ mod tests {
     fn fail_next_skips_then_fails_count_times() {
         let f = Faults::default();
         let err = BackendError::Injected("malloc");
-        f.inject(Op::Malloc, Fault::FailNext { skip: 2, count: 2, error: err.clone() });
+        f.inject(
+            Op::Malloc,
+            Fault::FailNext {
+                skip: 2,
+                count: 2,
+                error: err.clone(),
+            },
+        );
         let got: Vec<bool> = (0..6).map(|_| f.check(Op::Malloc).is_err()).collect();
         assert_eq!(got, vec![false, false, true, true, false, false]);
         assert!(f.check(Op::Free).is_ok());
@@ -135,8 +171,17 @@ mod tests {
         let run = |seed| {
             let f = Faults::default();
             let error = BackendError::Injected("free");
-            f.inject(Op::Free, Fault::Random { probability: 0.25, seed, error });
-            (0..4000).map(|_| f.check(Op::Free).is_err()).collect::<Vec<_>>()
+            f.inject(
+                Op::Free,
+                Fault::Random {
+                    probability: 0.25,
+                    seed,
+                    error,
+                },
+            );
+            (0..4000)
+                .map(|_| f.check(Op::Free).is_err())
+                .collect::<Vec<_>>()
         };
         let a = run(7);
         assert_eq!(a, run(7));
@@ -149,9 +194,23 @@ mod tests {
     fn certain_and_impossible_faults() {
         let f = Faults::default();
         let error = BackendError::Injected("map");
-        f.inject(Op::Map, Fault::Random { probability: 1.0, seed: 1, error: error.clone() });
+        f.inject(
+            Op::Map,
+            Fault::Random {
+                probability: 1.0,
+                seed: 1,
+                error: error.clone(),
+            },
+        );
         assert!((0..100).all(|_| f.check(Op::Map).is_err()));
-        f.inject(Op::Map, Fault::Random { probability: 0.0, seed: 1, error });
+        f.inject(
+            Op::Map,
+            Fault::Random {
+                probability: 0.0,
+                seed: 1,
+                error,
+            },
+        );
         assert!((0..100).all(|_| f.check(Op::Map).is_ok()));
         f.clear();
         assert!(f.check(Op::Map).is_ok());

@@ -8,7 +8,10 @@ pub(crate) fn parse_maps(text: &str) -> Vec<(u64, u64)> {
         .filter_map(|line| {
             let range = line.split_whitespace().next()?;
             let (a, b) = range.split_once('-')?;
-            Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?))
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
         })
         .collect()
 }
@@ -51,7 +54,10 @@ mod tests {
     fn counts_crossed_mappings_and_finds_holes() {
         let text = "1000-3000 rw-p 00000000 00:00 0\n3000-4000 r--p 0 00:00 0 [heap]\n6000-8000 rw-p 0 0:0 0\n";
         let maps = parse_maps(text);
-        assert_eq!(maps, vec![(0x1000, 0x3000), (0x3000, 0x4000), (0x6000, 0x8000)]);
+        assert_eq!(
+            maps,
+            vec![(0x1000, 0x3000), (0x3000, 0x4000), (0x6000, 0x8000)]
+        );
         assert_eq!(mappings_crossed(&maps, 0x1000, 0x2000).unwrap(), 1);
         assert_eq!(mappings_crossed(&maps, 0x2000, 0x4000).unwrap(), 2);
         assert!(mappings_crossed(&maps, 0x3000, 0x7000).is_err());

@@ -34,10 +34,14 @@ impl IpcInfo {
             return Err(bad());
         }
         let u32_at = |i: usize| -> Result<u32> {
-            Ok(u32::from_le_bytes(b[i..i + 4].try_into().map_err(|_| bad())?))
+            Ok(u32::from_le_bytes(
+                b[i..i + 4].try_into().map_err(|_| bad())?,
+            ))
         };
         let u64_at = |i: usize| -> Result<u64> {
-            Ok(u64::from_le_bytes(b[i..i + 8].try_into().map_err(|_| bad())?))
+            Ok(u64::from_le_bytes(
+                b[i..i + 8].try_into().map_err(|_| bad())?,
+            ))
         };
         let info = IpcInfo {
             pid: u32_at(8)?,
@@ -59,7 +63,13 @@ mod tests {
 
     #[test]
     fn round_trips_and_rejects_garbage() {
-        let info = IpcInfo { pid: 42, fd: 7, base: 0x7f00_0000_0000, size: 2 << 20, device: 1 };
+        let info = IpcInfo {
+            pid: 42,
+            fd: 7,
+            base: 0x7f00_0000_0000,
+            size: 2 << 20,
+            device: 1,
+        };
         assert_eq!(IpcInfo::decode(&info.encode()).unwrap(), info);
         assert!(IpcInfo::decode(&IpcMemHandle([0u8; 64])).is_err());
         let mut h = info.encode();

@@ -8,7 +8,7 @@
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-/// Debt below which [`pay`] does not sleep yet.
+/// Latency debt below which a call does not sleep yet (see the module docs).
 pub const SLEEP_QUANTUM: Duration = Duration::from_micros(100);
 
 /// What each simulated driver call costs. [`LatencyModel::default`] approximates a current
@@ -132,10 +132,16 @@ impl LatencyModel {
 
     /// Cost of `host_register` of `len` bytes crossing `mappings` OS mappings.
     pub fn host_register_cost(&self, len: u64, mappings: u64) -> Duration {
-        Self::scaled(self.host_register_base, self.host_register_per_gib, len, 1 << 30)
-            .saturating_add(self.host_register_per_mapping.saturating_mul(
-                u32::try_from(mappings).unwrap_or(u32::MAX),
-            ))
+        Self::scaled(
+            self.host_register_base,
+            self.host_register_per_gib,
+            len,
+            1 << 30,
+        )
+        .saturating_add(
+            self.host_register_per_mapping
+                .saturating_mul(u32::try_from(mappings).unwrap_or(u32::MAX)),
+        )
     }
 
     /// Cost of copying `len` bytes in stream order.
@@ -164,7 +170,9 @@ pub fn pay(cost: Duration) {
         return;
     }
     let start = Instant::now();
-    std::thread::sleep(Duration::from_nanos(u64::try_from(debt).unwrap_or(u64::MAX)));
+    std::thread::sleep(Duration::from_nanos(
+        u64::try_from(debt).unwrap_or(u64::MAX),
+    ));
     let slept = start.elapsed().as_nanos() as i128;
     // Credit at most one quantum of oversleep, so a long stall is not paid back by later calls.
     DEBT_NANOS.with(|d| d.set((debt - slept).max(-(SLEEP_QUANTUM.as_nanos() as i128))));
@@ -177,13 +185,19 @@ mod tests {
     #[test]
     fn scaled_costs() {
         let m = LatencyModel::default();
-        assert_eq!(m.host_alloc_cost(4 << 20), Duration::from_micros(10 + 4 * 300));
+        assert_eq!(
+            m.host_alloc_cost(4 << 20),
+            Duration::from_micros(10 + 4 * 300)
+        );
         assert_eq!(
             m.host_register_cost(1 << 30, 3),
             Duration::from_micros(20) + Duration::from_millis(60) + Duration::from_micros(30)
         );
         assert_eq!(m.copy_cost(1 << 29), Duration::from_millis(20));
-        assert_eq!(LatencyModel::zero().host_alloc_cost(1 << 30), Duration::ZERO);
+        assert_eq!(
+            LatencyModel::zero().host_alloc_cost(1 << 30),
+            Duration::ZERO
+        );
     }
 
     #[test]

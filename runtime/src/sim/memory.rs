@@ -106,7 +106,9 @@ impl Memory {
 
     /// Errors when `[addr, addr + len)` overlaps a region.
     pub(crate) fn check_free(regions: &Regions, addr: u64, len: u64) -> Result<()> {
-        let end = addr.checked_add(len).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let end = addr
+            .checked_add(len)
+            .ok_or_else(|| BackendError::invalid("range overflows"))?;
         if let Some((start, region)) = regions.range(..end).next_back() {
             if start + region.len > addr {
                 return Err(BackendError::invalid(format!(
@@ -127,7 +129,9 @@ impl Memory {
         let regions = self.read_lock();
         match regions.get(&addr) {
             Some(r) if r.kind == kind => Ok(f(r)),
-            _ => Err(BackendError::invalid(format!("{addr:#x} is not the start of a {kind:?} region"))),
+            _ => Err(BackendError::invalid(format!(
+                "{addr:#x} is not the start of a {kind:?} region"
+            ))),
         }
     }
 

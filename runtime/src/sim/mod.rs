@@ -76,7 +76,11 @@ impl Default for SimConfig {
 impl SimConfig {
     /// `devices` devices with default capacity and zero latency: the usual test setup.
     pub fn fast(devices: u32) -> Self {
-        SimConfig { devices, latency: LatencyModel::zero(), ..SimConfig::default() }
+        SimConfig {
+            devices,
+            latency: LatencyModel::zero(),
+            ..SimConfig::default()
+        }
     }
 }
 
@@ -140,7 +144,10 @@ impl SimBackend {
 
     /// The configuration, with the current latency model.
     pub fn config(&self) -> SimConfig {
-        SimConfig { latency: self.latency(), ..self.config }
+        SimConfig {
+            latency: self.latency(),
+            ..self.config
+        }
     }
 
     /// The current latency model.
@@ -247,7 +254,10 @@ impl SimBackend {
                 *slot = n;
                 Ok(())
             }
-            _ => Err(BackendError::OutOfMemory { requested: bytes, what: device.to_string() }),
+            _ => Err(BackendError::OutOfMemory {
+                requested: bytes,
+                what: device.to_string(),
+            }),
         }
     }
 
@@ -316,6 +326,12 @@ fn raise_fd_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let lim = getrlimit(Resource::Nofile);
     if lim.current != lim.maximum {
-        let _ = setrlimit(Resource::Nofile, Rlimit { current: lim.maximum, maximum: lim.maximum });
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: lim.maximum,
+                maximum: lim.maximum,
+            },
+        );
     }
 }

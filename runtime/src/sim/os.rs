@@ -22,7 +22,10 @@ pub(crate) fn page_size() -> u64 {
 /// Maps an errno from a memory call to a typed error (`ENOMEM` becomes `OutOfMemory`).
 fn mem_err(op: &'static str, requested: u64, what: &str, e: rustix::io::Errno) -> BackendError {
     if e == rustix::io::Errno::NOMEM || e == rustix::io::Errno::NOSPC {
-        BackendError::OutOfMemory { requested, what: what.to_string() }
+        BackendError::OutOfMemory {
+            requested,
+            what: what.to_string(),
+        }
     } else {
         BackendError::os(op, e)
     }
@@ -47,7 +50,8 @@ pub(crate) fn memory_file_size(fd: impl AsFd) -> Result<u64> {
     let _: SealFlags = rustix::fs::fcntl_get_seals(fd)
         .map_err(|_| BackendError::invalid("fd is not a memory handle (no memfd seals)"))?;
     let stat = rustix::fs::fstat(fd).map_err(|e| BackendError::os("fstat", e))?;
-    u64::try_from(stat.st_size).map_err(|_| BackendError::invalid("memory handle has a negative size"))
+    u64::try_from(stat.st_size)
+        .map_err(|_| BackendError::invalid("memory handle has a negative size"))
 }
 
 /// An owned range of this process's address space, unmapped on drop.
@@ -71,7 +75,10 @@ impl Mapping {
             )
         }
         .map_err(|e| mem_err("mmap", len, "pinned host", e))?;
-        Ok(Mapping { addr: ptr as u64, len })
+        Ok(Mapping {
+            addr: ptr as u64,
+            len,
+        })
     }
 
     /// A shared read/write mapping of `len` bytes of `fd` from offset 0.
@@ -90,7 +97,10 @@ impl Mapping {
             )
         }
         .map_err(|e| mem_err("mmap", len, what, e))?;
-        Ok(Mapping { addr: ptr as u64, len })
+        Ok(Mapping {
+            addr: ptr as u64,
+            len,
+        })
     }
 
     /// Reserves `len` bytes of inaccessible address space aligned to `align` (a power of
@@ -138,7 +148,9 @@ impl Mapping {
     }
 
     fn check_inside(&self, addr: u64, len: u64) -> Result<()> {
-        let end = addr.checked_add(len).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let end = addr
+            .checked_add(len)
+            .ok_or_else(|| BackendError::invalid("range overflows"))?;
         if len == 0 || addr < self.addr || end > self.addr + self.len {
             return Err(BackendError::invalid(format!(
                 "range {addr:#x}+{len:#x} is not inside the mapping {:#x}+{:#x}",

@@ -43,7 +43,8 @@ impl StreamShared {
     /// Enqueues `task` on `tx`, numbering it in queue order.
     pub(crate) fn enqueue(&self, tx: &Sender<Task>, task: Task) -> Result<()> {
         let mut p = lock(&self.progress);
-        tx.send(task).map_err(|_| BackendError::InvalidHandle("stream is shutting down".into()))?;
+        tx.send(task)
+            .map_err(|_| BackendError::InvalidHandle("stream is shutting down".into()))?;
         p.submitted += 1;
         Ok(())
     }
@@ -94,13 +95,21 @@ impl SimStream {
             .name(format!("sim-stream-{}-{raw}", device.0))
             .spawn(move || worker(rx, worker_shared, failures))
             .map_err(|e| BackendError::os("thread spawn", e))?;
-        Ok(SimStream { shared, tx, thread: Some(thread) })
+        Ok(SimStream {
+            shared,
+            tx,
+            thread: Some(thread),
+        })
     }
 
     /// Closes the queue, lets it drain and joins the worker (unless called from the worker
     /// itself, e.g. a host function dropping the last handle: then it detaches).
     pub(crate) fn shutdown(self) {
-        let SimStream { shared: _, tx, thread } = self;
+        let SimStream {
+            shared: _,
+            tx,
+            thread,
+        } = self;
         drop(tx);
         if let Some(t) = thread {
             if t.thread().id() == std::thread::current().id() {
@@ -116,7 +125,10 @@ impl SimStream {
 fn worker(rx: Receiver<Task>, shared: Arc<StreamShared>, failures: Arc<AtomicU64>) {
     for task in rx.iter() {
         let result = catch_unwind(AssertUnwindSafe(task)).unwrap_or_else(|_| {
-            Err(BackendError::Driver { code: 719, name: "CUDA_ERROR_LAUNCH_FAILED (panic)".into() })
+            Err(BackendError::Driver {
+                code: 719,
+                name: "CUDA_ERROR_LAUNCH_FAILED (panic)".into(),
+            })
         });
         let mut p = lock(&shared.progress);
         p.done += 1;
@@ -147,7 +159,11 @@ pub(crate) struct SimEvent {
 
 impl SimEvent {
     pub(crate) fn new(device: DeviceId) -> Self {
-        SimEvent { device, state: Mutex::new(EventState::default()), cv: Condvar::new() }
+        SimEvent {
+            device,
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+        }
     }
 
     /// Starts a new record; returns its sequence number.

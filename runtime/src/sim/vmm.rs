@@ -55,7 +55,9 @@ impl VmmState {
 
     /// The reservation containing `[ptr, ptr + size)`.
     fn reservation_of(&self, ptr: u64, size: u64) -> Result<(u64, &Reservation)> {
-        let end = ptr.checked_add(size).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let end = ptr
+            .checked_add(size)
+            .ok_or_else(|| BackendError::invalid("range overflows"))?;
         match self.reservations.range(..=ptr).next_back() {
             Some((start, r)) if end <= start + r.va.len() => Ok((*start, r)),
             _ => Err(BackendError::invalid(format!(
@@ -97,19 +99,37 @@ impl SimBackend {
         Ok(())
     }
 
-    pub(crate) fn vmm_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
+    pub(crate) fn vmm_reserve(
+        &self,
+        device: DeviceId,
+        size: u64,
+        alignment: u64,
+    ) -> Result<DevicePtr> {
         self.check_device(device)?;
         if size == 0 {
             return Err(BackendError::invalid("va_reserve of 0 bytes"));
         }
         self.check_granular("reservation size", size)?;
-        let align = if alignment == 0 { self.config.granularity } else { alignment };
+        let align = if alignment == 0 {
+            self.config.granularity
+        } else {
+            alignment
+        };
         if !align.is_power_of_two() {
-            return Err(BackendError::invalid(format!("alignment {align:#x} is not a power of two")));
+            return Err(BackendError::invalid(format!(
+                "alignment {align:#x} is not a power of two"
+            )));
         }
         let va = Mapping::reserve(size, align.max(self.page))?;
         let addr = va.addr();
-        lock(&self.vmm).reservations.insert(addr, Reservation { device, va, mapped: BTreeMap::new() });
+        lock(&self.vmm).reservations.insert(
+            addr,
+            Reservation {
+                device,
+                va,
+                mapped: BTreeMap::new(),
+            },
+        );
         latency::pay(self.latency().va);
         Ok(DevicePtr(addr))
     }
@@ -155,9 +175,17 @@ impl SimBackend {
             }
         };
         let raw = self.next_id();
-        lock(&self.vmm)
-            .phys
-            .insert(raw, Phys { device, size, fd, released: false, maps: 0, imported: false });
+        lock(&self.vmm).phys.insert(
+            raw,
+            Phys {
+                device,
+                size,
+                fd,
+                released: false,
+                maps: 0,
+                imported: false,
+            },
+        );
         latency::pay(self.latency().phys);
         Ok(PhysHandle { device, raw, size })
     }
@@ -188,7 +216,13 @@ impl SimBackend {
         Ok(())
     }
 
-    pub(crate) fn vmm_map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
+    pub(crate) fn vmm_map(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        offset: u64,
+        handle: PhysHandle,
+    ) -> Result<()> {
         if size == 0 {
             return Err(BackendError::invalid("map of 0 bytes"));
         }
@@ -235,7 +269,13 @@ impl SimBackend {
             return Err(e);
         }
         if let Some(r) = vmm.reservations.get_mut(&rstart) {
-            r.mapped.insert(ptr.0, Mapped { len: size, phys: handle.raw });
+            r.mapped.insert(
+                ptr.0,
+                Mapped {
+                    len: size,
+                    phys: handle.raw,
+                },
+            );
         }
         if let Some(p) = vmm.phys.get_mut(&handle.raw) {
             p.maps += 1;
@@ -302,7 +342,9 @@ impl SimBackend {
             Some(p) if !p.released && p.device == handle.device => p.fd.as_fd(),
             _ => return Err(BackendError::InvalidHandle(format!("unknown {handle:?}"))),
         };
-        let dup = fd.try_clone_to_owned().map_err(|e| BackendError::os("dup", e))?;
+        let dup = fd
+            .try_clone_to_owned()
+            .map_err(|e| BackendError::os("dup", e))?;
         drop(vmm);
         latency::pay(self.latency().ipc);
         Ok(dup)
@@ -316,9 +358,17 @@ impl SimBackend {
         }
         self.check_granular("imported size", size)?;
         let raw = self.next_id();
-        lock(&self.vmm)
-            .phys
-            .insert(raw, Phys { device, size, fd, released: false, maps: 0, imported: true });
+        lock(&self.vmm).phys.insert(
+            raw,
+            Phys {
+                device,
+                size,
+                fd,
+                released: false,
+                maps: 0,
+                imported: true,
+            },
+        );
         latency::pay(self.latency().ipc);
         Ok(PhysHandle { device, raw, size })
     }
