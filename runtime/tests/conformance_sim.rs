@@ -1,5 +1,6 @@
 //! Runs the backend conformance suite on a two-device sim with zero latency, on both
 //! devices, and reports every check by name.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::sync::Arc;
 

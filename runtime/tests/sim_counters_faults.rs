@@ -1,4 +1,5 @@
 //! The sim's call counters and fault injection.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::sync::Arc;
 

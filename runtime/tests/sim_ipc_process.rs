@@ -1,6 +1,7 @@
 //! Legacy IPC across real processes: the parent allocates device memory on its sim and
 //! sends the 64-byte handle to a child process (this test binary, re-run), which opens it
 //! on its own sim, checks the parent's bytes and writes an answer the parent then reads.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::process::Command;
 

@@ -1,5 +1,6 @@
 //! Simulated kernels: real reads and writes of device memory, in stream order, with
 //! invalid accesses turned into sticky stream errors instead of crashes.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

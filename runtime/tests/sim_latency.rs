@@ -1,4 +1,5 @@
 //! The sim's latency model: real-hardware defaults, changeable at run time.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::time::{Duration, Instant};
 

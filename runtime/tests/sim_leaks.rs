@@ -1,6 +1,7 @@
 //! Nothing leaks: dropping the sim (or a stream) with work in flight drains and joins the
 //! worker threads, unmaps all memory and closes every fd. One test per binary, so no other
 //! test's threads or fds disturb the counts.
+#![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;

@@ -30,8 +30,7 @@ impl Backend for SimBackend {
 
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         self.enter(Op::MemInfo)?;
-        self.check_device(device)?;
-        let used = lock(&self.used)[device.0 as usize];
+        let used = self.used_on(device)?;
         latency::pay(self.latency().query);
         let total = self.config.capacity_per_device;
         Ok(MemInfo {

@@ -187,8 +187,7 @@ impl SimBackend {
 
     /// Bytes of device memory in use on `device` (allocations and physical handles).
     pub fn used_bytes(&self, device: DeviceId) -> Result<u64> {
-        self.check_device(device)?;
-        Ok(lock(&self.used)[device.0 as usize])
+        self.used_on(device)
     }
 
     /// Live streams on all devices.
@@ -248,7 +247,9 @@ impl SimBackend {
     /// Takes `bytes` of `device`'s capacity, or fails with `OutOfMemory`.
     fn take_capacity(&self, device: DeviceId, bytes: u64) -> Result<()> {
         let mut used = lock(&self.used);
-        let slot = &mut used[device.0 as usize];
+        let slot = used
+            .get_mut(device.0 as usize)
+            .ok_or(BackendError::InvalidDevice(device.0))?;
         match slot.checked_add(bytes) {
             Some(n) if n <= self.config.capacity_per_device => {
                 *slot = n;
@@ -259,6 +260,13 @@ impl SimBackend {
                 what: device.to_string(),
             }),
         }
+    }
+
+    fn used_on(&self, device: DeviceId) -> Result<u64> {
+        lock(&self.used)
+            .get(device.0 as usize)
+            .copied()
+            .ok_or(BackendError::InvalidDevice(device.0))
     }
 
     fn give_capacity(&self, device: DeviceId, bytes: u64) {
