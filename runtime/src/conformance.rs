@@ -146,6 +146,16 @@ fn is_invalid(e: &BackendError) -> bool {
     )
 }
 
+/// What a rejected import may fail with: the driver's code for "not exported memory" varies
+/// (the sim says `InvalidValue`, which its own tests assert).
+fn is_rejected_import(e: &BackendError) -> bool {
+    is_invalid(e)
+        || matches!(
+            e,
+            BackendError::NotSupported(_) | BackendError::Driver { .. }
+        )
+}
+
 fn is_oom_or_invalid(e: &BackendError) -> bool {
     e.is_oom() || matches!(e, BackendError::InvalidValue(_))
 }
@@ -455,34 +465,47 @@ fn vmm_roundtrip(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
         format!("granularity {g} is not a power of two")
     })?;
     let s = TestStream::new(b, d)?;
-    let phys = ok(b.phys_create(d, 2 * g), "phys_create")?;
+    // Offsets into a handle stay 0 (CUDA's cuMemMap requires it); two handles, one per granule.
+    let first = ok(b.phys_create(d, g), "phys_create 1")?;
+    let phys = ok(b.phys_create(d, 2 * g), "phys_create 2")?;
     let va1 = ok(b.va_reserve(d, 4 * g, 0), "va_reserve 1")?;
     ensure(va1.0 % g == 0, || {
         format!("reservation {va1} not aligned to {g}")
     })?;
-    // Map the second granule of the handle at the second granule of the reservation.
+    // `first` at granule 0, `phys` at granules 1..3, one set_access over both mappings.
+    ok(b.map(va1, g, 0, first), "map 1a")?;
     let at1 = DevicePtr(va1.0 + g);
-    ok(b.map(at1, g, g, phys), "map 1")?;
-    ok(b.set_access(d, at1, g), "set_access 1")?;
-    let data = pattern(g as usize, 42);
-    ok(b.copy_to_device(s.h, at1, &data), "write through mapping 1")?;
+    ok(b.map(at1, 2 * g, 0, phys), "map 1b")?;
+    ok(b.set_access(d, va1, 3 * g), "set_access 1")?;
+    // A write straddling the two mappings.
+    let data = pattern(2 * g as usize, 42);
+    let straddle = DevicePtr(va1.0 + g / 2);
+    ok(
+        b.copy_to_device(s.h, straddle, &data),
+        "write through mapping 1",
+    )?;
+    // Another mapping of `phys`, through an exported and imported fd.
     let fd = ok(b.phys_export_fd(phys), "phys_export_fd")?;
     let imported = ok(b.phys_import_fd(d, fd), "phys_import_fd")?;
-    ensure(imported.size == 2 * g, || {
-        format!("imported size {} != {}", imported.size, 2 * g)
+    ensure(imported.size == 2 * g || imported.size == 0, || {
+        format!(
+            "imported size {} is neither {} nor unknown (0)",
+            imported.size,
+            2 * g
+        )
     })?;
     let va2 = ok(b.va_reserve(d, 2 * g, 0), "va_reserve 2")?;
     ok(b.map(va2, 2 * g, 0, imported), "map 2")?;
     ok(b.set_access(d, va2, 2 * g), "set_access 2")?;
-    let mut back = vec![0u8; g as usize];
+    let mut back = vec![0u8; (3 * g / 2) as usize];
     ok(
-        b.copy_from_device(s.h, &mut back, DevicePtr(va2.0 + g)),
+        b.copy_from_device(s.h, &mut back, va2),
         "read through mapping 2",
     )?;
-    ensure(back == data, || {
+    ensure(back[..] == data[(g / 2) as usize..], || {
         "mapping 2 does not show what was written through mapping 1".into()
     })?;
-    // And the other way round, with a device-side copy.
+    // And the other way round, with a device-side memset.
     ok(
         b.memset_async(s.h, va2, 0x77, 16),
         "memset through mapping 2",
@@ -491,58 +514,52 @@ fn vmm_roundtrip(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     ok(b.unmap(va2, 2 * g), "unmap 2")?;
     ok(b.va_free(d, va2, 2 * g), "va_free 2")?;
     ok(b.phys_release(imported), "phys_release imported")?;
-    let at0 = va1;
-    ok(b.map(at0, g, 0, phys), "map granule 0")?;
-    ok(b.set_access(d, at0, g), "set_access granule 0")?;
     let mut head = vec![0u8; 16];
-    ok(b.copy_from_device(s.h, &mut head, at0), "read granule 0")?;
+    ok(b.copy_from_device(s.h, &mut head, at1), "read mapping 1b")?;
     ensure(head == vec![0x77; 16], || {
-        format!("granule 0 reads {head:?}")
+        format!("mapping 1 reads {head:?}")
     })?;
-    // Release while mapped: the memory lives on until unmapped.
+    // Released while mapped: the memory lives on until unmapped.
     ok(b.phys_release(phys), "phys_release while mapped")?;
+    ok(b.phys_release(first), "phys_release 1 while mapped")?;
     let mut again = vec![0u8; 16];
     ok(
-        b.copy_from_device(s.h, &mut again, at1),
+        b.copy_from_device(s.h, &mut again, straddle),
         "read after release",
     )?;
     ensure(again[..] == data[..16], || {
         "released-but-mapped memory changed".into()
     })?;
-    ok(b.unmap(va1, 2 * g), "unmap both granules")?;
+    ok(b.unmap(at1, 2 * g), "unmap 1b")?;
+    ok(b.unmap(va1, g), "unmap 1a")?;
     ok(b.va_free(d, va1, 4 * g), "va_free 1")
 }
 
 fn vmm_bad_mappings(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     let g = ok(b.vmm_granularity(d), "vmm_granularity")?;
     let phys = ok(b.phys_create(d, g), "phys_create")?;
-    let va = ok(b.va_reserve(d, 2 * g, 0), "va_reserve")?;
+    let va = ok(b.va_reserve(d, 4 * g, 0), "va_reserve")?;
     let r = (|| {
+        let page = rustix::param::page_size() as u64;
         expect_err(
-            b.map(DevicePtr(va.0 + 4096), g, 0, phys),
+            b.map(DevicePtr(va.0 + page), g, 0, phys),
             "unaligned map",
             is_invalid,
         )?;
         expect_err(
-            b.map(DevicePtr(va.0 + 2 * g), g, 0, phys),
-            "map past the reservation",
-            is_invalid,
-        )?;
-        expect_err(
-            b.map(va, g, g, phys),
+            b.map(va, 2 * g, 0, phys),
             "map past the handle's end",
             is_invalid,
         )?;
-        ok(b.map(va, g, 0, phys), "map")?;
-        expect_err(b.map(va, g, 0, phys), "map over a mapping", is_invalid)?;
         expect_err(
-            b.va_free(d, va, 2 * g),
-            "va_free with a live mapping",
+            b.map(va, g / 2, 0, phys),
+            "map of part of a granule",
             is_invalid,
         )?;
+        ok(b.map(va, g, 0, phys), "map")?;
         ok(b.unmap(va, g), "unmap")
     })();
-    let _ = b.va_free(d, va, 2 * g);
+    let _ = b.va_free(d, va, 4 * g);
     let _ = b.phys_release(phys);
     r
 }
@@ -622,14 +639,14 @@ fn import_non_memory_fd(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String>
     expect_err(
         b.phys_import_fd(d, OwnedFd::from(null)),
         "import /dev/null",
-        is_invalid,
+        is_rejected_import,
     )?;
     let (sock, _peer) =
         std::os::unix::net::UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
     expect_err(
         b.phys_import_fd(d, OwnedFd::from(sock)),
         "import a socket",
-        is_invalid,
+        is_rejected_import,
     )
 }
 

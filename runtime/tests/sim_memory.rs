@@ -176,6 +176,22 @@ fn vmm_rules() {
     assert!(invalid(sim.unmap(va, g)), "unmap twice");
     sim.va_free(D0, va, 4 * g).unwrap();
     assert!(invalid(sim.va_free(D0, va, 4 * g)), "va_free twice");
+    // Overlapping or out-of-reservation mappings.
+    let va = sim.va_reserve(D0, 2 * g, 0).unwrap();
+    let h = sim.phys_create(D0, g).unwrap();
+    sim.map(va, g, 0, h).unwrap();
+    assert!(invalid(sim.map(va, g, 0, h)), "map over a mapping");
+    assert!(
+        invalid(sim.map(DevicePtr(va.0 + g), 2 * g, 0, h)),
+        "map past the reservation"
+    );
+    assert!(
+        invalid(sim.map(DevicePtr(va.0 + 4 * g), g, 0, h)),
+        "map outside any reservation"
+    );
+    sim.unmap(va, g).unwrap();
+    sim.va_free(D0, va, 2 * g).unwrap();
+    sim.phys_release(h).unwrap();
     // An imported handle maps like a created one and is not counted twice.
     let h = sim.phys_create(D0, g).unwrap();
     let imported = sim
@@ -186,6 +202,29 @@ fn vmm_rules() {
     sim.phys_release(imported).unwrap();
     sim.phys_release(h).unwrap();
     assert_eq!(sim.counts().get(Op::PhysImportFd), 1);
+}
+
+#[test]
+fn non_memory_fds_and_foreign_events_are_invalid_values() {
+    let sim = small(2, 64 << 20);
+    let null = std::fs::File::open("/dev/null").unwrap();
+    assert!(invalid(sim.phys_import_fd(D0, null.into())));
+    let (sock, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    assert!(invalid(sim.phys_import_fd(D0, sock.into())));
+    // A regular file is not a memory handle either (no memfd seals).
+    let exe = std::fs::File::open(std::env::current_exe().unwrap()).unwrap();
+    assert!(invalid(sim.phys_import_fd(D0, exe.into())));
+    // A memfd whose size is not a whole number of granules.
+    let odd = rustix::fs::memfd_create("odd", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&odd, 4096).unwrap();
+    assert!(invalid(sim.phys_import_fd(D0, odd)));
+    let e = sim.event_create(D0).unwrap();
+    let s1 = sim.stream_create(D1).unwrap();
+    assert!(invalid(sim.event_record(e, s1)));
+    // Waiting on another device's event is allowed (as in CUDA).
+    sim.stream_wait_event(s1, e).unwrap();
+    sim.stream_destroy(s1).unwrap();
+    sim.event_destroy(e).unwrap();
 }
 
 #[test]
