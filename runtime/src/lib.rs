@@ -11,9 +11,12 @@
 //!
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
+pub mod accounting;
 pub mod backend;
 pub mod completion;
 pub mod conformance;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod sim;
 pub mod stream;
@@ -25,6 +28,6 @@ pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
 pub use stream::{Event, Stream};
 pub use types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };

@@ -53,7 +53,18 @@ impl Stream {
     /// Creates a new stream on `device`.
     pub fn new(backend: &Arc<dyn Backend>, device: DeviceId) -> Result<Stream> {
         let handle = backend.stream_create(device)?;
-        Ok(Stream { inner: Arc::new(StreamInner { backend: backend.clone(), handle }) })
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                backend: backend.clone(),
+                handle,
+            }),
+        })
+    }
+
+    /// Wraps a stream handle the caller already owns (e.g. one a backend adopted from
+    /// another library); the backend's `stream_destroy` runs when the last clone goes.
+    pub fn from_handle(backend: Arc<dyn Backend>, handle: StreamHandle) -> Stream {
+        Stream { inner: Arc::new(StreamInner { backend, handle }) }
     }
 
     /// The backend's handle.
@@ -81,11 +92,10 @@ impl Stream {
     pub fn completed(&self) -> Completion {
         let cell = CompletionCell::new();
         let waker_cell = cell.clone();
-        match self
-            .inner
-            .backend
-            .launch_host_func(self.inner.handle, Box::new(move || waker_cell.complete(Ok(()))))
-        {
+        match self.inner.backend.launch_host_func(
+            self.inner.handle,
+            Box::new(move || waker_cell.complete(Ok(()))),
+        ) {
             Ok(()) => Completion::new(cell),
             Err(e) => Completion::ready(Err(e)),
         }
@@ -95,7 +105,11 @@ impl Stream {
     pub fn record_event(&self) -> Result<Event> {
         let backend = &self.inner.backend;
         let handle = backend.event_create(self.device())?;
-        let event = Event { backend: backend.clone(), handle, cell: CompletionCell::new() };
+        let event = Event {
+            backend: backend.clone(),
+            handle,
+            cell: CompletionCell::new(),
+        };
         backend.event_record(handle, self.inner.handle)?;
         let cell = event.cell.clone();
         backend.launch_host_func(self.inner.handle, Box::new(move || cell.complete(Ok(()))))?;
@@ -104,7 +118,9 @@ impl Stream {
 
     /// Makes later work on this stream wait for `event`.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        self.inner.backend.stream_wait_event(self.inner.handle, event.handle)
+        self.inner
+            .backend
+            .stream_wait_event(self.inner.handle, event.handle)
     }
 }
 
@@ -117,7 +133,9 @@ pub struct Event {
 
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Event").field("handle", &self.handle).finish()
+        f.debug_struct("Event")
+            .field("handle", &self.handle)
+            .finish()
     }
 }
 

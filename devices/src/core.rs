@@ -1,0 +1,648 @@
+//! [`DeviceCore`]: the caching allocator of one device, a synchronous state machine over a
+//! [`Backend`].
+//!
+//! The malloc path is PyTorch's, step for step:
+//! 1. complete the frees whose stream events have finished (`process_events`);
+//! 2. round the size, pick the pool (small ≤ 1 MiB, else large) and the segment size;
+//! 3. best fit in the pool for the same stream; else run the free-memory callbacks and retry;
+//! 4. on a miss: garbage-collect old cached blocks if the threshold is crossed, then allocate a
+//!    segment; if the device is full: take a block from a private pool marked `use_on_oom`,
+//!    release cached oversize blocks and retry, release every unused cached segment after
+//!    synchronizing pending events and retry; then report out of memory;
+//! 5. split the block if the rules allow, and hand out the front part.
+//!
+//! Other pieces of the core live beside this file: `release.rs` (free, merge, release, the OOM
+//! chain's release steps, `empty_cache`), `events.rs` (cross-stream frees), `inspect.rs`
+//! (snapshot, invariants). Nothing here reads a clock or blocks on anything but the backend.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
+
+use crate::block::{Block, BlockArena, BlockId, BlockState};
+use crate::config::AllocatorConfig;
+use crate::error::{AllocError, OomReport};
+use crate::pool::{key, BlockPool, PoolOwner};
+use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
+use crate::stats::{for_pool, DeviceStats};
+use crate::trace::{TraceAction, TraceEntry, TraceRing};
+
+/// A live allocation handed to a user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    /// Start address (null for a zero-size request).
+    pub ptr: DevicePtr,
+    /// Bytes the user asked for.
+    pub size: u64,
+    /// Bytes of the block backing it (the rounded size).
+    pub block_size: u64,
+    /// The allocation stream.
+    pub stream: StreamHandle,
+}
+
+/// Id of a private memory pool (PyTorch's `MempoolId_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct MemPoolId(pub u64);
+
+/// A callback run when the pools have no block for a request, before a device malloc. It
+/// returns pointers of this allocator's live allocations that may now be freed (e.g. blocks
+/// another process has released); the core frees them and searches again.
+pub type FreeMemoryCallback = Box<dyn FnMut() -> Vec<DevicePtr> + Send>;
+
+pub(crate) struct PrivatePool {
+    pub small: usize,
+    pub large: usize,
+    pub use_on_oom: bool,
+    /// The user released the pool: its cached segments go back on `empty_cache`.
+    pub released: bool,
+}
+
+/// Parameters of one malloc on its way through the chain.
+pub(crate) struct AllocParams {
+    pub stream: StreamHandle,
+    pub size: u64,
+    pub alloc_size: u64,
+    pub pool: usize,
+    pub block: Option<BlockId>,
+}
+
+/// The caching allocator of one device. See the module docs.
+pub struct DeviceCore {
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) device: DeviceId,
+    pub(crate) config: AllocatorConfig,
+    pub(crate) blocks: BlockArena,
+    /// Pools by index: 0 small and 1 large of the default owner, then private pools' pairs.
+    pub(crate) pools: Vec<BlockPool>,
+    pub(crate) private: BTreeMap<u64, PrivatePool>,
+    next_pool_id: u64,
+    /// Streams whose allocations go to a private pool.
+    pub(crate) routes: HashMap<u64, u64>,
+    /// Allocated blocks by address.
+    pub(crate) active: HashMap<u64, BlockId>,
+    /// Segments by base address: (size, pool index, expandable).
+    pub(crate) segments: BTreeMap<u64, SegmentMeta>,
+    /// Pending cross-stream frees per stream, in record order.
+    pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
+    pub(crate) event_pool: Vec<EventHandle>,
+    pub(crate) stats: DeviceStats,
+    /// Bytes held from the backend (PyTorch's `total_allocated_memory`).
+    pub(crate) total_reserved: u64,
+    pub(crate) allowed_max: Option<u64>,
+    pub(crate) device_total: u64,
+    pub(crate) trace: Option<TraceRing>,
+    pub(crate) now_us: u64,
+    callbacks: Vec<FreeMemoryCallback>,
+    pub(crate) shut_down: bool,
+}
+
+/// What the core remembers of a segment.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SegmentMeta {
+    pub size: u64,
+    pub pool: usize,
+    pub stream: StreamHandle,
+}
+
+pub(crate) const SMALL_POOL: usize = 0;
+pub(crate) const LARGE_POOL: usize = 1;
+
+impl DeviceCore {
+    /// A core for `device` of `backend`. Reads the device's total memory once (for
+    /// `per_process_memory_fraction` and OOM reports).
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        device: DeviceId,
+        config: AllocatorConfig,
+    ) -> Result<Self, AllocError> {
+        let info = backend.mem_info(device)?;
+        let allowed_max = config.per_process_memory_fraction.map(|f| (info.total as f64 * f) as u64);
+        Ok(DeviceCore {
+            backend,
+            device,
+            config,
+            blocks: BlockArena::default(),
+            pools: vec![
+                BlockPool::new(true, PoolOwner::Default),
+                BlockPool::new(false, PoolOwner::Default),
+            ],
+            private: BTreeMap::new(),
+            next_pool_id: 1,
+            routes: HashMap::new(),
+            active: HashMap::new(),
+            segments: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            event_pool: Vec::new(),
+            stats: DeviceStats::default(),
+            total_reserved: 0,
+            allowed_max,
+            device_total: info.total,
+            trace: None,
+            now_us: 0,
+            callbacks: Vec::new(),
+            shut_down: false,
+        })
+    }
+
+    /// The device this core serves.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.config
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Sets the time stamped on trace entries from now on (the core has no clock).
+    pub fn set_time_us(&mut self, now_us: u64) {
+        self.now_us = now_us;
+    }
+
+    /// Starts recording history into a ring of `max_entries` (None stops and clears it).
+    pub fn record_history(&mut self, max_entries: Option<usize>) {
+        self.trace = max_entries.map(TraceRing::new);
+    }
+
+    /// Adds a callback run on a cache miss (see [`FreeMemoryCallback`]).
+    pub fn add_free_memory_callback(&mut self, callback: FreeMemoryCallback) {
+        self.callbacks.push(callback);
+    }
+
+    /// Statistics.
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    /// Resets peak statistics to current values.
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peak();
+    }
+
+    /// Resets accumulated statistics (sums and event counters).
+    pub fn reset_accumulated_stats(&mut self) {
+        self.stats.reset_accumulated();
+    }
+
+    /// Bytes held from the backend.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.total_reserved
+    }
+
+    /// Number of frees still waiting on stream events.
+    pub fn pending_frees(&self) -> usize {
+        self.pending.values().map(VecDeque::len).sum()
+    }
+
+    pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
+        if let Some(ring) = &mut self.trace {
+            ring.push(TraceEntry { action, addr, size, stream, time_us: self.now_us });
+        }
+    }
+
+    fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        if stream.device != self.device {
+            return Err(AllocError::WrongDevice { expected: self.device, got: stream.device });
+        }
+        Ok(())
+    }
+
+    // ---- private pools ----
+
+    /// Creates a private memory pool. With `use_on_oom`, its free blocks serve any request of
+    /// this device that would otherwise fail.
+    pub fn create_pool(&mut self, use_on_oom: bool) -> MemPoolId {
+        let id = self.next_pool_id;
+        self.next_pool_id += 1;
+        let small = self.pools.len();
+        self.pools.push(BlockPool::new(true, PoolOwner::Private(id)));
+        self.pools.push(BlockPool::new(false, PoolOwner::Private(id)));
+        self.private.insert(id, PrivatePool { small, large: small + 1, use_on_oom, released: false });
+        MemPoolId(id)
+    }
+
+    /// Routes allocations on `stream` to `pool` until [`DeviceCore::end_allocate_to_pool`].
+    pub fn begin_allocate_to_pool(
+        &mut self,
+        pool: MemPoolId,
+        stream: StreamHandle,
+    ) -> Result<(), AllocError> {
+        self.check_stream(stream)?;
+        match self.private.get(&pool.0) {
+            Some(p) if !p.released => {
+                self.routes.insert(stream.raw, pool.0);
+                Ok(())
+            }
+            _ => Err(AllocError::UnknownPool(pool.0)),
+        }
+    }
+
+    /// Stops routing `stream`'s allocations to a private pool.
+    pub fn end_allocate_to_pool(&mut self, stream: StreamHandle) {
+        self.routes.remove(&stream.raw);
+    }
+
+    /// Releases a private pool: no new allocations go to it, and its cached segments are
+    /// returned by the next `empty_cache` (live allocations in it stay valid).
+    pub fn release_pool(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
+        let p = self.private.get_mut(&pool.0).ok_or(AllocError::UnknownPool(pool.0))?;
+        p.released = true;
+        self.routes.retain(|_, id| *id != pool.0);
+        Ok(())
+    }
+
+    fn pool_for(&self, rounded: u64, stream: StreamHandle) -> usize {
+        let small = is_small(rounded);
+        match self.routes.get(&stream.raw).and_then(|id| self.private.get(id)) {
+            Some(p) => {
+                if small {
+                    p.small
+                } else {
+                    p.large
+                }
+            }
+            None => {
+                if small {
+                    SMALL_POOL
+                } else {
+                    LARGE_POOL
+                }
+            }
+        }
+    }
+
+    // ---- malloc ----
+
+    /// Allocates `size` bytes for use on `stream`. Size 0 returns a null allocation, as
+    /// PyTorch does (freeing it is a no-op).
+    pub fn malloc(&mut self, size: u64, stream: StreamHandle) -> Result<Allocation, AllocError> {
+        match self.try_cached(size, stream)? {
+            CachedOutcome::Hit(a) => Ok(a),
+            CachedOutcome::Miss(request) => self.malloc_after_miss(request),
+        }
+    }
+
+    /// The cache-only half of [`DeviceCore::malloc`]: steps 1–3. On a miss it returns the
+    /// parameters for a segment allocation, which the caller may perform off this core (a
+    /// device malloc is slow) and hand back with [`DeviceCore::malloc_with_segment`], or
+    /// continue in place with [`DeviceCore::malloc_after_miss`].
+    pub fn try_cached(&mut self, size: u64, stream: StreamHandle) -> Result<CachedOutcome, AllocError> {
+        self.check_stream(stream)?;
+        if size == 0 {
+            return Ok(CachedOutcome::Hit(Allocation {
+                ptr: DevicePtr(0),
+                size: 0,
+                block_size: 0,
+                stream,
+            }));
+        }
+        self.process_events()?;
+        let rounded = round_size(size, &self.config)
+            .ok_or(AllocError::InvalidSize { size, reason: "overflows when rounded" })?;
+        let alloc_size = allocation_size(rounded, &self.config)
+            .ok_or(AllocError::InvalidSize { size, reason: "overflows when rounded" })?;
+        let mut params =
+            AllocParams { stream, size: rounded, alloc_size, pool: self.pool_for(rounded, stream), block: None };
+        if self.get_free_block(&mut params)
+            || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
+        {
+            return self.finish(&params, size).map(CachedOutcome::Hit);
+        }
+        Ok(CachedOutcome::Miss(SegmentRequest { params, size }))
+    }
+
+    /// Continues a miss from [`DeviceCore::try_cached`] in place: steps 4–5.
+    pub fn malloc_after_miss(&mut self, request: SegmentRequest) -> Result<Allocation, AllocError> {
+        let SegmentRequest { mut params, size } = request;
+        self.malloc_miss(size, &mut params)
+    }
+
+    /// Finishes a miss with a segment the caller allocated from the backend itself (`ptr`,
+    /// `request.alloc_size()` bytes). The segment is adopted even if the cache could serve the
+    /// request by now, so nothing leaks.
+    pub fn malloc_with_segment(
+        &mut self,
+        request: SegmentRequest,
+        ptr: DevicePtr,
+    ) -> Result<Allocation, AllocError> {
+        let SegmentRequest { mut params, size } = request;
+        self.adopt_segment(&mut params, ptr);
+        self.finish(&params, size)
+    }
+
+    fn malloc_miss(&mut self, size: u64, params: &mut AllocParams) -> Result<Allocation, AllocError> {
+        if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
+            self.garbage_collect_cached_blocks()?;
+        }
+        let found = self.alloc_block(params, false)?
+            || self.use_private_pool_on_oom(params)
+            || (self.release_available_cached_blocks(params)? && self.alloc_block(params, false)?)
+            || (self.release_cached_blocks()? && self.alloc_block(params, true)?);
+        if !found {
+            return Err(self.out_of_memory(size, params));
+        }
+        self.finish(params, size)
+    }
+
+    fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
+        match params.block {
+            Some(id) => Ok(self.alloc_found_block(id, params.size, size)),
+            None => Err(AllocError::InvalidSize { size, reason: "no block found (internal)" }),
+        }
+    }
+
+    fn out_of_memory(&mut self, size: u64, params: &AllocParams) -> AllocError {
+        let info = self.backend.mem_info(self.device).unwrap_or_default();
+        self.stats.num_ooms += 1;
+        self.record(TraceAction::Oom, info.free, params.size, params.stream.raw);
+        let report = OomReport {
+            device: self.device,
+            requested: size,
+            alloc_size: params.alloc_size,
+            device_total: if info.total > 0 { info.total } else { self.device_total },
+            device_free: info.free,
+            allowed: self.allowed_max,
+            allocated: self.stats.allocated_bytes[0].current,
+            reserved: self.stats.reserved_bytes[0].current,
+        };
+        tracing::warn!(device = self.device.0, requested = size, reserved = report.reserved, "out of memory");
+        AllocError::OutOfMemory(Box::new(report))
+    }
+
+    /// Best fit for `params` in its pool (PyTorch's `get_free_block`).
+    pub(crate) fn get_free_block(&mut self, params: &mut AllocParams) -> bool {
+        let gc_on = self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some();
+        let max_split = self.config.max_split_size;
+        let max_rounding = self.config.max_non_split_rounding;
+        let pool = &mut self.pools[params.pool];
+        if gc_on {
+            pool.get_free_block_calls += 1;
+        }
+        let Some(((stream, block_size, _), id)) = pool.lower_bound(params.stream.raw, params.size)
+        else {
+            return false;
+        };
+        if stream != params.stream.raw {
+            return false;
+        }
+        // Never hand an oversize block to a small request.
+        if params.size < max_split && block_size >= max_split {
+            return false;
+        }
+        // A large request may take an oversize block only if the waste stays bounded.
+        if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
+            return false;
+        }
+        let b = self.blocks.get(id);
+        let k = key(b.stream.raw, b.size, b.addr);
+        self.pools[params.pool].free.remove(&k);
+        params.block = Some(id);
+        true
+    }
+
+    fn trigger_free_memory_callbacks(&mut self) -> Result<bool, AllocError> {
+        if self.callbacks.is_empty() {
+            return Ok(false);
+        }
+        let mut to_free = Vec::new();
+        for cb in &mut self.callbacks {
+            to_free.extend(cb());
+        }
+        let mut freed = false;
+        for ptr in to_free {
+            match self.free(ptr) {
+                Ok(()) => freed = true,
+                Err(e) => tracing::warn!(%ptr, error = %e, "free-memory callback returned a bad pointer"),
+            }
+        }
+        if freed {
+            self.process_events()?;
+        }
+        Ok(freed)
+    }
+
+    /// Allocates a new segment of `params.alloc_size` (PyTorch's `alloc_block`). Ok(false) when
+    /// the device (or the memory fraction) has no room; other backend errors are returned.
+    fn alloc_block(&mut self, params: &mut AllocParams, is_retry: bool) -> Result<bool, AllocError> {
+        if is_retry {
+            self.stats.num_alloc_retries += 1;
+        }
+        let size = params.alloc_size;
+        if let Some(max) = self.allowed_max {
+            if self.total_reserved.saturating_add(size) > max {
+                return Ok(false);
+            }
+        }
+        let _span = tracing::debug_span!("device_malloc", device = self.device.0, size).entered();
+        match self.backend.malloc(self.device, size) {
+            Ok(ptr) => {
+                self.adopt_segment(params, ptr);
+                Ok(true)
+            }
+            Err(e) if e.is_oom() => Ok(false),
+            Err(e) => Err(AllocError::Backend(e)),
+        }
+    }
+
+    /// Takes a freshly allocated segment of `params.alloc_size` bytes into the books.
+    fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
+        let size = params.alloc_size;
+        self.total_reserved += size;
+        let id = self.blocks.insert(Block::segment(ptr.0, size, params.stream, params.pool));
+        self.segments.insert(ptr.0, SegmentMeta { size, pool: params.pool, stream: params.stream });
+        let small = self.pools[params.pool].is_small;
+        for_pool(&mut self.stats.segment, small, |s| s.increase(1));
+        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
+        self.stats.num_device_alloc += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
+        }
+        self.record(TraceAction::SegmentAlloc, ptr.0, size, params.stream.raw);
+        tracing::debug!(device = self.device.0, addr = ptr.0, size, "segment_alloc");
+        params.block = Some(id);
+    }
+
+    fn use_private_pool_on_oom(&mut self, params: &mut AllocParams) -> bool {
+        if matches!(self.pools[params.pool].owner, PoolOwner::Private(_)) {
+            return false;
+        }
+        let candidates: Vec<usize> = self
+            .private
+            .values()
+            .filter(|p| p.use_on_oom && !p.released)
+            .map(|p| if is_small(params.size) { p.small } else { p.large })
+            .collect();
+        let original = params.pool;
+        for pool in candidates {
+            params.pool = pool;
+            if self.get_free_block(params) {
+                return true;
+            }
+        }
+        params.pool = original;
+        false
+    }
+
+    /// PyTorch's `should_split`.
+    fn should_split(&self, block: &Block, size: u64) -> bool {
+        let remaining = block.size - size;
+        if self.pools[block.pool].is_small || self.config.expandable_segments {
+            remaining >= MIN_BLOCK_SIZE
+        } else {
+            size < self.config.max_split_size && remaining > SMALL_SIZE
+        }
+    }
+
+    /// Hands out the found block, splitting off the remainder when the rules allow
+    /// (PyTorch's `alloc_found_block`).
+    fn alloc_found_block(&mut self, mut id: BlockId, size: u64, requested: u64) -> Allocation {
+        let found = self.blocks.get(id).clone();
+        let small = self.pools[found.pool].is_small;
+        let already_split = found.is_split();
+        if self.should_split(&found, size) {
+            // The front `size` bytes become a new block; the remainder keeps the old id.
+            let front = Block {
+                addr: found.addr,
+                size,
+                requested: 0,
+                stream: found.stream,
+                pool: found.pool,
+                prev: found.prev,
+                next: Some(id),
+                state: BlockState::Free,
+                event_count: 0,
+                stream_uses: Vec::new(),
+                segment: found.segment,
+                gc_base: 0,
+                mapped: found.mapped,
+            };
+            let front_id = self.blocks.insert(front);
+            if let Some(p) = found.prev {
+                self.blocks.get_mut(p).next = Some(front_id);
+            }
+            let gc_base = self.pools[found.pool].get_free_block_calls;
+            let rest = self.blocks.get_mut(id);
+            rest.prev = Some(front_id);
+            rest.addr += size;
+            rest.size -= size;
+            rest.gc_base = gc_base;
+            let (rest_key, rest_size) = (key(rest.stream.raw, rest.size, rest.addr), rest.size);
+            self.pools[found.pool].free.insert(rest_key, id);
+            if already_split {
+                for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.decrease(size));
+            } else {
+                for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.increase(rest_size));
+                for_pool(&mut self.stats.inactive_split, small, |s| s.increase(1));
+            }
+            id = front_id;
+        } else if already_split {
+            for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.decrease(found.size));
+            for_pool(&mut self.stats.inactive_split, small, |s| s.decrease(1));
+        }
+        let block = self.blocks.get_mut(id);
+        block.state = BlockState::Allocated;
+        block.requested = requested;
+        let (addr, bsize, stream) = (block.addr, block.size, block.stream);
+        self.active.insert(addr, id);
+        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
+        for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(bsize));
+        for_pool(&mut self.stats.active, small, |s| s.increase(1));
+        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
+        for_pool(&mut self.stats.requested_bytes, small, |s| s.increase(requested));
+        if bsize >= self.config.max_split_size {
+            self.stats.oversize_allocations.increase(1);
+        }
+        self.record(TraceAction::Alloc, addr, requested, stream.raw);
+        Allocation { ptr: DevicePtr(addr), size: requested, block_size: bsize, stream }
+    }
+
+    // ---- free and record_stream ----
+
+    /// Frees an allocation. If other streams used it (`record_stream`), it returns to the pool
+    /// only once events recorded on those streams now have completed. Freeing null is a no-op.
+    pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        if ptr.0 == 0 {
+            return Ok(());
+        }
+        let id = self.active.remove(&ptr.0).ok_or(AllocError::UnknownPointer(ptr))?;
+        let block = self.blocks.get_mut(id);
+        block.state = BlockState::Pending;
+        let (size, requested, stream, pool) = (block.size, block.requested, block.stream, block.pool);
+        let has_uses = !block.stream_uses.is_empty();
+        let small = self.pools[pool].is_small;
+        for_pool(&mut self.stats.allocation, small, |s| s.decrease(1));
+        for_pool(&mut self.stats.allocated_bytes, small, |s| s.decrease(size));
+        self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
+        if size >= self.config.max_split_size {
+            self.stats.oversize_allocations.decrease(1);
+        }
+        if has_uses {
+            self.insert_events(id);
+        } else {
+            self.free_block(id);
+        }
+        Ok(())
+    }
+
+    /// Marks `ptr` as used on `stream` (PyTorch's `recordStream`): its free will wait for
+    /// the work queued on `stream` at free time. Uses on the allocation stream are ignored.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let id = *self.active.get(&ptr.0).ok_or(AllocError::UnknownPointer(ptr))?;
+        let block = self.blocks.get_mut(id);
+        if stream != block.stream && !block.stream_uses.contains(&stream) {
+            block.stream_uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// The allocation at `ptr`, if it is live.
+    pub fn allocation(&self, ptr: DevicePtr) -> Option<Allocation> {
+        self.active.get(&ptr.0).map(|&id| {
+            let b = self.blocks.get(id);
+            Allocation { ptr, size: b.requested, block_size: b.size, stream: b.stream }
+        })
+    }
+}
+
+/// Result of the cache-only half of malloc.
+pub enum CachedOutcome {
+    /// Served from the cache.
+    Hit(Allocation),
+    /// A segment must be allocated.
+    Miss(SegmentRequest),
+}
+
+/// A miss waiting for a segment (see [`DeviceCore::try_cached`]).
+pub struct SegmentRequest {
+    params: AllocParams,
+    size: u64,
+}
+
+impl SegmentRequest {
+    /// Bytes of the segment to allocate.
+    pub fn alloc_size(&self) -> u64 {
+        self.params.alloc_size
+    }
+
+    /// Bytes the user asked for.
+    pub fn requested(&self) -> u64 {
+        self.size
+    }
+
+    /// True when a segment of this size fits under `per_process_memory_fraction` right now.
+    pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
+        core.allowed_max.is_none_or(|max| core.total_reserved.saturating_add(self.params.alloc_size) <= max)
+    }
+}

@@ -1,0 +1,102 @@
+//! Cross-stream frees: a block freed after `record_stream` gets an event on every stream
+//! that used it, and goes back to its pool only once all of them completed.
+//!
+//! Events come from a small pool of reusable backend events (creating one is a driver call).
+//! Pending frees are kept per stream in record order, so one busy stream does not hold up
+//! the others (PyTorch's `cuda_events`).
+
+use crate::block::BlockId;
+use crate::core::DeviceCore;
+use crate::error::AllocError;
+
+impl DeviceCore {
+    /// Records an event on every stream that used the block and queues the block behind them.
+    /// If the backend cannot record an event, the device is synchronized instead, which
+    /// completes all prior work, and the block is freed at once: never lost, never reused early.
+    pub(crate) fn insert_events(&mut self, id: BlockId) {
+        let uses = std::mem::take(&mut self.blocks.get_mut(id).stream_uses);
+        for stream in uses {
+            let event = match self.event_pool.pop() {
+                Some(e) if e.device == stream.device => Ok(e),
+                Some(e) => {
+                    self.event_pool.push(e);
+                    self.backend.event_create(stream.device)
+                }
+                None => self.backend.event_create(stream.device),
+            };
+            let recorded = event.and_then(|e| self.backend.event_record(e, stream).map(|()| e));
+            match recorded {
+                Ok(event) => {
+                    self.blocks.get_mut(id).event_count += 1;
+                    self.pending.entry(stream).or_default().push_back((event, id));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "event record failed; synchronizing the device instead");
+                    if let Err(e) = self.backend.device_synchronize(stream.device) {
+                        tracing::error!(error = %e, "device synchronize failed");
+                    }
+                }
+            }
+        }
+        if self.blocks.get(id).event_count == 0 {
+            self.free_block(id);
+        }
+    }
+
+    /// Completes the frees whose events have all completed; returns how many blocks went back
+    /// to their pools. Called at the start of every malloc, and by the actor's reaper.
+    pub fn process_events(&mut self) -> Result<usize, AllocError> {
+        if self.pending.is_empty() {
+            return Ok(0);
+        }
+        let mut freed = 0;
+        let streams: Vec<_> = self.pending.keys().copied().collect();
+        for stream in streams {
+            while let Some(&(event, id)) = self.pending.get(&stream).and_then(|q| q.front()) {
+                if !self.backend.event_query(event)? {
+                    break;
+                }
+                if let Some(q) = self.pending.get_mut(&stream) {
+                    q.pop_front();
+                }
+                self.event_pool.push(event);
+                freed += self.event_done(id);
+            }
+            if self.pending.get(&stream).is_some_and(|q| q.is_empty()) {
+                self.pending.remove(&stream);
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Waits for every pending event and completes all pending frees.
+    pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
+        self.stats.num_sync_all_streams += 1;
+        while let Some((stream, mut queue)) = self.pending.pop_first() {
+            while let Some((event, id)) = queue.pop_front() {
+                if let Err(e) = self.backend.event_synchronize(event) {
+                    // Put back what is left so nothing is lost, then report.
+                    queue.push_front((event, id));
+                    self.pending.insert(stream, queue);
+                    return Err(e.into());
+                }
+                self.event_pool.push(event);
+                self.event_done(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// One event of block `id` completed; frees the block when it was the last. Returns 1 if
+    /// the block went back to its pool.
+    fn event_done(&mut self, id: BlockId) -> usize {
+        let b = self.blocks.get_mut(id);
+        b.event_count -= 1;
+        if b.event_count == 0 {
+            self.free_block(id);
+            1
+        } else {
+            0
+        }
+    }
+}

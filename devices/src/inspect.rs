@@ -1,0 +1,181 @@
+//! Looking inside the core: snapshots of segments and blocks, and a full invariant check used
+//! by the property tests (and by debug assertions in callers).
+
+use std::collections::BTreeMap;
+
+use crate::block::{BlockId, BlockState};
+use crate::core::DeviceCore;
+use crate::pool::{key, PoolOwner};
+use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
+use crate::stats::StatType;
+
+impl DeviceCore {
+    /// The segments and blocks right now, plus the trace history.
+    pub fn snapshot(&self) -> DeviceSnapshot {
+        let mut by_segment: BTreeMap<u64, Vec<BlockId>> = BTreeMap::new();
+        for (id, b) in self.blocks.iter() {
+            by_segment.entry(b.segment).or_default().push(id);
+        }
+        let mut segments = Vec::with_capacity(self.segments.len());
+        for (&base, meta) in &self.segments {
+            let mut ids = by_segment.remove(&base).unwrap_or_default();
+            ids.sort_by_key(|&id| self.blocks.get(id).addr);
+            let blocks: Vec<BlockInfo> = ids
+                .iter()
+                .map(|&id| {
+                    let b = self.blocks.get(id);
+                    BlockInfo {
+                        address: b.addr,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state: match b.state {
+                            BlockState::Allocated => BlockStateName::ActiveAllocated,
+                            BlockState::Pending => BlockStateName::ActivePendingFree,
+                            BlockState::Free => BlockStateName::Inactive,
+                        },
+                        mapped: b.mapped,
+                    }
+                })
+                .collect();
+            let sum = |f: &dyn Fn(&BlockInfo) -> bool, v: &dyn Fn(&BlockInfo) -> u64| {
+                blocks.iter().filter(|b| f(b)).map(v).sum::<u64>()
+            };
+            let allocated = sum(&|b| b.state == BlockStateName::ActiveAllocated, &|b| b.size);
+            let active = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.size);
+            let requested = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.requested_size);
+            let pool = &self.pools[meta.pool];
+            segments.push(SegmentInfo {
+                device: self.device.0,
+                address: base,
+                total_size: meta.size,
+                allocated_size: allocated,
+                active_size: active,
+                requested_size: requested,
+                stream: meta.stream.raw,
+                is_small: pool.is_small,
+                pool_id: match pool.owner {
+                    PoolOwner::Default => (0, 0),
+                    PoolOwner::Private(id) => (0, id),
+                },
+                is_expandable: false,
+                blocks,
+            });
+        }
+        let trace = self.trace.as_ref().map(|t| t.iter().copied().collect()).unwrap_or_default();
+        DeviceSnapshot { segments, trace }
+    }
+
+    /// Checks every structural invariant; returns a description of the first violation.
+    ///
+    /// - blocks tile each segment exactly, linked in address order, and no two overlap;
+    /// - each free block is in its pool's set under its current key, and nothing else is;
+    /// - allocated blocks are exactly the active map; pending blocks have events queued;
+    /// - stats equal what the pools hold: segments, reserved, allocated, active, requested,
+    ///   per pool kind.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut reserved = [0u64; 3];
+        let mut segs = [0u64; 3];
+        let mut allocated = [0u64; 3];
+        let mut allocations = [0u64; 3];
+        let mut active = [0u64; 3];
+        let mut requested = [0u64; 3];
+        let add = |arr: &mut [u64; 3], small: bool, v: u64| {
+            arr[StatType::All as usize] += v;
+            arr[if small { StatType::Small } else { StatType::Large } as usize] += v;
+        };
+        let mut free_seen = 0usize;
+        let mut pending_blocks = 0usize;
+        for (&base, meta) in &self.segments {
+            let small = self.pools[meta.pool].is_small;
+            add(&mut reserved, small, meta.size);
+            add(&mut segs, small, 1);
+            // Find the head: the block at `base` with no prev.
+            let head = self
+                .blocks
+                .iter()
+                .find(|(_, b)| b.addr == base && b.segment == base)
+                .map(|(id, _)| id)
+                .ok_or_else(|| format!("segment {base:#x} has no head block"))?;
+            let mut cursor = base;
+            let mut prev: Option<BlockId> = None;
+            let mut next = Some(head);
+            while let Some(id) = next {
+                let b = self.blocks.get(id);
+                if b.addr != cursor || b.prev != prev || b.segment != base || b.pool != meta.pool {
+                    return Err(format!("block {id} at {:#x} breaks segment {base:#x}'s chain", b.addr));
+                }
+                if b.size == 0 {
+                    return Err(format!("empty block at {:#x}", b.addr));
+                }
+                match b.state {
+                    BlockState::Free => {
+                        free_seen += 1;
+                        let k = key(b.stream.raw, b.size, b.addr);
+                        let set = if b.mapped { &self.pools[b.pool].free } else { &self.pools[b.pool].unmapped };
+                        if set.get(&k) != Some(&id) {
+                            return Err(format!("free block at {:#x} missing from its pool", b.addr));
+                        }
+                        if b.event_count != 0 {
+                            return Err(format!("free block at {:#x} has events", b.addr));
+                        }
+                    }
+                    BlockState::Allocated => {
+                        if self.active.get(&b.addr) != Some(&id) {
+                            return Err(format!("allocated block at {:#x} not in the active map", b.addr));
+                        }
+                        add(&mut allocated, small, b.size);
+                        add(&mut allocations, small, 1);
+                        add(&mut active, small, b.size);
+                        add(&mut requested, small, b.requested);
+                    }
+                    BlockState::Pending => {
+                        pending_blocks += 1;
+                        if b.event_count == 0 {
+                            return Err(format!("pending block at {:#x} has no events", b.addr));
+                        }
+                        add(&mut active, small, b.size);
+                        add(&mut requested, small, b.requested);
+                    }
+                }
+                cursor = b.end();
+                prev = Some(id);
+                next = b.next;
+            }
+            if cursor != base + meta.size {
+                return Err(format!("segment {base:#x} tiles {:#x} of {:#x} bytes", cursor - base, meta.size));
+            }
+        }
+        let pooled: usize = self.pools.iter().map(|p| p.free.len() + p.unmapped.len()).sum();
+        if pooled != free_seen {
+            return Err(format!("{pooled} pooled blocks but {free_seen} free blocks in segments"));
+        }
+        if self.active.len() as u64 != allocations[0] {
+            return Err(format!("active map {} != allocated blocks {}", self.active.len(), allocations[0]));
+        }
+        let queued: std::collections::HashSet<BlockId> =
+            self.pending.values().flatten().map(|(_, id)| *id).collect();
+        if queued.len() != pending_blocks {
+            return Err(format!("{} blocks queued on events, {pending_blocks} pending", queued.len()));
+        }
+        if self.total_reserved != reserved[0] {
+            return Err(format!("total_reserved {} != segments {}", self.total_reserved, reserved[0]));
+        }
+        let s = &self.stats;
+        let checks: [(&str, [u64; 3], &crate::stats::StatArray); 6] = [
+            ("reserved_bytes", reserved, &s.reserved_bytes),
+            ("segment", segs, &s.segment),
+            ("allocated_bytes", allocated, &s.allocated_bytes),
+            ("allocation", allocations, &s.allocation),
+            ("active_bytes", active, &s.active_bytes),
+            ("requested_bytes", requested, &s.requested_bytes),
+        ];
+        for (name, want, got) in checks {
+            for i in 0..3 {
+                if got[i].current != want[i] {
+                    return Err(format!("stat {name}[{i}] = {} but pools hold {}", got[i].current, want[i]));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,31 @@
+//! The device caching allocator of gpualloc: one [`DeviceCore`] per GPU.
+//!
+//! This crate is a sans-IO state machine with PyTorch's `CUDACachingAllocator` semantics
+//! (rounding, small and large pools, best fit by (stream, size, address), split and merge,
+//! `max_split_size`, stream-ordered reuse through events, the OOM retry chain, private pools,
+//! statistics, trace history and snapshots). It has no tokio, no channels and no clock: every
+//! call runs to completion on the caller's thread, talks to the GPU only through a
+//! [`gpualloc_runtime::Backend`], and takes time stamps from the caller. Async, waiting and
+//! concurrency live in the actor that owns a core (facade crate).
+
+mod block;
+pub mod config;
+mod core;
+pub mod error;
+mod events;
+mod inspect;
+mod pool;
+mod release;
+pub mod sizes;
+pub mod snapshot;
+pub mod stats;
+pub mod trace;
+
+pub use crate::core::{
+    Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
+};
+pub use config::{AllocatorConfig, ConfigError};
+pub use error::{format_size, AllocError, OomReport};
+pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
+pub use stats::{DeviceStats, Stat, StatType};
+pub use trace::{TraceAction, TraceEntry};

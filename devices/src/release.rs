@@ -1,0 +1,288 @@
+//! Returning memory: a block to its pool (with merges), and segments to the backend — the
+//! release steps of the OOM chain, garbage collection, `empty_cache` and shutdown.
+
+use gpualloc_runtime::DevicePtr;
+
+use crate::block::{BlockId, BlockState};
+use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::error::AllocError;
+use crate::pool::key;
+use crate::stats::for_pool;
+use crate::trace::TraceAction;
+
+impl DeviceCore {
+    /// Puts a freed block (no events pending) back in its pool, merging free neighbours
+    /// (PyTorch's `free_block`).
+    pub(crate) fn free_block(&mut self, id: BlockId) {
+        let b = self.blocks.get(id);
+        let (addr, requested, stream, pool, original_size) =
+            (b.addr, b.requested, b.stream, b.pool, b.size);
+        let (prev, next) = (b.prev, b.next);
+        self.record(TraceAction::FreeCompleted, addr, requested, stream.raw);
+        let mut inactive_blocks: i64 = 0;
+        let mut inactive_bytes: i64 = 0;
+        for candidate in [prev, next].into_iter().flatten() {
+            let subsumed = self.try_merge_blocks(id, candidate);
+            if subsumed > 0 {
+                inactive_blocks -= 1;
+                inactive_bytes -= subsumed as i64;
+            }
+        }
+        let gc_base = self.pools[pool].get_free_block_calls;
+        let b = self.blocks.get_mut(id);
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.gc_base = gc_base;
+        let (k, is_split, size, mapped) = (key(b.stream.raw, b.size, b.addr), b.is_split(), b.size, b.mapped);
+        if mapped {
+            self.pools[pool].free.insert(k, id);
+        } else {
+            self.pools[pool].unmapped.insert(k, id);
+        }
+        if is_split {
+            inactive_blocks += 1;
+            inactive_bytes += size as i64;
+        }
+        let small = self.pools[pool].is_small;
+        let expandable = self.config.expandable_segments;
+        let stats = &mut self.stats;
+        if !expandable {
+            apply_delta(&mut stats.inactive_split, small, inactive_blocks);
+            apply_delta(&mut stats.inactive_split_bytes, small, inactive_bytes);
+        }
+        for_pool(&mut stats.active, small, |s| s.decrease(1));
+        for_pool(&mut stats.active_bytes, small, |s| s.decrease(original_size));
+        for_pool(&mut stats.requested_bytes, small, |s| s.decrease(requested));
+    }
+
+    /// Merges free `src` into `dst` if it is a free neighbour; returns the bytes subsumed.
+    fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
+        let s = self.blocks.get(src);
+        let d = self.blocks.get(dst);
+        if s.state != BlockState::Free || !s.stream_uses.is_empty() || s.mapped != d.mapped {
+            return 0;
+        }
+        let src_block = s.clone();
+        let k = key(src_block.stream.raw, src_block.size, src_block.addr);
+        let pool = &mut self.pools[src_block.pool];
+        if src_block.mapped {
+            pool.free.remove(&k);
+        } else {
+            pool.unmapped.remove(&k);
+        }
+        if d.prev == Some(src) {
+            // [src dst]
+            let d = self.blocks.get_mut(dst);
+            d.addr = src_block.addr;
+            d.prev = src_block.prev;
+            if let Some(p) = src_block.prev {
+                self.blocks.get_mut(p).next = Some(dst);
+            }
+        } else {
+            // [dst src]
+            let d = self.blocks.get_mut(dst);
+            d.next = src_block.next;
+            if let Some(n) = src_block.next {
+                self.blocks.get_mut(n).prev = Some(dst);
+            }
+        }
+        self.blocks.get_mut(dst).size += src_block.size;
+        self.blocks.remove(src);
+        src_block.size
+    }
+
+    /// Returns a whole free segment to the backend (PyTorch's `release_block`).
+    pub(crate) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
+        let b = self.blocks.get(id);
+        debug_assert!(!b.is_split() && b.state == BlockState::Free);
+        let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
+        let _span = tracing::debug_span!("device_free", device = self.device.0, size).entered();
+        self.backend.free(self.device, DevicePtr(addr))?;
+        self.record(TraceAction::SegmentFree, addr, size, stream.raw);
+        tracing::debug!(device = self.device.0, addr, size, "segment_free");
+        self.pools[pool].free.remove(&key(stream.raw, size, addr));
+        self.blocks.remove(id);
+        self.segments.remove(&addr);
+        self.total_reserved -= size;
+        let small = self.pools[pool].is_small;
+        for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
+        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));
+        self.stats.num_device_free += 1;
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.decrease(1);
+        }
+        Ok(())
+    }
+
+    /// Releases every free block of `pool` that is a whole segment.
+    fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
+        let whole: Vec<BlockId> = self.pools[pool]
+            .free
+            .values()
+            .copied()
+            .filter(|&id| !self.blocks.get(id).is_split())
+            .collect();
+        for id in whole {
+            self.release_block(id)?;
+        }
+        Ok(())
+    }
+
+    /// The OOM chain's first release: free cached oversize blocks of the request's stream,
+    /// one that fits or else the largest ones until enough is released
+    /// (PyTorch's `release_available_cached_blocks`). Only whole segments are released.
+    pub(crate) fn release_available_cached_blocks(
+        &mut self,
+        params: &AllocParams,
+    ) -> Result<bool, AllocError> {
+        let max_split = self.config.max_split_size;
+        if max_split == u64::MAX {
+            return Ok(false);
+        }
+        let target = params.size.max(max_split);
+        let stream = params.stream.raw;
+        let pool = &self.pools[params.pool];
+        if let Some(((s, _, _), id)) = pool.lower_bound(stream, target) {
+            if s == stream && !self.blocks.get(id).is_split() {
+                self.release_block(id)?;
+                return Ok(true);
+            }
+        }
+        // No single block is large enough: release oversize blocks from the largest down.
+        let candidates: Vec<(u64, BlockId)> = pool
+            .free
+            .range(..(stream, target, 0))
+            .rev()
+            .take_while(|((s, size, _), _)| *s == stream && *size >= max_split)
+            .map(|((_, size, _), id)| (*size, *id))
+            .collect();
+        let mut released = 0u64;
+        for (size, id) in candidates {
+            if released >= target {
+                break;
+            }
+            if !self.blocks.get(id).is_split() {
+                self.release_block(id)?;
+                released += size;
+            }
+        }
+        Ok(released >= target)
+    }
+
+    /// The OOM chain's last release (and `empty_cache`): wait for every pending free, then
+    /// return every cached whole segment of the default pools and of released private pools
+    /// (PyTorch's `release_cached_blocks`).
+    pub(crate) fn release_cached_blocks(&mut self) -> Result<bool, AllocError> {
+        self.synchronize_and_free_events()?;
+        self.release_blocks(LARGE_POOL)?;
+        self.release_blocks(SMALL_POOL)?;
+        let released: Vec<(u64, usize, usize)> = self
+            .private
+            .iter()
+            .filter(|(_, p)| p.released)
+            .map(|(id, p)| (*id, p.small, p.large))
+            .collect();
+        for (id, small, large) in released {
+            self.release_blocks(large)?;
+            self.release_blocks(small)?;
+            let in_use = self.segments.values().any(|s| s.pool == small || s.pool == large);
+            if !in_use {
+                self.private.remove(&id);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Frees old cached whole segments of the large pool until reserved memory is back under
+    /// `garbage_collection_threshold` × the allowed memory, oldest (by pool lookups since they
+    /// were cached) first, in rounds above the average age (PyTorch's
+    /// `garbage_collect_cached_blocks`). No synchronization.
+    pub(crate) fn garbage_collect_cached_blocks(&mut self) -> Result<(), AllocError> {
+        let Some(allowed) = self.allowed_max else { return Ok(()) };
+        let threshold = (self.config.garbage_collection_threshold * allowed as f64) as u64;
+        if self.total_reserved <= threshold {
+            return Ok(());
+        }
+        let target = self.total_reserved - threshold;
+        let calls = self.pools[LARGE_POOL].get_free_block_calls;
+        let age = |core: &DeviceCore, id: BlockId| calls - core.blocks.get(id).gc_base;
+        let mut freeable: Vec<BlockId> = self.pools[LARGE_POOL]
+            .free
+            .values()
+            .copied()
+            .filter(|&id| !self.blocks.get(id).is_split())
+            .collect();
+        let mut total_age: u64 = freeable.iter().map(|&id| age(self, id)).sum();
+        let mut reclaimed = 0u64;
+        while reclaimed < target && !freeable.is_empty() {
+            let threshold_age = total_age as f64 / freeable.len() as f64;
+            let (old, young): (Vec<BlockId>, Vec<BlockId>) =
+                freeable.iter().partition(|&&id| age(self, id) as f64 >= threshold_age);
+            if old.is_empty() {
+                break;
+            }
+            for id in old {
+                total_age -= age(self, id);
+                reclaimed += self.blocks.get(id).size;
+                self.release_block(id)?;
+            }
+            freeable = young;
+        }
+        Ok(())
+    }
+
+    /// Returns every unused cached segment to the backend, after waiting for pending
+    /// cross-stream frees (`torch.cuda.empty_cache`).
+    pub fn empty_cache(&mut self) -> Result<(), AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        self.release_cached_blocks().map(|_| ())
+    }
+
+    /// Shuts the core down: waits for pending frees and returns *every* segment to the
+    /// backend, including those of allocations still alive (their owners must not use them
+    /// any more; later frees of them are ignored by the actor). Idempotent. Returns the first
+    /// backend error, after trying everything.
+    pub fn shutdown(&mut self) -> Result<(), AllocError> {
+        if self.shut_down {
+            return Ok(());
+        }
+        self.shut_down = true;
+        let mut first_err = self.synchronize_and_free_events().err();
+        let segments: Vec<u64> = self.segments.keys().copied().collect();
+        for addr in segments {
+            if let Err(e) = self.backend.free(self.device, DevicePtr(addr)) {
+                first_err.get_or_insert(AllocError::Backend(e));
+            }
+        }
+        for ev in self.event_pool.drain(..) {
+            let _ = self.backend.event_destroy(ev);
+        }
+        self.segments.clear();
+        self.blocks.clear();
+        self.active.clear();
+        for pool in &mut self.pools {
+            pool.free.clear();
+            pool.unmapped.clear();
+        }
+        self.total_reserved = 0;
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for DeviceCore {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::warn!(device = self.device.0, error = %e, "device core shutdown failed");
+        }
+    }
+}
+
+fn apply_delta(arr: &mut crate::stats::StatArray, small: bool, delta: i64) {
+    if delta > 0 {
+        for_pool(arr, small, |s| s.increase(delta as u64));
+    } else if delta < 0 {
+        for_pool(arr, small, |s| s.decrease(delta.unsigned_abs()));
+    }
+}

@@ -1,0 +1,583 @@
+//! The accounting backend: a [`Backend`] that hands out addresses and counts bytes, with no
+//! memory behind them.
+//!
+//! It exists for two jobs the simulated GPU cannot do: replaying a recorded 60 GiB training
+//! trace on a laptop (nothing is touched, so nothing is consumed), and driving the allocator
+//! cores through exact event schedules in property tests ([`AccountingBackend::manual_events`]:
+//! an event stays pending until the test completes it). Addresses are deterministic: each
+//! device allocates from its own 1 TiB window, 2 MiB aligned, lowest free address first,
+//! unless [`AccountingBackend::place_next`] asks for a specific address (trace replays use it
+//! to give a segment the address PyTorch gave it).
+//!
+//! Host memory, registration and IPC are not modelled: those calls return `NotSupported`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::OwnedFd;
+use std::sync::Mutex;
+
+use crate::backend::Backend;
+use crate::error::{BackendError, Result};
+use crate::sync::lock;
+use crate::types::{
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
+    PhysHandle, StreamHandle,
+};
+
+/// Alignment of every device allocation and reservation (real drivers give at least this for
+/// large allocations; the allocator only relies on 512 B).
+pub const ALIGNMENT: u64 = 2 << 20;
+const WINDOW: u64 = 1 << 40;
+const BASE: u64 = 0x7000_0000_0000;
+
+/// Counts of the calls that change device memory, for tests and replay reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AccountingCounts {
+    /// `malloc` calls that succeeded.
+    pub mallocs: u64,
+    /// `free` calls that succeeded.
+    pub frees: u64,
+    /// `malloc` calls refused for lack of capacity.
+    pub failed_mallocs: u64,
+    /// `device_synchronize` calls (frees synchronize too but are not counted here).
+    pub device_syncs: u64,
+    /// `map` calls that succeeded.
+    pub maps: u64,
+    /// `unmap` calls that succeeded.
+    pub unmaps: u64,
+}
+
+#[derive(Default)]
+struct DeviceState {
+    /// Live allocations and reservations: start → size.
+    ranges: BTreeMap<u64, u64>,
+    /// Which of `ranges` are reservations (va_reserve) rather than malloc'd memory.
+    reservations: BTreeMap<u64, u64>,
+    /// Mapped ranges inside reservations: start → (size, phys raw).
+    mapped: BTreeMap<u64, (u64, u64)>,
+    used: u64,
+    place_next: Option<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    devices: Vec<DeviceState>,
+    /// Event raw → (last record seq, completed seq).
+    events: HashMap<u64, (u64, u64)>,
+    streams: HashMap<u64, DeviceId>,
+    phys: HashMap<u64, PhysHandle>,
+    next_id: u64,
+    counts: AccountingCounts,
+}
+
+/// A backend with addresses and byte counts only. See the module docs.
+pub struct AccountingBackend {
+    capacity: u64,
+    manual_events: bool,
+    state: Mutex<State>,
+}
+
+impl AccountingBackend {
+    /// `devices` devices of `capacity` bytes each; events complete as soon as recorded.
+    pub fn new(devices: u32, capacity: u64) -> Self {
+        let state = State {
+            devices: (0..devices).map(|_| DeviceState::default()).collect(),
+            next_id: 1,
+            ..State::default()
+        };
+        AccountingBackend { capacity, manual_events: false, state: Mutex::new(state) }
+    }
+
+    /// Like [`AccountingBackend::new`], but recorded events stay pending until
+    /// [`AccountingBackend::complete_event`] or [`AccountingBackend::complete_all_events`]
+    /// (or a synchronize call) completes them.
+    pub fn manual_events(devices: u32, capacity: u64) -> Self {
+        let mut b = Self::new(devices, capacity);
+        b.manual_events = true;
+        b
+    }
+
+    /// Completes the last record of `event`.
+    pub fn complete_event(&self, event: EventHandle) {
+        if let Some((rec, done)) = lock(&self.state).events.get_mut(&event.raw) {
+            *done = *rec;
+        }
+    }
+
+    /// Completes every recorded event.
+    pub fn complete_all_events(&self) {
+        for (rec, done) in lock(&self.state).events.values_mut() {
+            *done = *rec;
+        }
+    }
+
+    /// Number of events whose last record is still pending.
+    pub fn pending_events(&self) -> usize {
+        lock(&self.state).events.values().filter(|(rec, done)| done < rec).count()
+    }
+
+    /// The next `malloc` on `device` returns `addr` if that range is free (else the usual
+    /// lowest free address).
+    pub fn place_next(&self, device: DeviceId, addr: u64) {
+        if let Some(d) = lock(&self.state).devices.get_mut(device.0 as usize) {
+            d.place_next = Some(addr);
+        }
+    }
+
+    /// Call counts so far.
+    pub fn counts(&self) -> AccountingCounts {
+        lock(&self.state).counts
+    }
+
+    /// Bytes in use on `device` (allocations plus physical memory for mappings).
+    pub fn used(&self, device: DeviceId) -> u64 {
+        lock(&self.state).devices.get(device.0 as usize).map_or(0, |d| d.used)
+    }
+
+    fn device<'a>(state: &'a mut State, device: DeviceId) -> Result<&'a mut DeviceState> {
+        state.devices.get_mut(device.0 as usize).ok_or(BackendError::InvalidDevice(device.0))
+    }
+
+    fn check_size(size: u64) -> Result<u64> {
+        if size == 0 {
+            return Err(BackendError::invalid("size 0"));
+        }
+        let rounded = size
+            .checked_next_multiple_of(ALIGNMENT)
+            .ok_or_else(|| BackendError::invalid(format!("size {size} overflows")))?;
+        if rounded > WINDOW {
+            return Err(BackendError::OutOfMemory { requested: size, what: "device".into() });
+        }
+        Ok(rounded)
+    }
+
+    /// Lowest `ALIGNMENT`-aligned gap of `size` bytes in the device's window, or `want` if free.
+    fn find_gap(dev: &DeviceState, index: u32, size: u64, want: Option<u64>) -> Option<u64> {
+        let lo = BASE + u64::from(index) * WINDOW;
+        let hi = lo + WINDOW;
+        let free_at = |start: u64| {
+            let overlaps_before = dev
+                .ranges
+                .range(..start.saturating_add(size))
+                .next_back()
+                .is_some_and(|(s, len)| s + len > start);
+            !overlaps_before
+        };
+        if let Some(addr) = want {
+            if addr % 512 == 0 && addr.checked_add(size).is_some() && free_at(addr) {
+                return Some(addr);
+            }
+        }
+        let mut cursor = lo;
+        for (&s, &len) in dev.ranges.range(lo..hi) {
+            if s >= cursor + size {
+                break;
+            }
+            cursor = cursor.max((s + len).next_multiple_of(ALIGNMENT));
+        }
+        (cursor + size <= hi).then_some(cursor)
+    }
+
+    fn new_id(state: &mut State) -> u64 {
+        state.next_id += 1;
+        state.next_id
+    }
+
+    fn stream_device(state: &State, stream: StreamHandle) -> Result<DeviceId> {
+        state
+            .streams
+            .get(&stream.raw)
+            .copied()
+            .ok_or_else(|| BackendError::InvalidHandle(format!("stream {stream:?}")))
+    }
+}
+
+impl Backend for AccountingBackend {
+    fn name(&self) -> &'static str {
+        "accounting"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(lock(&self.state).devices.len() as u32)
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        let mut state = lock(&self.state);
+        let used = Self::device(&mut state, device)?.used;
+        Ok(MemInfo { free: self.capacity.saturating_sub(used), total: self.capacity })
+    }
+
+    fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
+        let rounded = Self::check_size(size)?;
+        let mut state = lock(&self.state);
+        let capacity = self.capacity;
+        let dev = Self::device(&mut state, device)?;
+        let want = dev.place_next.take();
+        if dev.used + rounded > capacity {
+            state.counts.failed_mallocs += 1;
+            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+        }
+        let addr = Self::find_gap(dev, device.0, size, want)
+            .ok_or_else(|| BackendError::OutOfMemory { requested: size, what: device.to_string() })?;
+        dev.ranges.insert(addr, size);
+        dev.used += rounded;
+        state.counts.mallocs += 1;
+        Ok(DevicePtr(addr))
+    }
+
+    fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        let mut state = lock(&self.state);
+        let dev = Self::device(&mut state, device)?;
+        if dev.reservations.contains_key(&ptr.0) {
+            return Err(BackendError::invalid(format!("{ptr} is a reservation, not an allocation")));
+        }
+        let size = dev
+            .ranges
+            .remove(&ptr.0)
+            .ok_or_else(|| BackendError::invalid(format!("free of unknown pointer {ptr}")))?;
+        dev.used -= Self::check_size(size)?;
+        state.counts.frees += 1;
+        // cuMemFree synchronizes the device: every recorded event is complete afterwards.
+        for (rec, done) in state.events.values_mut() {
+            *done = *rec;
+        }
+        Ok(())
+    }
+
+    fn device_synchronize(&self, device: DeviceId) -> Result<()> {
+        let mut state = lock(&self.state);
+        Self::device(&mut state, device)?;
+        state.counts.device_syncs += 1;
+        for (rec, done) in state.events.values_mut() {
+            *done = *rec;
+        }
+        Ok(())
+    }
+
+    fn stream_create(&self, device: DeviceId) -> Result<StreamHandle> {
+        let mut state = lock(&self.state);
+        Self::device(&mut state, device)?;
+        let raw = Self::new_id(&mut state);
+        state.streams.insert(raw, device);
+        Ok(StreamHandle { device, raw })
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        lock(&self.state)
+            .streams
+            .remove(&stream.raw)
+            .map(|_| ())
+            .ok_or_else(|| BackendError::InvalidHandle(format!("stream {stream:?}")))
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        Self::stream_device(&lock(&self.state), stream).map(|_| ())
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, _event: EventHandle) -> Result<()> {
+        Self::stream_device(&lock(&self.state), stream).map(|_| ())
+    }
+
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        Self::stream_device(&lock(&self.state), stream)?;
+        f();
+        Ok(())
+    }
+
+    fn memcpy_async(&self, _: StreamHandle, _: u64, _: u64, _: u64) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+    }
+
+    fn memset_async(&self, _: StreamHandle, _: DevicePtr, _: u8, _: u64) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+    }
+
+    fn copy_to_device(&self, _: StreamHandle, _: DevicePtr, _: &[u8]) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+    }
+
+    fn copy_from_device(&self, _: StreamHandle, _: &mut [u8], _: DevicePtr) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+    }
+
+    fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
+        let mut state = lock(&self.state);
+        Self::device(&mut state, device)?;
+        let raw = Self::new_id(&mut state);
+        state.events.insert(raw, (0, 0));
+        Ok(EventHandle { device, raw })
+    }
+
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        let mut state = lock(&self.state);
+        let device = Self::stream_device(&state, stream)?;
+        if device != event.device {
+            return Err(BackendError::invalid(format!(
+                "event of {} recorded on a stream of {device}",
+                event.device
+            )));
+        }
+        let manual = self.manual_events;
+        let (rec, done) = state
+            .events
+            .get_mut(&event.raw)
+            .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))?;
+        *rec += 1;
+        if !manual {
+            *done = *rec;
+        }
+        Ok(())
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        lock(&self.state)
+            .events
+            .get(&event.raw)
+            .map(|(rec, done)| done >= rec)
+            .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        let mut state = lock(&self.state);
+        let (rec, done) = state
+            .events
+            .get_mut(&event.raw)
+            .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))?;
+        *done = *rec;
+        Ok(())
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        lock(&self.state)
+            .events
+            .remove(&event.raw)
+            .map(|_| ())
+            .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))
+    }
+
+    fn host_alloc(&self, _: u64) -> Result<*mut u8> {
+        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    }
+
+    fn host_free(&self, _: *mut u8) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    }
+
+    fn host_register(&self, _: *mut u8, _: u64, _: HostRegisterFlags) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    }
+
+    fn host_unregister(&self, _: *mut u8) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    }
+
+    fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
+        Self::device(&mut lock(&self.state), device)?;
+        Ok(ALIGNMENT)
+    }
+
+    fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
+        let rounded = Self::check_size(size)?;
+        if alignment > ALIGNMENT || (alignment != 0 && !alignment.is_power_of_two()) {
+            return Err(BackendError::invalid(format!("alignment {alignment}")));
+        }
+        let mut state = lock(&self.state);
+        let dev = Self::device(&mut state, device)?;
+        let want = dev.place_next.take();
+        let addr = Self::find_gap(dev, device.0, rounded, want)
+            .ok_or_else(|| BackendError::invalid("address space exhausted"))?;
+        dev.ranges.insert(addr, rounded);
+        dev.reservations.insert(addr, rounded);
+        Ok(DevicePtr(addr))
+    }
+
+    fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        let mut state = lock(&self.state);
+        let dev = Self::device(&mut state, device)?;
+        match dev.reservations.get(&ptr.0) {
+            Some(&len) if len == Self::check_size(size)? => {}
+            _ => return Err(BackendError::invalid(format!("no reservation of {size} at {ptr}"))),
+        }
+        if dev.mapped.range(ptr.0..ptr.0 + size).next().is_some() {
+            return Err(BackendError::invalid(format!("reservation at {ptr} is still mapped")));
+        }
+        dev.reservations.remove(&ptr.0);
+        dev.ranges.remove(&ptr.0);
+        Ok(())
+    }
+
+    fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
+        if size == 0 || size % ALIGNMENT != 0 {
+            return Err(BackendError::invalid(format!("physical size {size} not a granule multiple")));
+        }
+        let mut state = lock(&self.state);
+        let capacity = self.capacity;
+        let dev = Self::device(&mut state, device)?;
+        if dev.used + size > capacity {
+            state.counts.failed_mallocs += 1;
+            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+        }
+        dev.used += size;
+        let raw = Self::new_id(&mut state);
+        let handle = PhysHandle { device, raw, size };
+        state.phys.insert(raw, handle);
+        Ok(handle)
+    }
+
+    fn phys_release(&self, handle: PhysHandle) -> Result<()> {
+        let mut state = lock(&self.state);
+        let h = state
+            .phys
+            .remove(&handle.raw)
+            .ok_or_else(|| BackendError::InvalidHandle(format!("{handle:?}")))?;
+        Self::device(&mut state, h.device)?.used -= h.size;
+        Ok(())
+    }
+
+    fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
+        let mut state = lock(&self.state);
+        if !state.phys.contains_key(&handle.raw) {
+            return Err(BackendError::InvalidHandle(format!("{handle:?}")));
+        }
+        if size == 0 || ptr.0 % ALIGNMENT != 0 || size % ALIGNMENT != 0 || offset + size > handle.size
+        {
+            return Err(BackendError::invalid(format!("map of {size} at {ptr} offset {offset}")));
+        }
+        let dev = Self::device(&mut state, handle.device)?;
+        let inside = dev
+            .reservations
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(s, len)| ptr.0 + size <= s + len);
+        let overlaps = dev
+            .mapped
+            .range(..ptr.0 + size)
+            .next_back()
+            .is_some_and(|(s, (len, _))| s + len > ptr.0);
+        if !inside || overlaps {
+            return Err(BackendError::invalid(format!("map of {size} at {ptr}: not a free reserved range")));
+        }
+        dev.mapped.insert(ptr.0, (size, handle.raw));
+        state.counts.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let mut state = lock(&self.state);
+        let end = ptr.checked_add(size).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let device = state
+            .devices
+            .iter()
+            .position(|d| d.mapped.contains_key(&ptr.0))
+            .ok_or_else(|| BackendError::invalid(format!("{ptr} is not mapped")))?;
+        let dev = &mut state.devices[device];
+        // The range must be exactly a run of whole mappings.
+        let run: Vec<u64> = dev.mapped.range(ptr.0..end.0).map(|(s, _)| *s).collect();
+        let mut cursor = ptr.0;
+        for s in &run {
+            let (len, _) = dev.mapped[s];
+            if *s != cursor {
+                return Err(BackendError::invalid(format!("hole in unmap range at {cursor:#x}")));
+            }
+            cursor += len;
+        }
+        if cursor != end.0 {
+            return Err(BackendError::invalid(format!("unmap of {size} at {ptr} splits a mapping")));
+        }
+        let n = run.len() as u64;
+        for s in run {
+            dev.mapped.remove(&s);
+        }
+        state.counts.unmaps += n;
+        Ok(())
+    }
+
+    fn set_access(&self, device: DeviceId, _ptr: DevicePtr, _size: u64) -> Result<()> {
+        Self::device(&mut lock(&self.state), device).map(|_| ())
+    }
+
+    fn phys_export_fd(&self, _: PhysHandle) -> Result<OwnedFd> {
+        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+    }
+
+    fn phys_import_fd(&self, _: DeviceId, _: OwnedFd) -> Result<PhysHandle> {
+        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+    }
+
+    fn ipc_get_mem_handle(&self, _: DevicePtr) -> Result<IpcMemHandle> {
+        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+    }
+
+    fn ipc_open_mem_handle(&self, _: DeviceId, _: &IpcMemHandle) -> Result<DevicePtr> {
+        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+    }
+
+    fn ipc_close_mem_handle(&self, _: DevicePtr) -> Result<()> {
+        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_aligned_lowest_first_and_capacity_is_enforced() {
+        let b = AccountingBackend::new(2, 10 << 20);
+        let d0 = DeviceId(0);
+        let a = b.malloc(d0, 1).unwrap();
+        let c = b.malloc(d0, 3 << 20).unwrap();
+        assert_eq!(a.0, BASE);
+        assert_eq!(c.0, BASE + ALIGNMENT);
+        assert_eq!(b.mem_info(d0).unwrap().free, (10 << 20) - (6 << 20));
+        assert!(b.malloc(d0, 5 << 20).unwrap_err().is_oom());
+        b.free(d0, a).unwrap();
+        assert_eq!(b.malloc(d0, 100).unwrap().0, BASE, "lowest gap reused");
+        assert_eq!(b.malloc(DeviceId(1), 1).unwrap().0, BASE + WINDOW);
+        assert_eq!(b.counts().mallocs, 4);
+        assert_eq!(b.counts().failed_mallocs, 1);
+    }
+
+    #[test]
+    fn bad_input_is_typed() {
+        let b = AccountingBackend::new(1, 1 << 30);
+        assert!(matches!(b.malloc(DeviceId(0), 0), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(b.malloc(DeviceId(0), u64::MAX - 100), Err(BackendError::InvalidValue(_))));
+        assert!(b.malloc(DeviceId(0), 1 << 62).unwrap_err().is_oom());
+        assert!(matches!(b.malloc(DeviceId(3), 1), Err(BackendError::InvalidDevice(3))));
+        assert!(matches!(b.free(DeviceId(0), DevicePtr(12)), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(b.unmap(DevicePtr(BASE), ALIGNMENT), Err(BackendError::InvalidValue(_))));
+    }
+
+    #[test]
+    fn manual_events_stay_pending_until_completed_or_synchronized() {
+        let b = AccountingBackend::manual_events(1, 1 << 30);
+        let s = b.stream_create(DeviceId(0)).unwrap();
+        let e = b.event_create(DeviceId(0)).unwrap();
+        assert!(b.event_query(e).unwrap(), "never recorded = complete");
+        b.event_record(e, s).unwrap();
+        assert!(!b.event_query(e).unwrap());
+        assert_eq!(b.pending_events(), 1);
+        b.complete_event(e);
+        assert!(b.event_query(e).unwrap());
+        b.event_record(e, s).unwrap();
+        b.device_synchronize(DeviceId(0)).unwrap();
+        assert!(b.event_query(e).unwrap());
+    }
+
+    #[test]
+    fn place_next_and_vmm_accounting() {
+        let b = AccountingBackend::new(1, 8 << 20);
+        let d = DeviceId(0);
+        b.place_next(d, BASE + 10 * ALIGNMENT);
+        assert_eq!(b.malloc(d, 1 << 20).unwrap().0, BASE + 10 * ALIGNMENT);
+        let va = b.va_reserve(d, 8 * ALIGNMENT, ALIGNMENT).unwrap();
+        let h = b.phys_create(d, ALIGNMENT).unwrap();
+        b.map(va, ALIGNMENT, 0, h).unwrap();
+        assert!(b.va_free(d, va, 8 * ALIGNMENT).is_err(), "still mapped");
+        assert!(b.unmap(va, 2 * ALIGNMENT).is_err(), "more than mapped");
+        b.unmap(va, ALIGNMENT).unwrap();
+        b.phys_release(h).unwrap();
+        b.va_free(d, va, 8 * ALIGNMENT).unwrap();
+        assert_eq!(b.used(d), 2 << 20);
+    }
+}
