@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::sync::Mutex;
+use crate::sync::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
