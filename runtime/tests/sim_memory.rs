@@ -266,6 +266,14 @@ fn pinned_and_registered_host_memory() {
         invalid(sim.host_register(at(0x1000), page, flags)),
         "unmapped range"
     );
+    // A reserved (PROT_NONE) range is mapped but not accessible: registering it is refused.
+    let g = sim.vmm_granularity(D0).unwrap();
+    let va = sim.va_reserve(D0, g, 0).unwrap();
+    assert!(
+        invalid(sim.host_register(at(va.0), page, flags)),
+        "PROT_NONE range"
+    );
+    sim.va_free(D0, va, g).unwrap();
     sim.host_register(at(start), 2 * page, flags).unwrap();
     assert!(
         invalid(sim.host_register(at(start + page), 2 * page, flags)),

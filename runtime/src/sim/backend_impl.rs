@@ -387,7 +387,6 @@ impl Backend for SimBackend {
 
     fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
         self.enter(Op::HostRegister)?;
-        let _ = flags;
         let start = ptr as u64;
         if len == 0 {
             return Err(BackendError::invalid("host_register of 0 bytes"));
@@ -400,7 +399,7 @@ impl Backend for SimBackend {
         let end = start
             .checked_add(len)
             .ok_or_else(|| BackendError::invalid("host_register range overflows"))?;
-        let mappings = host::count_own_mappings(start, end)?;
+        let mappings = host::count_own_mappings(start, end, !flags.read_only)?;
         let region = Region {
             len,
             kind: RegionKind::RegisteredHost,
