@@ -57,6 +57,7 @@ fn covered(regions: &Regions, addr: u64, len: u64) -> Result<()> {
         .checked_add(len)
         .ok_or_else(|| BackendError::invalid(format!("range {addr:#x}+{len:#x} overflows")))?;
     let mut cur = addr;
+    let mut prev_kind: Option<RegionKind> = None;
     while cur < end {
         let hole = || {
             BackendError::invalid(format!(
@@ -73,6 +74,16 @@ fn covered(regions: &Regions, addr: u64, len: u64) -> Result<()> {
                 "range {addr:#x}+{len:#x}: {cur:#x} is mapped but not accessible (set_access)"
             )));
         }
+        // Only VMM mappings may be crossed (they tile a reservation, as an expandable segment
+        // does); running off one allocation into its neighbour is an overrun.
+        if let Some(prev) = prev_kind {
+            if prev != RegionKind::Vmm || region.kind != RegionKind::Vmm {
+                return Err(BackendError::invalid(format!(
+                    "range {addr:#x}+{len:#x} runs past the end of its allocation at {cur:#x}"
+                )));
+            }
+        }
+        prev_kind = Some(region.kind);
         cur = region_end;
     }
     Ok(())
@@ -241,7 +252,7 @@ mod tests {
     fn region(len: u64) -> Region {
         Region {
             len,
-            kind: RegionKind::RegisteredHost,
+            kind: RegionKind::Vmm,
             device: None,
             accessible: true,
             _mapping: None,
@@ -258,8 +269,14 @@ mod tests {
         assert!(mem.validate(0x1800, 0x1000).is_ok());
         assert!(mem.validate(0x2800, 0x1000).is_err()); // crosses the hole at 0x3000
         assert!(mem.validate(0x800, 0x10).is_err());
+        // Separate allocations side by side may not be crossed.
+        let mut host = region(0x1000);
+        host.kind = RegionKind::PinnedHost;
+        mem.insert(0x5000, host).unwrap();
+        assert!(mem.validate(0x4800, 0x1000).is_err());
+        assert!(mem.validate(0x5000, 0x1000).is_ok());
         assert!(mem.validate(u64::MAX - 4, 8).is_err());
         assert!(mem.insert(0x2800, region(0x100)).is_err()); // overlap
-        assert_eq!(mem.count(RegionKind::RegisteredHost), 3);
+        assert_eq!(mem.count(RegionKind::Vmm), 3);
     }
 }
