@@ -204,6 +204,48 @@ fn vmm_rules() {
     assert_eq!(sim.counts().get(Op::PhysImportFd), 1);
 }
 
+#[repr(align(65536))]
+struct Aligned([u8; 65536]);
+
+/// Immutable, so it lives in a read-only mapping of the test binary.
+static READ_ONLY: Aligned = Aligned([7; 65536]);
+
+#[test]
+fn read_only_registration_is_read_only_for_the_device() {
+    let sim = small(1, 64 << 20);
+    let s = sim.stream_create(D0).unwrap();
+    let ro = READ_ONLY.0.as_ptr() as *mut u8;
+    let page = rustix::param::page_size() as u64;
+    let rw = HostRegisterFlags::default();
+    let ro_flags = HostRegisterFlags {
+        read_only: true,
+        ..HostRegisterFlags::default()
+    };
+    assert!(
+        invalid(sim.host_register(ro, page, rw)),
+        "read-only pages registered writable"
+    );
+    sim.host_register(ro, page, ro_flags).unwrap();
+    let dev = sim.malloc(D0, page).unwrap();
+    sim.memcpy_async(s, dev.0, ro as u64, page).unwrap();
+    let mut out = vec![0u8; page as usize];
+    sim.copy_from_device(s, &mut out, dev).unwrap();
+    assert!(out.iter().all(|b| *b == 7));
+    assert!(
+        invalid(sim.memcpy_async(s, ro as u64, dev.0, 16)),
+        "device write to read-only"
+    );
+    assert!(invalid(sim.memset_async(s, DevicePtr(ro as u64), 0, 16)));
+    // A kernel trying it gets a sticky error, not a SIGSEGV.
+    let target = DevicePtr(ro as u64);
+    sim.launch_kernel(s, std::time::Duration::ZERO, move |m| m.fill(target, 16, 0))
+        .unwrap();
+    assert!(invalid(sim.stream_synchronize(s)));
+    sim.host_unregister(ro).unwrap();
+    sim.free(D0, dev).unwrap();
+    sim.stream_destroy(s).unwrap();
+}
+
 #[test]
 fn non_memory_fds_and_foreign_events_are_invalid_values() {
     let sim = small(2, 64 << 20);

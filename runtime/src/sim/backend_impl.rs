@@ -69,6 +69,7 @@ impl Backend for SimBackend {
             kind: RegionKind::Device,
             device: Some(device),
             accessible: true,
+            read_only: false,
             _mapping: Some(mapping),
             fd: Some(fd),
         };
@@ -189,7 +190,7 @@ impl Backend for SimBackend {
         if len == 0 {
             return Ok(());
         }
-        self.mem.validate(dst, len)?;
+        self.mem.validate_write(dst, len)?;
         self.mem.validate(src, len)?;
         let mem = self.mem.clone();
         let cost = self.latency().copy_cost(len);
@@ -215,7 +216,7 @@ impl Backend for SimBackend {
         if len == 0 {
             return Ok(());
         }
-        self.mem.validate(dst.0, len)?;
+        self.mem.validate_write(dst.0, len)?;
         let mem = self.mem.clone();
         let cost = self.latency().copy_cost(len);
         latency::pay(self.latency().launch);
@@ -235,7 +236,7 @@ impl Backend for SimBackend {
         if len == 0 {
             return Ok(());
         }
-        self.mem.validate(dst.0, len)?;
+        self.mem.validate_write(dst.0, len)?;
         let data = src.to_vec();
         let mem = self.mem.clone();
         let cost = self.latency().copy_cost(len);
@@ -366,6 +367,7 @@ impl Backend for SimBackend {
             kind: RegionKind::PinnedHost,
             device: None,
             accessible: true,
+            read_only: false,
             _mapping: Some(mapping),
             fd: None,
         };
@@ -405,6 +407,7 @@ impl Backend for SimBackend {
             kind: RegionKind::RegisteredHost,
             device: None,
             accessible: true,
+            read_only: flags.read_only,
             _mapping: None,
             fd: None,
         };
@@ -519,6 +522,7 @@ impl Backend for SimBackend {
             kind: RegionKind::IpcOpened,
             device: Some(device),
             accessible: true,
+            read_only: false,
             _mapping: Some(mapping),
             fd: Some(fd),
         };

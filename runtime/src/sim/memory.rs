@@ -38,6 +38,8 @@ pub(crate) struct Region {
     pub(crate) device: Option<DeviceId>,
     /// False for a VMM mapping before `set_access`.
     pub(crate) accessible: bool,
+    /// Device may read but not write it (host memory registered read-only).
+    pub(crate) read_only: bool,
     /// The mapping this region owns, if any (unmapped when the region is dropped).
     pub(crate) _mapping: Option<Mapping>,
     /// The memfd behind it, if any (closed when the region is dropped).
@@ -52,7 +54,7 @@ pub(crate) struct Memory {
 
 type Regions = BTreeMap<u64, Region>;
 
-fn covered(regions: &Regions, addr: u64, len: u64) -> Result<()> {
+fn covered(regions: &Regions, addr: u64, len: u64, write: bool) -> Result<()> {
     let end = addr
         .checked_add(len)
         .ok_or_else(|| BackendError::invalid(format!("range {addr:#x}+{len:#x} overflows")))?;
@@ -68,6 +70,11 @@ fn covered(regions: &Regions, addr: u64, len: u64) -> Result<()> {
         let region_end = start + region.len;
         if cur >= region_end {
             return Err(hole());
+        }
+        if write && region.read_only {
+            return Err(BackendError::invalid(format!(
+                "range {addr:#x}+{len:#x}: {cur:#x} is read-only for the device"
+            )));
         }
         if !region.accessible {
             return Err(BackendError::invalid(format!(
@@ -102,9 +109,14 @@ impl Memory {
         self.regions.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Checks that `[addr, addr + len)` is accessible memory right now.
+    /// Checks that `[addr, addr + len)` is readable device-accessible memory right now.
     pub(crate) fn validate(&self, addr: u64, len: u64) -> Result<()> {
-        covered(&self.read_lock(), addr, len)
+        covered(&self.read_lock(), addr, len, false)
+    }
+
+    /// Checks that `[addr, addr + len)` is writable device-accessible memory right now.
+    pub(crate) fn validate_write(&self, addr: u64, len: u64) -> Result<()> {
+        covered(&self.read_lock(), addr, len, true)
     }
 
     /// Inserts a region; it must not overlap any other.
@@ -199,16 +211,16 @@ impl Memory {
     pub(crate) fn read(&self, addr: u64, len: u64) -> Result<Vec<u8>> {
         let ulen = usize_len(len)?;
         let regions = self.read_lock();
-        covered(&regions, addr, len)?;
+        covered(&regions, addr, len, false)?;
         // SAFETY: the range was validated under the read lock we hold, so it stays mapped
-        // read/write until the guard drops.
+        // and readable until the guard drops.
         Ok(unsafe { os::read_raw(addr, ulen) })
     }
 
     /// Writes `data` at `addr`.
     pub(crate) fn write(&self, addr: u64, data: &[u8]) -> Result<()> {
         let regions = self.read_lock();
-        covered(&regions, addr, data.len() as u64)?;
+        covered(&regions, addr, data.len() as u64, true)?;
         // SAFETY: validated under the read lock we hold.
         unsafe { os::write_raw(addr, data) };
         Ok(())
@@ -218,7 +230,7 @@ impl Memory {
     pub(crate) fn fill(&self, addr: u64, len: u64, value: u8) -> Result<()> {
         let ulen = usize_len(len)?;
         let regions = self.read_lock();
-        covered(&regions, addr, len)?;
+        covered(&regions, addr, len, true)?;
         // SAFETY: validated under the read lock we hold.
         unsafe { os::fill_raw(addr, value, ulen) };
         Ok(())
@@ -228,8 +240,8 @@ impl Memory {
     pub(crate) fn copy(&self, dst: u64, src: u64, len: u64) -> Result<()> {
         let ulen = usize_len(len)?;
         let regions = self.read_lock();
-        covered(&regions, dst, len)?;
-        covered(&regions, src, len)?;
+        covered(&regions, dst, len, true)?;
+        covered(&regions, src, len, false)?;
         // SAFETY: both ranges validated under the read lock we hold.
         unsafe { os::copy_raw(dst, src, ulen) };
         Ok(())
@@ -239,7 +251,7 @@ impl Memory {
     pub(crate) fn check(&self, addr: u64, len: u64, value: u8) -> Result<bool> {
         let ulen = usize_len(len)?;
         let regions = self.read_lock();
-        covered(&regions, addr, len)?;
+        covered(&regions, addr, len, false)?;
         // SAFETY: validated under the read lock we hold.
         Ok(unsafe { os::check_raw(addr, ulen, value) })
     }
@@ -255,6 +267,7 @@ mod tests {
             kind: RegionKind::Vmm,
             device: None,
             accessible: true,
+            read_only: false,
             _mapping: None,
             fd: None,
         }

@@ -260,6 +260,7 @@ impl SimBackend {
             kind: RegionKind::Vmm,
             device: Some(device),
             accessible: false,
+            read_only: false,
             _mapping: None,
             fd: None,
         };
