@@ -8,7 +8,11 @@
 //! - Streams are worker threads running in-order queues (kernels, copies, event records and
 //!   waits, host functions); events complete when their stream reaches them.
 //! - A region table validates every access by kernels and copies, so a stale pointer is a
-//!   typed error, never a SIGSEGV.
+//!   typed error, never a SIGSEGV. It is stricter than a GPU: an access may cross from one
+//!   VMM mapping into the next (they tile a reservation) but never run off one allocation
+//!   into a neighbouring one, a mapping without `set_access` is inaccessible, and host memory
+//!   registered `read_only` cannot be written by device work. `host_register` refuses ranges
+//!   that are not mapped readable (and writable, unless `read_only`).
 //! - A [`LatencyModel`] makes driver calls cost what they cost on real hardware; every call
 //!   is counted ([`SimBackend::counts`]) and can be made to fail ([`SimBackend::inject`]).
 //!
