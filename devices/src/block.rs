@@ -116,7 +116,10 @@ impl BlockArena {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
-        self.slots.iter().enumerate().filter_map(|(i, b)| b.as_ref().map(|b| (i as BlockId, b)))
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (i as BlockId, b)))
     }
 
     pub fn clear(&mut self) {

@@ -42,7 +42,9 @@ impl DeviceCore {
             };
             let allocated = sum(&|b| b.state == BlockStateName::ActiveAllocated, &|b| b.size);
             let active = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.size);
-            let requested = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.requested_size);
+            let requested = sum(&|b| b.state != BlockStateName::Inactive, &|b| {
+                b.requested_size
+            });
             let pool = &self.pools[meta.pool];
             segments.push(SegmentInfo {
                 device: self.device.0,
@@ -61,7 +63,11 @@ impl DeviceCore {
                 blocks,
             });
         }
-        let trace = self.trace.as_ref().map(|t| t.iter().copied().collect()).unwrap_or_default();
+        let trace = self
+            .trace
+            .as_ref()
+            .map(|t| t.iter().copied().collect())
+            .unwrap_or_default();
         DeviceSnapshot { segments, trace }
     }
 
@@ -81,7 +87,11 @@ impl DeviceCore {
         let mut requested = [0u64; 3];
         let add = |arr: &mut [u64; 3], small: bool, v: u64| {
             arr[StatType::All as usize] += v;
-            arr[if small { StatType::Small } else { StatType::Large } as usize] += v;
+            arr[if small {
+                StatType::Small
+            } else {
+                StatType::Large
+            } as usize] += v;
         };
         let mut free_seen = 0usize;
         let mut pending_blocks = 0usize;
@@ -102,7 +112,10 @@ impl DeviceCore {
             while let Some(id) = next {
                 let b = self.blocks.get(id);
                 if b.addr != cursor || b.prev != prev || b.segment != base || b.pool != meta.pool {
-                    return Err(format!("block {id} at {:#x} breaks segment {base:#x}'s chain", b.addr));
+                    return Err(format!(
+                        "block {id} at {:#x} breaks segment {base:#x}'s chain",
+                        b.addr
+                    ));
                 }
                 if b.size == 0 {
                     return Err(format!("empty block at {:#x}", b.addr));
@@ -111,9 +124,16 @@ impl DeviceCore {
                     BlockState::Free => {
                         free_seen += 1;
                         let k = key(b.stream.raw, b.size, b.addr);
-                        let set = if b.mapped { &self.pools[b.pool].free } else { &self.pools[b.pool].unmapped };
+                        let set = if b.mapped {
+                            &self.pools[b.pool].free
+                        } else {
+                            &self.pools[b.pool].unmapped
+                        };
                         if set.get(&k) != Some(&id) {
-                            return Err(format!("free block at {:#x} missing from its pool", b.addr));
+                            return Err(format!(
+                                "free block at {:#x} missing from its pool",
+                                b.addr
+                            ));
                         }
                         if b.event_count != 0 {
                             return Err(format!("free block at {:#x} has events", b.addr));
@@ -121,7 +141,10 @@ impl DeviceCore {
                     }
                     BlockState::Allocated => {
                         if self.active.get(&b.addr) != Some(&id) {
-                            return Err(format!("allocated block at {:#x} not in the active map", b.addr));
+                            return Err(format!(
+                                "allocated block at {:#x} not in the active map",
+                                b.addr
+                            ));
                         }
                         add(&mut allocated, small, b.size);
                         add(&mut allocations, small, 1);
@@ -142,23 +165,43 @@ impl DeviceCore {
                 next = b.next;
             }
             if cursor != base + meta.size {
-                return Err(format!("segment {base:#x} tiles {:#x} of {:#x} bytes", cursor - base, meta.size));
+                return Err(format!(
+                    "segment {base:#x} tiles {:#x} of {:#x} bytes",
+                    cursor - base,
+                    meta.size
+                ));
             }
         }
-        let pooled: usize = self.pools.iter().map(|p| p.free.len() + p.unmapped.len()).sum();
+        let pooled: usize = self
+            .pools
+            .iter()
+            .map(|p| p.free.len() + p.unmapped.len())
+            .sum();
         if pooled != free_seen {
-            return Err(format!("{pooled} pooled blocks but {free_seen} free blocks in segments"));
+            return Err(format!(
+                "{pooled} pooled blocks but {free_seen} free blocks in segments"
+            ));
         }
         if self.active.len() as u64 != allocations[0] {
-            return Err(format!("active map {} != allocated blocks {}", self.active.len(), allocations[0]));
+            return Err(format!(
+                "active map {} != allocated blocks {}",
+                self.active.len(),
+                allocations[0]
+            ));
         }
         let queued: std::collections::HashSet<BlockId> =
             self.pending.values().flatten().map(|(_, id)| *id).collect();
         if queued.len() != pending_blocks {
-            return Err(format!("{} blocks queued on events, {pending_blocks} pending", queued.len()));
+            return Err(format!(
+                "{} blocks queued on events, {pending_blocks} pending",
+                queued.len()
+            ));
         }
         if self.total_reserved != reserved[0] {
-            return Err(format!("total_reserved {} != segments {}", self.total_reserved, reserved[0]));
+            return Err(format!(
+                "total_reserved {} != segments {}",
+                self.total_reserved, reserved[0]
+            ));
         }
         let s = &self.stats;
         let checks: [(&str, [u64; 3], &crate::stats::StatArray); 6] = [
@@ -172,7 +215,10 @@ impl DeviceCore {
         for (name, want, got) in checks {
             for i in 0..3 {
                 if got[i].current != want[i] {
-                    return Err(format!("stat {name}[{i}] = {} but pools hold {}", got[i].current, want[i]));
+                    return Err(format!(
+                        "stat {name}[{i}] = {} but pools hold {}",
+                        got[i].current, want[i]
+                    ));
                 }
             }
         }

@@ -45,7 +45,10 @@ impl BlockPool {
 
     /// First free block of `stream` with size ≥ `size` (lowest address among equals).
     pub fn lower_bound(&self, stream: u64, size: u64) -> Option<(FreeKey, BlockId)> {
-        self.free.range((stream, size, 0)..).next().map(|(k, id)| (*k, *id))
+        self.free
+            .range((stream, size, 0)..)
+            .next()
+            .map(|(k, id)| (*k, *id))
     }
 }
 

@@ -33,7 +33,12 @@ impl DeviceCore {
         b.state = BlockState::Free;
         b.requested = 0;
         b.gc_base = gc_base;
-        let (k, is_split, size, mapped) = (key(b.stream.raw, b.size, b.addr), b.is_split(), b.size, b.mapped);
+        let (k, is_split, size, mapped) = (
+            key(b.stream.raw, b.size, b.addr),
+            b.is_split(),
+            b.size,
+            b.mapped,
+        );
         if mapped {
             self.pools[pool].free.insert(k, id);
         } else {
@@ -51,7 +56,9 @@ impl DeviceCore {
             apply_delta(&mut stats.inactive_split_bytes, small, inactive_bytes);
         }
         for_pool(&mut stats.active, small, |s| s.decrease(1));
-        for_pool(&mut stats.active_bytes, small, |s| s.decrease(original_size));
+        for_pool(&mut stats.active_bytes, small, |s| {
+            s.decrease(original_size)
+        });
         for_pool(&mut stats.requested_bytes, small, |s| s.decrease(requested));
     }
 
@@ -185,7 +192,10 @@ impl DeviceCore {
         for (id, small, large) in released {
             self.release_blocks(large)?;
             self.release_blocks(small)?;
-            let in_use = self.segments.values().any(|s| s.pool == small || s.pool == large);
+            let in_use = self
+                .segments
+                .values()
+                .any(|s| s.pool == small || s.pool == large);
             if !in_use {
                 self.private.remove(&id);
             }
@@ -198,7 +208,9 @@ impl DeviceCore {
     /// were cached) first, in rounds above the average age (PyTorch's
     /// `garbage_collect_cached_blocks`). No synchronization.
     pub(crate) fn garbage_collect_cached_blocks(&mut self) -> Result<(), AllocError> {
-        let Some(allowed) = self.allowed_max else { return Ok(()) };
+        let Some(allowed) = self.allowed_max else {
+            return Ok(());
+        };
         let threshold = (self.config.garbage_collection_threshold * allowed as f64) as u64;
         if self.total_reserved <= threshold {
             return Ok(());
@@ -216,8 +228,9 @@ impl DeviceCore {
         let mut reclaimed = 0u64;
         while reclaimed < target && !freeable.is_empty() {
             let threshold_age = total_age as f64 / freeable.len() as f64;
-            let (old, young): (Vec<BlockId>, Vec<BlockId>) =
-                freeable.iter().partition(|&&id| age(self, id) as f64 >= threshold_age);
+            let (old, young): (Vec<BlockId>, Vec<BlockId>) = freeable
+                .iter()
+                .partition(|&&id| age(self, id) as f64 >= threshold_age);
             if old.is_empty() {
                 break;
             }

@@ -76,13 +76,16 @@ impl Model {
 fn run(config: &str, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
     let dynb: Arc<dyn Backend> = backend.clone();
-    let streams: Vec<StreamHandle> = (0..3).map(|_| dynb.stream_create(DeviceId(0)).unwrap()).collect();
-    let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(config).unwrap()).unwrap();
+    let streams: Vec<StreamHandle> = (0..3)
+        .map(|_| dynb.stream_create(DeviceId(0)).unwrap())
+        .collect();
+    let mut core =
+        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(config).unwrap()).unwrap();
     let mut model = Model::default();
     let mut uses: BTreeMap<u64, bool> = BTreeMap::new();
     for op in ops {
         match op {
-            Op::Malloc { size, stream } => match {
+            Op::Malloc { size, stream } => {
                 let syncs = core.stats().num_sync_all_streams;
                 let frees = backend.counts().frees;
                 let result = core.malloc(size, streams[stream]);
@@ -91,17 +94,17 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     // (a device free synchronizes the device): reuse is legal now.
                     model.pending.clear();
                 }
-                result
-            } {
-                Ok(a) => {
-                    prop_assert!(a.block_size >= size);
-                    if let Some(msg) = model.overlaps(a.ptr.0, a.block_size) {
-                        return Err(TestCaseError::fail(msg));
+                match result {
+                    Ok(a) => {
+                        prop_assert!(a.block_size >= size);
+                        if let Some(msg) = model.overlaps(a.ptr.0, a.block_size) {
+                            return Err(TestCaseError::fail(msg));
+                        }
+                        model.live.insert(a.ptr.0, (a.block_size, stream));
                     }
-                    model.live.insert(a.ptr.0, (a.block_size, stream));
+                    Err(e) => prop_assert!(e.is_oom(), "unexpected error {e}"),
                 }
-                Err(e) => prop_assert!(e.is_oom(), "unexpected error {e}"),
-            },
+            }
             Op::Free { pick } => {
                 if model.live.is_empty() {
                     continue;
@@ -119,7 +122,8 @@ fn run(config: &str, capacity: u64, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 let addr = *model.live.keys().nth(pick % model.live.len()).unwrap();
                 let own = model.live[&addr].1;
-                core.record_stream(DevicePtr(addr), streams[stream]).unwrap();
+                core.record_stream(DevicePtr(addr), streams[stream])
+                    .unwrap();
                 if stream != own {
                     uses.insert(addr, true);
                 }

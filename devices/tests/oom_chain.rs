@@ -10,7 +10,16 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const MIB: u64 = 1 << 20;
 
-fn rig(capacity: u64, conf: &str, manual: bool) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle, StreamHandle) {
+fn rig(
+    capacity: u64,
+    conf: &str,
+    manual: bool,
+) -> (
+    Arc<AccountingBackend>,
+    DeviceCore,
+    StreamHandle,
+    StreamHandle,
+) {
     let backend = Arc::new(if manual {
         AccountingBackend::manual_events(1, capacity)
     } else {
@@ -19,7 +28,8 @@ fn rig(capacity: u64, conf: &str, manual: bool) -> (Arc<AccountingBackend>, Devi
     let dynb: Arc<dyn Backend> = backend.clone();
     let s0 = dynb.stream_create(DeviceId(0)).unwrap();
     let s1 = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let mut core =
+        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
     core.record_history(Some(1000));
     (backend, core, s0, s1)
 }
@@ -45,8 +55,11 @@ fn step1_free_memory_callbacks_run_before_a_device_malloc() {
 #[test]
 fn step2_garbage_collection_frees_the_oldest_cached_segments() {
     // 100 MiB device, all of it allowed, GC above 50 MiB reserved.
-    let (backend, mut core, s0, _) =
-        rig(100 * MIB, "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0", false);
+    let (backend, mut core, s0, _) = rig(
+        100 * MIB,
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+        false,
+    );
     let old = core.malloc(12 * MIB, s0).unwrap();
     let young = core.malloc(14 * MIB, s0).unwrap();
     let busy = core.malloc(26 * MIB, s0).unwrap();
@@ -79,11 +92,22 @@ fn step3_private_pool_marked_use_on_oom_serves_a_failing_request() {
     core.end_allocate_to_pool(s0);
     core.free(a.ptr).unwrap();
     let _b = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
-    assert_eq!(backend.counts().mallocs, 2, "default pool got its own segment");
+    assert_eq!(
+        backend.counts().mallocs,
+        2,
+        "default pool got its own segment"
+    );
     let c = core.malloc(19 * MIB, s0).unwrap();
     assert_eq!(c.ptr, a.ptr, "served from the private pool");
     assert_eq!(backend.counts().failed_mallocs, 1);
-    assert_eq!(core.snapshot().segments.iter().filter(|s| s.pool_id != (0, 0)).count(), 1);
+    assert_eq!(
+        core.snapshot()
+            .segments
+            .iter()
+            .filter(|s| s.pool_id != (0, 0))
+            .count(),
+        1
+    );
     // A pool without use_on_oom is never borrowed from.
     let (_, mut core2, t0, _) = rig(40 * MIB, "", false);
     let p2 = core2.create_pool(false);
@@ -112,8 +136,17 @@ fn step4_oversize_cached_blocks_are_released_first() {
     assert_eq!(core.stats().num_sync_all_streams, 0);
     assert_eq!(core.stats().oversize_segments.current, 1);
     let acts = actions(&core);
-    let i_free = acts.iter().position(|a| *a == TraceAction::SegmentFree).unwrap();
-    assert!(acts[..i_free].iter().filter(|a| **a == TraceAction::SegmentAlloc).count() == 2);
+    let i_free = acts
+        .iter()
+        .position(|a| *a == TraceAction::SegmentFree)
+        .unwrap();
+    assert!(
+        acts[..i_free]
+            .iter()
+            .filter(|a| **a == TraceAction::SegmentAlloc)
+            .count()
+            == 2
+    );
     core.check_invariants().unwrap();
 }
 
@@ -140,7 +173,9 @@ fn step6_out_of_memory_reports_the_numbers() {
     let _a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
     let _b = core.malloc(14 * MIB + 1, s0).unwrap(); // a 16 MiB segment, split
     let err = core.malloc(10 * MIB, s0).unwrap_err();
-    let AllocError::OutOfMemory(report) = err else { panic!("expected OOM, got {err:?}") };
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM, got {err:?}")
+    };
     assert_eq!(report.requested, 10 * MIB);
     assert_eq!(report.alloc_size, 10 * MIB);
     assert_eq!(report.device_total, 40 * MIB);
@@ -159,9 +194,15 @@ fn per_process_memory_fraction_caps_reserved_memory() {
     let (backend, mut core, s0, _) = rig(100 * MIB, "per_process_memory_fraction:0.5", false);
     let _a = core.malloc(30 * MIB, s0).unwrap();
     let err = core.malloc(30 * MIB, s0).unwrap_err();
-    let AllocError::OutOfMemory(report) = err else { panic!("expected OOM") };
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM")
+    };
     assert_eq!(report.allowed, Some(50 * MIB));
-    assert_eq!(report.device_free, 70 * MIB, "the device had room: the fraction said no");
+    assert_eq!(
+        report.device_free,
+        70 * MIB,
+        "the device had room: the fraction said no"
+    );
     assert_eq!(backend.counts().failed_mallocs, 0, "never asked the device");
     assert!(report.to_string().contains("50.00 MiB allowed"));
 }

@@ -64,7 +64,9 @@ impl Stream {
     /// Wraps a stream handle the caller already owns (e.g. one a backend adopted from
     /// another library); the backend's `stream_destroy` runs when the last clone goes.
     pub fn from_handle(backend: Arc<dyn Backend>, handle: StreamHandle) -> Stream {
-        Stream { inner: Arc::new(StreamInner { backend, handle }) }
+        Stream {
+            inner: Arc::new(StreamInner { backend, handle }),
+        }
     }
 
     /// The backend's handle.
