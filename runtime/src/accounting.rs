@@ -17,11 +17,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::sync::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
-use crate::sync::lock;
+use crate::sync::{lock, Mutex};
 use crate::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,

@@ -14,9 +14,11 @@
 pub mod accounting;
 pub mod backend;
 pub mod completion;
+pub mod conformance;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod sim;
 pub mod stream;
 pub mod sync;
 pub mod types;

@@ -130,7 +130,7 @@ impl Stream {
 pub struct Event {
     backend: Arc<dyn Backend>,
     handle: EventHandle,
-    cell: Arc<CompletionCell>,
+    cell: crate::sync::Arc<CompletionCell>,
 }
 
 impl fmt::Debug for Event {
