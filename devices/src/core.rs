@@ -95,6 +95,17 @@ pub struct DeviceCore {
     pub(crate) now_us: u64,
     callbacks: Vec<FreeMemoryCallback>,
     pub(crate) shut_down: bool,
+    #[cfg(feature = "rule-knobs")]
+    knobs: RuleKnobs,
+}
+
+/// Deliberate departures from PyTorch's rules, to show that replay checks catch them
+/// (feature `rule-knobs`, for tests only).
+#[cfg(feature = "rule-knobs")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuleKnobs {
+    /// Break ties between equal-size free blocks towards the higher address.
+    pub tie_break_high_address: bool,
 }
 
 /// What the core remembers of a segment.
@@ -144,7 +155,15 @@ impl DeviceCore {
             now_us: 0,
             callbacks: Vec::new(),
             shut_down: false,
+            #[cfg(feature = "rule-knobs")]
+            knobs: RuleKnobs::default(),
         })
+    }
+
+    /// Breaks PyTorch's rules on purpose (feature `rule-knobs`, tests only).
+    #[cfg(feature = "rule-knobs")]
+    pub fn set_rule_knobs(&mut self, knobs: RuleKnobs) {
+        self.knobs = knobs;
     }
 
     /// The device this core serves.
@@ -445,10 +464,21 @@ impl DeviceCore {
         if gc_on {
             pool.get_free_block_calls += 1;
         }
-        let Some(((stream, block_size, _), id)) = pool.lower_bound(params.stream.raw, params.size)
+        let Some(((stream, block_size, _), mut id)) =
+            pool.lower_bound(params.stream.raw, params.size)
         else {
             return false;
         };
+        #[cfg(feature = "rule-knobs")]
+        if self.knobs.tie_break_high_address {
+            if let Some((_, high)) = pool
+                .free
+                .range((stream, block_size, 0)..=(stream, block_size, u64::MAX))
+                .next_back()
+            {
+                id = *high;
+            }
+        }
         if stream != params.stream.raw {
             return false;
         }

@@ -23,6 +23,8 @@ pub mod stats;
 mod summary;
 pub mod trace;
 
+#[cfg(feature = "rule-knobs")]
+pub use crate::core::RuleKnobs;
 pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
 };

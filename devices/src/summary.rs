@@ -125,8 +125,7 @@ mod tests {
         assert!(alloc_line.contains("3072 MiB"), "{alloc_line}");
         let small = text
             .lines()
-            .filter(|l| l.contains("from small pool"))
-            .next()
+            .find(|l| l.contains("from small pool"))
             .unwrap();
         assert!(small.contains("512 KiB"), "{small}");
         let allocs = text

@@ -70,21 +70,17 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
                 live.insert(e.addr);
                 ever_allocated.insert(e.addr);
             }
-            Action::FreeRequested => {
-                if !live.remove(&e.addr) {
-                    if ever_allocated.contains(&e.addr) || initial.contains_key(&e.addr) {
-                        unexplained += 1;
-                    } else {
-                        initial.insert(
-                            e.addr,
-                            LiveAtStart {
-                                addr: e.addr,
-                                requested: e.size,
-                                stream: e.stream,
-                                block_size: None,
-                            },
-                        );
-                    }
+            Action::FreeRequested if !live.remove(&e.addr) => {
+                if ever_allocated.contains(&e.addr) || initial.contains_key(&e.addr) {
+                    unexplained += 1;
+                } else {
+                    let l = LiveAtStart {
+                        addr: e.addr,
+                        requested: e.size,
+                        stream: e.stream,
+                        block_size: None,
+                    };
+                    initial.insert(e.addr, l);
                 }
             }
             _ => {}

@@ -54,7 +54,7 @@ pub enum ReplayError {
 }
 
 /// How to replay.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ReplayOptions {
     /// The allocator config under test.
     pub config: AllocatorConfig,
@@ -66,18 +66,8 @@ pub struct ReplayOptions {
     pub sample_every: usize,
     /// Called with (events done, total) every 4096 events.
     pub progress: Option<fn(u64, u64)>,
-}
-
-impl Default for ReplayOptions {
-    fn default() -> Self {
-        ReplayOptions {
-            config: AllocatorConfig::default(),
-            warm: false,
-            capacity: None,
-            sample_every: 0,
-            progress: None,
-        }
-    }
+    /// Called on the core before the replay starts (tests use it to break a rule on purpose).
+    pub core_hook: Option<fn(&mut DeviceCore)>,
 }
 
 const PRIVATE_STREAM_BASE: u64 = 0xFFFF_0000_0000_0000;
@@ -135,8 +125,11 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
     let capacity = options.capacity.unwrap_or(1 << 40);
     let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
     let dynb: Arc<dyn Backend> = backend.clone();
-    let core = DeviceCore::new(dynb, DEVICE, options.config.clone())
+    let mut core = DeviceCore::new(dynb, DEVICE, options.config.clone())
         .map_err(|source| ReplayError::Alloc { index: 0, source })?;
+    if let Some(hook) = options.core_hook {
+        hook(&mut core);
+    }
     let mut r = Replayer {
         backend,
         core,
@@ -177,7 +170,10 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
         }
         r.warnings += (initial.len() - placed) as u64;
     } else {
-        for l in &initial {
+        // Largest first: the tightest packing of what was alive before recording began.
+        let mut order: Vec<_> = initial.iter().collect();
+        order.sort_by_key(|l| (std::cmp::Reverse(l.requested), l.addr));
+        for l in order {
             let s = r.stream(l.stream);
             match r.core.malloc(l.requested, s) {
                 Ok(a) => {

@@ -147,6 +147,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                             } else {
                                 None
                             },
+                            core_hook: None,
                         };
                         reports.push(replay(&trace, &options)?);
                     }
