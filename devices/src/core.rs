@@ -18,6 +18,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{Block, BlockArena, BlockId, BlockState};
@@ -81,7 +82,7 @@ pub struct DeviceCore {
     /// Streams whose allocations go to a private pool.
     pub(crate) routes: HashMap<u64, u64>,
     /// Allocated blocks by address.
-    pub(crate) active: HashMap<u64, BlockId>,
+    pub(crate) active: AddrMap<BlockId>,
     /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
@@ -149,7 +150,7 @@ impl DeviceCore {
             private: BTreeMap::new(),
             next_pool_id: 1,
             routes: HashMap::new(),
-            active: HashMap::new(),
+            active: AddrMap::default(),
             segments: BTreeMap::new(),
             expandable: BTreeMap::new(),
             pending: BTreeMap::new(),

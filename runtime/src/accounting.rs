@@ -297,10 +297,10 @@ impl AccountingBackend {
     }
 
     fn new_id(state: &mut State) -> u64 {
-        // Ids count down from the top so they never meet raws chosen by `register_stream`
-        // (trace stream ids are small integers or user-space addresses).
+        // Ids start at 2^62 so they never meet raws chosen by `register_stream` (trace stream
+        // ids are small integers or user-space addresses) and still fit an i64 (snapshots).
         state.next_id += 1;
-        u64::MAX - state.next_id
+        (1 << 62) + state.next_id
     }
 
     fn stream_device(state: &State, stream: StreamHandle) -> Result<DeviceId> {
