@@ -16,7 +16,8 @@ fn hit_pair(c: &mut Criterion) {
     let mut group = c.benchmark_group("hit_pair");
 
     let backend: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 40));
-    let mut core = DeviceCore::new(backend.clone(), DeviceId(0), AllocatorConfig::default()).unwrap();
+    let mut core =
+        DeviceCore::new(backend.clone(), DeviceId(0), AllocatorConfig::default()).unwrap();
     let stream = Stream::new(&backend, DeviceId(0)).unwrap();
     let h = stream.handle();
     group.bench_function("direct_core", |b| {
@@ -26,7 +27,11 @@ fn hit_pair(c: &mut Criterion) {
         })
     });
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let alloc = rt.block_on(async {
         Allocator::builder()
             .config(AllocatorConfig::default())

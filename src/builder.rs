@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
 
 use crate::actor::{spawn_actor_task, DeviceActor};
@@ -23,8 +24,11 @@ pub enum BackendKind {
     /// CUDA if a GPU is present, else the simulated GPU (logged).
     #[default]
     Auto,
-    /// The simulated GPU (real memory, worker-thread streams).
+    /// The simulated GPU (real memory, worker-thread streams), default configuration:
+    /// one 16 GiB device with real-hardware latencies.
     Sim,
+    /// The simulated GPU with this configuration.
+    SimWith(SimConfig),
     /// CUDA; an error if unavailable.
     Cuda,
     /// Addresses and byte counts only (no memory behind them): `devices` devices of
@@ -44,6 +48,7 @@ impl std::fmt::Debug for BackendKind {
         match self {
             BackendKind::Auto => f.write_str("Auto"),
             BackendKind::Sim => f.write_str("Sim"),
+            BackendKind::SimWith(c) => write!(f, "SimWith({c:?})"),
             BackendKind::Cuda => f.write_str("Cuda"),
             BackendKind::Accounting { devices, capacity } => {
                 write!(
@@ -139,6 +144,7 @@ impl AllocatorBuilder {
             }
             BackendKind::Cuda => cuda_backend(),
             BackendKind::Sim => sim_backend(),
+            BackendKind::SimWith(c) => Ok(SimBackend::new(*c)?),
             BackendKind::Auto => match cuda_backend() {
                 Ok(b) => Ok(b),
                 Err(e) => {
@@ -180,10 +186,20 @@ impl AllocatorBuilder {
     }
 }
 
-/// The CUDA backend hook. The CUDA backend is not part of this build yet, so this reports it
-/// unavailable (typed, never a silent fallback); wire `cuda::CudaBackend::new()` here.
+/// The CUDA backend: `Unavailable` (typed, never a silent fallback) in a build without the
+/// `cuda` feature, or when the driver or a device is missing.
 pub fn cuda_backend() -> Result<Arc<dyn Backend>, Error> {
-    Err(BackendError::Unavailable("the cuda backend is not built into this binary".into()).into())
+    #[cfg(feature = "cuda")]
+    {
+        Ok(gpualloc_runtime::cuda::CudaBackend::new()?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(
+            BackendError::Unavailable("this build has no cuda backend (feature `cuda`)".into())
+                .into(),
+        )
+    }
 }
 
 /// The simulated GPU with its default configuration.

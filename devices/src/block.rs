@@ -46,6 +46,8 @@ pub(crate) struct Block {
     pub gc_base: u64,
     /// False for the unmapped parts of an expandable segment.
     pub mapped: bool,
+    /// Part of an expandable segment.
+    pub expandable: bool,
 }
 
 impl Block {
@@ -65,6 +67,7 @@ impl Block {
             segment: addr,
             gc_base: 0,
             mapped: true,
+            expandable: false,
         }
     }
 
@@ -97,6 +100,10 @@ impl BlockArena {
         }
     }
 
+    pub fn contains(&self, id: BlockId) -> bool {
+        self.slots.get(id as usize).is_some_and(Option::is_some)
+    }
+
     pub fn remove(&mut self, id: BlockId) -> Option<Block> {
         let b = self.slots.get_mut(id as usize)?.take();
         if b.is_some() {
@@ -116,7 +123,10 @@ impl BlockArena {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (BlockId, &Block)> {
-        self.slots.iter().enumerate().filter_map(|(i, b)| b.as_ref().map(|b| (i as BlockId, b)))
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.as_ref().map(|b| (i as BlockId, b)))
     }
 
     pub fn clear(&mut self) {

@@ -46,7 +46,9 @@ pub enum ConfigError {
         expected: &'static str,
     },
     /// The string is not `key:value[,key:value]...`.
-    #[error("malformed allocator config near `{0}`: expected key:value entries separated by commas")]
+    #[error(
+        "malformed allocator config near `{0}`: expected key:value entries separated by commas"
+    )]
     Syntax(String),
 }
 
@@ -104,7 +106,10 @@ impl fmt::Display for AllocatorConfig {
             parts.push(format!("max_split_size_mb:{}", self.max_split_size / MIB));
         }
         if self.max_non_split_rounding != d.max_non_split_rounding {
-            parts.push(format!("max_non_split_rounding_mb:{}", self.max_non_split_rounding / MIB));
+            parts.push(format!(
+                "max_non_split_rounding_mb:{}",
+                self.max_non_split_rounding / MIB
+            ));
         }
         if self.roundup_power2_divisions != d.roundup_power2_divisions {
             let bands: Vec<String> = self
@@ -116,13 +121,19 @@ impl fmt::Display for AllocatorConfig {
             parts.push(format!("roundup_power2_divisions:[{}]", bands.join(",")));
         }
         if self.garbage_collection_threshold != 0.0 {
-            parts.push(format!("garbage_collection_threshold:{}", self.garbage_collection_threshold));
+            parts.push(format!(
+                "garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            ));
         }
         if self.expandable_segments {
             parts.push("expandable_segments:True".into());
         }
         if self.large_segment_size != d.large_segment_size {
-            parts.push(format!("large_segment_size_mb:{}", self.large_segment_size / MIB));
+            parts.push(format!(
+                "large_segment_size_mb:{}",
+                self.large_segment_size / MIB
+            ));
         }
         if let Some(fr) = self.per_process_memory_fraction {
             parts.push(format!("per_process_memory_fraction:{fr}"));
@@ -138,11 +149,18 @@ impl fmt::Display for AllocatorConfig {
 }
 
 fn invalid(key: &str, value: &str, expected: &'static str) -> ConfigError {
-    ConfigError::InvalidValue { key: key.to_string(), value: value.to_string(), expected }
+    ConfigError::InvalidValue {
+        key: key.to_string(),
+        value: value.to_string(),
+        expected,
+    }
 }
 
 fn parse_u64(key: &str, value: &str, expected: &'static str) -> Result<u64, ConfigError> {
-    value.trim().parse::<u64>().map_err(|_| invalid(key, value, expected))
+    value
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| invalid(key, value, expected))
 }
 
 fn parse_bool(key: &str, value: &str) -> Result<bool, ConfigError> {
@@ -154,7 +172,9 @@ fn parse_bool(key: &str, value: &str) -> Result<bool, ConfigError> {
 }
 
 fn parse_mb(key: &str, value: &str, expected: &'static str) -> Result<u64, ConfigError> {
-    parse_u64(key, value, expected)?.checked_mul(MIB).ok_or_else(|| invalid(key, value, expected))
+    parse_u64(key, value, expected)?
+        .checked_mul(MIB)
+        .ok_or_else(|| invalid(key, value, expected))
 }
 
 /// Splits `a:1,b:[x:1,y:2],c:3` into entries, keeping bracketed lists whole.
@@ -181,7 +201,11 @@ fn split_entries(s: &str) -> Result<Vec<&str>, ConfigError> {
         return Err(ConfigError::Syntax(s[start..].to_string()));
     }
     out.push(&s[start..]);
-    Ok(out.into_iter().map(str::trim).filter(|e| !e.is_empty()).collect())
+    Ok(out
+        .into_iter()
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect())
 }
 
 impl AllocatorConfig {
@@ -189,8 +213,9 @@ impl AllocatorConfig {
     pub fn parse(s: &str) -> Result<Self, ConfigError> {
         let mut config = AllocatorConfig::default();
         for entry in split_entries(s)? {
-            let (key, value) =
-                entry.split_once(':').ok_or_else(|| ConfigError::Syntax(entry.to_string()))?;
+            let (key, value) = entry
+                .split_once(':')
+                .ok_or_else(|| ConfigError::Syntax(entry.to_string()))?;
             config.set(key.trim(), value.trim())?;
         }
         Ok(config)
@@ -219,10 +244,13 @@ impl AllocatorConfig {
             "max_non_split_rounding_mb" => {
                 self.max_non_split_rounding = parse_mb(key, value, "an integer number of MiB")?;
             }
-            "roundup_power2_divisions" => self.roundup_power2_divisions = parse_divisions(key, value)?,
+            "roundup_power2_divisions" => {
+                self.roundup_power2_divisions = parse_divisions(key, value)?
+            }
             "garbage_collection_threshold" => {
-                let v: f64 =
-                    value.parse().map_err(|_| invalid(key, value, "a number in (0.0, 1.0)"))?;
+                let v: f64 = value
+                    .parse()
+                    .map_err(|_| invalid(key, value, "a number in (0.0, 1.0)"))?;
                 if !(v > 0.0 && v < 1.0) {
                     return Err(invalid(key, value, "a number in (0.0, 1.0)"));
                 }
@@ -237,8 +265,9 @@ impl AllocatorConfig {
                 self.large_segment_size = v;
             }
             "per_process_memory_fraction" => {
-                let v: f64 =
-                    value.parse().map_err(|_| invalid(key, value, "a number in (0.0, 1.0]"))?;
+                let v: f64 = value
+                    .parse()
+                    .map_err(|_| invalid(key, value, "a number in (0.0, 1.0]"))?;
                 if !(v > 0.0 && v <= 1.0) {
                     return Err(invalid(key, value, "a number in (0.0, 1.0]"));
                 }
@@ -249,7 +278,11 @@ impl AllocatorConfig {
             }
             "backend" => {
                 if value != "native" {
-                    return Err(invalid(key, value, "native (cudaMallocAsync is not supported)"));
+                    return Err(invalid(
+                        key,
+                        value,
+                        "native (cudaMallocAsync is not supported)",
+                    ));
                 }
             }
             k if k.starts_with("pinned_") => {
@@ -274,7 +307,11 @@ impl AllocatorConfig {
     }
 
     /// Builder: `garbage_collection_threshold` with the `per_process_memory_fraction` it needs.
-    pub fn with_garbage_collection(mut self, threshold: f64, fraction: f64) -> Result<Self, ConfigError> {
+    pub fn with_garbage_collection(
+        mut self,
+        threshold: f64,
+        fraction: f64,
+    ) -> Result<Self, ConfigError> {
         self.set("garbage_collection_threshold", &threshold.to_string())?;
         self.set("per_process_memory_fraction", &fraction.to_string())?;
         Ok(self)
@@ -307,10 +344,14 @@ fn parse_divisions(key: &str, value: &str) -> Result<[u64; ROUNDUP_BANDS], Confi
         bands.fill(pow2(value)?);
         return Ok(bands);
     };
-    let list = list.strip_suffix(']').ok_or_else(|| invalid(key, value, EXPECTED))?;
+    let list = list
+        .strip_suffix(']')
+        .ok_or_else(|| invalid(key, value, EXPECTED))?;
     let (mut last_index, mut first) = (0usize, true);
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (band, n) = item.split_once(':').ok_or_else(|| invalid(key, item, EXPECTED))?;
+        let (band, n) = item
+            .split_once(':')
+            .ok_or_else(|| invalid(key, item, EXPECTED))?;
         let n = pow2(n.trim())?;
         if band.trim() == ">" {
             bands[last_index..].fill(n);
@@ -344,8 +385,14 @@ mod tests {
         assert!(c.expandable_segments);
         assert_eq!(c.garbage_collection_threshold, 0.6);
         assert_eq!(c.per_process_memory_fraction, Some(0.5));
-        assert_eq!(c.pinned, vec![("pinned_use_cuda_host_register".into(), "True".into())]);
-        assert_eq!(AllocatorConfig::parse("").unwrap(), AllocatorConfig::default());
+        assert_eq!(
+            c.pinned,
+            vec![("pinned_use_cuda_host_register".into(), "True".into())]
+        );
+        assert_eq!(
+            AllocatorConfig::parse("").unwrap(),
+            AllocatorConfig::default()
+        );
     }
 
     #[test]
@@ -361,23 +408,58 @@ mod tests {
     #[test]
     fn bad_strings_name_the_key() {
         let err = |s: &str| AllocatorConfig::parse(s).unwrap_err();
-        assert_eq!(err("max_split_size:512"), ConfigError::UnknownKey("max_split_size".into()));
-        assert!(matches!(err("max_split_size_mb:abc"), ConfigError::InvalidValue { key, .. } if key == "max_split_size_mb"));
-        assert!(matches!(err("max_split_size_mb:20"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("max_split_size_mb:99999999999999999"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("roundup_power2_divisions:3"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("roundup_power2_divisions:[64:8,100:4]"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("roundup_power2_divisions:[64:8"), ConfigError::Syntax(_)));
-        assert!(matches!(err("garbage_collection_threshold:1.5"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("expandable_segments:yes"), ConfigError::InvalidValue { .. }));
-        assert!(matches!(err("backend:cudaMallocAsync"), ConfigError::InvalidValue { .. }));
+        assert_eq!(
+            err("max_split_size:512"),
+            ConfigError::UnknownKey("max_split_size".into())
+        );
+        assert!(
+            matches!(err("max_split_size_mb:abc"), ConfigError::InvalidValue { key, .. } if key == "max_split_size_mb")
+        );
+        assert!(matches!(
+            err("max_split_size_mb:20"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("max_split_size_mb:99999999999999999"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("roundup_power2_divisions:3"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("roundup_power2_divisions:[64:8,100:4]"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("roundup_power2_divisions:[64:8"),
+            ConfigError::Syntax(_)
+        ));
+        assert!(matches!(
+            err("garbage_collection_threshold:1.5"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("expandable_segments:yes"),
+            ConfigError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("backend:cudaMallocAsync"),
+            ConfigError::InvalidValue { .. }
+        ));
         assert!(matches!(err("expandable_segments"), ConfigError::Syntax(_)));
-        assert!(matches!(err("large_segment_size_mb:3"), ConfigError::InvalidValue { .. }));
+        assert!(matches!(
+            err("large_segment_size_mb:3"),
+            ConfigError::InvalidValue { .. }
+        ));
     }
 
     #[test]
     fn display_round_trips() {
-        let c = AllocatorConfig::parse("max_split_size_mb:512,expandable_segments:True,roundup_power2_divisions:[64:8,>:2]").unwrap();
+        let c = AllocatorConfig::parse(
+            "max_split_size_mb:512,expandable_segments:True,roundup_power2_divisions:[64:8,>:2]",
+        )
+        .unwrap();
         assert_eq!(AllocatorConfig::parse(&c.to_string()).unwrap(), c);
     }
 }

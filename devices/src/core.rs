@@ -18,11 +18,13 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{Block, BlockArena, BlockId, BlockState};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, OomReport};
+use crate::expandable::ExpandableSegment;
 use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::stats::{for_pool, DeviceStats};
@@ -80,9 +82,11 @@ pub struct DeviceCore {
     /// Streams whose allocations go to a private pool.
     pub(crate) routes: HashMap<u64, u64>,
     /// Allocated blocks by address.
-    pub(crate) active: HashMap<u64, BlockId>,
-    /// Segments by base address: (size, pool index, expandable).
+    pub(crate) active: AddrMap<BlockId>,
+    /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
+    /// Expandable segments by base address.
+    pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
     /// Pending cross-stream frees per stream, in record order.
     pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
     pub(crate) event_pool: Vec<EventHandle>,
@@ -95,6 +99,20 @@ pub struct DeviceCore {
     pub(crate) now_us: u64,
     callbacks: Vec<FreeMemoryCallback>,
     pub(crate) shut_down: bool,
+    #[cfg(feature = "rule-knobs")]
+    knobs: RuleKnobs,
+}
+
+/// Deliberate departures from PyTorch's rules, to show that replay checks catch them
+/// (feature `rule-knobs`, for tests only).
+#[cfg(feature = "rule-knobs")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuleKnobs {
+    /// Break ties between equal-size free blocks towards the higher address.
+    pub tie_break_high_address: bool,
+    /// Apply `max_split_size` to expandable blocks too, as PyTorch does (reserved memory then
+    /// grows without bound in some alloc/free cycles; see `expandable.rs`).
+    pub max_split_applies_to_expandable: bool,
 }
 
 /// What the core remembers of a segment.
@@ -117,7 +135,9 @@ impl DeviceCore {
         config: AllocatorConfig,
     ) -> Result<Self, AllocError> {
         let info = backend.mem_info(device)?;
-        let allowed_max = config.per_process_memory_fraction.map(|f| (info.total as f64 * f) as u64);
+        let allowed_max = config
+            .per_process_memory_fraction
+            .map(|f| (info.total as f64 * f) as u64);
         Ok(DeviceCore {
             backend,
             device,
@@ -130,8 +150,9 @@ impl DeviceCore {
             private: BTreeMap::new(),
             next_pool_id: 1,
             routes: HashMap::new(),
-            active: HashMap::new(),
+            active: AddrMap::default(),
             segments: BTreeMap::new(),
+            expandable: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),
             stats: DeviceStats::default(),
@@ -142,7 +163,15 @@ impl DeviceCore {
             now_us: 0,
             callbacks: Vec::new(),
             shut_down: false,
+            #[cfg(feature = "rule-knobs")]
+            knobs: RuleKnobs::default(),
         })
+    }
+
+    /// Breaks PyTorch's rules on purpose (feature `rule-knobs`, tests only).
+    #[cfg(feature = "rule-knobs")]
+    pub fn set_rule_knobs(&mut self, knobs: RuleKnobs) {
+        self.knobs = knobs;
     }
 
     /// The device this core serves.
@@ -202,7 +231,13 @@ impl DeviceCore {
 
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
         if let Some(ring) = &mut self.trace {
-            ring.push(TraceEntry { action, addr, size, stream, time_us: self.now_us });
+            ring.push(TraceEntry {
+                action,
+                addr,
+                size,
+                stream,
+                time_us: self.now_us,
+            });
         }
     }
 
@@ -211,7 +246,10 @@ impl DeviceCore {
             return Err(AllocError::Shutdown);
         }
         if stream.device != self.device {
-            return Err(AllocError::WrongDevice { expected: self.device, got: stream.device });
+            return Err(AllocError::WrongDevice {
+                expected: self.device,
+                got: stream.device,
+            });
         }
         Ok(())
     }
@@ -224,9 +262,19 @@ impl DeviceCore {
         let id = self.next_pool_id;
         self.next_pool_id += 1;
         let small = self.pools.len();
-        self.pools.push(BlockPool::new(true, PoolOwner::Private(id)));
-        self.pools.push(BlockPool::new(false, PoolOwner::Private(id)));
-        self.private.insert(id, PrivatePool { small, large: small + 1, use_on_oom, released: false });
+        self.pools
+            .push(BlockPool::new(true, PoolOwner::Private(id)));
+        self.pools
+            .push(BlockPool::new(false, PoolOwner::Private(id)));
+        self.private.insert(
+            id,
+            PrivatePool {
+                small,
+                large: small + 1,
+                use_on_oom,
+                released: false,
+            },
+        );
         MemPoolId(id)
     }
 
@@ -254,7 +302,10 @@ impl DeviceCore {
     /// Releases a private pool: no new allocations go to it, and its cached segments are
     /// returned by the next `empty_cache` (live allocations in it stay valid).
     pub fn release_pool(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
-        let p = self.private.get_mut(&pool.0).ok_or(AllocError::UnknownPool(pool.0))?;
+        let p = self
+            .private
+            .get_mut(&pool.0)
+            .ok_or(AllocError::UnknownPool(pool.0))?;
         p.released = true;
         self.routes.retain(|_, id| *id != pool.0);
         Ok(())
@@ -262,7 +313,11 @@ impl DeviceCore {
 
     fn pool_for(&self, rounded: u64, stream: StreamHandle) -> usize {
         let small = is_small(rounded);
-        match self.routes.get(&stream.raw).and_then(|id| self.private.get(id)) {
+        match self
+            .routes
+            .get(&stream.raw)
+            .and_then(|id| self.private.get(id))
+        {
             Some(p) => {
                 if small {
                     p.small
@@ -295,7 +350,11 @@ impl DeviceCore {
     /// parameters for a segment allocation, which the caller may perform off this core (a
     /// device malloc is slow) and hand back with [`DeviceCore::malloc_with_segment`], or
     /// continue in place with [`DeviceCore::malloc_after_miss`].
-    pub fn try_cached(&mut self, size: u64, stream: StreamHandle) -> Result<CachedOutcome, AllocError> {
+    pub fn try_cached(
+        &mut self,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<CachedOutcome, AllocError> {
         self.check_stream(stream)?;
         if size == 0 {
             return Ok(CachedOutcome::Hit(Allocation {
@@ -306,12 +365,21 @@ impl DeviceCore {
             }));
         }
         self.process_events()?;
-        let rounded = round_size(size, &self.config)
-            .ok_or(AllocError::InvalidSize { size, reason: "overflows when rounded" })?;
-        let alloc_size = allocation_size(rounded, &self.config)
-            .ok_or(AllocError::InvalidSize { size, reason: "overflows when rounded" })?;
-        let mut params =
-            AllocParams { stream, size: rounded, alloc_size, pool: self.pool_for(rounded, stream), block: None };
+        let rounded = round_size(size, &self.config).ok_or(AllocError::InvalidSize {
+            size,
+            reason: "overflows when rounded",
+        })?;
+        let alloc_size = allocation_size(rounded, &self.config).ok_or(AllocError::InvalidSize {
+            size,
+            reason: "overflows when rounded",
+        })?;
+        let mut params = AllocParams {
+            stream,
+            size: rounded,
+            alloc_size,
+            pool: self.pool_for(rounded, stream),
+            block: None,
+        };
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
         {
@@ -339,13 +407,18 @@ impl DeviceCore {
         self.finish(&params, size)
     }
 
-    fn malloc_miss(&mut self, size: u64, params: &mut AllocParams) -> Result<Allocation, AllocError> {
+    fn malloc_miss(
+        &mut self,
+        size: u64,
+        params: &mut AllocParams,
+    ) -> Result<Allocation, AllocError> {
         if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
             self.garbage_collect_cached_blocks()?;
         }
         let found = self.alloc_block(params, false)?
             || self.use_private_pool_on_oom(params)
-            || (self.release_available_cached_blocks(params)? && self.alloc_block(params, false)?)
+            || (self.release_available_cached_blocks(params)?
+                && self.alloc_block(params, false)?)
             || (self.release_cached_blocks()? && self.alloc_block(params, true)?);
         if !found {
             return Err(self.out_of_memory(size, params));
@@ -356,7 +429,10 @@ impl DeviceCore {
     fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
         match params.block {
             Some(id) => Ok(self.alloc_found_block(id, params.size, size)),
-            None => Err(AllocError::InvalidSize { size, reason: "no block found (internal)" }),
+            None => Err(AllocError::InvalidSize {
+                size,
+                reason: "no block found (internal)",
+            }),
         }
     }
 
@@ -368,13 +444,22 @@ impl DeviceCore {
             device: self.device,
             requested: size,
             alloc_size: params.alloc_size,
-            device_total: if info.total > 0 { info.total } else { self.device_total },
+            device_total: if info.total > 0 {
+                info.total
+            } else {
+                self.device_total
+            },
             device_free: info.free,
             allowed: self.allowed_max,
             allocated: self.stats.allocated_bytes[0].current,
             reserved: self.stats.reserved_bytes[0].current,
         };
-        tracing::warn!(device = self.device.0, requested = size, reserved = report.reserved, "out of memory");
+        tracing::warn!(
+            device = self.device.0,
+            requested = size,
+            reserved = report.reserved,
+            "out of memory"
+        );
         AllocError::OutOfMemory(Box::new(report))
     }
 
@@ -383,27 +468,65 @@ impl DeviceCore {
         let gc_on = self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some();
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
-        let pool = &mut self.pools[params.pool];
         if gc_on {
-            pool.get_free_block_calls += 1;
+            self.pools[params.pool].get_free_block_calls += 1;
         }
-        let Some(((stream, block_size, _), id)) = pool.lower_bound(params.stream.raw, params.size)
-        else {
+        let pool = &self.pools[params.pool];
+        let stream = params.stream.raw;
+        let Some((mut k, mut id)) = pool.lower_bound(stream, params.size) else {
             return false;
         };
-        if stream != params.stream.raw {
+        if k.0 != stream {
             return false;
         }
-        // Never hand an oversize block to a small request.
-        if params.size < max_split && block_size >= max_split {
-            return false;
+        #[cfg(feature = "rule-knobs")]
+        if self.knobs.tie_break_high_address {
+            if let Some((hk, high)) = pool
+                .free
+                .range((stream, k.1, 0)..=(stream, k.1, u64::MAX))
+                .next_back()
+            {
+                (k, id) = (*hk, *high);
+            }
         }
-        // A large request may take an oversize block only if the waste stays bounded.
-        if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
-            return false;
+        if self.blocks.get(id).expandable {
+            // Best fit by the size a block can grow to (its size plus an unmapped successor),
+            // so address space stays free for growth.
+            let grow = |id: BlockId| {
+                let b = self.blocks.get(id);
+                b.size
+                    + b.next.map_or(0, |n| {
+                        let n = self.blocks.get(n);
+                        if n.mapped {
+                            0
+                        } else {
+                            n.size
+                        }
+                    })
+            };
+            for (nk, nid) in pool.free.range(k..).skip(1) {
+                if !self.blocks.get(id).expandable || nk.0 != stream || grow(*nid) >= grow(id) {
+                    break;
+                }
+                (k, id) = (*nk, *nid);
+            }
         }
-        let b = self.blocks.get(id);
-        let k = key(b.stream.raw, b.size, b.addr);
+        let block_size = k.1;
+        #[cfg(feature = "rule-knobs")]
+        let limits_apply =
+            !self.blocks.get(id).expandable || self.knobs.max_split_applies_to_expandable;
+        #[cfg(not(feature = "rule-knobs"))]
+        let limits_apply = !self.blocks.get(id).expandable;
+        if limits_apply {
+            // Never hand an oversize block to a small request.
+            if params.size < max_split && block_size >= max_split {
+                return false;
+            }
+            // A large request may take an oversize block only if the waste stays bounded.
+            if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
+                return false;
+            }
+        }
         self.pools[params.pool].free.remove(&k);
         params.block = Some(id);
         true
@@ -421,7 +544,9 @@ impl DeviceCore {
         for ptr in to_free {
             match self.free(ptr) {
                 Ok(()) => freed = true,
-                Err(e) => tracing::warn!(%ptr, error = %e, "free-memory callback returned a bad pointer"),
+                Err(e) => {
+                    tracing::warn!(%ptr, error = %e, "free-memory callback returned a bad pointer")
+                }
             }
         }
         if freed {
@@ -432,7 +557,11 @@ impl DeviceCore {
 
     /// Allocates a new segment of `params.alloc_size` (PyTorch's `alloc_block`). Ok(false) when
     /// the device (or the memory fraction) has no room; other backend errors are returned.
-    fn alloc_block(&mut self, params: &mut AllocParams, is_retry: bool) -> Result<bool, AllocError> {
+    fn alloc_block(
+        &mut self,
+        params: &mut AllocParams,
+        is_retry: bool,
+    ) -> Result<bool, AllocError> {
         if is_retry {
             self.stats.num_alloc_retries += 1;
         }
@@ -443,6 +572,13 @@ impl DeviceCore {
             }
         }
         let _span = tracing::debug_span!("device_malloc", device = self.device.0, size).entered();
+        if self.config.expandable_segments
+            && matches!(self.pools[params.pool].owner, PoolOwner::Default)
+        {
+            let found = self.try_allocate_expandable_block(params)?;
+            params.block = found;
+            return Ok(found.is_some());
+        }
         match self.backend.malloc(self.device, size) {
             Ok(ptr) => {
                 self.adopt_segment(params, ptr);
@@ -457,8 +593,17 @@ impl DeviceCore {
     fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
         let size = params.alloc_size;
         self.total_reserved += size;
-        let id = self.blocks.insert(Block::segment(ptr.0, size, params.stream, params.pool));
-        self.segments.insert(ptr.0, SegmentMeta { size, pool: params.pool, stream: params.stream });
+        let id = self
+            .blocks
+            .insert(Block::segment(ptr.0, size, params.stream, params.pool));
+        self.segments.insert(
+            ptr.0,
+            SegmentMeta {
+                size,
+                pool: params.pool,
+                stream: params.stream,
+            },
+        );
         let small = self.pools[params.pool].is_small;
         for_pool(&mut self.stats.segment, small, |s| s.increase(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
@@ -479,7 +624,13 @@ impl DeviceCore {
             .private
             .values()
             .filter(|p| p.use_on_oom && !p.released)
-            .map(|p| if is_small(params.size) { p.small } else { p.large })
+            .map(|p| {
+                if is_small(params.size) {
+                    p.small
+                } else {
+                    p.large
+                }
+            })
             .collect();
         let original = params.pool;
         for pool in candidates {
@@ -524,6 +675,7 @@ impl DeviceCore {
                 segment: found.segment,
                 gc_base: 0,
                 mapped: found.mapped,
+                expandable: found.expandable,
             };
             let front_id = self.blocks.insert(front);
             if let Some(p) = found.prev {
@@ -537,15 +689,23 @@ impl DeviceCore {
             rest.gc_base = gc_base;
             let (rest_key, rest_size) = (key(rest.stream.raw, rest.size, rest.addr), rest.size);
             self.pools[found.pool].free.insert(rest_key, id);
-            if already_split {
-                for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.decrease(size));
+            if found.expandable {
+                // inactive_split is not tracked for expandable segments (as in PyTorch).
+            } else if already_split {
+                for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
+                    s.decrease(size)
+                });
             } else {
-                for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.increase(rest_size));
+                for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
+                    s.increase(rest_size)
+                });
                 for_pool(&mut self.stats.inactive_split, small, |s| s.increase(1));
             }
             id = front_id;
-        } else if already_split {
-            for_pool(&mut self.stats.inactive_split_bytes, small, |s| s.decrease(found.size));
+        } else if already_split && !found.expandable {
+            for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
+                s.decrease(found.size)
+            });
             for_pool(&mut self.stats.inactive_split, small, |s| s.decrease(1));
         }
         let block = self.blocks.get_mut(id);
@@ -554,15 +714,24 @@ impl DeviceCore {
         let (addr, bsize, stream) = (block.addr, block.size, block.stream);
         self.active.insert(addr, id);
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
-        for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(bsize));
+        for_pool(&mut self.stats.allocated_bytes, small, |s| {
+            s.increase(bsize)
+        });
         for_pool(&mut self.stats.active, small, |s| s.increase(1));
         for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
-        for_pool(&mut self.stats.requested_bytes, small, |s| s.increase(requested));
+        for_pool(&mut self.stats.requested_bytes, small, |s| {
+            s.increase(requested)
+        });
         if bsize >= self.config.max_split_size {
             self.stats.oversize_allocations.increase(1);
         }
         self.record(TraceAction::Alloc, addr, requested, stream.raw);
-        Allocation { ptr: DevicePtr(addr), size: requested, block_size: bsize, stream }
+        Allocation {
+            ptr: DevicePtr(addr),
+            size: requested,
+            block_size: bsize,
+            stream,
+        }
     }
 
     // ---- free and record_stream ----
@@ -573,10 +742,14 @@ impl DeviceCore {
         if ptr.0 == 0 {
             return Ok(());
         }
-        let id = self.active.remove(&ptr.0).ok_or(AllocError::UnknownPointer(ptr))?;
+        let id = self
+            .active
+            .remove(&ptr.0)
+            .ok_or(AllocError::UnknownPointer(ptr))?;
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Pending;
-        let (size, requested, stream, pool) = (block.size, block.requested, block.stream, block.pool);
+        let (size, requested, stream, pool) =
+            (block.size, block.requested, block.stream, block.pool);
         let has_uses = !block.stream_uses.is_empty();
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.allocation, small, |s| s.decrease(1));
@@ -595,11 +768,18 @@ impl DeviceCore {
 
     /// Marks `ptr` as used on `stream` (PyTorch's `recordStream`): its free will wait for
     /// the work queued on `stream` at free time. Uses on the allocation stream are ignored.
-    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), AllocError> {
+    pub fn record_stream(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<(), AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let id = *self.active.get(&ptr.0).ok_or(AllocError::UnknownPointer(ptr))?;
+        let id = *self
+            .active
+            .get(&ptr.0)
+            .ok_or(AllocError::UnknownPointer(ptr))?;
         let block = self.blocks.get_mut(id);
         if stream != block.stream && !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
@@ -611,7 +791,12 @@ impl DeviceCore {
     pub fn allocation(&self, ptr: DevicePtr) -> Option<Allocation> {
         self.active.get(&ptr.0).map(|&id| {
             let b = self.blocks.get(id);
-            Allocation { ptr, size: b.requested, block_size: b.size, stream: b.stream }
+            Allocation {
+                ptr,
+                size: b.requested,
+                block_size: b.size,
+                stream: b.stream,
+            }
         })
     }
 }
@@ -643,6 +828,7 @@ impl SegmentRequest {
 
     /// True when a segment of this size fits under `per_process_memory_fraction` right now.
     pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
-        core.allowed_max.is_none_or(|max| core.total_reserved.saturating_add(self.params.alloc_size) <= max)
+        core.allowed_max
+            .is_none_or(|max| core.total_reserved.saturating_add(self.params.alloc_size) <= max)
     }
 }

@@ -66,7 +66,10 @@ impl DeviceCore {
                 .free
                 .values()
                 .copied()
-                .filter(|&id| !self.blocks.get(id).is_split())
+                .filter(|&id| {
+                    let b = self.blocks.get(id);
+                    !b.is_split() && !b.expandable
+                })
                 .collect();
             for id in whole {
                 out.push(self.detach_block(id));

@@ -108,7 +108,11 @@ impl fmt::Display for OomReport {
             format_size(self.device_free)
         )?;
         if let Some(allowed) = self.allowed {
-            write!(f, "{} allowed (per_process_memory_fraction). ", format_size(allowed))?;
+            write!(
+                f,
+                "{} allowed (per_process_memory_fraction). ",
+                format_size(allowed)
+            )?;
         }
         write!(
             f,
@@ -155,9 +159,15 @@ mod tests {
         let s = AllocError::OutOfMemory(Box::new(r)).to_string();
         assert!(s.contains("device 1"), "{s}");
         assert!(s.contains("tried to allocate 3.00 GiB"), "{s}");
-        assert!(s.contains("total capacity of 16.00 GiB of which 1024.00 MiB is free"), "{s}");
+        assert!(
+            s.contains("total capacity of 16.00 GiB of which 1024.00 MiB is free"),
+            "{s}"
+        );
         assert!(s.contains("10.00 GiB is allocated"), "{s}");
-        assert!(s.contains("4.00 GiB is reserved by gpualloc but unallocated"), "{s}");
+        assert!(
+            s.contains("4.00 GiB is reserved by gpualloc but unallocated"),
+            "{s}"
+        );
         assert!(s.contains("expandable_segments:True"), "{s}");
     }
 }

@@ -28,7 +28,10 @@ impl DeviceCore {
             match recorded {
                 Ok(event) => {
                     self.blocks.get_mut(id).event_count += 1;
-                    self.pending.entry(stream).or_default().push_back((event, id));
+                    self.pending
+                        .entry(stream)
+                        .or_default()
+                        .push_back((event, id));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "event record failed; synchronizing the device instead");

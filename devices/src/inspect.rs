@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::block::{BlockId, BlockState};
 use crate::core::DeviceCore;
-use crate::pool::{key, PoolOwner};
+use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 use crate::stats::StatType;
 
@@ -20,7 +20,7 @@ impl DeviceCore {
         for (&base, meta) in &self.segments {
             let mut ids = by_segment.remove(&base).unwrap_or_default();
             ids.sort_by_key(|&id| self.blocks.get(id).addr);
-            let blocks: Vec<BlockInfo> = ids
+            let infos: Vec<BlockInfo> = ids
                 .iter()
                 .map(|&id| {
                     let b = self.blocks.get(id);
@@ -37,31 +37,54 @@ impl DeviceCore {
                     }
                 })
                 .collect();
-            let sum = |f: &dyn Fn(&BlockInfo) -> bool, v: &dyn Fn(&BlockInfo) -> u64| {
-                blocks.iter().filter(|b| f(b)).map(v).sum::<u64>()
+            let expandable = self.expandable.contains_key(&base);
+            // As PyTorch does, an expandable segment shows as one segment per mapped run.
+            let runs: Vec<Vec<BlockInfo>> = if expandable {
+                infos
+                    .split(|b| !b.mapped)
+                    .filter(|run| !run.is_empty())
+                    .map(<[BlockInfo]>::to_vec)
+                    .collect()
+            } else {
+                vec![infos]
             };
-            let allocated = sum(&|b| b.state == BlockStateName::ActiveAllocated, &|b| b.size);
-            let active = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.size);
-            let requested = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.requested_size);
             let pool = &self.pools[meta.pool];
-            segments.push(SegmentInfo {
-                device: self.device.0,
-                address: base,
-                total_size: meta.size,
-                allocated_size: allocated,
-                active_size: active,
-                requested_size: requested,
-                stream: meta.stream.raw,
-                is_small: pool.is_small,
-                pool_id: match pool.owner {
-                    PoolOwner::Default => (0, 0),
-                    PoolOwner::Private(id) => (0, id),
-                },
-                is_expandable: false,
-                blocks,
-            });
+            for blocks in runs {
+                let sum = |active: bool, allocated_only: bool, requested: bool| {
+                    blocks
+                        .iter()
+                        .filter(|b| {
+                            !active
+                                || (b.state != BlockStateName::Inactive
+                                    && (!allocated_only
+                                        || b.state == BlockStateName::ActiveAllocated))
+                        })
+                        .map(|b| if requested { b.requested_size } else { b.size })
+                        .sum::<u64>()
+                };
+                segments.push(SegmentInfo {
+                    device: self.device.0,
+                    address: blocks.first().map_or(base, |b| b.address),
+                    total_size: sum(false, false, false),
+                    allocated_size: sum(true, true, false),
+                    active_size: sum(true, false, false),
+                    requested_size: sum(true, false, true),
+                    stream: meta.stream.raw,
+                    is_small: pool.is_small,
+                    pool_id: match pool.owner {
+                        PoolOwner::Default => (0, 0),
+                        PoolOwner::Private(id) => (0, id),
+                    },
+                    is_expandable: expandable,
+                    blocks,
+                });
+            }
         }
-        let trace = self.trace.as_ref().map(|t| t.iter().copied().collect()).unwrap_or_default();
+        let trace = self
+            .trace
+            .as_ref()
+            .map(|t| t.iter().copied().collect())
+            .unwrap_or_default();
         DeviceSnapshot { segments, trace }
     }
 
@@ -81,14 +104,26 @@ impl DeviceCore {
         let mut requested = [0u64; 3];
         let add = |arr: &mut [u64; 3], small: bool, v: u64| {
             arr[StatType::All as usize] += v;
-            arr[if small { StatType::Small } else { StatType::Large } as usize] += v;
+            arr[if small {
+                StatType::Small
+            } else {
+                StatType::Large
+            } as usize] += v;
         };
         let mut free_seen = 0usize;
         let mut pending_blocks = 0usize;
         for (&base, meta) in &self.segments {
             let small = self.pools[meta.pool].is_small;
-            add(&mut reserved, small, meta.size);
-            add(&mut segs, small, 1);
+            let es = self.expandable.get(&base);
+            match es {
+                // Expandable segments count their mapped pages as reserved, and are not
+                // counted as segments (as in PyTorch).
+                Some(es) => add(&mut reserved, small, es.mapped_bytes()),
+                None => {
+                    add(&mut reserved, small, meta.size);
+                    add(&mut segs, small, 1);
+                }
+            }
             // Find the head: the block at `base` with no prev.
             let head = self
                 .blocks
@@ -102,18 +137,54 @@ impl DeviceCore {
             while let Some(id) = next {
                 let b = self.blocks.get(id);
                 if b.addr != cursor || b.prev != prev || b.segment != base || b.pool != meta.pool {
-                    return Err(format!("block {id} at {:#x} breaks segment {base:#x}'s chain", b.addr));
+                    return Err(format!(
+                        "block {id} at {:#x} breaks segment {base:#x}'s chain",
+                        b.addr
+                    ));
                 }
                 if b.size == 0 {
                     return Err(format!("empty block at {:#x}", b.addr));
                 }
+                if b.expandable != es.is_some() {
+                    return Err(format!(
+                        "block at {:#x} disagrees with its segment on expandability",
+                        b.addr
+                    ));
+                }
+                if let Some(es) = es {
+                    // Mapped blocks lie on mapped pages; unmapped blocks are whole unmapped pages.
+                    if !es.pages_are(b.addr, b.size, b.mapped) {
+                        return Err(format!(
+                            "block at {:#x} (mapped: {}) crosses pages of the other kind",
+                            b.addr, b.mapped
+                        ));
+                    }
+                    if !b.mapped && ((b.addr - base) % es.page != 0 || b.size % es.page != 0) {
+                        return Err(format!(
+                            "unmapped block at {:#x} is not page aligned",
+                            b.addr
+                        ));
+                    }
+                    if !b.mapped && b.state != BlockState::Free {
+                        return Err(format!("unmapped block at {:#x} is in use", b.addr));
+                    }
+                }
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
-                        let k = key(b.stream.raw, b.size, b.addr);
-                        let set = if b.mapped { &self.pools[b.pool].free } else { &self.pools[b.pool].unmapped };
+                        let (k, set) = if b.mapped {
+                            (key(b.stream.raw, b.size, b.addr), &self.pools[b.pool].free)
+                        } else {
+                            (
+                                unmapped_key(b.stream.raw, b.addr, b.size),
+                                &self.pools[b.pool].unmapped,
+                            )
+                        };
                         if set.get(&k) != Some(&id) {
-                            return Err(format!("free block at {:#x} missing from its pool", b.addr));
+                            return Err(format!(
+                                "free block at {:#x} missing from its pool",
+                                b.addr
+                            ));
                         }
                         if b.event_count != 0 {
                             return Err(format!("free block at {:#x} has events", b.addr));
@@ -121,7 +192,10 @@ impl DeviceCore {
                     }
                     BlockState::Allocated => {
                         if self.active.get(&b.addr) != Some(&id) {
-                            return Err(format!("allocated block at {:#x} not in the active map", b.addr));
+                            return Err(format!(
+                                "allocated block at {:#x} not in the active map",
+                                b.addr
+                            ));
                         }
                         add(&mut allocated, small, b.size);
                         add(&mut allocations, small, 1);
@@ -142,23 +216,43 @@ impl DeviceCore {
                 next = b.next;
             }
             if cursor != base + meta.size {
-                return Err(format!("segment {base:#x} tiles {:#x} of {:#x} bytes", cursor - base, meta.size));
+                return Err(format!(
+                    "segment {base:#x} tiles {:#x} of {:#x} bytes",
+                    cursor - base,
+                    meta.size
+                ));
             }
         }
-        let pooled: usize = self.pools.iter().map(|p| p.free.len() + p.unmapped.len()).sum();
+        let pooled: usize = self
+            .pools
+            .iter()
+            .map(|p| p.free.len() + p.unmapped.len())
+            .sum();
         if pooled != free_seen {
-            return Err(format!("{pooled} pooled blocks but {free_seen} free blocks in segments"));
+            return Err(format!(
+                "{pooled} pooled blocks but {free_seen} free blocks in segments"
+            ));
         }
         if self.active.len() as u64 != allocations[0] {
-            return Err(format!("active map {} != allocated blocks {}", self.active.len(), allocations[0]));
+            return Err(format!(
+                "active map {} != allocated blocks {}",
+                self.active.len(),
+                allocations[0]
+            ));
         }
         let queued: std::collections::HashSet<BlockId> =
             self.pending.values().flatten().map(|(_, id)| *id).collect();
         if queued.len() != pending_blocks {
-            return Err(format!("{} blocks queued on events, {pending_blocks} pending", queued.len()));
+            return Err(format!(
+                "{} blocks queued on events, {pending_blocks} pending",
+                queued.len()
+            ));
         }
         if self.total_reserved != reserved[0] {
-            return Err(format!("total_reserved {} != segments {}", self.total_reserved, reserved[0]));
+            return Err(format!(
+                "total_reserved {} != segments {}",
+                self.total_reserved, reserved[0]
+            ));
         }
         let s = &self.stats;
         let checks: [(&str, [u64; 3], &crate::stats::StatArray); 6] = [
@@ -172,7 +266,10 @@ impl DeviceCore {
         for (name, want, got) in checks {
             for i in 0..3 {
                 if got[i].current != want[i] {
-                    return Err(format!("stat {name}[{i}] = {} but pools hold {}", got[i].current, want[i]));
+                    return Err(format!(
+                        "stat {name}[{i}] = {} but pools hold {}",
+                        got[i].current, want[i]
+                    ));
                 }
             }
         }

@@ -14,20 +14,27 @@ mod core;
 mod detached;
 pub mod error;
 mod events;
+mod expandable;
 mod inspect;
 mod pool;
 mod release;
+mod restore;
 pub mod sizes;
 pub mod snapshot;
 pub mod stats;
+mod summary;
 pub mod trace;
 
+#[cfg(feature = "rule-knobs")]
+pub use crate::core::RuleKnobs;
 pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
 };
 pub use config::{AllocatorConfig, ConfigError};
 pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
+pub use restore::RestoredBlock;
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatType};
+pub use summary::memory_summary;
 pub use trace::{TraceAction, TraceEntry};

@@ -6,7 +6,7 @@ use gpualloc_runtime::DevicePtr;
 use crate::block::{BlockId, BlockState};
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::pool::key;
+use crate::pool::{key, unmapped_key};
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 
@@ -33,42 +33,51 @@ impl DeviceCore {
         b.state = BlockState::Free;
         b.requested = 0;
         b.gc_base = gc_base;
-        let (k, is_split, size, mapped) = (key(b.stream.raw, b.size, b.addr), b.is_split(), b.size, b.mapped);
-        if mapped {
-            self.pools[pool].free.insert(k, id);
-        } else {
-            self.pools[pool].unmapped.insert(k, id);
-        }
+        // A freed block was allocated, so it is mapped.
+        let (k, is_split, size, expandable) = (
+            key(b.stream.raw, b.size, b.addr),
+            b.is_split(),
+            b.size,
+            b.expandable,
+        );
+        self.pools[pool].free.insert(k, id);
         if is_split {
             inactive_blocks += 1;
             inactive_bytes += size as i64;
         }
         let small = self.pools[pool].is_small;
-        let expandable = self.config.expandable_segments;
         let stats = &mut self.stats;
+        // As in PyTorch, inactive_split is not tracked for expandable segments (their free
+        // pages can always be released).
         if !expandable {
             apply_delta(&mut stats.inactive_split, small, inactive_blocks);
             apply_delta(&mut stats.inactive_split_bytes, small, inactive_bytes);
         }
         for_pool(&mut stats.active, small, |s| s.decrease(1));
-        for_pool(&mut stats.active_bytes, small, |s| s.decrease(original_size));
+        for_pool(&mut stats.active_bytes, small, |s| {
+            s.decrease(original_size)
+        });
         for_pool(&mut stats.requested_bytes, small, |s| s.decrease(requested));
     }
 
     /// Merges free `src` into `dst` if it is a free neighbour; returns the bytes subsumed.
-    fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
+    pub(crate) fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
         let s = self.blocks.get(src);
         let d = self.blocks.get(dst);
         if s.state != BlockState::Free || !s.stream_uses.is_empty() || s.mapped != d.mapped {
             return 0;
         }
         let src_block = s.clone();
-        let k = key(src_block.stream.raw, src_block.size, src_block.addr);
         let pool = &mut self.pools[src_block.pool];
         if src_block.mapped {
-            pool.free.remove(&k);
+            pool.free
+                .remove(&key(src_block.stream.raw, src_block.size, src_block.addr));
         } else {
-            pool.unmapped.remove(&k);
+            pool.unmapped.remove(&unmapped_key(
+                src_block.stream.raw,
+                src_block.addr,
+                src_block.size,
+            ));
         }
         if d.prev == Some(src) {
             // [src dst]
@@ -89,6 +98,12 @@ impl DeviceCore {
         self.blocks.get_mut(dst).size += src_block.size;
         self.blocks.remove(src);
         src_block.size
+    }
+
+    /// True for a free block that is a whole ordinary (not expandable) segment.
+    fn is_whole_segment(&self, id: BlockId) -> bool {
+        let b = self.blocks.get(id);
+        !b.is_split() && !b.expandable
     }
 
     /// Returns a whole free segment to the backend (PyTorch's `release_block`).
@@ -115,15 +130,35 @@ impl DeviceCore {
     }
 
     /// Releases every free block of `pool` that is a whole segment.
+    /// Releases every free block of `pool` that is a whole segment, and unmaps the whole pages
+    /// of every free block of an expandable segment (then frees reservations left empty).
     fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
-        let whole: Vec<BlockId> = self.pools[pool]
-            .free
-            .values()
-            .copied()
-            .filter(|&id| !self.blocks.get(id).is_split())
-            .collect();
+        let (mut whole, mut to_unmap) = (Vec::new(), Vec::new());
+        for &id in self.pools[pool].free.values() {
+            let b = self.blocks.get(id);
+            if b.expandable {
+                to_unmap.push(id);
+            } else if !b.is_split() {
+                whole.push(id);
+            }
+        }
         for id in whole {
             self.release_block(id)?;
+        }
+        let mut segments: Vec<u64> = Vec::new();
+        for id in to_unmap {
+            // Unmapping merges neighbours: skip blocks merged away by an earlier unmap.
+            if self.blocks.contains(id)
+                && self.blocks.get(id).state == BlockState::Free
+                && self.blocks.get(id).mapped
+            {
+                segments.push(self.blocks.get(id).segment);
+                self.unmap_block(id)?;
+            }
+        }
+        segments.dedup();
+        for seg in segments {
+            self.release_expandable_segment_if_empty(seg)?;
         }
         Ok(())
     }
@@ -143,7 +178,7 @@ impl DeviceCore {
         let stream = params.stream.raw;
         let pool = &self.pools[params.pool];
         if let Some(((s, _, _), id)) = pool.lower_bound(stream, target) {
-            if s == stream && !self.blocks.get(id).is_split() {
+            if s == stream && self.is_whole_segment(id) {
                 self.release_block(id)?;
                 return Ok(true);
             }
@@ -161,7 +196,7 @@ impl DeviceCore {
             if released >= target {
                 break;
             }
-            if !self.blocks.get(id).is_split() {
+            if self.is_whole_segment(id) {
                 self.release_block(id)?;
                 released += size;
             }
@@ -185,7 +220,10 @@ impl DeviceCore {
         for (id, small, large) in released {
             self.release_blocks(large)?;
             self.release_blocks(small)?;
-            let in_use = self.segments.values().any(|s| s.pool == small || s.pool == large);
+            let in_use = self
+                .segments
+                .values()
+                .any(|s| s.pool == small || s.pool == large);
             if !in_use {
                 self.private.remove(&id);
             }
@@ -198,7 +236,9 @@ impl DeviceCore {
     /// were cached) first, in rounds above the average age (PyTorch's
     /// `garbage_collect_cached_blocks`). No synchronization.
     pub(crate) fn garbage_collect_cached_blocks(&mut self) -> Result<(), AllocError> {
-        let Some(allowed) = self.allowed_max else { return Ok(()) };
+        let Some(allowed) = self.allowed_max else {
+            return Ok(());
+        };
         let threshold = (self.config.garbage_collection_threshold * allowed as f64) as u64;
         if self.total_reserved <= threshold {
             return Ok(());
@@ -210,14 +250,15 @@ impl DeviceCore {
             .free
             .values()
             .copied()
-            .filter(|&id| !self.blocks.get(id).is_split())
+            .filter(|&id| self.is_whole_segment(id))
             .collect();
         let mut total_age: u64 = freeable.iter().map(|&id| age(self, id)).sum();
         let mut reclaimed = 0u64;
         while reclaimed < target && !freeable.is_empty() {
             let threshold_age = total_age as f64 / freeable.len() as f64;
-            let (old, young): (Vec<BlockId>, Vec<BlockId>) =
-                freeable.iter().partition(|&&id| age(self, id) as f64 >= threshold_age);
+            let (old, young): (Vec<BlockId>, Vec<BlockId>) = freeable
+                .iter()
+                .partition(|&&id| age(self, id) as f64 >= threshold_age);
             if old.is_empty() {
                 break;
             }
@@ -250,6 +291,9 @@ impl DeviceCore {
         }
         self.shut_down = true;
         let mut first_err = self.synchronize_and_free_events().err();
+        if let Some(e) = self.release_all_expandable() {
+            first_err.get_or_insert(e);
+        }
         let segments: Vec<u64> = self.segments.keys().copied().collect();
         for addr in segments {
             if let Err(e) = self.backend.free(self.device, DevicePtr(addr)) {
@@ -266,6 +310,7 @@ impl DeviceCore {
             pool.free.clear();
             pool.unmapped.clear();
         }
+        self.expandable.clear();
         self.total_reserved = 0;
         first_err.map_or(Ok(()), Err)
     }

@@ -169,7 +169,11 @@ fn push_stat(out: &mut Vec<(String, u64)>, prefix: &str, s: &Stat) {
 /// Applies `f` to the entries of `arr` for `All` and the pool's own type.
 pub(crate) fn for_pool(arr: &mut StatArray, small: bool, f: impl Fn(&mut Stat)) {
     f(&mut arr[StatType::All as usize]);
-    f(&mut arr[if small { StatType::Small } else { StatType::Large } as usize]);
+    f(&mut arr[if small {
+        StatType::Small
+    } else {
+        StatType::Large
+    } as usize]);
 }
 
 #[cfg(test)]
@@ -183,17 +187,29 @@ mod tests {
         for_pool(&mut s.allocated_bytes, true, |x| x.decrease(60));
         for_pool(&mut s.allocated_bytes, false, |x| x.increase(10));
         let all = s.allocated_bytes[StatType::All as usize];
-        assert_eq!((all.current, all.peak, all.allocated, all.freed), (50, 100, 110, 60));
+        assert_eq!(
+            (all.current, all.peak, all.allocated, all.freed),
+            (50, 100, 110, 60)
+        );
         assert_eq!(s.allocated_bytes[StatType::Small as usize].current, 40);
         assert_eq!(s.allocated_bytes[StatType::Large as usize].current, 10);
         s.reset_peak();
         assert_eq!(s.allocated_bytes[0].peak, 50);
         s.num_ooms = 3;
         s.reset_accumulated();
-        assert_eq!((s.allocated_bytes[0].allocated, s.allocated_bytes[0].freed, s.num_ooms), (0, 0, 0));
+        assert_eq!(
+            (
+                s.allocated_bytes[0].allocated,
+                s.allocated_bytes[0].freed,
+                s.num_ooms
+            ),
+            (0, 0, 0)
+        );
         let flat = s.to_flat();
         assert!(flat.contains(&("allocated_bytes.all.current".to_string(), 50)));
-        assert!(flat.iter().any(|(k, _)| k == "requested_bytes.large_pool.peak"));
+        assert!(flat
+            .iter()
+            .any(|(k, _)| k == "requested_bytes.large_pool.peak"));
         assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 5);
     }
 }

@@ -72,7 +72,10 @@ impl TraceRing {
     /// A ring keeping at most `capacity` entries (at least 1).
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
-        TraceRing { entries: VecDeque::with_capacity(capacity.min(1 << 16)), capacity }
+        TraceRing {
+            entries: VecDeque::with_capacity(capacity.min(1 << 16)),
+            capacity,
+        }
     }
 
     /// Appends an entry, dropping the oldest when full.
@@ -107,7 +110,13 @@ mod tests {
     fn ring_keeps_the_newest() {
         let mut r = TraceRing::new(2);
         for i in 0..5 {
-            r.push(TraceEntry { action: TraceAction::Alloc, addr: i, size: 1, stream: 0, time_us: i });
+            r.push(TraceEntry {
+                action: TraceAction::Alloc,
+                addr: i,
+                size: 1,
+                stream: 0,
+                time_us: i,
+            });
         }
         let addrs: Vec<u64> = r.iter().map(|e| e.addr).collect();
         assert_eq!(addrs, vec![3, 4]);

@@ -30,7 +30,12 @@ fn rig_with(capacity: u64, conf: &str, manual_events: bool) -> Rig {
     let s0 = dynb.stream_create(DeviceId(0)).unwrap();
     let s1 = dynb.stream_create(DeviceId(0)).unwrap();
     let core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
-    Rig { backend, core, s0, s1 }
+    Rig {
+        backend,
+        core,
+        s0,
+        s1,
+    }
 }
 
 fn rig() -> Rig {
@@ -49,7 +54,11 @@ fn small_request_packs_into_a_2mib_segment() {
     let a = r.core.malloc(600 * KIB, r.s0).unwrap();
     let b = r.core.malloc(600 * KIB, r.s0).unwrap();
     assert_eq!(a.block_size, 600 * KIB);
-    assert_eq!(b.ptr.0, a.ptr.0 + 600 * KIB, "second request carved from the same segment");
+    assert_eq!(
+        b.ptr.0,
+        a.ptr.0 + 600 * KIB,
+        "second request carved from the same segment"
+    );
     let st = r.core.stats();
     assert_eq!(st.reserved_bytes[SMALL].current, 2 * MIB);
     assert_eq!(st.reserved_bytes[LARGE].current, 0);
@@ -73,7 +82,10 @@ fn midsize_request_gets_a_20mib_segment_and_splits() {
     let c = r.core.malloc(11 * MIB + 1, r.s0).unwrap();
     // 11 MiB + 512 in a 12 MiB segment: the rest is under 1 MiB, so no split.
     assert_eq!(c.block_size, 12 * MIB);
-    assert_eq!(r.core.stats().reserved_bytes[LARGE].current, 20 * MIB + 12 * MIB);
+    assert_eq!(
+        r.core.stats().reserved_bytes[LARGE].current,
+        20 * MIB + 12 * MIB
+    );
     r.check();
 }
 
@@ -105,14 +117,25 @@ fn oversize_blocks_are_never_split_nor_given_to_small_requests() {
     let near = r.core.malloc(1010 * MIB, r.s0).unwrap();
     assert_eq!(near.ptr, big.ptr);
     assert_eq!(near.block_size, GIB, "handed out whole");
-    assert_eq!(r.core.stats().active_bytes[LARGE].current, 100 * MIB + 600 * MIB + GIB);
-    assert_eq!(r.core.stats().inactive_split[LARGE].current, 0, "each request filled its own segment");
+    assert_eq!(
+        r.core.stats().active_bytes[LARGE].current,
+        100 * MIB + 600 * MIB + GIB
+    );
+    assert_eq!(
+        r.core.stats().inactive_split[LARGE].current,
+        0,
+        "each request filled its own segment"
+    );
     r.check();
 }
 
 #[test]
 fn max_non_split_rounding_is_configurable() {
-    let mut r = rig_with(64 * GIB, "max_split_size_mb:512,max_non_split_rounding_mb:500", false);
+    let mut r = rig_with(
+        64 * GIB,
+        "max_split_size_mb:512,max_non_split_rounding_mb:500",
+        false,
+    );
     let big = r.core.malloc(GIB, r.s0).unwrap();
     r.core.free(big.ptr).unwrap();
     assert_eq!(r.core.malloc(600 * MIB, r.s0).unwrap().ptr, big.ptr);
@@ -127,12 +150,24 @@ fn frees_merge_neighbours_and_empty_cache_returns_everything() {
     let c = r.core.malloc(5 * MIB, r.s0).unwrap();
     r.core.free(b.ptr).unwrap();
     r.check();
-    assert_eq!(r.core.stats().inactive_split[LARGE].current, 2, "b and the tail");
+    assert_eq!(
+        r.core.stats().inactive_split[LARGE].current,
+        2,
+        "b and the tail"
+    );
     r.core.free(a.ptr).unwrap();
-    assert_eq!(r.core.stats().inactive_split[LARGE].current, 2, "a merged into b");
+    assert_eq!(
+        r.core.stats().inactive_split[LARGE].current,
+        2,
+        "a merged into b"
+    );
     assert_eq!(r.core.stats().inactive_split_bytes[LARGE].current, 15 * MIB);
     r.core.free(c.ptr).unwrap();
-    assert_eq!(r.core.stats().inactive_split[LARGE].current, 0, "one whole free segment");
+    assert_eq!(
+        r.core.stats().inactive_split[LARGE].current,
+        0,
+        "one whole free segment"
+    );
     r.check();
     r.core.empty_cache().unwrap();
     assert_eq!(r.core.stats().reserved_bytes[ALL].current, 0);
@@ -152,7 +187,11 @@ fn best_fit_prefers_the_smallest_then_the_lowest_address() {
     r.core.free(y.ptr).unwrap();
     r.core.free(x.ptr).unwrap();
     let got = r.core.malloc(11 * MIB, r.s0).unwrap();
-    assert_eq!(got.ptr, x.ptr.min(y.ptr), "lowest address among the 12 MiB blocks");
+    assert_eq!(
+        got.ptr,
+        x.ptr.min(y.ptr),
+        "lowest address among the 12 MiB blocks"
+    );
     let got2 = r.core.malloc(11 * MIB, r.s0).unwrap();
     assert_eq!(got2.ptr, x.ptr.max(y.ptr));
     let got3 = r.core.malloc(11 * MIB, r.s0).unwrap();
@@ -181,7 +220,11 @@ fn record_stream_defers_reuse_until_the_event_completes() {
     r.core.record_stream(a.ptr, r.s0).unwrap(); // own stream: ignored
     r.core.free(a.ptr).unwrap();
     assert_eq!(r.core.pending_frees(), 1);
-    assert_eq!(r.core.stats().active_bytes[ALL].current, MIB, "pending is still active");
+    assert_eq!(
+        r.core.stats().active_bytes[ALL].current,
+        MIB,
+        "pending is still active"
+    );
     r.check();
     let b = r.core.malloc(MIB, r.s0).unwrap();
     assert_ne!(b.ptr, a.ptr, "must not reuse while s1 may still read it");
@@ -198,17 +241,35 @@ fn bad_input_is_typed() {
     let z = r.core.malloc(0, r.s0).unwrap();
     assert_eq!((z.ptr, z.size), (DevicePtr(0), 0));
     r.core.free(z.ptr).unwrap();
-    assert!(matches!(r.core.malloc(u64::MAX - 100, r.s0), Err(AllocError::InvalidSize { .. })));
-    assert!(matches!(r.core.malloc(u64::MAX, r.s0), Err(AllocError::InvalidSize { .. })));
+    assert!(matches!(
+        r.core.malloc(u64::MAX - 100, r.s0),
+        Err(AllocError::InvalidSize { .. })
+    ));
+    assert!(matches!(
+        r.core.malloc(u64::MAX, r.s0),
+        Err(AllocError::InvalidSize { .. })
+    ));
     // Enormous but representable: the device says no, after the whole chain.
     assert!(r.core.malloc(1 << 62, r.s0).unwrap_err().is_oom());
-    assert!(matches!(r.core.free(DevicePtr(0x1234)), Err(AllocError::UnknownPointer(_))));
+    assert!(matches!(
+        r.core.free(DevicePtr(0x1234)),
+        Err(AllocError::UnknownPointer(_))
+    ));
     let a = r.core.malloc(100, r.s0).unwrap();
     r.core.free(a.ptr).unwrap();
-    assert!(matches!(r.core.free(a.ptr), Err(AllocError::UnknownPointer(_))), "double free");
-    assert!(matches!(r.core.record_stream(a.ptr, r.s1), Err(AllocError::UnknownPointer(_))));
+    assert!(
+        matches!(r.core.free(a.ptr), Err(AllocError::UnknownPointer(_))),
+        "double free"
+    );
+    assert!(matches!(
+        r.core.record_stream(a.ptr, r.s1),
+        Err(AllocError::UnknownPointer(_))
+    ));
     let other = r.backend.stream_create(DeviceId(1)).unwrap();
-    assert!(matches!(r.core.malloc(100, other), Err(AllocError::WrongDevice { .. })));
+    assert!(matches!(
+        r.core.malloc(100, other),
+        Err(AllocError::WrongDevice { .. })
+    ));
     r.check();
 }
 
@@ -248,14 +309,40 @@ fn trace_and_snapshot_follow_pytorch_shapes() {
     let snap = r.core.snapshot();
     assert_eq!(snap.segments.len(), 1);
     let seg = &snap.segments[0];
-    assert_eq!((seg.total_size, seg.active_size, seg.allocated_size, seg.requested_size), (2 * MIB, 1024, 0, 1000));
+    assert_eq!(
+        (
+            seg.total_size,
+            seg.active_size,
+            seg.allocated_size,
+            seg.requested_size
+        ),
+        (2 * MIB, 1024, 0, 1000)
+    );
     assert_eq!(seg.blocks[0].state.as_str(), "active_pending_free");
     assert_eq!(seg.blocks[1].state.as_str(), "inactive");
     r.backend.complete_all_events();
     r.core.process_events().unwrap();
     r.core.empty_cache().unwrap();
-    let actions: Vec<&str> = r.core.snapshot().trace.iter().map(|e| e.action.as_str()).collect();
-    assert_eq!(actions, ["segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"]);
+    let actions: Vec<&str> = r
+        .core
+        .snapshot()
+        .trace
+        .iter()
+        .map(|e| e.action.as_str())
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "segment_alloc",
+            "alloc",
+            "free_requested",
+            "free_completed",
+            "segment_free"
+        ]
+    );
     let t = &r.core.snapshot().trace[1];
-    assert_eq!((t.addr, t.size, t.stream, t.time_us), (a.ptr.0, 1000, r.s0.raw, 7));
+    assert_eq!(
+        (t.addr, t.size, t.stream, t.time_us),
+        (a.ptr.0, 1000, r.s0.raw, 7)
+    );
 }

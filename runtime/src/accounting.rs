@@ -9,25 +9,36 @@
 //! unless [`AccountingBackend::place_next`] asks for a specific address (trace replays use it
 //! to give a segment the address PyTorch gave it).
 //!
-//! Host memory, registration and IPC are not modelled: those calls return `NotSupported`.
+//! Pinned host memory is accounted the same way: `host_alloc` hands out 4 KiB-aligned addresses
+//! from a host window of its own (no memory behind them) and counts them against a host capacity
+//! ([`AccountingBackend::with_host_capacity`]); `host_register` records page-aligned,
+//! non-overlapping ranges (which count against the same capacity) and `host_unregister` removes
+//! them. IPC is not modelled: those calls return `NotSupported`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
-use std::sync::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
-use crate::sync::lock;
+use crate::sync::{lock, Mutex};
 use crate::types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
 
 /// Alignment of every device allocation and reservation (real drivers give at least this for
 /// large allocations; the allocator only relies on 512 B).
 pub const ALIGNMENT: u64 = 2 << 20;
-const WINDOW: u64 = 1 << 40;
+/// Address window of each device (16 TiB: room for expandable-segment reservations of
+/// 9/8 of a large capacity).
+const WINDOW: u64 = 1 << 44;
+/// Address window of host allocations.
+const HOST_WINDOW: u64 = 1 << 40;
 const BASE: u64 = 0x7000_0000_0000;
+/// Page size the host calls validate against.
+pub const HOST_PAGE: u64 = 4096;
+/// Start of the window `host_alloc` hands out addresses from (below every device window).
+const HOST_BASE: u64 = 0x6000_0000_0000;
 
 /// Counts of the calls that change device memory, for tests and replay reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -44,6 +55,44 @@ pub struct AccountingCounts {
     pub maps: u64,
     /// `unmap` calls that succeeded.
     pub unmaps: u64,
+    /// `host_alloc` calls that succeeded.
+    pub host_allocs: u64,
+    /// `host_free` calls that succeeded.
+    pub host_frees: u64,
+    /// `host_register` calls that succeeded.
+    pub host_registers: u64,
+    /// `host_unregister` calls that succeeded.
+    pub host_unregisters: u64,
+}
+
+#[derive(Default)]
+struct HostState {
+    /// Live `host_alloc` allocations: start → size (rounded to [`HOST_PAGE`]).
+    allocs: BTreeMap<u64, u64>,
+    /// Registered ranges: start → length.
+    registered: BTreeMap<u64, u64>,
+    /// Bytes of `allocs` plus `registered`.
+    used: u64,
+}
+
+impl HostState {
+    fn overlaps(map: &BTreeMap<u64, u64>, start: u64, len: u64) -> bool {
+        map.range(..start.saturating_add(len))
+            .next_back()
+            .is_some_and(|(s, l)| s + l > start)
+    }
+
+    /// Lowest [`HOST_PAGE`]-aligned gap of `size` bytes in the host window.
+    fn find_gap(&self, size: u64) -> Option<u64> {
+        let mut cursor = HOST_BASE;
+        for (&s, &len) in &self.allocs {
+            if s >= cursor + size {
+                break;
+            }
+            cursor = cursor.max(s + len);
+        }
+        (cursor + size <= HOST_BASE + HOST_WINDOW).then_some(cursor)
+    }
 }
 
 #[derive(Default)]
@@ -63,15 +112,19 @@ struct State {
     devices: Vec<DeviceState>,
     /// Event raw → (last record seq, completed seq).
     events: HashMap<u64, (u64, u64)>,
+    /// Event raw → raw of the stream it was last recorded on.
+    event_streams: HashMap<u64, u64>,
     streams: HashMap<u64, DeviceId>,
     phys: HashMap<u64, PhysHandle>,
     next_id: u64,
     counts: AccountingCounts,
+    host: HostState,
 }
 
 /// A backend with addresses and byte counts only. See the module docs.
 pub struct AccountingBackend {
     capacity: u64,
+    host_capacity: u64,
     manual_events: bool,
     state: Mutex<State>,
 }
@@ -84,7 +137,24 @@ impl AccountingBackend {
             next_id: 1,
             ..State::default()
         };
-        AccountingBackend { capacity, manual_events: false, state: Mutex::new(state) }
+        AccountingBackend {
+            capacity,
+            host_capacity: HOST_WINDOW,
+            manual_events: false,
+            state: Mutex::new(state),
+        }
+    }
+
+    /// Sets how many bytes of pinned host memory (`host_alloc` plus `host_register`) may be
+    /// held at once; the default is the whole 1 TiB host window.
+    pub fn with_host_capacity(mut self, bytes: u64) -> Self {
+        self.host_capacity = bytes;
+        self
+    }
+
+    /// Bytes of pinned host memory held (allocated plus registered).
+    pub fn host_used(&self) -> u64 {
+        lock(&self.state).host.used
     }
 
     /// Like [`AccountingBackend::new`], but recorded events stay pending until
@@ -110,9 +180,49 @@ impl AccountingBackend {
         }
     }
 
+    /// Completes every event last recorded on `stream` (the stream reached the end of its work).
+    pub fn complete_stream(&self, stream: StreamHandle) {
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+        for (raw, on) in &state.event_streams {
+            if *on == stream.raw {
+                if let Some((rec, done)) = state.events.get_mut(raw) {
+                    *done = *rec;
+                }
+            }
+        }
+    }
+
+    /// Registers a stream with a caller-chosen raw handle (a trace's stream id, so a replay
+    /// orders blocks by the same stream values the recording did).
+    pub fn register_stream(&self, device: DeviceId, raw: u64) -> Result<StreamHandle> {
+        let mut state = lock(&self.state);
+        Self::device(&mut state, device)?;
+        match state.streams.get(&raw) {
+            Some(d) if *d != device => Err(BackendError::invalid(format!(
+                "stream {raw:#x} already belongs to {d}"
+            ))),
+            _ => {
+                state.streams.insert(raw, device);
+                Ok(StreamHandle { device, raw })
+            }
+        }
+    }
+
+    /// Forgets a pending [`AccountingBackend::place_next`].
+    pub fn clear_placement(&self, device: DeviceId) {
+        if let Some(d) = lock(&self.state).devices.get_mut(device.0 as usize) {
+            d.place_next = None;
+        }
+    }
+
     /// Number of events whose last record is still pending.
     pub fn pending_events(&self) -> usize {
-        lock(&self.state).events.values().filter(|(rec, done)| done < rec).count()
+        lock(&self.state)
+            .events
+            .values()
+            .filter(|(rec, done)| done < rec)
+            .count()
     }
 
     /// The next `malloc` on `device` returns `addr` if that range is free (else the usual
@@ -130,11 +240,17 @@ impl AccountingBackend {
 
     /// Bytes in use on `device` (allocations plus physical memory for mappings).
     pub fn used(&self, device: DeviceId) -> u64 {
-        lock(&self.state).devices.get(device.0 as usize).map_or(0, |d| d.used)
+        lock(&self.state)
+            .devices
+            .get(device.0 as usize)
+            .map_or(0, |d| d.used)
     }
 
-    fn device<'a>(state: &'a mut State, device: DeviceId) -> Result<&'a mut DeviceState> {
-        state.devices.get_mut(device.0 as usize).ok_or(BackendError::InvalidDevice(device.0))
+    fn device(state: &mut State, device: DeviceId) -> Result<&mut DeviceState> {
+        state
+            .devices
+            .get_mut(device.0 as usize)
+            .ok_or(BackendError::InvalidDevice(device.0))
     }
 
     fn check_size(size: u64) -> Result<u64> {
@@ -145,7 +261,10 @@ impl AccountingBackend {
             .checked_next_multiple_of(ALIGNMENT)
             .ok_or_else(|| BackendError::invalid(format!("size {size} overflows")))?;
         if rounded > WINDOW {
-            return Err(BackendError::OutOfMemory { requested: size, what: "device".into() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: "device".into(),
+            });
         }
         Ok(rounded)
     }
@@ -178,8 +297,10 @@ impl AccountingBackend {
     }
 
     fn new_id(state: &mut State) -> u64 {
+        // Ids start at 2^62 so they never meet raws chosen by `register_stream` (trace stream
+        // ids are small integers or user-space addresses) and still fit an i64 (snapshots).
         state.next_id += 1;
-        state.next_id
+        (1 << 62) + state.next_id
     }
 
     fn stream_device(state: &State, stream: StreamHandle) -> Result<DeviceId> {
@@ -203,7 +324,10 @@ impl Backend for AccountingBackend {
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         let mut state = lock(&self.state);
         let used = Self::device(&mut state, device)?.used;
-        Ok(MemInfo { free: self.capacity.saturating_sub(used), total: self.capacity })
+        Ok(MemInfo {
+            free: self.capacity.saturating_sub(used),
+            total: self.capacity,
+        })
     }
 
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
@@ -214,10 +338,16 @@ impl Backend for AccountingBackend {
         let want = dev.place_next.take();
         if dev.used + rounded > capacity {
             state.counts.failed_mallocs += 1;
-            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            });
         }
-        let addr = Self::find_gap(dev, device.0, size, want)
-            .ok_or_else(|| BackendError::OutOfMemory { requested: size, what: device.to_string() })?;
+        let addr =
+            Self::find_gap(dev, device.0, size, want).ok_or_else(|| BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            })?;
         dev.ranges.insert(addr, size);
         dev.used += rounded;
         state.counts.mallocs += 1;
@@ -228,7 +358,9 @@ impl Backend for AccountingBackend {
         let mut state = lock(&self.state);
         let dev = Self::device(&mut state, device)?;
         if dev.reservations.contains_key(&ptr.0) {
-            return Err(BackendError::invalid(format!("{ptr} is a reservation, not an allocation")));
+            return Err(BackendError::invalid(format!(
+                "{ptr} is a reservation, not an allocation"
+            )));
         }
         let size = dev
             .ranges
@@ -284,19 +416,27 @@ impl Backend for AccountingBackend {
     }
 
     fn memcpy_async(&self, _: StreamHandle, _: u64, _: u64, _: u64) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn memset_async(&self, _: StreamHandle, _: DevicePtr, _: u8, _: u64) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn copy_to_device(&self, _: StreamHandle, _: DevicePtr, _: &[u8]) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn copy_from_device(&self, _: StreamHandle, _: &mut [u8], _: DevicePtr) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory".into(),
+        ))
     }
 
     fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
@@ -325,6 +465,7 @@ impl Backend for AccountingBackend {
         if !manual {
             *done = *rec;
         }
+        state.event_streams.insert(event.raw, stream.raw);
         Ok(())
     }
 
@@ -354,20 +495,79 @@ impl Backend for AccountingBackend {
             .ok_or_else(|| BackendError::InvalidHandle(format!("event {event:?}")))
     }
 
-    fn host_alloc(&self, _: u64) -> Result<*mut u8> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    fn host_alloc(&self, size: u64) -> Result<*mut u8> {
+        if size == 0 {
+            return Err(BackendError::invalid("host_alloc of size 0"));
+        }
+        let rounded = size
+            .checked_next_multiple_of(HOST_PAGE)
+            .filter(|s| *s <= HOST_WINDOW)
+            .ok_or_else(|| BackendError::invalid(format!("host size {size} is too large")))?;
+        let mut state = lock(&self.state);
+        let oom = || BackendError::OutOfMemory {
+            requested: size,
+            what: "pinned host".into(),
+        };
+        if state.host.used + rounded > self.host_capacity {
+            return Err(oom());
+        }
+        let addr = state.host.find_gap(rounded).ok_or_else(oom)?;
+        state.host.allocs.insert(addr, rounded);
+        state.host.used += rounded;
+        state.counts.host_allocs += 1;
+        Ok(addr as *mut u8)
     }
 
-    fn host_free(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let mut state = lock(&self.state);
+        let size = state.host.allocs.remove(&(ptr as u64)).ok_or_else(|| {
+            BackendError::invalid(format!("host_free of unknown pointer {ptr:?}"))
+        })?;
+        state.host.used -= size;
+        state.counts.host_frees += 1;
+        Ok(())
     }
 
-    fn host_register(&self, _: *mut u8, _: u64, _: HostRegisterFlags) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    fn host_register(&self, ptr: *mut u8, len: u64, _: HostRegisterFlags) -> Result<()> {
+        let start = ptr as u64;
+        if start == 0 || len == 0 || start % HOST_PAGE != 0 || len % HOST_PAGE != 0 {
+            return Err(BackendError::invalid(format!(
+                "host_register of {len} bytes at {ptr:?}: not a non-empty page-aligned range"
+            )));
+        }
+        if start.checked_add(len).is_none() {
+            return Err(BackendError::invalid("host_register range overflows"));
+        }
+        let mut state = lock(&self.state);
+        if HostState::overlaps(&state.host.registered, start, len)
+            || HostState::overlaps(&state.host.allocs, start, len)
+        {
+            return Err(BackendError::invalid(format!(
+                "host_register of {len} bytes at {ptr:?} overlaps pinned memory"
+            )));
+        }
+        if state.host.used + len > self.host_capacity {
+            return Err(BackendError::OutOfMemory {
+                requested: len,
+                what: "pinned host".into(),
+            });
+        }
+        state.host.registered.insert(start, len);
+        state.host.used += len;
+        state.counts.host_registers += 1;
+        Ok(())
     }
 
-    fn host_unregister(&self, _: *mut u8) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no host memory".into()))
+    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        let mut state = lock(&self.state);
+        let len = state.host.registered.remove(&(ptr as u64)).ok_or_else(|| {
+            BackendError::invalid(format!(
+                "host_unregister of {ptr:?}: not a registered range"
+            ))
+        })?;
+        state.host.used -= len;
+        state.counts.host_unregisters += 1;
+        Ok(())
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
@@ -395,10 +595,16 @@ impl Backend for AccountingBackend {
         let dev = Self::device(&mut state, device)?;
         match dev.reservations.get(&ptr.0) {
             Some(&len) if len == Self::check_size(size)? => {}
-            _ => return Err(BackendError::invalid(format!("no reservation of {size} at {ptr}"))),
+            _ => {
+                return Err(BackendError::invalid(format!(
+                    "no reservation of {size} at {ptr}"
+                )))
+            }
         }
         if dev.mapped.range(ptr.0..ptr.0 + size).next().is_some() {
-            return Err(BackendError::invalid(format!("reservation at {ptr} is still mapped")));
+            return Err(BackendError::invalid(format!(
+                "reservation at {ptr} is still mapped"
+            )));
         }
         dev.reservations.remove(&ptr.0);
         dev.ranges.remove(&ptr.0);
@@ -407,14 +613,19 @@ impl Backend for AccountingBackend {
 
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
         if size == 0 || size % ALIGNMENT != 0 {
-            return Err(BackendError::invalid(format!("physical size {size} not a granule multiple")));
+            return Err(BackendError::invalid(format!(
+                "physical size {size} not a granule multiple"
+            )));
         }
         let mut state = lock(&self.state);
         let capacity = self.capacity;
         let dev = Self::device(&mut state, device)?;
         if dev.used + size > capacity {
             state.counts.failed_mallocs += 1;
-            return Err(BackendError::OutOfMemory { requested: size, what: device.to_string() });
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: device.to_string(),
+            });
         }
         dev.used += size;
         let raw = Self::new_id(&mut state);
@@ -438,9 +649,14 @@ impl Backend for AccountingBackend {
         if !state.phys.contains_key(&handle.raw) {
             return Err(BackendError::InvalidHandle(format!("{handle:?}")));
         }
-        if size == 0 || ptr.0 % ALIGNMENT != 0 || size % ALIGNMENT != 0 || offset + size > handle.size
+        if size == 0
+            || ptr.0 % ALIGNMENT != 0
+            || size % ALIGNMENT != 0
+            || offset + size > handle.size
         {
-            return Err(BackendError::invalid(format!("map of {size} at {ptr} offset {offset}")));
+            return Err(BackendError::invalid(format!(
+                "map of {size} at {ptr} offset {offset}"
+            )));
         }
         let dev = Self::device(&mut state, handle.device)?;
         let inside = dev
@@ -454,7 +670,9 @@ impl Backend for AccountingBackend {
             .next_back()
             .is_some_and(|(s, (len, _))| s + len > ptr.0);
         if !inside || overlaps {
-            return Err(BackendError::invalid(format!("map of {size} at {ptr}: not a free reserved range")));
+            return Err(BackendError::invalid(format!(
+                "map of {size} at {ptr}: not a free reserved range"
+            )));
         }
         dev.mapped.insert(ptr.0, (size, handle.raw));
         state.counts.maps += 1;
@@ -463,7 +681,9 @@ impl Backend for AccountingBackend {
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let mut state = lock(&self.state);
-        let end = ptr.checked_add(size).ok_or_else(|| BackendError::invalid("range overflows"))?;
+        let end = ptr
+            .checked_add(size)
+            .ok_or_else(|| BackendError::invalid("range overflows"))?;
         let device = state
             .devices
             .iter()
@@ -476,12 +696,16 @@ impl Backend for AccountingBackend {
         for s in &run {
             let (len, _) = dev.mapped[s];
             if *s != cursor {
-                return Err(BackendError::invalid(format!("hole in unmap range at {cursor:#x}")));
+                return Err(BackendError::invalid(format!(
+                    "hole in unmap range at {cursor:#x}"
+                )));
             }
             cursor += len;
         }
         if cursor != end.0 {
-            return Err(BackendError::invalid(format!("unmap of {size} at {ptr} splits a mapping")));
+            return Err(BackendError::invalid(format!(
+                "unmap of {size} at {ptr} splits a mapping"
+            )));
         }
         let n = run.len() as u64;
         for s in run {
@@ -496,23 +720,33 @@ impl Backend for AccountingBackend {
     }
 
     fn phys_export_fd(&self, _: PhysHandle) -> Result<OwnedFd> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn phys_import_fd(&self, _: DeviceId, _: OwnedFd) -> Result<PhysHandle> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_get_mem_handle(&self, _: DevicePtr) -> Result<IpcMemHandle> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_open_mem_handle(&self, _: DeviceId, _: &IpcMemHandle) -> Result<DevicePtr> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 
     fn ipc_close_mem_handle(&self, _: DevicePtr) -> Result<()> {
-        Err(BackendError::NotSupported("the accounting backend has no memory to share".into()))
+        Err(BackendError::NotSupported(
+            "the accounting backend has no memory to share".into(),
+        ))
     }
 }
 
@@ -540,12 +774,27 @@ mod tests {
     #[test]
     fn bad_input_is_typed() {
         let b = AccountingBackend::new(1, 1 << 30);
-        assert!(matches!(b.malloc(DeviceId(0), 0), Err(BackendError::InvalidValue(_))));
-        assert!(matches!(b.malloc(DeviceId(0), u64::MAX - 100), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(
+            b.malloc(DeviceId(0), 0),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.malloc(DeviceId(0), u64::MAX - 100),
+            Err(BackendError::InvalidValue(_))
+        ));
         assert!(b.malloc(DeviceId(0), 1 << 62).unwrap_err().is_oom());
-        assert!(matches!(b.malloc(DeviceId(3), 1), Err(BackendError::InvalidDevice(3))));
-        assert!(matches!(b.free(DeviceId(0), DevicePtr(12)), Err(BackendError::InvalidValue(_))));
-        assert!(matches!(b.unmap(DevicePtr(BASE), ALIGNMENT), Err(BackendError::InvalidValue(_))));
+        assert!(matches!(
+            b.malloc(DeviceId(3), 1),
+            Err(BackendError::InvalidDevice(3))
+        ));
+        assert!(matches!(
+            b.free(DeviceId(0), DevicePtr(12)),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.unmap(DevicePtr(BASE), ALIGNMENT),
+            Err(BackendError::InvalidValue(_))
+        ));
     }
 
     #[test]
@@ -562,6 +811,75 @@ mod tests {
         b.event_record(e, s).unwrap();
         b.device_synchronize(DeviceId(0)).unwrap();
         assert!(b.event_query(e).unwrap());
+    }
+
+    #[test]
+    fn host_memory_is_accounted_and_validated() {
+        let b = AccountingBackend::new(1, 1 << 30).with_host_capacity(16 * HOST_PAGE);
+        let a = b.host_alloc(1).unwrap();
+        let c = b.host_alloc(HOST_PAGE + 1).unwrap();
+        assert_eq!(a as u64, HOST_BASE);
+        assert_eq!(
+            c as u64,
+            HOST_BASE + HOST_PAGE,
+            "4 KiB aligned, lowest first"
+        );
+        assert_eq!(b.host_used(), 3 * HOST_PAGE);
+        assert!(b.host_alloc(14 * HOST_PAGE).unwrap_err().is_oom());
+        assert!(matches!(
+            b.host_alloc(0),
+            Err(BackendError::InvalidValue(_))
+        ));
+        assert!(matches!(
+            b.host_alloc(u64::MAX - 100),
+            Err(BackendError::InvalidValue(_))
+        ));
+        b.host_free(a).unwrap();
+        assert!(
+            matches!(b.host_free(a), Err(BackendError::InvalidValue(_))),
+            "double free"
+        );
+        assert_eq!(b.host_alloc(10).unwrap(), a, "lowest gap reused");
+
+        let r = 0x10_0000_0000u64 as *mut u8;
+        let flags = HostRegisterFlags::default();
+        assert!(
+            b.host_register(r.wrapping_add(1), HOST_PAGE, flags)
+                .is_err(),
+            "unaligned ptr"
+        );
+        assert!(b.host_register(r, 100, flags).is_err(), "unaligned len");
+        assert!(
+            b.host_register(c, HOST_PAGE, flags).is_err(),
+            "overlaps host_alloc"
+        );
+        b.host_register(r, 4 * HOST_PAGE, flags).unwrap();
+        assert!(
+            b.host_register(r.wrapping_add(4096), HOST_PAGE, flags)
+                .is_err(),
+            "overlap"
+        );
+        assert!(b
+            .host_register(r.wrapping_add(4 * 4096), 20 * HOST_PAGE, flags)
+            .unwrap_err()
+            .is_oom());
+        assert_eq!(b.host_used(), 7 * HOST_PAGE);
+        assert!(
+            b.host_unregister(r.wrapping_add(4096)).is_err(),
+            "not a range start"
+        );
+        b.host_unregister(r).unwrap();
+        assert!(b.host_unregister(r).is_err());
+        let n = b.counts();
+        assert_eq!(
+            (
+                n.host_allocs,
+                n.host_frees,
+                n.host_registers,
+                n.host_unregisters
+            ),
+            (3, 1, 1, 1)
+        );
     }
 
     #[test]

@@ -18,8 +18,8 @@ use std::os::fd::OwnedFd;
 
 use crate::error::Result;
 use crate::types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };
 
 /// A GPU runtime, as the allocators see it. See the module docs for the semantics.
@@ -61,8 +61,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies host bytes into device memory and waits for the copy (stream-ordered).
     fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()>;
     /// Copies device memory into host bytes and waits for the copy (stream-ordered).
-    fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr)
-        -> Result<()>;
+    fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()>;
 
     // ---- events ----
 

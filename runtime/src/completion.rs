@@ -25,7 +25,9 @@ pub struct CompletionCell {
 impl CompletionCell {
     /// A new, pending cell.
     pub fn new() -> Arc<Self> {
-        Arc::new(CompletionCell { state: Mutex::new(State::Pending(None)) })
+        Arc::new(CompletionCell {
+            state: Mutex::new(State::Pending(None)),
+        })
     }
 
     /// Marks the cell done with `result` and wakes the waiter, if any. Later calls are ignored
@@ -123,7 +125,10 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
             cell.complete(Err(BackendError::invalid("boom")));
         });
-        assert_eq!(futures::executor::block_on(fut), Err(BackendError::invalid("boom")));
+        assert_eq!(
+            futures::executor::block_on(fut),
+            Err(BackendError::invalid("boom"))
+        );
         t.join().unwrap();
     }
 }

@@ -69,6 +69,9 @@ impl BackendError {
 
     /// Maps an OS error from `op`.
     pub fn os(op: &'static str, err: impl Into<std::io::Error>) -> Self {
-        BackendError::Os { op, errno: err.into().kind() }
+        BackendError::Os {
+            op,
+            errno: err.into().kind(),
+        }
     }
 }

@@ -11,13 +11,16 @@
 //!
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
-#[cfg(not(loom))]
 pub mod accounting;
 pub mod actor;
+pub mod addr_map;
 pub mod backend;
 pub mod completion;
+pub mod conformance;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
-#[cfg(not(loom))]
+pub mod sim;
 pub mod stream;
 pub mod sync;
 pub mod types;
@@ -25,9 +28,8 @@ pub mod types;
 pub use backend::Backend;
 pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
-#[cfg(not(loom))]
 pub use stream::{Event, Stream};
 pub use types::{
-    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo,
-    PhysHandle, StreamHandle,
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
 };

@@ -53,7 +53,20 @@ impl Stream {
     /// Creates a new stream on `device`.
     pub fn new(backend: &Arc<dyn Backend>, device: DeviceId) -> Result<Stream> {
         let handle = backend.stream_create(device)?;
-        Ok(Stream { inner: Arc::new(StreamInner { backend: backend.clone(), handle }) })
+        Ok(Stream {
+            inner: Arc::new(StreamInner {
+                backend: backend.clone(),
+                handle,
+            }),
+        })
+    }
+
+    /// Wraps a stream handle the caller already owns (e.g. one a backend adopted from
+    /// another library); the backend's `stream_destroy` runs when the last clone goes.
+    pub fn from_handle(backend: Arc<dyn Backend>, handle: StreamHandle) -> Stream {
+        Stream {
+            inner: Arc::new(StreamInner { backend, handle }),
+        }
     }
 
     /// The backend's handle.
@@ -81,11 +94,10 @@ impl Stream {
     pub fn completed(&self) -> Completion {
         let cell = CompletionCell::new();
         let waker_cell = cell.clone();
-        match self
-            .inner
-            .backend
-            .launch_host_func(self.inner.handle, Box::new(move || waker_cell.complete(Ok(()))))
-        {
+        match self.inner.backend.launch_host_func(
+            self.inner.handle,
+            Box::new(move || waker_cell.complete(Ok(()))),
+        ) {
             Ok(()) => Completion::new(cell),
             Err(e) => Completion::ready(Err(e)),
         }
@@ -95,7 +107,11 @@ impl Stream {
     pub fn record_event(&self) -> Result<Event> {
         let backend = &self.inner.backend;
         let handle = backend.event_create(self.device())?;
-        let event = Event { backend: backend.clone(), handle, cell: CompletionCell::new() };
+        let event = Event {
+            backend: backend.clone(),
+            handle,
+            cell: CompletionCell::new(),
+        };
         backend.event_record(handle, self.inner.handle)?;
         let cell = event.cell.clone();
         backend.launch_host_func(self.inner.handle, Box::new(move || cell.complete(Ok(()))))?;
@@ -104,7 +120,9 @@ impl Stream {
 
     /// Makes later work on this stream wait for `event`.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
-        self.inner.backend.stream_wait_event(self.inner.handle, event.handle)
+        self.inner
+            .backend
+            .stream_wait_event(self.inner.handle, event.handle)
     }
 }
 
@@ -112,12 +130,14 @@ impl Stream {
 pub struct Event {
     backend: Arc<dyn Backend>,
     handle: EventHandle,
-    cell: Arc<CompletionCell>,
+    cell: crate::sync::Arc<CompletionCell>,
 }
 
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Event").field("handle", &self.handle).finish()
+        f.debug_struct("Event")
+            .field("handle", &self.handle)
+            .finish()
     }
 }
 

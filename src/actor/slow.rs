@@ -36,8 +36,11 @@ impl DeviceActor {
         let in_place = {
             let mut held = self.mailbox.hold_blocking();
             let core = &held.state().core;
-            // Garbage collection and the memory-fraction cap are decided by the core's chain.
-            !req.fits_fraction(core) || core.config().garbage_collection_threshold > 0.0
+            // Garbage collection, the memory-fraction cap and expandable segments (which map
+            // pages instead of allocating a segment) are handled by the core's own chain.
+            !req.fits_fraction(core)
+                || core.config().garbage_collection_threshold > 0.0
+                || core.config().expandable_segments
         };
         let req = if in_place {
             req
@@ -154,6 +157,12 @@ impl DeviceActor {
             return Err(AllocError::Shutdown.into());
         }
         self.release_cache_blocking();
+        let mut held = self.mailbox.hold_blocking();
+        let core = &mut held.state().core;
+        if core.config().expandable_segments {
+            // Unmapping pages of expandable segments is the core's own business.
+            core.empty_cache()?;
+        }
         Ok(())
     }
 

@@ -1,0 +1,56 @@
+//! The cache-hit path (malloc + free of a cached size) makes no heap allocation in steady
+//! state. Counted with a global allocator wrapper; this test binary has only this test so
+//! nothing else allocates concurrently.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::{Backend, DeviceId};
+
+struct Counting;
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call unchanged to the system allocator; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[test]
+fn cache_hits_do_not_allocate() {
+    let backend: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 64 << 30));
+    let s = backend.stream_create(DeviceId(0)).unwrap();
+    let mut core = DeviceCore::new(backend, DeviceId(0), AllocatorConfig::default()).unwrap();
+    let warm: Vec<_> = (1..64u64)
+        .map(|i| core.malloc(i * 8192, s).unwrap())
+        .collect();
+    for a in &warm {
+        core.free(a.ptr).unwrap();
+    }
+    for size in [4096u64, 100_000, 5 << 20, 64 << 20] {
+        let a = core.malloc(size, s).unwrap();
+        core.free(a.ptr).unwrap();
+    }
+    let before = ALLOCS.load(Ordering::Relaxed);
+    for _ in 0..1000 {
+        for size in [4096u64, 100_000, 5 << 20, 64 << 20] {
+            let a = core.malloc(size, s).unwrap();
+            core.free(a.ptr).unwrap();
+        }
+    }
+    let after = ALLOCS.load(Ordering::Relaxed);
+    assert_eq!(after - before, 0, "heap allocations on 4000 cache hits");
+}

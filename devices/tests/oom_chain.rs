@@ -1,0 +1,208 @@
+//! The miss path and OOM chain, one test per step, in PyTorch's order: free-memory callbacks,
+//! garbage collection, private-pool fallback, release of oversize cached blocks, release of
+//! everything after synchronizing pending events, then the OOM report.
+
+use std::sync::{Arc, Mutex};
+
+use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, TraceAction};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+
+fn rig(
+    capacity: u64,
+    conf: &str,
+    manual: bool,
+) -> (
+    Arc<AccountingBackend>,
+    DeviceCore,
+    StreamHandle,
+    StreamHandle,
+) {
+    let backend = Arc::new(if manual {
+        AccountingBackend::manual_events(1, capacity)
+    } else {
+        AccountingBackend::new(1, capacity)
+    });
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s0 = dynb.stream_create(DeviceId(0)).unwrap();
+    let s1 = dynb.stream_create(DeviceId(0)).unwrap();
+    let mut core =
+        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    core.record_history(Some(1000));
+    (backend, core, s0, s1)
+}
+
+fn actions(core: &DeviceCore) -> Vec<TraceAction> {
+    core.snapshot().trace.iter().map(|e| e.action).collect()
+}
+
+#[test]
+fn step1_free_memory_callbacks_run_before_a_device_malloc() {
+    let (backend, mut core, s0, _) = rig(20 * MIB, "", false);
+    let a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    let released: Arc<Mutex<Vec<DevicePtr>>> = Arc::new(Mutex::new(vec![a.ptr]));
+    let r = released.clone();
+    core.add_free_memory_callback(Box::new(move || std::mem::take(&mut *r.lock().unwrap())));
+    let b = core.malloc(19 * MIB, s0).unwrap();
+    assert_eq!(b.ptr, a.ptr, "the callback's free made a cache hit");
+    assert_eq!(backend.counts().mallocs, 1);
+    assert_eq!(backend.counts().failed_mallocs, 0);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn step2_garbage_collection_frees_the_oldest_cached_segments() {
+    // 100 MiB device, all of it allowed, GC above 50 MiB reserved.
+    let (backend, mut core, s0, _) = rig(
+        100 * MIB,
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+        false,
+    );
+    let old = core.malloc(12 * MIB, s0).unwrap();
+    let young = core.malloc(14 * MIB, s0).unwrap();
+    let busy = core.malloc(26 * MIB, s0).unwrap();
+    core.free(old.ptr).unwrap();
+    // Lookups age the cached block: each hit on `busy`'s size counts.
+    core.free(busy.ptr).unwrap();
+    for _ in 0..5 {
+        let b = core.malloc(26 * MIB, s0).unwrap();
+        core.free(b.ptr).unwrap();
+    }
+    core.free(young.ptr).unwrap();
+    assert_eq!(core.reserved_bytes(), 52 * MIB);
+    // A miss above the threshold collects: `old` (age 6) is above the average, `young`
+    // (age 0) and `busy` (age 1) are not.
+    let _c = core.malloc(30 * MIB, s0).unwrap();
+    let segs: Vec<u64> = core.snapshot().segments.iter().map(|s| s.address).collect();
+    assert!(!segs.contains(&old.ptr.0), "oldest segment collected");
+    assert!(segs.contains(&young.ptr.0) && segs.contains(&busy.ptr.0));
+    assert_eq!(backend.counts().frees, 1);
+    assert_eq!(core.reserved_bytes(), 40 * MIB + 30 * MIB);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn step3_private_pool_marked_use_on_oom_serves_a_failing_request() {
+    let (backend, mut core, s0, _) = rig(40 * MIB, "", false);
+    let pool = core.create_pool(true);
+    core.begin_allocate_to_pool(pool, s0).unwrap();
+    let a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    core.end_allocate_to_pool(s0);
+    core.free(a.ptr).unwrap();
+    let _b = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    assert_eq!(
+        backend.counts().mallocs,
+        2,
+        "default pool got its own segment"
+    );
+    let c = core.malloc(19 * MIB, s0).unwrap();
+    assert_eq!(c.ptr, a.ptr, "served from the private pool");
+    assert_eq!(backend.counts().failed_mallocs, 1);
+    assert_eq!(
+        core.snapshot()
+            .segments
+            .iter()
+            .filter(|s| s.pool_id != (0, 0))
+            .count(),
+        1
+    );
+    // A pool without use_on_oom is never borrowed from.
+    let (_, mut core2, t0, _) = rig(40 * MIB, "", false);
+    let p2 = core2.create_pool(false);
+    core2.begin_allocate_to_pool(p2, t0).unwrap();
+    let x = core2.malloc(19 * MIB + 512 * 1024, t0).unwrap();
+    core2.end_allocate_to_pool(t0);
+    core2.free(x.ptr).unwrap();
+    let _y = core2.malloc(19 * MIB + 512 * 1024, t0).unwrap();
+    assert!(core2.malloc(19 * MIB, t0).unwrap_err().is_oom());
+    core.check_invariants().unwrap();
+    core2.check_invariants().unwrap();
+}
+
+#[test]
+fn step4_oversize_cached_blocks_are_released_first() {
+    let (backend, mut core, s0, _) = rig(80 * MIB, "max_split_size_mb:30", false);
+    let a = core.malloc(60 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    let small = core.malloc(5 * MIB, s0).unwrap(); // 20 MiB segment, not the oversize block
+    assert_ne!(small.ptr, a.ptr);
+    // 40 MiB may not take the 60 MiB block (waste ≥ 20 MiB) and does not fit beside it.
+    let _b = core.malloc(40 * MIB, s0).unwrap();
+    assert_eq!(backend.counts().frees, 1, "the oversize block was released");
+    assert_eq!(backend.counts().failed_mallocs, 1);
+    assert_eq!(core.stats().num_alloc_retries, 0);
+    assert_eq!(core.stats().num_sync_all_streams, 0);
+    assert_eq!(core.stats().oversize_segments.current, 1);
+    let acts = actions(&core);
+    let i_free = acts
+        .iter()
+        .position(|a| *a == TraceAction::SegmentFree)
+        .unwrap();
+    assert!(
+        acts[..i_free]
+            .iter()
+            .filter(|a| **a == TraceAction::SegmentAlloc)
+            .count()
+            == 2
+    );
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn step5_release_everything_after_synchronizing_pending_frees() {
+    let (backend, mut core, s0, s1) = rig(40 * MIB, "", true);
+    let a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    core.record_stream(a.ptr, s1).unwrap();
+    core.free(a.ptr).unwrap();
+    let _b = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    assert_eq!(core.pending_frees(), 1);
+    let c = core.malloc(19 * MIB, s1).unwrap();
+    assert_eq!(core.pending_frees(), 0);
+    assert_eq!(core.stats().num_alloc_retries, 1);
+    assert_eq!(core.stats().num_sync_all_streams, 1);
+    assert_eq!(backend.counts().frees, 1);
+    assert_eq!(c.stream, s1);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn step6_out_of_memory_reports_the_numbers() {
+    let (_, mut core, s0, _) = rig(40 * MIB, "", false);
+    let _a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    let _b = core.malloc(14 * MIB + 1, s0).unwrap(); // a 16 MiB segment, split
+    let err = core.malloc(10 * MIB, s0).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM, got {err:?}")
+    };
+    assert_eq!(report.requested, 10 * MIB);
+    assert_eq!(report.alloc_size, 10 * MIB);
+    assert_eq!(report.device_total, 40 * MIB);
+    assert_eq!(report.device_free, 4 * MIB);
+    assert_eq!(report.reserved, 36 * MIB);
+    assert_eq!(report.allocated, 20 * MIB + 14 * MIB + 512);
+    assert_eq!(report.reserved_unallocated(), 2 * MIB - 512);
+    assert_eq!(core.stats().num_ooms, 1);
+    assert_eq!(core.stats().num_alloc_retries, 1);
+    assert_eq!(*actions(&core).last().unwrap(), TraceAction::Oom);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn per_process_memory_fraction_caps_reserved_memory() {
+    let (backend, mut core, s0, _) = rig(100 * MIB, "per_process_memory_fraction:0.5", false);
+    let _a = core.malloc(30 * MIB, s0).unwrap();
+    let err = core.malloc(30 * MIB, s0).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected OOM")
+    };
+    assert_eq!(report.allowed, Some(50 * MIB));
+    assert_eq!(
+        report.device_free,
+        70 * MIB,
+        "the device had room: the fraction said no"
+    );
+    assert_eq!(backend.counts().failed_mallocs, 0, "never asked the device");
+    assert!(report.to_string().contains("50.00 MiB allowed"));
+}

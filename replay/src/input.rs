@@ -1,0 +1,137 @@
+//! Loading traces: PyTorch snapshot pickles, RMM `logging_resource_adaptor` CSV, and the JSON
+//! Lines format of `gpualloc_trace::jsonl`, chosen by content (a pickle starts with the PROTO
+//! opcode; a CSV with RMM's header; anything else is read as JSON Lines).
+
+use std::path::Path;
+
+use gpualloc_trace::{Action, BlockState, SegmentType, Snapshot, TraceEntry};
+
+use crate::run::ReplayError;
+
+/// A live block of a recorded final segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinalBlock {
+    /// Address.
+    pub addr: u64,
+    /// Block size.
+    pub size: u64,
+    /// Requested bytes.
+    pub requested: u64,
+    /// Allocated (or pending free) rather than cached.
+    pub active: bool,
+}
+
+/// A segment of the snapshot's final state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinalSegment {
+    /// Base address.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Stream id.
+    pub stream: u64,
+    /// Small pool.
+    pub small: bool,
+    /// Expandable segment.
+    pub expandable: bool,
+    /// Blocks in address order.
+    pub blocks: Vec<FinalBlock>,
+}
+
+/// One device's history, normalized.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    /// A name for reports (file name, plus the device when several have events).
+    pub name: String,
+    /// Device ordinal in the recording.
+    pub device: i64,
+    /// The events in order.
+    pub events: Vec<TraceEntry>,
+    /// The final segments, when the source has them (snapshots only).
+    pub final_segments: Option<Vec<FinalSegment>>,
+}
+
+/// Loads every device's trace from `path`.
+pub fn load(path: &Path) -> Result<Vec<Trace>, ReplayError> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| ReplayError::Io(path.display().to_string(), e.to_string()))?;
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    from_bytes(&name, &bytes)
+}
+
+/// Loads traces from bytes (see the module docs for the format detection).
+pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
+    if bytes.first() == Some(&0x80) {
+        return Ok(from_snapshot(name, &Snapshot::from_pickle(bytes)?));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|_| ReplayError::Format(format!("{name}: not a pickle, and not UTF-8 text")))?;
+    if text.trim().is_empty() {
+        return Err(ReplayError::Format(format!("{name}: empty file")));
+    }
+    let events = if text.trim_start().starts_with("Thread,") {
+        gpualloc_trace::rmm_csv::parse(text)?
+    } else {
+        gpualloc_trace::jsonl::parse(text)?
+    };
+    Ok(vec![Trace {
+        name: name.to_string(),
+        device: 0,
+        events,
+        final_segments: None,
+    }])
+}
+
+/// One trace per device that has events.
+pub fn from_snapshot(name: &str, snap: &Snapshot) -> Vec<Trace> {
+    let with_events: Vec<usize> = (0..snap.device_traces.len())
+        .filter(|&d| !snap.device_traces[d].is_empty())
+        .collect();
+    with_events
+        .iter()
+        .map(|&d| {
+            let segments = snap
+                .segments
+                .iter()
+                .filter(|s| s.device == d as i64)
+                .map(|s| FinalSegment {
+                    addr: s.address,
+                    size: s.total_size,
+                    stream: s.stream,
+                    small: s.segment_type == SegmentType::Small,
+                    expandable: s.is_expandable,
+                    blocks: s
+                        .blocks
+                        .iter()
+                        .map(|b| FinalBlock {
+                            addr: b.address,
+                            size: b.size,
+                            requested: b.requested_size,
+                            active: b.state != BlockState::Inactive,
+                        })
+                        .collect(),
+                })
+                .collect();
+            Trace {
+                name: if with_events.len() > 1 {
+                    format!("{name}[device {d}]")
+                } else {
+                    name.to_string()
+                },
+                device: d as i64,
+                events: snap.device_traces[d].clone(),
+                final_segments: Some(segments),
+            }
+        })
+        .collect()
+}
+
+impl Trace {
+    /// Number of events of `action`.
+    pub fn count(&self, action: Action) -> usize {
+        self.events.iter().filter(|e| e.action == action).count()
+    }
+}

@@ -1,0 +1,353 @@
+//! Replay results: the figures, a side-by-side table of configs, JSON for scripts, and an SVG
+//! plot of reserved and allocated memory over the trace.
+
+use std::fmt::Write as _;
+
+use gpualloc_devices::format_size;
+use serde_json::{json, Value};
+
+use crate::analysis::TorchFigures;
+use crate::input::Trace;
+use crate::run::ReplayOptions;
+
+/// Memory at one point of the replay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Event index.
+    pub event: u64,
+    /// Reserved bytes.
+    pub reserved: u64,
+    /// Allocated bytes.
+    pub allocated: u64,
+}
+
+/// The first allocation placed elsewhere than PyTorch placed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// Event index in the trace.
+    pub index: usize,
+    /// Requested bytes.
+    pub size: u64,
+    /// Where the replay put it.
+    pub ours: u64,
+    /// Where PyTorch put it.
+    pub torch: u64,
+    /// Which rule decided it, ours against PyTorch's.
+    pub rule: String,
+}
+
+impl Mismatch {
+    /// Describes a mismatch from what each side did.
+    pub fn describe(
+        index: usize,
+        size: u64,
+        ours: u64,
+        torch: u64,
+        our_new: bool,
+        torch_new: bool,
+        block: u64,
+    ) -> Self {
+        let side = |new: bool| {
+            if new {
+                "allocated a new segment"
+            } else {
+                "reused a cached block (best fit)"
+            }
+        };
+        let rule = format!(
+            "ours {} (block of {}), PyTorch {}",
+            side(our_new),
+            format_size(block),
+            side(torch_new)
+        );
+        Mismatch {
+            index,
+            size,
+            ours,
+            torch,
+            rule,
+        }
+    }
+}
+
+/// Results of one (trace, config) replay.
+#[derive(Debug, Clone)]
+pub struct ReplayReport {
+    /// Trace name.
+    pub trace: String,
+    /// Config in PyTorch's syntax ("" = default).
+    pub config: String,
+    /// Warm replay.
+    pub warm: bool,
+    /// Events replayed.
+    pub events: u64,
+    /// Peak reserved bytes.
+    pub peak_reserved: u64,
+    /// Peak allocated bytes (block sizes).
+    pub peak_allocated: u64,
+    /// Device mallocs (segments allocated).
+    pub device_mallocs: u64,
+    /// Device frees (segments released).
+    pub device_frees: u64,
+    /// Alloc retries after releasing the cache.
+    pub retries: u64,
+    /// Allocations that failed.
+    pub ooms: u64,
+    /// Events that could not be applied (free of an unknown address, ...).
+    pub warnings: u64,
+    /// Replay speed.
+    pub events_per_second: f64,
+    /// PyTorch's own figures.
+    pub torch: TorchFigures,
+    /// Warm replay: (allocations at PyTorch's address, allocations compared).
+    pub address_match: Option<(u64, u64)>,
+    /// Warm replay: the first allocation placed elsewhere.
+    pub first_mismatch: Option<Mismatch>,
+    /// Memory over time.
+    pub samples: Vec<Sample>,
+}
+
+impl ReplayReport {
+    /// An empty report for `trace` under `options`.
+    pub fn new(trace: &Trace, options: &ReplayOptions, torch: TorchFigures) -> Self {
+        ReplayReport {
+            trace: trace.name.clone(),
+            config: options.config.to_string(),
+            warm: options.warm,
+            events: trace.events.len() as u64,
+            peak_reserved: 0,
+            peak_allocated: 0,
+            device_mallocs: 0,
+            device_frees: 0,
+            retries: 0,
+            ooms: 0,
+            warnings: 0,
+            events_per_second: 0.0,
+            torch,
+            address_match: None,
+            first_mismatch: None,
+            samples: Vec::new(),
+        }
+    }
+
+    /// 1 − peak allocated / peak reserved.
+    pub fn fragmentation(&self) -> f64 {
+        if self.peak_reserved == 0 {
+            0.0
+        } else {
+            1.0 - self.peak_allocated as f64 / self.peak_reserved as f64
+        }
+    }
+
+    /// Fraction of allocations placed at PyTorch's address (warm replay).
+    pub fn address_match_fraction(&self) -> Option<f64> {
+        self.address_match
+            .map(|(m, n)| if n == 0 { 1.0 } else { m as f64 / n as f64 })
+    }
+
+    /// The report as one JSON object.
+    pub fn to_json(&self) -> Value {
+        let mut v = json!({
+            "trace": self.trace,
+            "config": self.config,
+            "warm": self.warm,
+            "events": self.events,
+            "peak_reserved_bytes": self.peak_reserved,
+            "peak_allocated_bytes": self.peak_allocated,
+            "fragmentation": self.fragmentation(),
+            "device_mallocs": self.device_mallocs,
+            "device_frees": self.device_frees,
+            "retries": self.retries,
+            "ooms": self.ooms,
+            "warnings": self.warnings,
+            "events_per_second": self.events_per_second,
+            "torch_peak_reserved_bytes": self.torch.peak_reserved,
+            "torch_peak_requested_bytes": self.torch.peak_requested,
+            "torch_segment_allocs": self.torch.segment_allocs,
+            "torch_segment_frees": self.torch.segment_frees,
+        });
+        if self.warm {
+            v["address_match_fraction"] = json!(self.address_match_fraction());
+            v["first_mismatch"] = match &self.first_mismatch {
+                None => Value::Null,
+                Some(m) => {
+                    json!({"index": m.index, "size": m.size, "ours": m.ours, "torch": m.torch, "rule": m.rule})
+                }
+            };
+        }
+        v
+    }
+}
+
+/// A text table comparing reports (one row per trace and config).
+pub fn table(reports: &[ReplayReport]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<34} {:<36} {:>12} {:>12} {:>7} {:>8} {:>6} {:>12} {:>9} {:>10}",
+        "trace",
+        "config",
+        "peak resv",
+        "peak alloc",
+        "frag",
+        "mallocs",
+        "ooms",
+        "torch resv",
+        "addr ok",
+        "events/s"
+    );
+    for r in reports {
+        let config = if r.config.is_empty() {
+            "(default)".to_string()
+        } else {
+            r.config.clone()
+        };
+        let torch = r
+            .torch
+            .peak_reserved
+            .map_or_else(|| "-".to_string(), format_size);
+        let matched = r
+            .address_match_fraction()
+            .map_or_else(|| "-".to_string(), |f| format!("{:.2}%", f * 100.0));
+        let _ = writeln!(
+            out,
+            "{:<34} {:<36} {:>12} {:>12} {:>6.2}% {:>8} {:>6} {:>12} {:>9} {:>10.2e}",
+            truncate(&r.trace, 34),
+            truncate(&config, 36),
+            format_size(r.peak_reserved),
+            format_size(r.peak_allocated),
+            r.fragmentation() * 100.0,
+            r.device_mallocs,
+            r.ooms,
+            torch,
+            matched,
+            r.events_per_second
+        );
+        if let Some(m) = &r.first_mismatch {
+            let _ = writeln!(
+                out,
+                "    first mismatch at event {}: {} bytes at {:#x}, PyTorch {:#x}: {}",
+                m.index, m.size, m.ours, m.torch, m.rule
+            );
+        }
+        if r.warnings > 0 {
+            let _ = writeln!(
+                out,
+                "    {} events could not be applied (unknown addresses)",
+                r.warnings
+            );
+        }
+    }
+    out
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        let cut: String = s.chars().take(n.saturating_sub(1)).collect();
+        format!("{cut}…")
+    }
+}
+
+/// An SVG plot of reserved (solid) and allocated (dashed) memory over the events, one colour
+/// per report.
+pub fn svg_plot(reports: &[ReplayReport]) -> String {
+    const W: f64 = 960.0;
+    const H: f64 = 480.0;
+    const PAD: f64 = 60.0;
+    const COLORS: [&str; 6] = [
+        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf",
+    ];
+    let max_x = reports
+        .iter()
+        .flat_map(|r| r.samples.last())
+        .map(|s| s.event)
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let max_y = reports
+        .iter()
+        .flat_map(|r| r.samples.iter())
+        .map(|s| s.reserved.max(s.allocated))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let x = |e: u64| PAD + (e as f64 / max_x) * (W - 2.0 * PAD);
+    let y = |b: u64| H - PAD - (b as f64 / max_y) * (H - 2.0 * PAD);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<line x1="{PAD}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
+        H - PAD,
+        W - PAD,
+        H - PAD
+    );
+    let _ = writeln!(
+        s,
+        r#"<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{}" stroke="black"/>"#,
+        H - PAD
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{PAD}" y="{}">0</text><text x="4" y="{}">{}</text>"#,
+        H - PAD + 16.0,
+        PAD,
+        format_size(max_y as u64)
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" text-anchor="end">event {}</text>"#,
+        W - PAD,
+        H - PAD + 16.0,
+        max_x as u64
+    );
+    for (i, r) in reports.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        for (dash, pick) in [("", true), (r#" stroke-dasharray="6,3""#, false)] {
+            let points: Vec<String> = r
+                .samples
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{:.1},{:.1}",
+                        x(p.event),
+                        y(if pick { p.reserved } else { p.allocated })
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{}"/>"#,
+                points.join(" ")
+            );
+        }
+        let label = if r.config.is_empty() {
+            "(default)"
+        } else {
+            &r.config
+        };
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" fill="{color}">{}: {} — reserved (solid), allocated (dashed)</text>"#,
+            PAD + 10.0,
+            PAD - 30.0 + 14.0 * i as f64,
+            xml_escape(&r.trace),
+            xml_escape(label)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}

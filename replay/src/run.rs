@@ -1,0 +1,328 @@
+//! The replay loop: a trace's events through a `DeviceCore` on the accounting backend.
+//!
+//! - `alloc` → `malloc(size, stream)` (the trace's stream ids are the stream handles, so
+//!   blocks are ordered by the same stream values PyTorch saw);
+//! - `free_requested` → `free`; when the trace shows the block waited for other streams
+//!   (its `free_completed` comes later), the replay records a use on a private stream first
+//!   and completes that stream's event at the `free_completed`;
+//! - a run of `segment_free` events is the program calling `empty_cache()`: the replay does too;
+//! - `free_completed` of a still-live address (RMM logs have no `free_requested`) frees it.
+//!
+//! Cold replay starts from nothing but the allocations alive at the start (allocated first, in
+//! address order). Warm replay (`ReplayOptions::warm`) rebuilds PyTorch's state when recording
+//! began — its segments at their real addresses, live blocks in them, the rest free — places
+//! each new segment at the address of PyTorch's pending `segment_alloc` of the same size, and
+//! compares every allocation's address with PyTorch's.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use gpualloc_devices::sizes::{allocation_size, round_size};
+use gpualloc_devices::{AllocatorConfig, DeviceCore, RestoredBlock};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::addr_map::AddrMap;
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+use gpualloc_trace::Action;
+
+use crate::analysis::{deferred_frees, live_at_start, start_blocks, start_segments, torch_figures};
+use crate::input::Trace;
+use crate::report::{Mismatch, ReplayReport, Sample};
+
+/// Why a replay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// Reading the file failed.
+    #[error("cannot read {0}: {1}")]
+    Io(String, String),
+    /// The file is not a trace we can read.
+    #[error("{0}")]
+    Format(String),
+    /// The trace parser refused it.
+    #[error(transparent)]
+    Trace(#[from] gpualloc_trace::TraceError),
+    /// The allocator failed with something other than out-of-memory.
+    #[error("allocator error at event {index}: {source}")]
+    Alloc {
+        /// Event index.
+        index: usize,
+        /// The error.
+        source: gpualloc_devices::AllocError,
+    },
+    /// Warm replay needs the snapshot's segment list.
+    #[error("{0}: warm replay needs a snapshot with segments")]
+    NoSegments(String),
+}
+
+/// How to replay.
+#[derive(Debug, Clone, Default)]
+pub struct ReplayOptions {
+    /// The allocator config under test.
+    pub config: AllocatorConfig,
+    /// Start from PyTorch's recorded state and compare addresses.
+    pub warm: bool,
+    /// Device capacity in bytes (None: effectively unlimited, 1 TiB).
+    pub capacity: Option<u64>,
+    /// Keep a memory-over-time sample every this many events (0: none).
+    pub sample_every: usize,
+    /// Called with (events done, total) every 4096 events.
+    pub progress: Option<fn(u64, u64)>,
+    /// Called on the core before the replay starts (tests use it to break a rule on purpose).
+    pub core_hook: Option<fn(&mut DeviceCore)>,
+}
+
+const PRIVATE_STREAM_BASE: u64 = 0xFFFF_0000_0000_0000;
+const DEVICE: DeviceId = DeviceId(0);
+
+struct Replayer {
+    backend: Arc<AccountingBackend>,
+    core: DeviceCore,
+    streams: AddrMap<StreamHandle>,
+    /// PyTorch address → ours.
+    addrs: AddrMap<DevicePtr>,
+    /// PyTorch address → private stream of a deferred free.
+    deferred: AddrMap<StreamHandle>,
+    next_private: u64,
+    warnings: u64,
+}
+
+impl Replayer {
+    fn stream(&mut self, raw: u64) -> StreamHandle {
+        if let Some(s) = self.streams.get(&raw) {
+            return *s;
+        }
+        let s = self
+            .backend
+            .register_stream(DEVICE, raw)
+            .unwrap_or(StreamHandle {
+                device: DEVICE,
+                raw,
+            });
+        self.streams.insert(raw, s);
+        s
+    }
+
+    fn free(&mut self, torch_addr: u64, deferred: bool) {
+        let Some(ptr) = self.addrs.remove(&torch_addr) else {
+            self.warnings += 1;
+            return;
+        };
+        if deferred {
+            let raw = PRIVATE_STREAM_BASE + self.next_private;
+            self.next_private += 1;
+            let s = self.stream(raw);
+            if self.core.record_stream(ptr, s).is_ok() {
+                self.deferred.insert(torch_addr, s);
+            }
+        }
+        if self.core.free(ptr).is_err() {
+            self.warnings += 1;
+        }
+    }
+}
+
+/// Replays `trace` under `options`.
+pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+    let capacity = options.capacity.unwrap_or(1 << 40);
+    let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let mut core = DeviceCore::new(dynb, DEVICE, options.config.clone())
+        .map_err(|source| ReplayError::Alloc { index: 0, source })?;
+    if let Some(hook) = options.core_hook {
+        hook(&mut core);
+    }
+    let mut r = Replayer {
+        backend,
+        core,
+        streams: AddrMap::default(),
+        addrs: AddrMap::default(),
+        deferred: AddrMap::default(),
+        next_private: 0,
+        warnings: 0,
+    };
+    let (initial, unexplained) = live_at_start(trace);
+    r.warnings += unexplained;
+    let torch = torch_figures(trace, &initial);
+
+    if options.warm {
+        let segments =
+            start_segments(trace).ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
+        let mut placed = 0usize;
+        for seg in &segments {
+            let blocks: Vec<RestoredBlock> = start_blocks(seg, &initial)
+                .into_iter()
+                .map(|(addr, size, requested)| RestoredBlock {
+                    addr,
+                    size,
+                    requested,
+                })
+                .collect();
+            let stream = r.stream(seg.stream);
+            r.backend.place_next(DEVICE, seg.addr);
+            let base = r
+                .core
+                .restore_segment(seg.addr, seg.size, stream, seg.small, &blocks)
+                .map_err(|source| ReplayError::Alloc { index: 0, source })?;
+            for b in &blocks {
+                r.addrs
+                    .insert(b.addr, DevicePtr(b.addr - seg.addr + base.0));
+            }
+            placed += blocks.len();
+        }
+        r.warnings += (initial.len() - placed) as u64;
+    } else {
+        // Largest first: the tightest packing of what was alive before recording began.
+        let mut order: Vec<_> = initial.iter().collect();
+        order.sort_by_key(|l| (std::cmp::Reverse(l.requested), l.addr));
+        for l in order {
+            let s = r.stream(l.stream);
+            match r.core.malloc(l.requested, s) {
+                Ok(a) => {
+                    r.addrs.insert(l.addr, a.ptr);
+                }
+                Err(e) if e.is_oom() => r.warnings += 1,
+                Err(source) => return Err(ReplayError::Alloc { index: 0, source }),
+            }
+        }
+    }
+
+    let deferred = deferred_frees(trace);
+    // Warm: PyTorch's segment_alloc addresses not yet used, per size.
+    let mut pending_segments: HashMap<u64, VecDeque<u64>> = HashMap::new();
+    let mut report = ReplayReport::new(trace, options, torch);
+    let (mut matched, mut compared) = (0u64, 0u64);
+    let started = Instant::now();
+    let total = trace.events.len() as u64;
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.action {
+            Action::SegmentAlloc => {
+                if options.warm {
+                    pending_segments
+                        .entry(e.size)
+                        .or_default()
+                        .push_back(e.addr);
+                }
+            }
+            Action::Alloc => {
+                let stream = r.stream(e.stream);
+                // Warm: place a new segment where PyTorch's pending segment_alloc of the same
+                // size put it. Cold replays skip this bookkeeping (and its backend locks).
+                let placement = if pending_segments.is_empty() {
+                    None
+                } else {
+                    round_size(e.size, &options.config)
+                        .and_then(|rounded| allocation_size(rounded, &options.config))
+                        .and_then(|size| {
+                            pending_segments
+                                .get(&size)
+                                .and_then(|q| q.front().copied())
+                                .map(|a| (size, a))
+                        })
+                };
+                let mallocs_before = if options.warm {
+                    r.backend.counts().mallocs
+                } else {
+                    0
+                };
+                if let Some((_, addr)) = placement {
+                    r.backend.place_next(DEVICE, addr);
+                }
+                let result = r.core.malloc(e.size, stream);
+                let mut new_segment = false;
+                if options.warm {
+                    new_segment = r.backend.counts().mallocs > mallocs_before;
+                }
+                if let Some((size, _)) = placement {
+                    r.backend.clear_placement(DEVICE);
+                    if new_segment {
+                        if let Some(q) = pending_segments.get_mut(&size) {
+                            q.pop_front();
+                            if q.is_empty() {
+                                pending_segments.remove(&size);
+                            }
+                        }
+                    }
+                }
+                match result {
+                    Ok(a) => {
+                        if options.warm {
+                            compared += 1;
+                            if a.ptr.0 == e.addr {
+                                matched += 1;
+                            } else if report.first_mismatch.is_none() {
+                                let torch_new =
+                                    i > 0 && trace.events[i - 1].action == Action::SegmentAlloc;
+                                report.first_mismatch = Some(Mismatch::describe(
+                                    i,
+                                    e.size,
+                                    a.ptr.0,
+                                    e.addr,
+                                    new_segment,
+                                    torch_new,
+                                    a.block_size,
+                                ));
+                            }
+                        }
+                        r.addrs.insert(e.addr, a.ptr);
+                    }
+                    Err(err) if err.is_oom() => {}
+                    Err(source) => return Err(ReplayError::Alloc { index: i, source }),
+                }
+            }
+            Action::FreeRequested => r.free(e.addr, deferred.contains(&i)),
+            Action::FreeCompleted => {
+                if let Some(s) = r.deferred.remove(&e.addr) {
+                    r.backend.complete_stream(s);
+                    r.core
+                        .process_events()
+                        .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                } else if r.addrs.contains_key(&e.addr) {
+                    // A log without free_requested (RMM): the free happens here.
+                    r.free(e.addr, false);
+                }
+            }
+            Action::SegmentFree => {
+                let run_start = i == 0 || trace.events[i - 1].action != Action::SegmentFree;
+                if run_start {
+                    r.core
+                        .empty_cache()
+                        .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                }
+            }
+            Action::SegmentMap | Action::SegmentUnmap | Action::Oom | Action::Snapshot => {}
+        }
+        if options.sample_every > 0
+            && (i % options.sample_every == 0 || i + 1 == trace.events.len())
+        {
+            let st = r.core.stats();
+            report.samples.push(Sample {
+                event: i as u64,
+                reserved: st.reserved_bytes[0].current,
+                allocated: st.allocated_bytes[0].current,
+            });
+        }
+        if let Some(progress) = options.progress {
+            if i % 4096 == 0 {
+                progress(i as u64, total);
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let st = r.core.stats();
+    report.peak_reserved = st.reserved_bytes[0].peak;
+    report.peak_allocated = st.allocated_bytes[0].peak;
+    report.device_mallocs = st.num_device_alloc;
+    report.device_frees = st.num_device_free;
+    report.retries = st.num_alloc_retries;
+    report.ooms = st.num_ooms;
+    report.warnings = r.warnings;
+    report.events_per_second = if elapsed > 0.0 {
+        total as f64 / elapsed
+    } else {
+        f64::INFINITY
+    };
+    if options.warm {
+        report.address_match = Some((matched, compared));
+    }
+    Ok(report)
+}

@@ -1,0 +1,267 @@
+//! [`CudaBackend`]: construction (driver and device discovery, never a panic) and the
+//! [`Backend`] impl, which delegates to the per-concern files (`memory`, `streams`, `vmm`).
+
+use std::ffi::c_int;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::safe::CudaStream;
+use cudarc::driver::sys::{self, CUresult};
+
+use super::context::{bind, Contexts};
+use super::error::{catch, check, drv};
+use super::registry::Registry;
+use super::streams::CuEvent;
+use crate::backend::Backend;
+use crate::error::{BackendError, Result};
+use crate::types::{
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
+};
+
+/// The [`Backend`] on NVIDIA's driver API, through cudarc (dynamically loaded: it builds
+/// without a toolkit and fails with a typed error, not a panic, without a driver).
+///
+/// Each device's primary context is retained on first use and bound on the calling thread
+/// before every raw call. Streams are cudarc [`CudaStream`]s, so they convert both ways
+/// (see [`CudaBackend::adopt_stream`] and [`CudaBackend::cudarc_stream`]); events are
+/// created with timing disabled. Streams and events are looked up in a registry before the
+/// driver sees them, so an unknown or destroyed handle is an [`BackendError::InvalidHandle`].
+///
+/// Differences from the sim worth knowing:
+/// - a handle from [`Backend::phys_import_fd`] has `size == 0` (the driver does not report
+///   the size of imported memory); callers that know it may set it;
+/// - empty copies and memsets are no-ops, as in CUDA.
+pub struct CudaBackend {
+    pub(crate) contexts: Contexts,
+    pub(crate) streams: Registry<CudaStream>,
+    pub(crate) events: Registry<CuEvent>,
+    pub(crate) granularity: Vec<OnceLock<u64>>,
+    pub(crate) page_size: u64,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("devices", &self.contexts.count())
+            .field("streams", &self.streams.len())
+            .field("events", &self.events.len())
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Loads the driver, initializes it and counts the devices.
+    ///
+    /// Fails with [`BackendError::Unavailable`] ("no CUDA driver found ..." when the driver
+    /// library cannot be loaded, "no CUDA device" when it finds none); never panics.
+    /// Contexts are retained lazily, on a device's first use.
+    pub fn new() -> Result<Arc<CudaBackend>> {
+        if !Self::driver_present() {
+            return Err(BackendError::Unavailable(
+                "no CUDA driver found (the libcuda shared library could not be loaded)".into(),
+            ));
+        }
+        let init = catch("cuInit", || {
+            // SAFETY: cuInit takes no pointers; the library is present (checked above).
+            unsafe { sys::cuInit(0) }
+        })?;
+        match init {
+            CUresult::CUDA_SUCCESS => {}
+            CUresult::CUDA_ERROR_NO_DEVICE => {
+                return Err(BackendError::Unavailable("no CUDA device".into()))
+            }
+            other => {
+                let e = check("cuInit", other)
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                return Err(BackendError::Unavailable(format!(
+                    "CUDA driver failed to initialize: {e}"
+                )));
+            }
+        }
+        let mut count: c_int = 0;
+        drv("cuDeviceGetCount", || {
+            // SAFETY: `count` is a valid, writable out-pointer for the duration of the call.
+            unsafe { sys::cuDeviceGetCount(&mut count) }
+        })?;
+        let count = u32::try_from(count).unwrap_or(0);
+        if count == 0 {
+            return Err(BackendError::Unavailable("no CUDA device".into()));
+        }
+        Ok(Arc::new(Self::with_devices(count)))
+    }
+
+    /// True when the CUDA driver library can be loaded (no other driver call is made).
+    pub fn driver_present() -> bool {
+        catch("is_culib_present", || {
+            // SAFETY: only tries to `dlopen` the driver library under its usual names; loading
+            // it runs its initializers, which is what any CUDA program does.
+            unsafe { sys::is_culib_present() }
+        })
+        .unwrap_or(false)
+    }
+
+    /// A backend for `count` devices that has not touched the driver yet.
+    pub(crate) fn with_devices(count: u32) -> CudaBackend {
+        CudaBackend {
+            contexts: Contexts::new(count),
+            streams: Registry::new("stream"),
+            events: Registry::new("event"),
+            granularity: (0..count).map(|_| OnceLock::new()).collect(),
+            page_size: rustix::param::page_size() as u64,
+        }
+    }
+
+    /// Binds the primary context of `device` on this thread and returns it.
+    pub(crate) fn bind_device(
+        &self,
+        device: DeviceId,
+    ) -> Result<&Arc<cudarc::driver::safe::CudaContext>> {
+        let ctx = self.contexts.get(device)?;
+        bind(ctx)?;
+        Ok(ctx)
+    }
+
+    /// Binds device 0's context: for calls that need *a* context but no particular device
+    /// (pinned host memory is allocated portable, so any context will do).
+    pub(crate) fn bind_any(&self) -> Result<()> {
+        self.bind_device(DeviceId(0)).map(|_| ())
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Drop events, then streams, while the contexts they name are certainly retained
+        // (each also holds its own `Arc` of its context, so this order is belt and braces).
+        drop(self.events.drain());
+        drop(self.streams.drain());
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(self.contexts.count())
+    }
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        self.cu_mem_info(device)
+    }
+    fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
+        self.cu_malloc(device, size)
+    }
+    fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.cu_free(device, ptr)
+    }
+    fn device_synchronize(&self, device: DeviceId) -> Result<()> {
+        self.cu_device_synchronize(device)
+    }
+
+    fn stream_create(&self, device: DeviceId) -> Result<StreamHandle> {
+        self.cu_stream_create(device)
+    }
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.cu_stream_destroy(stream)
+    }
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        self.cu_stream_synchronize(stream)
+    }
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.cu_stream_wait_event(stream, event)
+    }
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        self.cu_launch_host_func(stream, f)
+    }
+    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
+        self.cu_memcpy_async(stream, dst, src, len)
+    }
+    fn memset_async(
+        &self,
+        stream: StreamHandle,
+        dst: DevicePtr,
+        value: u8,
+        len: u64,
+    ) -> Result<()> {
+        self.cu_memset_async(stream, dst, value, len)
+    }
+    fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.cu_copy_to_device(stream, dst, src)
+    }
+    fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.cu_copy_from_device(stream, dst, src)
+    }
+
+    fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
+        self.cu_event_create(device)
+    }
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.cu_event_record(event, stream)
+    }
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.cu_event_query(event)
+    }
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        self.cu_event_synchronize(event)
+    }
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.cu_event_destroy(event)
+    }
+
+    fn host_alloc(&self, size: u64) -> Result<*mut u8> {
+        self.cu_host_alloc(size)
+    }
+    fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        self.cu_host_free(ptr)
+    }
+    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
+        self.cu_host_register(ptr, len, flags)
+    }
+    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.cu_host_unregister(ptr)
+    }
+
+    fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
+        self.cu_granularity(device)
+    }
+    fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
+        self.cu_va_reserve(device, size, alignment)
+    }
+    fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.cu_va_free(device, ptr, size)
+    }
+    fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
+        self.cu_phys_create(device, size)
+    }
+    fn phys_release(&self, handle: PhysHandle) -> Result<()> {
+        self.cu_phys_release(handle)
+    }
+    fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
+        self.cu_map(ptr, size, offset, handle)
+    }
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.cu_unmap(ptr, size)
+    }
+    fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.cu_set_access(device, ptr, size)
+    }
+    fn phys_export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        self.cu_phys_export_fd(handle)
+    }
+    fn phys_import_fd(&self, device: DeviceId, fd: OwnedFd) -> Result<PhysHandle> {
+        self.cu_phys_import_fd(device, fd)
+    }
+
+    fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        self.cu_ipc_get_mem_handle(ptr)
+    }
+    fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        self.cu_ipc_open_mem_handle(device, handle)
+    }
+    fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
+        self.cu_ipc_close_mem_handle(ptr)
+    }
+}

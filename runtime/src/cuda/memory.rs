@@ -1,0 +1,121 @@
+//! Device memory (`cuMemAlloc`/`cuMemFree`/`cuMemGetInfo`/`cuCtxSynchronize`) and pinned or
+//! registered host memory (`cuMemHostAlloc`/`cuMemHostRegister`) of the CUDA backend.
+//!
+//! Allocation is synchronous on purpose: the caching allocator above owns reuse, so the
+//! stream-ordered `cuMemAllocAsync` pool would only duplicate it.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+use super::backend::CudaBackend;
+use super::error::{drv, with_request};
+use super::validate::{alloc_size, host_range, host_register_flags, non_null};
+use crate::error::{BackendError, Result};
+use crate::types::{DeviceId, DevicePtr, HostRegisterFlags, MemInfo};
+
+impl CudaBackend {
+    pub(crate) fn cu_mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        self.bind_device(device)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        drv("cuMemGetInfo", || {
+            // SAFETY: both out-pointers are valid and writable for the call; the device's
+            // context is current on this thread.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }
+        })?;
+        Ok(MemInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+
+    pub(crate) fn cu_malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
+        self.contexts.check(device)?;
+        let bytes = alloc_size("malloc", size)?;
+        self.bind_device(device)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        drv("cuMemAlloc", || {
+            // SAFETY: `ptr` is a valid out-pointer; `bytes` is non-zero; the device's
+            // context is current on this thread.
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }
+        })
+        .map_err(|e| with_request(e, size, device.to_string()))?;
+        Ok(DevicePtr(ptr))
+    }
+
+    pub(crate) fn cu_free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.contexts.check(device)?;
+        non_null("free", ptr.0)?;
+        self.bind_device(device)?;
+        drv("cuMemFree", || {
+            // SAFETY: cuMemFree takes the address by value and validates it (an address that
+            // is not a live allocation is CUDA_ERROR_INVALID_VALUE); it synchronizes first,
+            // so no queued work still uses the memory when it is released.
+            unsafe { sys::cuMemFree_v2(ptr.0) }
+        })
+    }
+
+    pub(crate) fn cu_device_synchronize(&self, device: DeviceId) -> Result<()> {
+        self.bind_device(device)?;
+        drv("cuCtxSynchronize", || {
+            // SAFETY: no arguments; synchronizes the context current on this thread.
+            unsafe { sys::cuCtxSynchronize() }
+        })
+    }
+
+    pub(crate) fn cu_host_alloc(&self, size: u64) -> Result<*mut u8> {
+        let bytes = alloc_size("host_alloc", size)?;
+        self.bind_any()?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        drv("cuMemHostAlloc", || {
+            // SAFETY: `ptr` is a valid out-pointer; `bytes` is non-zero; a context is current.
+            // PORTABLE makes the memory pinned for every context, not just the current one.
+            unsafe { sys::cuMemHostAlloc(&mut ptr, bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
+        })
+        .map_err(|e| with_request(e, size, "pinned host"))?;
+        if ptr.is_null() {
+            return Err(BackendError::OutOfMemory {
+                requested: size,
+                what: "pinned host".into(),
+            });
+        }
+        Ok(ptr.cast())
+    }
+
+    pub(crate) fn cu_host_free(&self, ptr: *mut u8) -> Result<()> {
+        non_null("host_free", ptr as usize as u64)?;
+        self.bind_any()?;
+        drv("cuMemFreeHost", || {
+            // SAFETY: the driver validates that `ptr` came from cuMemHostAlloc (otherwise
+            // CUDA_ERROR_INVALID_VALUE); the caller gives up the memory with this call.
+            unsafe { sys::cuMemFreeHost(ptr.cast()) }
+        })
+    }
+
+    pub(crate) fn cu_host_register(
+        &self,
+        ptr: *mut u8,
+        len: u64,
+        flags: HostRegisterFlags,
+    ) -> Result<()> {
+        let bytes = host_range("host_register", ptr, len, self.page_size)?;
+        self.bind_any()?;
+        drv("cuMemHostRegister", || {
+            // SAFETY: `[ptr, ptr + bytes)` is a non-null, page-aligned, non-wrapping range
+            // (checked above); the driver checks that it is mapped memory of this process
+            // and only page-locks it, never writes through it.
+            unsafe { sys::cuMemHostRegister_v2(ptr.cast(), bytes, host_register_flags(flags)) }
+        })
+        .map_err(|e| with_request(e, len, "registered host"))
+    }
+
+    pub(crate) fn cu_host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        non_null("host_unregister", ptr as usize as u64)?;
+        self.bind_any()?;
+        drv("cuMemHostUnregister", || {
+            // SAFETY: the driver validates that `ptr` starts a registered range (otherwise
+            // CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED); unregistering does not touch its bytes.
+            unsafe { sys::cuMemHostUnregister(ptr.cast()) }
+        })
+    }
+}

@@ -1,0 +1,28 @@
+//! The CUDA backend: the [`Backend`](crate::Backend) trait on NVIDIA's driver API through
+//! cudarc (feature `cuda`; the driver is loaded at run time, so this builds with no toolkit).
+//!
+//! - [`CudaBackend::new`] fails with a typed `Unavailable` error when there is no driver or
+//!   no device; nothing here panics.
+//! - Interop: [`CudaBackend::cudarc_context`], [`CudaBackend::adopt_stream`],
+//!   [`CudaBackend::cudarc_stream`], [`CudaBackend::wrap_cudarc_stream`],
+//!   [`CudaBackend::to_cudarc_stream`].
+//!
+//! Files: `backend` (construction, trait impl), `memory`, `streams`, `vmm` (one concern
+//! each), `context` (primary contexts, binding), `registry` (live handles), `hostfn`
+//! (callback trampoline), `error` (result-code mapping), `validate` (input checks).
+
+mod backend;
+mod context;
+mod error;
+mod hostfn;
+mod interop;
+mod memory;
+mod registry;
+mod streams;
+mod validate;
+mod vmm;
+
+pub use backend::CudaBackend;
+
+#[cfg(test)]
+mod tests;

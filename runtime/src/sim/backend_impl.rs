@@ -1,0 +1,541 @@
+//! `impl Backend for SimBackend`: each call is counted, may be failed by fault injection,
+//! is validated, then performed on real memory and charged its modelled latency.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{BackendError, Result};
+use crate::sim::ipc::IpcInfo;
+use crate::sim::memory::{Region, RegionKind};
+use crate::sim::os::{self, Mapping};
+use crate::sim::queue::{SimEvent, SimStream};
+use crate::sim::{host, latency, lock, Op, SimBackend};
+use crate::types::{
+    DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
+    StreamHandle,
+};
+
+impl Backend for SimBackend {
+    fn name(&self) -> &'static str {
+        self.counters.bump(Op::Name);
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        self.enter(Op::DeviceCount)?;
+        latency::pay(self.latency().query);
+        Ok(self.config.devices)
+    }
+
+    fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        self.enter(Op::MemInfo)?;
+        let used = self.used_on(device)?;
+        latency::pay(self.latency().query);
+        let total = self.config.capacity_per_device;
+        Ok(MemInfo {
+            free: total.saturating_sub(used),
+            total,
+        })
+    }
+
+    fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
+        self.enter(Op::Malloc)?;
+        self.check_device(device)?;
+        if size == 0 {
+            return Err(BackendError::invalid("malloc of 0 bytes"));
+        }
+        let oom = || BackendError::OutOfMemory {
+            requested: size,
+            what: device.to_string(),
+        };
+        if size > self.config.capacity_per_device {
+            return Err(oom());
+        }
+        let rounded = self.page_round(size).ok_or_else(oom)?;
+        self.take_capacity(device, rounded).map_err(|_| oom())?;
+        let made = os::memfd(rounded, &device.to_string())
+            .and_then(|fd| Mapping::shared(&fd, rounded, &device.to_string()).map(|m| (fd, m)));
+        let (fd, mapping) = match made {
+            Ok(x) => x,
+            Err(e) => {
+                self.give_capacity(device, rounded);
+                return Err(e);
+            }
+        };
+        let addr = mapping.addr();
+        let region = Region {
+            len: rounded,
+            kind: RegionKind::Device,
+            device: Some(device),
+            accessible: true,
+            read_only: false,
+            _mapping: Some(mapping),
+            fd: Some(fd),
+        };
+        if let Err(e) = self.mem.insert(addr, region) {
+            self.give_capacity(device, rounded);
+            return Err(e);
+        }
+        latency::pay(self.latency().malloc);
+        Ok(DevicePtr(addr))
+    }
+
+    fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.enter(Op::Free)?;
+        self.check_device(device)?;
+        let owner = self
+            .mem
+            .with_region(ptr.0, RegionKind::Device, |r| r.device)?;
+        if owner != Some(device) {
+            return Err(BackendError::invalid(format!(
+                "{ptr} is not an allocation of {device}"
+            )));
+        }
+        // cuMemFree semantics: the device is synchronized first.
+        self.drain_device(device);
+        let region = self.mem.remove(ptr.0, RegionKind::Device)?;
+        let len = region.len;
+        drop(region); // munmap + close, outside the table lock
+        self.give_capacity(device, len);
+        latency::pay(self.latency().free);
+        Ok(())
+    }
+
+    fn device_synchronize(&self, device: DeviceId) -> Result<()> {
+        self.enter(Op::DeviceSynchronize)?;
+        self.check_device(device)?;
+        let streams = self.device_streams(device);
+        for s in &streams {
+            s.drain();
+        }
+        match streams.iter().find_map(|s| s.peek_error()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn stream_create(&self, device: DeviceId) -> Result<StreamHandle> {
+        self.enter(Op::StreamCreate)?;
+        self.check_device(device)?;
+        let raw = self.next_id();
+        let stream = SimStream::spawn(device, raw, self.failures.clone())?;
+        lock(&self.streams).insert(raw, stream);
+        latency::pay(self.latency().stream);
+        Ok(StreamHandle { device, raw })
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.enter(Op::StreamDestroy)?;
+        let s = {
+            let mut streams = lock(&self.streams);
+            match streams.get(&stream.raw) {
+                Some(s) if s.shared.device == stream.device => {}
+                _ => {
+                    return Err(BackendError::InvalidHandle(format!(
+                        "unknown stream {stream:?}"
+                    )))
+                }
+            }
+            streams.remove(&stream.raw)
+        };
+        if let Some(s) = s {
+            s.shutdown();
+        }
+        latency::pay(self.latency().stream);
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        self.enter(Op::StreamSynchronize)?;
+        let (shared, _tx) = self.stream(stream)?;
+        drop(_tx);
+        shared.synchronize()
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.enter(Op::StreamWaitEvent)?;
+        let (shared, tx) = self.stream(stream)?;
+        let ev = self.event(event)?;
+        let seq = ev.last();
+        latency::pay(self.latency().event);
+        if ev.reached(seq) {
+            return Ok(());
+        }
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                ev.wait(seq);
+                Ok(())
+            }),
+        )
+    }
+
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        self.enter(Op::LaunchHostFunc)?;
+        let (shared, tx) = self.stream(stream)?;
+        latency::pay(self.latency().launch);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                f();
+                Ok(())
+            }),
+        )
+    }
+
+    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
+        self.enter(Op::MemcpyAsync)?;
+        let (shared, tx) = self.stream(stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.mem.validate_write(dst, len)?;
+        self.mem.validate(src, len)?;
+        let mem = self.mem.clone();
+        let cost = self.latency().copy_cost(len);
+        latency::pay(self.latency().launch);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                latency::pay(cost);
+                mem.copy(dst, src, len)
+            }),
+        )
+    }
+
+    fn memset_async(
+        &self,
+        stream: StreamHandle,
+        dst: DevicePtr,
+        value: u8,
+        len: u64,
+    ) -> Result<()> {
+        self.enter(Op::MemsetAsync)?;
+        let (shared, tx) = self.stream(stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.mem.validate_write(dst.0, len)?;
+        let mem = self.mem.clone();
+        let cost = self.latency().copy_cost(len);
+        latency::pay(self.latency().launch);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                latency::pay(cost);
+                mem.fill(dst.0, len, value)
+            }),
+        )
+    }
+
+    fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.enter(Op::CopyToDevice)?;
+        let (shared, tx) = self.stream(stream)?;
+        let len = src.len() as u64;
+        if len == 0 {
+            return Ok(());
+        }
+        self.mem.validate_write(dst.0, len)?;
+        let data = src.to_vec();
+        let mem = self.mem.clone();
+        let cost = self.latency().copy_cost(len);
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                latency::pay(cost);
+                let _ = done_tx.send(mem.write(dst.0, &data));
+                Ok(())
+            }),
+        )?;
+        drop(tx);
+        done_rx
+            .recv()
+            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))?
+    }
+
+    fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.enter(Op::CopyFromDevice)?;
+        let (shared, tx) = self.stream(stream)?;
+        let len = dst.len() as u64;
+        if len == 0 {
+            return Ok(());
+        }
+        self.mem.validate(src.0, len)?;
+        let mem = self.mem.clone();
+        let cost = self.latency().copy_cost(len);
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                latency::pay(cost);
+                let _ = done_tx.send(mem.read(src.0, len));
+                Ok(())
+            }),
+        )?;
+        drop(tx);
+        let bytes = done_rx
+            .recv()
+            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))??;
+        dst.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
+        self.enter(Op::EventCreate)?;
+        self.check_device(device)?;
+        let raw = self.next_id();
+        lock(&self.events).insert(raw, Arc::new(SimEvent::new(device)));
+        latency::pay(self.latency().event);
+        Ok(EventHandle { device, raw })
+    }
+
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.enter(Op::EventRecord)?;
+        let ev = self.event(event)?;
+        let (shared, tx) = self.stream(stream)?;
+        if ev.device != shared.device {
+            return Err(BackendError::invalid(format!(
+                "event of {} recorded on a stream of {}",
+                ev.device, shared.device
+            )));
+        }
+        let seq = ev.begin_record();
+        let completer = ev.clone();
+        latency::pay(self.latency().event);
+        let queued = shared.enqueue(
+            &tx,
+            Box::new(move || {
+                completer.complete(seq);
+                Ok(())
+            }),
+        );
+        if queued.is_err() {
+            ev.complete(seq);
+        }
+        queued
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.enter(Op::EventQuery)?;
+        let ev = self.event(event)?;
+        latency::pay(self.latency().event);
+        Ok(ev.reached(ev.last()))
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        self.enter(Op::EventSynchronize)?;
+        let ev = self.event(event)?;
+        ev.wait(ev.last());
+        Ok(())
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.enter(Op::EventDestroy)?;
+        let mut events = lock(&self.events);
+        match events.get(&event.raw) {
+            Some(e) if e.device == event.device => {}
+            _ => {
+                return Err(BackendError::InvalidHandle(format!(
+                    "unknown event {event:?}"
+                )))
+            }
+        }
+        // Pending records keep their own reference and still complete.
+        events.remove(&event.raw);
+        drop(events);
+        latency::pay(self.latency().event);
+        Ok(())
+    }
+
+    fn host_alloc(&self, size: u64) -> Result<*mut u8> {
+        self.enter(Op::HostAlloc)?;
+        if size == 0 {
+            return Err(BackendError::invalid("host_alloc of 0 bytes"));
+        }
+        let rounded = self
+            .page_round(size)
+            .ok_or_else(|| BackendError::OutOfMemory {
+                requested: size,
+                what: "pinned host".into(),
+            })?;
+        let mapping = Mapping::anonymous(rounded)?;
+        let addr = mapping.addr();
+        let region = Region {
+            len: rounded,
+            kind: RegionKind::PinnedHost,
+            device: None,
+            accessible: true,
+            read_only: false,
+            _mapping: Some(mapping),
+            fd: None,
+        };
+        self.mem.insert(addr, region)?;
+        latency::pay(self.latency().host_alloc_cost(size));
+        Ok(addr as *mut u8)
+    }
+
+    fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        self.enter(Op::HostFree)?;
+        let region = self
+            .mem
+            .remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
+        let len = region.len;
+        drop(region);
+        latency::pay(self.latency().host_free_cost(len));
+        Ok(())
+    }
+
+    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
+        self.enter(Op::HostRegister)?;
+        let start = ptr as u64;
+        if len == 0 {
+            return Err(BackendError::invalid("host_register of 0 bytes"));
+        }
+        if start % self.page != 0 || len % self.page != 0 {
+            return Err(BackendError::invalid(format!(
+                "host_register of {start:#x}+{len:#x}: not page aligned"
+            )));
+        }
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| BackendError::invalid("host_register range overflows"))?;
+        let mappings = host::count_own_mappings(start, end, !flags.read_only)?;
+        let region = Region {
+            len,
+            kind: RegionKind::RegisteredHost,
+            device: None,
+            accessible: true,
+            read_only: flags.read_only,
+            _mapping: None,
+            fd: None,
+        };
+        self.mem.insert(start, region)?;
+        latency::pay(self.latency().host_register_cost(len, mappings));
+        Ok(())
+    }
+
+    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.enter(Op::HostUnregister)?;
+        self.mem.remove(ptr as u64, RegionKind::RegisteredHost)?;
+        latency::pay(self.latency().host_unregister);
+        Ok(())
+    }
+
+    fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
+        self.enter(Op::VmmGranularity)?;
+        self.check_device(device)?;
+        Ok(self.config.granularity)
+    }
+
+    fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
+        self.enter(Op::VaReserve)?;
+        self.vmm_reserve(device, size, alignment)
+    }
+
+    fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.enter(Op::VaFree)?;
+        self.vmm_va_free(device, ptr, size)
+    }
+
+    fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
+        self.enter(Op::PhysCreate)?;
+        self.vmm_phys_create(device, size)
+    }
+
+    fn phys_release(&self, handle: PhysHandle) -> Result<()> {
+        self.enter(Op::PhysRelease)?;
+        self.vmm_phys_release(handle)
+    }
+
+    fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
+        self.enter(Op::Map)?;
+        self.vmm_map(ptr, size, offset, handle)
+    }
+
+    fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.enter(Op::Unmap)?;
+        self.vmm_unmap(ptr, size)
+    }
+
+    fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        self.enter(Op::SetAccess)?;
+        self.vmm_set_access(device, ptr, size)
+    }
+
+    fn phys_export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        self.enter(Op::PhysExportFd)?;
+        self.vmm_export(handle)
+    }
+
+    fn phys_import_fd(&self, device: DeviceId, fd: OwnedFd) -> Result<PhysHandle> {
+        self.enter(Op::PhysImportFd)?;
+        self.vmm_import(device, fd)
+    }
+
+    fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        self.enter(Op::IpcGetMemHandle)?;
+        let info = self
+            .mem
+            .find_containing(ptr.0, |start, r| {
+                let fd = r.fd.as_ref().map(|fd| fd.as_raw_fd());
+                match (r.kind, r.device, fd) {
+                    (RegionKind::Device, Some(device), Some(fd)) => Some(IpcInfo {
+                        pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+                        fd,
+                        base: start,
+                        size: r.len,
+                        device: device.0,
+                    }),
+                    _ => None,
+                }
+            })
+            .flatten()
+            .ok_or_else(|| BackendError::invalid(format!("{ptr} is not in a device allocation")))?;
+        latency::pay(self.latency().ipc);
+        Ok(info.encode())
+    }
+
+    fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        self.enter(Op::IpcOpenMemHandle)?;
+        self.check_device(device)?;
+        let info = IpcInfo::decode(handle)?;
+        let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| BackendError::invalid(format!("cannot open IPC handle ({e})")))?;
+        let fd = OwnedFd::from(file);
+        let size = os::memory_file_size(fd.as_fd())?;
+        if size != info.size {
+            return Err(BackendError::invalid(format!(
+                "IPC handle names {} bytes but the memory has {size}",
+                info.size
+            )));
+        }
+        let mapping = Mapping::shared(&fd, size, &device.to_string())?;
+        let addr = mapping.addr();
+        let region = Region {
+            len: size,
+            kind: RegionKind::IpcOpened,
+            device: Some(device),
+            accessible: true,
+            read_only: false,
+            _mapping: Some(mapping),
+            fd: Some(fd),
+        };
+        self.mem.insert(addr, region)?;
+        latency::pay(self.latency().ipc);
+        Ok(DevicePtr(addr))
+    }
+
+    fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
+        self.enter(Op::IpcCloseMemHandle)?;
+        let region = self.mem.remove(ptr.0, RegionKind::IpcOpened)?;
+        drop(region);
+        latency::pay(self.latency().ipc);
+        Ok(())
+    }
+}

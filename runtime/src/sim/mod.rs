@@ -1,0 +1,349 @@
+//! The simulated GPU: the embedded default backend, made of real OS memory.
+//!
+//! - Device memory is real: each `malloc` is a memfd of that size mapped read/write into
+//!   this process (pages are consumed only when touched), and a [`DevicePtr`] is the real
+//!   address. Capacity is enforced per device.
+//! - Virtual memory is real: a reservation is `mmap(PROT_NONE)`, a physical handle is a
+//!   memfd, `map` is `MAP_FIXED` over the reservation, exported handles are `dup`ed memfds.
+//! - Streams are worker threads running in-order queues (kernels, copies, event records and
+//!   waits, host functions); events complete when their stream reaches them.
+//! - A region table validates every access by kernels and copies, so a stale pointer is a
+//!   typed error, never a SIGSEGV. It is stricter than a GPU: an access may cross from one
+//!   VMM mapping into the next (they tile a reservation) but never run off one allocation
+//!   into a neighbouring one, a mapping without `set_access` is inaccessible, and host memory
+//!   registered `read_only` cannot be written by device work. `host_register` refuses ranges
+//!   that are not mapped readable (and writable, unless `read_only`).
+//! - A [`LatencyModel`] makes driver calls cost what they cost on real hardware; every call
+//!   is counted ([`SimBackend::counts`]) and can be made to fail ([`SimBackend::inject`]).
+//!
+//! Differences from CUDA, on purpose: an IPC handle may be opened in the process that made
+//! it (useful in tests); kernels are Rust closures launched with [`SimBackend::launch_kernel`].
+//!
+//! The sim uses `std::sync` directly (not [`crate::sync`]): its threads are real OS threads
+//! and it is not itself model-checked.
+
+mod backend_impl;
+mod counters;
+mod faults;
+mod host;
+mod ipc;
+mod kernel;
+mod latency;
+mod memory;
+mod os;
+mod queue;
+mod vmm;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+
+pub use counters::{CallCounts, Op};
+pub use faults::Fault;
+pub use kernel::KernelMemory;
+pub use latency::{LatencyModel, SLEEP_QUANTUM};
+
+use crate::error::{BackendError, Result};
+use crate::types::{DeviceId, DevicePtr, EventHandle, StreamHandle};
+use memory::{Memory, RegionKind};
+use queue::{SimEvent, SimStream, StreamShared, Task};
+use vmm::VmmState;
+
+/// Configuration of a [`SimBackend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Number of devices (default 1).
+    pub devices: u32,
+    /// Memory per device in bytes (default 16 GiB; address space, consumed only when touched).
+    pub capacity_per_device: u64,
+    /// VMM granularity in bytes (default 2 MiB, as on current GPUs). A power of two, at
+    /// least the page size.
+    pub granularity: u64,
+    /// What calls cost (default: real-hardware latencies).
+    pub latency: LatencyModel,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            devices: 1,
+            capacity_per_device: 16 << 30,
+            granularity: 2 << 20,
+            latency: LatencyModel::default(),
+        }
+    }
+}
+
+impl SimConfig {
+    /// `devices` devices with default capacity and zero latency: the usual test setup.
+    pub fn fast(devices: u32) -> Self {
+        SimConfig {
+            devices,
+            latency: LatencyModel::zero(),
+            ..SimConfig::default()
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The simulated GPU. Create it with [`SimBackend::new`]; use it as an
+/// `Arc<dyn Backend>`. Dropping the last `Arc` drains and joins every stream, unmaps all
+/// memory and closes every fd it opened.
+#[derive(Debug)]
+pub struct SimBackend {
+    config: SimConfig,
+    latency: Mutex<LatencyModel>,
+    counters: counters::Counters,
+    faults: faults::Faults,
+    failures: Arc<AtomicU64>,
+    mem: Arc<Memory>,
+    used: Mutex<Vec<u64>>,
+    streams: Mutex<HashMap<u64, SimStream>>,
+    events: Mutex<HashMap<u64, Arc<SimEvent>>>,
+    vmm: Mutex<VmmState>,
+    next_id: AtomicU64,
+    page: u64,
+}
+
+impl SimBackend {
+    /// A simulated machine as `config` describes. Errors with `InvalidValue` for zero
+    /// devices, a zero capacity or a granularity that is not a power-of-two multiple of the
+    /// page size.
+    pub fn new(config: SimConfig) -> Result<Arc<SimBackend>> {
+        let page = os::page_size();
+        if config.devices == 0 {
+            return Err(BackendError::invalid("a sim needs at least one device"));
+        }
+        if config.capacity_per_device == 0 {
+            return Err(BackendError::invalid("capacity_per_device must be > 0"));
+        }
+        if !config.granularity.is_power_of_two() || config.granularity < page {
+            return Err(BackendError::invalid(format!(
+                "granularity {} must be a power of two >= the page size {page}",
+                config.granularity
+            )));
+        }
+        raise_fd_limit();
+        Ok(Arc::new(SimBackend {
+            config,
+            latency: Mutex::new(config.latency),
+            counters: counters::Counters::default(),
+            faults: faults::Faults::default(),
+            failures: Arc::new(AtomicU64::new(0)),
+            mem: Arc::new(Memory::default()),
+            used: Mutex::new(vec![0; config.devices as usize]),
+            streams: Mutex::new(HashMap::new()),
+            events: Mutex::new(HashMap::new()),
+            vmm: Mutex::new(VmmState::default()),
+            next_id: AtomicU64::new(1),
+            page,
+        }))
+    }
+
+    /// The configuration, with the current latency model.
+    pub fn config(&self) -> SimConfig {
+        SimConfig {
+            latency: self.latency(),
+            ..self.config
+        }
+    }
+
+    /// The current latency model.
+    pub fn latency(&self) -> LatencyModel {
+        *lock(&self.latency)
+    }
+
+    /// Replaces the latency model; takes effect for the next call.
+    pub fn set_latency(&self, latency: LatencyModel) {
+        *lock(&self.latency) = latency;
+    }
+
+    /// A snapshot of the per-operation call counters.
+    pub fn counts(&self) -> CallCounts {
+        self.counters.snapshot()
+    }
+
+    /// Sets every call counter to zero.
+    pub fn reset_counts(&self) {
+        self.counters.reset();
+    }
+
+    /// Makes calls of `op` fail as `fault` says (replacing an earlier fault for `op`).
+    pub fn inject(&self, op: Op, fault: Fault) {
+        self.faults.inject(op, fault);
+    }
+
+    /// Removes every injected fault.
+    pub fn clear_faults(&self) {
+        self.faults.clear();
+    }
+
+    /// Stream work (kernels, copies) that has failed since creation.
+    pub fn kernel_failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of device memory in use on `device` (allocations and physical handles).
+    pub fn used_bytes(&self, device: DeviceId) -> Result<u64> {
+        self.used_on(device)
+    }
+
+    /// Live streams on all devices.
+    pub fn live_streams(&self) -> usize {
+        lock(&self.streams).len()
+    }
+
+    /// Live device allocations from `malloc` on all devices.
+    pub fn live_allocations(&self) -> usize {
+        self.mem.count(RegionKind::Device)
+    }
+
+    /// Enqueues a simulated kernel on `stream`: when the stream reaches it, it takes
+    /// `duration`, then runs `f` over device memory. An error from `f` (or a panic) becomes
+    /// the stream's sticky error, returned by the next `stream_synchronize`, and is counted
+    /// in [`SimBackend::kernel_failures`].
+    pub fn launch_kernel(
+        &self,
+        stream: StreamHandle,
+        duration: Duration,
+        f: impl FnOnce(&mut KernelMemory) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        self.enter(Op::LaunchKernel)?;
+        let (shared, tx) = self.stream(stream)?;
+        let mem = self.mem.clone();
+        latency::pay(self.latency().launch);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                if !duration.is_zero() {
+                    std::thread::sleep(duration);
+                }
+                f(&mut KernelMemory::new(mem))
+            }),
+        )
+    }
+
+    // ---- helpers for the Backend impl ----
+
+    fn enter(&self, op: Op) -> Result<()> {
+        self.counters.bump(op);
+        self.faults.check(op)
+    }
+
+    fn check_device(&self, device: DeviceId) -> Result<()> {
+        if device.0 < self.config.devices {
+            Ok(())
+        } else {
+            Err(BackendError::InvalidDevice(device.0))
+        }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` of `device`'s capacity, or fails with `OutOfMemory`.
+    fn take_capacity(&self, device: DeviceId, bytes: u64) -> Result<()> {
+        let mut used = lock(&self.used);
+        let slot = used
+            .get_mut(device.0 as usize)
+            .ok_or(BackendError::InvalidDevice(device.0))?;
+        match slot.checked_add(bytes) {
+            Some(n) if n <= self.config.capacity_per_device => {
+                *slot = n;
+                Ok(())
+            }
+            _ => Err(BackendError::OutOfMemory {
+                requested: bytes,
+                what: device.to_string(),
+            }),
+        }
+    }
+
+    fn used_on(&self, device: DeviceId) -> Result<u64> {
+        lock(&self.used)
+            .get(device.0 as usize)
+            .copied()
+            .ok_or(BackendError::InvalidDevice(device.0))
+    }
+
+    fn give_capacity(&self, device: DeviceId, bytes: u64) {
+        if let Some(slot) = lock(&self.used).get_mut(device.0 as usize) {
+            *slot = slot.saturating_sub(bytes);
+        }
+    }
+
+    fn stream(&self, h: StreamHandle) -> Result<(Arc<StreamShared>, Sender<Task>)> {
+        let streams = lock(&self.streams);
+        match streams.get(&h.raw) {
+            Some(s) if s.shared.device == h.device => Ok((s.shared.clone(), s.tx.clone())),
+            _ => Err(BackendError::InvalidHandle(format!("unknown stream {h:?}"))),
+        }
+    }
+
+    fn event(&self, h: EventHandle) -> Result<Arc<SimEvent>> {
+        let events = lock(&self.events);
+        match events.get(&h.raw) {
+            Some(e) if e.device == h.device => Ok(e.clone()),
+            _ => Err(BackendError::InvalidHandle(format!("unknown event {h:?}"))),
+        }
+    }
+
+    fn device_streams(&self, device: DeviceId) -> Vec<Arc<StreamShared>> {
+        lock(&self.streams)
+            .values()
+            .filter(|s| s.shared.device == device)
+            .map(|s| s.shared.clone())
+            .collect()
+    }
+
+    /// Waits for all work on `device`'s streams, leaving sticky errors in place.
+    fn drain_device(&self, device: DeviceId) {
+        for s in self.device_streams(device) {
+            s.drain();
+        }
+    }
+
+    /// Rounds `size` up to whole pages.
+    fn page_round(&self, size: u64) -> Option<u64> {
+        size.checked_next_multiple_of(self.page)
+    }
+
+    fn host_ptr(ptr: *mut u8) -> DevicePtr {
+        DevicePtr(ptr as u64)
+    }
+}
+
+impl Drop for SimBackend {
+    fn drop(&mut self) {
+        let streams: Vec<SimStream> = lock(&self.streams).drain().map(|(_, s)| s).collect();
+        for s in streams {
+            s.shutdown();
+        }
+        lock(&self.events).clear();
+        // Regions own their mappings and fds: dropping them unmaps and closes.
+        drop(self.mem.drain());
+        lock(&self.vmm).clear();
+    }
+}
+
+/// Raises the soft open-file limit to the hard one: every device allocation is a memfd.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let lim = getrlimit(Resource::Nofile);
+    if lim.current != lim.maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: lim.maximum,
+                maximum: lim.maximum,
+            },
+        );
+    }
+}

@@ -1,0 +1,252 @@
+//! Streams and events of the sim: a worker thread per stream running an in-order queue.
+//!
+//! A stream's tasks run one after another on its thread. Progress is two counters
+//! (`submitted`, `done`) under a mutex with a condvar, so `synchronize` waits for exactly
+//! the work enqueued before it. A failing task leaves a sticky error that the next
+//! `stream_synchronize` returns. Events keep the sequence number of their last record and
+//! the set of records not yet reached; a wait captures the record current when it was made.
+
+use std::collections::BTreeSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::error::{BackendError, Result};
+use crate::types::DeviceId;
+
+/// A unit of stream work. `Err` becomes the stream's sticky error.
+pub(crate) type Task = Box<dyn FnOnce() -> Result<()> + Send + 'static>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    submitted: u64,
+    done: u64,
+    error: Option<BackendError>,
+}
+
+/// The part of a stream its worker and synchronizing callers share.
+#[derive(Debug)]
+pub(crate) struct StreamShared {
+    pub(crate) device: DeviceId,
+    progress: Mutex<Progress>,
+    cv: Condvar,
+}
+
+impl StreamShared {
+    /// Enqueues `task` on `tx`, numbering it in queue order.
+    pub(crate) fn enqueue(&self, tx: &Sender<Task>, task: Task) -> Result<()> {
+        let mut p = lock(&self.progress);
+        tx.send(task)
+            .map_err(|_| BackendError::InvalidHandle("stream is shutting down".into()))?;
+        p.submitted += 1;
+        Ok(())
+    }
+
+    /// Blocks until everything enqueued before the call has run.
+    pub(crate) fn drain(&self) {
+        let mut p = lock(&self.progress);
+        let target = p.submitted;
+        while p.done < target {
+            p = self.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// [`StreamShared::drain`], then takes the sticky error.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.drain();
+        match lock(&self.progress).error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The sticky error, if any, without clearing it.
+    pub(crate) fn peek_error(&self) -> Option<BackendError> {
+        lock(&self.progress).error.clone()
+    }
+}
+
+/// A live stream: shared state, the queue's sending side, and its worker thread.
+#[derive(Debug)]
+pub(crate) struct SimStream {
+    pub(crate) shared: Arc<StreamShared>,
+    pub(crate) tx: Sender<Task>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl SimStream {
+    /// Starts a stream on `device`; failed tasks are also counted in `failures`.
+    pub(crate) fn spawn(device: DeviceId, raw: u64, failures: Arc<AtomicU64>) -> Result<Self> {
+        let (tx, rx) = crossbeam_channel::unbounded::<Task>();
+        let shared = Arc::new(StreamShared {
+            device,
+            progress: Mutex::new(Progress::default()),
+            cv: Condvar::new(),
+        });
+        let worker_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sim-stream-{}-{raw}", device.0))
+            .spawn(move || worker(rx, worker_shared, failures))
+            .map_err(|e| BackendError::os("thread spawn", e))?;
+        Ok(SimStream {
+            shared,
+            tx,
+            thread: Some(thread),
+        })
+    }
+
+    /// Closes the queue, lets it drain and joins the worker (unless called from the worker
+    /// itself, e.g. a host function dropping the last handle: then it detaches).
+    pub(crate) fn shutdown(self) {
+        let SimStream {
+            shared: _,
+            tx,
+            thread,
+        } = self;
+        drop(tx);
+        if let Some(t) = thread {
+            if t.thread().id() == std::thread::current().id() {
+                return;
+            }
+            if t.join().is_err() {
+                tracing::warn!("sim stream worker panicked");
+            }
+        }
+    }
+}
+
+fn worker(rx: Receiver<Task>, shared: Arc<StreamShared>, failures: Arc<AtomicU64>) {
+    for task in rx.iter() {
+        let result = catch_unwind(AssertUnwindSafe(task)).unwrap_or_else(|_| {
+            Err(BackendError::Driver {
+                code: 719,
+                name: "CUDA_ERROR_LAUNCH_FAILED (panic)".into(),
+            })
+        });
+        let mut p = lock(&shared.progress);
+        p.done += 1;
+        if let Err(e) = result {
+            failures.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(device = shared.device.0, error = %e, "sim stream task failed");
+            if p.error.is_none() {
+                p.error = Some(e);
+            }
+        }
+        shared.cv.notify_all();
+    }
+}
+
+#[derive(Debug, Default)]
+struct EventState {
+    last: u64,
+    pending: BTreeSet<u64>,
+}
+
+/// An event: the sequence number of its last record and the records not yet reached.
+#[derive(Debug)]
+pub(crate) struct SimEvent {
+    pub(crate) device: DeviceId,
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+impl SimEvent {
+    pub(crate) fn new(device: DeviceId) -> Self {
+        SimEvent {
+            device,
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Starts a new record; returns its sequence number.
+    pub(crate) fn begin_record(&self) -> u64 {
+        let mut s = lock(&self.state);
+        s.last += 1;
+        let seq = s.last;
+        s.pending.insert(seq);
+        seq
+    }
+
+    /// Marks record `seq` reached.
+    pub(crate) fn complete(&self, seq: u64) {
+        let mut s = lock(&self.state);
+        s.pending.remove(&seq);
+        self.cv.notify_all();
+    }
+
+    /// The sequence number of the last record (0: never recorded).
+    pub(crate) fn last(&self) -> u64 {
+        lock(&self.state).last
+    }
+
+    /// True when record `seq` has been reached (record 0 always has).
+    pub(crate) fn reached(&self, seq: u64) -> bool {
+        !lock(&self.state).pending.contains(&seq)
+    }
+
+    /// Blocks until record `seq` has been reached.
+    pub(crate) fn wait(&self, seq: u64) {
+        let mut s = lock(&self.state);
+        while s.pending.contains(&seq) {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn runs_in_order_and_keeps_the_first_error_sticky() {
+        let failures = Arc::new(AtomicU64::new(0));
+        let s = SimStream::spawn(DeviceId(0), 1, failures.clone()).unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..5u32 {
+            let log = log.clone();
+            s.shared
+                .enqueue(
+                    &s.tx,
+                    Box::new(move || {
+                        std::thread::sleep(Duration::from_millis(u64::from(5 - i)));
+                        lock(&log).push(i);
+                        if i == 2 {
+                            Err(BackendError::invalid("two"))
+                        } else if i == 3 {
+                            Err(BackendError::invalid("three"))
+                        } else {
+                            Ok(())
+                        }
+                    }),
+                )
+                .unwrap();
+        }
+        assert_eq!(s.shared.synchronize(), Err(BackendError::invalid("two")));
+        assert_eq!(*lock(&log), vec![0, 1, 2, 3, 4]);
+        assert_eq!(s.shared.synchronize(), Ok(()));
+        assert_eq!(failures.load(Ordering::Relaxed), 2);
+        s.shutdown();
+    }
+
+    #[test]
+    fn event_records_complete_independently() {
+        let e = SimEvent::new(DeviceId(0));
+        assert!(e.reached(e.last()));
+        let a = e.begin_record();
+        let b = e.begin_record();
+        e.complete(b);
+        assert!(e.reached(b) && !e.reached(a));
+        e.complete(a);
+        e.wait(a);
+        assert!(e.reached(a));
+    }
+}

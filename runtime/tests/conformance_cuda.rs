@@ -1,0 +1,42 @@
+//! Runs the backend conformance suite, unchanged, on the CUDA backend. Without a GPU (or a
+//! driver) it prints why it skipped, and fails if `GPUALLOC_REQUIRE_GPU` is set, as
+//! `scripts/gpu-check.sh` does.
+#![cfg(all(feature = "cuda", not(loom)))]
+
+use std::sync::Arc;
+
+use gpualloc_runtime::conformance::checks;
+use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_runtime::{Backend, DeviceId};
+
+#[test]
+fn cuda_passes_every_conformance_check() {
+    let backend: Arc<dyn Backend> = match CudaBackend::new() {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(
+                std::env::var_os("GPUALLOC_REQUIRE_GPU").is_none(),
+                "GPUALLOC_REQUIRE_GPU is set but the CUDA backend is unavailable: {e}"
+            );
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let mut failures = Vec::new();
+    for check in checks() {
+        let result = (check.run)(&backend, DeviceId(0));
+        println!(
+            "{:<45} {}",
+            check.name,
+            if result.is_ok() { "ok" } else { "FAILED" }
+        );
+        if let Err(e) = result {
+            failures.push(format!("{}: {e}", check.name));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "conformance failures on CUDA:\n{}",
+        failures.join("\n")
+    );
+}
