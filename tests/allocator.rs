@@ -244,7 +244,14 @@ async fn cancelled_mallocs_leak_nothing() {
     }
     drop(kept);
     // Misses cancelled mid-flight finish on the blocking pool and return their blocks.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    for _ in 0..400 {
+        if actor.misses_in_flight() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(actor.misses_in_flight(), 0);
     let st = alloc.stats(DeviceId(0)).await.unwrap();
     assert_eq!(st.allocation[0].current, 0, "every allocation came back");
     alloc.empty_cache().await.unwrap();

@@ -185,7 +185,16 @@ async fn random_cancellation_leaks_nothing() {
     let mut cancelled = 0;
     for i in 0..300u64 {
         let size = KIB + (i * 104_729) % (12 * MIB);
-        if i % 2 == 0 {
+        if i % 10 == 0 {
+            // A fresh size: a miss (a 200 us device malloc), cancelled before it finishes.
+            let fresh = 40 * MIB + i * 2 * MIB;
+            if tokio::time::timeout(Duration::ZERO, alloc.malloc(fresh, &s))
+                .await
+                .is_err()
+            {
+                cancelled += 1;
+            }
+        } else if i % 2 == 0 {
             match tokio::time::timeout(Duration::from_micros(i % 300), alloc.malloc(size, &s)).await
             {
                 Ok(r) => kept.push(r.unwrap()),
@@ -204,15 +213,18 @@ async fn random_cancellation_leaks_nothing() {
     assert!(cancelled > 0, "some mallocs were cancelled");
     drop(kept);
     // Misses cancelled mid-flight finish on the blocking pool, then return their blocks.
-    for _ in 0..100 {
-        if alloc.stats(DeviceId(0)).await.unwrap().allocation[0].current == 0 {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    for _ in 0..400 {
+        if actor.misses_in_flight() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    assert_eq!(actor.misses_in_flight(), 0);
     assert_eq!(
         alloc.stats(DeviceId(0)).await.unwrap().allocation[0].current,
-        0
+        0,
+        "every block came back"
     );
     alloc.empty_cache().await.unwrap();
     assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);

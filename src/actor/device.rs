@@ -7,6 +7,7 @@
 //! the gate at once and continues on the blocking pool (`slow.rs`), so hits keep being served
 //! while the device allocates.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +36,8 @@ pub struct DeviceActor {
     pub(crate) process: ProcessGuard,
     /// Stops the actor task (not the core: that is `shutdown`).
     pub(crate) stop: Shutdown,
+    /// Misses running on the blocking pool.
+    pub(crate) misses_in_flight: AtomicUsize,
 }
 
 impl std::fmt::Debug for DeviceActor {
@@ -64,12 +67,19 @@ impl DeviceActor {
             signals,
             process,
             stop: Shutdown::new(),
+            misses_in_flight: AtomicUsize::new(0),
         })
     }
 
     /// The device this actor serves.
     pub fn device(&self) -> DeviceId {
         self.device
+    }
+
+    /// Misses whose device allocation is running on the blocking pool right now (they finish
+    /// even if their request was cancelled, then return the block).
+    pub fn misses_in_flight(&self) -> usize {
+        self.misses_in_flight.load(Ordering::Acquire)
     }
 
     /// Number of requests waiting for memory right now.
@@ -156,9 +166,14 @@ impl DeviceActor {
                 let stream = stream.clone();
                 // The blocking task runs to completion even if this future is dropped; its
                 // buffer is then dropped there and returns the block: nothing leaks.
-                tokio::task::spawn_blocking(move || actor.miss_blocking(req, stream))
-                    .await
-                    .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
+                self.misses_in_flight.fetch_add(1, Ordering::AcqRel);
+                tokio::task::spawn_blocking(move || {
+                    let r = actor.miss_blocking(req, stream);
+                    actor.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
+                    r
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
             }
         }
     }
