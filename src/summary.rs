@@ -34,36 +34,41 @@ fn format_count(value: u64, pref: u64) -> String {
     format!("{v:6} {}", UNITS[i])
 }
 
-fn row(out: &mut String, name: &str, s: &Stat, bytes: bool) {
-    let f = |v: u64| {
+/// One row; each column's unit follows that column's value in `pref` (the metric's
+/// all-pools row), as PyTorch does.
+fn row(out: &mut String, name: &str, s: &Stat, pref: &Stat, bytes: bool) {
+    let f = |v: u64, p: u64| {
         if bytes {
-            format_bytes(v, s.peak)
+            format_bytes(v, p)
         } else {
-            format_count(v, s.peak)
+            format_count(v, p)
         }
     };
     let _ = writeln!(
         out,
         "| {name:<21} | {} | {} | {} | {} |",
-        f(s.current),
-        f(s.peak),
-        f(s.allocated),
-        f(s.freed)
+        f(s.current, pref.current),
+        f(s.peak, pref.peak),
+        f(s.allocated, pref.allocated),
+        f(s.freed, pref.freed)
     );
 }
 
 fn section(out: &mut String, name: &str, arr: &[Stat; 3], bytes: bool) {
-    row(out, name, &arr[StatType::All as usize], bytes);
+    let all = &arr[StatType::All as usize];
+    row(out, name, all, all, bytes);
     row(
         out,
         "      from large pool",
         &arr[StatType::Large as usize],
+        all,
         bytes,
     );
     row(
         out,
         "      from small pool",
         &arr[StatType::Small as usize],
+        all,
         bytes,
     );
     out.push_str(THIN);
@@ -102,18 +107,9 @@ pub fn memory_summary(device: DeviceId, s: &DeviceStats) -> String {
     section(&mut out, "Active allocs", &s.active, false);
     section(&mut out, "GPU reserved segments", &s.segment, false);
     section(&mut out, "Non-releasable allocs", &s.inactive_split, false);
-    row(
-        &mut out,
-        "Oversize allocations",
-        &s.oversize_allocations,
-        false,
-    );
-    row(
-        &mut out,
-        "Oversize GPU segments",
-        &s.oversize_segments,
-        false,
-    );
+    let (oa, os) = (&s.oversize_allocations, &s.oversize_segments);
+    row(&mut out, "Oversize allocations", oa, oa, false);
+    row(&mut out, "Oversize GPU segments", os, os, false);
     out.push_str(RULE);
     out
 }
@@ -146,6 +142,11 @@ mod tests {
             ),
             "{text}"
         );
+        assert!(text.lines().all(|l| l.chars().count() == 77), "{text}");
+        // Each column picks its own unit: 21 GiB in total does not widen the table.
+        s.allocated_bytes[0].allocated = 21 << 30;
+        let text = memory_summary(DeviceId(0), &s);
+        assert!(text.contains("|  21504 MiB |"), "{text}");
         assert!(text.lines().all(|l| l.chars().count() == 77), "{text}");
     }
 }
