@@ -2,6 +2,9 @@
 //! vs a direct call of the same core (accounting backend: no memory behind addresses).
 //! The `bench` binary prints the same figures with their ratios, plus the contention ones.
 
+// criterion's macros generate undocumented items.
+#![allow(missing_docs)]
+
 use std::sync::Arc;
 use std::time::Instant;
 

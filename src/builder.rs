@@ -28,7 +28,7 @@ pub enum BackendKind {
     /// one 16 GiB device with real-hardware latencies.
     Sim,
     /// The simulated GPU with this configuration.
-    SimWith(SimConfig),
+    SimWith(Box<SimConfig>),
     /// CUDA; an error if unavailable.
     Cuda,
     /// Addresses and byte counts only (no memory behind them): `devices` devices of
@@ -144,7 +144,7 @@ impl AllocatorBuilder {
             }
             BackendKind::Cuda => cuda_backend(),
             BackendKind::Sim => sim_backend(),
-            BackendKind::SimWith(c) => Ok(SimBackend::new(*c)?),
+            BackendKind::SimWith(c) => Ok(SimBackend::new(**c)?),
             BackendKind::Auto => match cuda_backend() {
                 Ok(b) => Ok(b),
                 Err(e) => {

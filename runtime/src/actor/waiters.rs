@@ -222,7 +222,7 @@ mod tests {
         let c = w.join();
         drop(a);
         assert!(b.wait().now_or_never().is_some());
-        drop(c.wait());
+        assert!(c.wait().now_or_never().is_none(), "not the head yet");
         drop(b);
         assert!(c.wait().now_or_never().is_some());
         assert_eq!(w.len(), 1);
