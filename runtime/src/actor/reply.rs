@@ -130,6 +130,11 @@ impl<T> Drop for ReplyFuture<T> {
 }
 
 impl<T> ReplyFuture<T> {
+    /// True once a value (or the sender's drop) has arrived: polling now returns `Ready`.
+    pub fn is_ready(&self) -> bool {
+        !matches!(&*lock(&self.slot), Slot::Waiting(_))
+    }
+
     /// Blocks the current thread until the reply comes (for blocking-pool threads only).
     pub fn wait_blocking(self) -> Option<T> {
         futures::executor::block_on(self)
