@@ -15,14 +15,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpualloc::runtime::sim::{SimBackend, SimConfig};
+use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
 use gpualloc::runtime::BackendError;
-use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Stream};
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, DevicePtr, Error, MallocOptions, Stream};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const DEVICES: u32 = 2;
 const STREAMS_PER_DEVICE: usize = 4;
+/// Small on purpose: requests sometimes wait for memory.
+const CAPACITY: u64 = 320 * MIB;
 
 struct Args {
     requests: u64,
@@ -31,7 +33,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
-        requests: 4000,
+        requests: 20_000,
         concurrency: 48,
     };
     let mut it = std::env::args().skip(1);
@@ -69,6 +71,45 @@ struct Counters {
     waited: AtomicU64,
 }
 
+/// The parts of a buffer the kernels write and check: all of a small buffer, the first and
+/// last 64 KiB of a large one (a reused block starts at a block boundary, so a head always
+/// overlaps; this keeps the simulated kernels' CPU work, which competes with the allocator
+/// for this machine's cores, small).
+fn regions(ptr: DevicePtr, len: u64) -> Vec<(DevicePtr, u64)> {
+    const EDGE: u64 = 64 * KIB;
+    if len <= 4 * EDGE {
+        vec![(ptr, len)]
+    } else {
+        vec![(ptr, EDGE), (DevicePtr(ptr.0 + len - EDGE), EDGE)]
+    }
+}
+
+fn fill_regions(
+    m: &mut KernelMemory,
+    ptr: DevicePtr,
+    len: u64,
+    byte: u8,
+) -> Result<(), BackendError> {
+    for (p, l) in regions(ptr, len) {
+        m.fill(p, l, byte)?;
+    }
+    Ok(())
+}
+
+fn check_regions(
+    m: &mut KernelMemory,
+    ptr: DevicePtr,
+    len: u64,
+    byte: u8,
+) -> Result<bool, BackendError> {
+    for (p, l) in regions(ptr, len) {
+        if !m.check(p, l, byte)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// Enqueues a kernel that checks `buf` holds `byte` (counting a mismatch, and failing the
 /// kernel, if not) and then fills `next` (if any) with `next_byte`.
 fn check_then_fill(
@@ -83,14 +124,14 @@ fn check_then_fill(
     let next = next.map(|(b, v)| (b.ptr(), b.len(), v));
     let counters = counters.clone();
     sim.launch_kernel(stream.handle(), duration, move |m| {
-        if !m.check(cptr, clen, cbyte)? {
+        if !check_regions(m, cptr, clen, cbyte)? {
             counters.mismatches.fetch_add(1, Ordering::Relaxed);
             return Err(BackendError::invalid(
                 "data mismatch: memory reused while in use",
             ));
         }
         if let Some((ptr, len, byte)) = next {
-            m.fill(ptr, len, byte)?;
+            fill_regions(m, ptr, len, byte)?;
         }
         Ok(())
     })
@@ -106,6 +147,7 @@ async fn request(
     alloc: Allocator,
     sim: Arc<SimBackend>,
     streams: Arc<Vec<Vec<Stream>>>,
+    budgets: Arc<Vec<Arc<tokio::sync::Semaphore>>>,
     counters: Arc<Counters>,
 ) -> Result<Timing, Error> {
     let start = Instant::now();
@@ -118,6 +160,15 @@ async fn request(
         tokens * 4 * KIB,
         4 * KIB + rng.next() % (512 * KIB),
     ];
+    // Admission by memory budget, as a server does: without it, requests that each hold one
+    // buffer while waiting for the next could fill the device and wait on each other.
+    let mib = (sizes.iter().sum::<u64>()).div_ceil(MIB) as u32;
+    let _budget = budgets[dev]
+        .clone()
+        .acquire_many_owned(mib)
+        .await
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    // Fragmentation can still leave the device short: wait for frees rather than fail.
     let wait = MallocOptions::wait_for(Duration::from_secs(10));
     let mut mallocs_ns = Vec::with_capacity(3);
     let mut bufs = Vec::with_capacity(3);
@@ -142,8 +193,8 @@ async fn request(
     // Load the input and scratch, run the "model", then check everything.
     let (iptr, ilen, sptr, slen) = (input.ptr(), input.len(), scratch.ptr(), scratch.len());
     sim.launch_kernel(stream.handle(), Duration::from_micros(10), move |m| {
-        m.fill(iptr, ilen, p)?;
-        m.fill(sptr, slen, p ^ 0x33)
+        fill_regions(m, iptr, ilen, p)?;
+        fill_regions(m, sptr, slen, p ^ 0x33)
     })?;
     check_then_fill(
         &sim,
@@ -226,7 +277,7 @@ fn percentiles(label: &str, unit: &str, scale: f64, samples: &mut [u64]) {
 async fn run(args: Args) -> Result<bool, Error> {
     let sim = SimBackend::new(SimConfig {
         devices: DEVICES,
-        capacity_per_device: 768 * MIB,
+        capacity_per_device: CAPACITY,
         ..SimConfig::default()
     })?;
     // GPUALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) applies if set.
@@ -241,11 +292,39 @@ async fn run(args: Args) -> Result<bool, Error> {
     let streams = Arc::new(streams);
     let counters = Arc::new(Counters::default());
     let limit = Arc::new(tokio::sync::Semaphore::new(args.concurrency));
+    let budget_mib = (CAPACITY / MIB) as usize * 3 / 5;
+    let budgets: Arc<Vec<_>> = Arc::new(
+        (0..DEVICES)
+            .map(|_| Arc::new(tokio::sync::Semaphore::new(budget_mib)))
+            .collect(),
+    );
     println!(
-        "serve: {} requests, {} in flight, {DEVICES} simulated devices x {STREAMS_PER_DEVICE} streams, 768 MiB each",
-        args.requests, args.concurrency
+        "serve: {} requests, {} in flight, {DEVICES} simulated devices x {STREAMS_PER_DEVICE} streams, {} MiB each",
+        args.requests,
+        args.concurrency,
+        CAPACITY / MIB
     );
 
+    let done = Arc::new(AtomicU64::new(0));
+    let watchdog = {
+        let (alloc, done) = (alloc.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut last = 0;
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                let now = done.load(Ordering::Relaxed);
+                if now == last {
+                    eprintln!("serve: no request finished in 5 s ({now} done)");
+                    for d in 0..DEVICES {
+                        if let Ok(a) = alloc.device_actor(DeviceId(d)) {
+                            eprintln!("  {}", a.describe());
+                        }
+                    }
+                }
+                last = now;
+            }
+        })
+    };
     let started = Instant::now();
     let mut handles = Vec::with_capacity(args.requests as usize);
     for id in 0..args.requests {
@@ -254,14 +333,17 @@ async fn run(args: Args) -> Result<bool, Error> {
             .acquire_owned()
             .await
             .map_err(|e| Error::Internal(e.to_string()))?;
-        let (alloc, sim, streams, counters) = (
+        let (alloc, sim, streams, budgets, counters) = (
             alloc.clone(),
             sim.clone(),
             streams.clone(),
+            budgets.clone(),
             counters.clone(),
         );
+        let done = done.clone();
         handles.push(tokio::spawn(async move {
-            let r = request(id, alloc, sim, streams, counters).await;
+            let r = request(id, alloc, sim, streams, budgets, counters).await;
+            done.fetch_add(1, Ordering::Relaxed);
             drop(permit);
             r
         }));
@@ -286,6 +368,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         }
     }
     let wall = started.elapsed();
+    watchdog.abort();
 
     println!(
         "done in {:.2} s: {:.0} requests/s, {} mallocs",
@@ -308,7 +391,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         );
     }
     println!(
-        "cache hit rate {:.2}%, {} mallocs waited for memory (> 1 ms)",
+        "cache hit rate {:.2}%, {} mallocs took over 1 ms (device mallocs, waits for memory)",
         100.0 * (1.0 - device_mallocs as f64 / mallocs.len().max(1) as f64),
         counters.waited.load(Ordering::Relaxed)
     );

@@ -85,6 +85,32 @@ impl DeviceActor {
         self.misses_in_flight.load(Ordering::Acquire)
     }
 
+    /// A one-line description of the actor's state, for diagnosing a stall: waiters, misses
+    /// in flight, whether the gate is held and whether messages are queued.
+    pub fn describe(&self) -> String {
+        format!(
+            "{}: {} waiting for memory, {} misses in flight, gate {}, queue {}, reaper {}",
+            self.device,
+            self.waiting(),
+            self.misses_in_flight(),
+            if self.mailbox.is_busy() {
+                "held"
+            } else {
+                "free"
+            },
+            if self.mailbox.has_pending() {
+                "non-empty"
+            } else {
+                "empty"
+            },
+            if self.signals.reaper.is_armed() {
+                "armed"
+            } else {
+                "asleep"
+            },
+        )
+    }
+
     /// Number of requests waiting for memory right now.
     pub fn waiting(&self) -> usize {
         self.signals.waiters.len()
