@@ -27,9 +27,6 @@ const SPINS: usize = 4;
 /// Checks of a queued request's reply before its task waits to be woken.
 const REPLY_SPINS: usize = 64;
 
-/// Yields to other tasks before a request is queued.
-const YIELDS: usize = 0;
-
 /// One device's actor. See the module docs.
 pub struct DeviceActor {
     pub(crate) device: DeviceId,
@@ -183,15 +180,6 @@ impl DeviceActor {
                 }
             }
             std::hint::spin_loop();
-        }
-        if attempt.is_none() {
-            for _ in 0..YIELDS {
-                tokio::task::yield_now().await;
-                if let Ok(r) = self.mailbox.try_run(|st| st.core.try_cached(size, handle)) {
-                    attempt = Some(r);
-                    break;
-                }
-            }
         }
         let outcome = match attempt {
             Some(Ok(CachedOutcome::Hit(a))) => {
