@@ -296,3 +296,36 @@ async fn awaiting_gpu_work_does_not_block_the_runtime() {
     drop(buf);
     alloc.shutdown().await.unwrap();
 }
+
+/// Shutdown while a miss's device malloc is in flight on the blocking pool: the late segment
+/// is not adopted by the shut-down core but freed, so nothing leaks, and the request gets
+/// the shutdown error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_racing_an_in_flight_miss_leaks_nothing() {
+    let latency = gpualloc::runtime::sim::LatencyModel {
+        malloc: Duration::from_millis(50),
+        ..gpualloc::runtime::sim::LatencyModel::zero()
+    };
+    let sim = SimBackend::new(SimConfig {
+        latency,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let alloc = build(&sim);
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    let (a2, s2) = (alloc.clone(), s.clone());
+    let request = tokio::spawn(async move { a2.malloc(8 * MIB, &s2).await });
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    while actor.misses_in_flight() == 0 {
+        tokio::task::yield_now().await;
+    }
+    alloc.shutdown().await.unwrap();
+    let result = request.await.unwrap();
+    assert!(result.unwrap_err().is_shutdown());
+    assert_eq!(actor.misses_in_flight(), 0);
+    assert_eq!(
+        sim.live_allocations(),
+        0,
+        "the late segment went back to the device"
+    );
+}
