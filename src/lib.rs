@@ -15,6 +15,16 @@
 //! - [`DeviceActor`]: one per device, owning that device's caching core.
 //! - [`MallocOptions`]: e.g. wait for memory instead of failing.
 //! - [`Error`]: everything a call can fail with.
+//!
+//! How it works: each device's caching core sits behind a flat-combining mailbox
+//! (`gpualloc_runtime::actor`). A cache hit takes the mailbox's gate and runs inline on the
+//! caller's thread (no channel, no wake-up); when the gate is busy the request is queued
+//! and run by the holder. Device mallocs, the out-of-memory chain's frees and event
+//! synchronization run on tokio's blocking pool outside the gate, so hits keep flowing.
+//!
+//! Run the main job: `cargo run --release --example serve` (an inference-server-like
+//! workload on the simulated GPU, data-checked). Figures: `cargo run --release --bin bench
+//! [-- --json]`.
 
 mod actor;
 mod allocator;
