@@ -160,7 +160,10 @@ impl Allocator {
         self.check()?;
         for actor in &self.inner.devices {
             let actor = actor.clone();
-            tokio::task::spawn_blocking(move || actor.empty_cache_blocking())
+            actor
+                .runtime
+                .clone()
+                .spawn_blocking(move || actor.empty_cache_blocking())
                 .await
                 .map_err(|e| Error::Internal(format!("empty_cache task failed: {e}")))??;
         }
@@ -207,7 +210,10 @@ impl Allocator {
         let mut first_err = None;
         for actor in &self.inner.devices {
             let a = actor.clone();
-            let r = tokio::task::spawn_blocking(move || a.shutdown_blocking())
+            let r = a
+                .runtime
+                .clone()
+                .spawn_blocking(move || a.shutdown_blocking())
                 .await
                 .map_err(|e| Error::Internal(format!("shutdown task failed: {e}")))
                 .and_then(|r| r);

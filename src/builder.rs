@@ -167,7 +167,7 @@ impl AllocatorBuilder {
         let mut tasks = Vec::with_capacity(count as usize);
         for d in 0..count {
             let core = DeviceCore::new(backend.clone(), DeviceId(d), config.clone())?;
-            let actor = DeviceActor::new(core, process);
+            let actor = DeviceActor::new(core, process, runtime.clone());
             tasks.push(spawn_actor_task(
                 actor.clone(),
                 &runtime,

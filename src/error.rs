@@ -41,8 +41,11 @@ pub enum Error {
     /// The stream was created on another backend than this allocator's.
     #[error("the stream belongs to another backend than this allocator's")]
     ForeignStream,
-    /// The allocator must be built inside a tokio runtime (its actor tasks run there).
-    #[error("no tokio runtime: build the allocator from inside a tokio runtime")]
+    /// The allocator must be built inside a tokio runtime (its actor tasks run there), and
+    /// waiting for memory needs the caller to run inside one (for its timer).
+    #[error(
+        "no tokio runtime: build the allocator, and wait for memory, from inside a tokio runtime"
+    )]
     NoRuntime,
     /// A blocking-pool task of the allocator failed (it panicked or the runtime is stopping).
     #[error("internal error: {0}")]

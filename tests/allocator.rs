@@ -338,3 +338,31 @@ fn buffers_dropped_after_the_runtime_is_gone_return_their_memory() {
         "the last buffer's drop shuts the core down"
     );
 }
+
+#[test]
+fn requests_from_outside_the_runtime_work_or_fail_cleanly() {
+    let acc = Arc::new(AccountingBackend::new(1, 64 * MIB));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let alloc = rt.block_on(async {
+        Allocator::builder()
+            .backend_instance(acc.clone())
+            .build()
+            .unwrap()
+    });
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    // A plain executor, no tokio context: hits, misses (on the allocator's runtime) and
+    // drops all work; waiting for memory reports the missing runtime instead of panicking.
+    let a = futures::executor::block_on(alloc.malloc(30 * MIB, &s)).unwrap();
+    drop(a);
+    let b = futures::executor::block_on(alloc.malloc(30 * MIB, &s)).unwrap();
+    let err = futures::executor::block_on(alloc.malloc_with(
+        50 * MIB,
+        &s,
+        MallocOptions::wait_for(Duration::from_millis(10)),
+    ))
+    .unwrap_err();
+    assert_eq!(err, Error::NoRuntime);
+    drop(b);
+    rt.block_on(alloc.shutdown()).unwrap();
+    assert_eq!(acc.used(DeviceId(0)), 0);
+}

@@ -38,6 +38,9 @@ pub struct DeviceActor {
     pub(crate) stop: Shutdown,
     /// Misses running on the blocking pool.
     pub(crate) misses_in_flight: AtomicUsize,
+    /// The runtime the allocator was built in: slow work goes to its blocking pool, so a
+    /// request made from outside any runtime still works (and never panics).
+    pub(crate) runtime: tokio::runtime::Handle,
 }
 
 impl std::fmt::Debug for DeviceActor {
@@ -55,7 +58,11 @@ pub(crate) enum Cached {
 }
 
 impl DeviceActor {
-    pub(crate) fn new(core: DeviceCore, process: ProcessGuard) -> Arc<Self> {
+    pub(crate) fn new(
+        core: DeviceCore,
+        process: ProcessGuard,
+        runtime: tokio::runtime::Handle,
+    ) -> Arc<Self> {
         let signals = Arc::new(Signals::default());
         Arc::new(DeviceActor {
             device: core.device(),
@@ -68,6 +75,7 @@ impl DeviceActor {
             process,
             stop: Shutdown::new(),
             misses_in_flight: AtomicUsize::new(0),
+            runtime,
         })
     }
 
@@ -197,13 +205,14 @@ impl DeviceActor {
                 // The blocking task runs to completion even if this future is dropped; its
                 // buffer is then dropped there and returns the block: nothing leaks.
                 self.misses_in_flight.fetch_add(1, Ordering::AcqRel);
-                tokio::task::spawn_blocking(move || {
-                    let r = actor.miss_blocking(req, stream);
-                    actor.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
-                    r
-                })
-                .await
-                .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
+                self.runtime
+                    .spawn_blocking(move || {
+                        let r = actor.miss_blocking(req, stream);
+                        actor.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
+                        r
+                    })
+                    .await
+                    .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
             }
         }
     }
@@ -216,6 +225,10 @@ impl DeviceActor {
         stream: &Stream,
         timeout: Duration,
     ) -> Result<DeviceBuffer, Error> {
+        // Waiting needs a timer: the caller must be inside a tokio runtime.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoRuntime);
+        }
         let deadline = tokio::time::Instant::now() + timeout;
         let waiters = &self.signals.waiters;
         // Queue behind requests already waiting, so they are served first.
