@@ -25,7 +25,7 @@ use crate::fork::ProcessGuard;
 const SPINS: usize = 4;
 
 /// Checks of a queued request's reply before its task waits to be woken.
-const REPLY_SPINS: usize = 64;
+const REPLY_SPINS: usize = 12;
 
 /// One device's actor. See the module docs.
 pub struct DeviceActor {
@@ -140,14 +140,17 @@ impl DeviceActor {
     /// briefly on the reply (or take the gate and run the queue ourselves if it frees up):
     /// this keeps the worker thread hot instead of parking it and being woken again.
     async fn await_reply<R>(&self, rx: ReplyFuture<R>) -> Result<R, Error> {
-        for _ in 0..REPLY_SPINS {
+        for round in 0..REPLY_SPINS {
             if rx.is_ready() {
                 break;
             }
             if !self.mailbox.is_busy() {
                 self.mailbox.drain();
             }
-            std::hint::spin_loop();
+            // Back off: every check reads lines the holder is writing.
+            for _ in 0..(1u32 << round.min(6)) {
+                std::hint::spin_loop();
+            }
         }
         rx.await
             .ok_or_else(|| Error::Internal("a queued request was dropped".into()))
