@@ -366,3 +366,54 @@ fn requests_from_outside_the_runtime_work_or_fail_cleanly() {
     rt.block_on(alloc.shutdown()).unwrap();
     assert_eq!(acc.used(DeviceId(0)), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_completes_cross_stream_frees_without_new_requests() {
+    let acc = Arc::new(AccountingBackend::manual_events(1, 1 << 30));
+    let alloc = Allocator::builder()
+        .backend_instance(acc.clone())
+        .reaper_interval(Duration::from_millis(1))
+        .build()
+        .unwrap();
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    let other = alloc.new_stream(DeviceId(0)).unwrap();
+    let buf = alloc.malloc(MIB, &s).await.unwrap();
+    buf.record_stream(&other).unwrap();
+    drop(buf);
+    let active = |st: &gpualloc::DeviceStats| st.active_bytes[0].current;
+    assert_eq!(
+        active(&alloc.stats(DeviceId(0)).await.unwrap()),
+        MIB,
+        "the free waits for `other`"
+    );
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        active(&alloc.stats(DeviceId(0)).await.unwrap()),
+        MIB,
+        "still pending: the event has not completed"
+    );
+    acc.complete_all_events();
+    // No malloc follows: only the reaper can complete the free.
+    let mut freed = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        if active(&alloc.stats(DeviceId(0)).await.unwrap()) == 0 {
+            freed = true;
+            break;
+        }
+    }
+    assert!(freed, "the reaper returned the block");
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    for _ in 0..100 {
+        if actor.describe().contains("reaper asleep") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(
+        actor.describe().contains("reaper asleep"),
+        "{}",
+        actor.describe()
+    );
+    alloc.shutdown().await.unwrap();
+}
