@@ -11,6 +11,18 @@ use gpualloc::{
 
 const MIB: u64 = 1 << 20;
 
+/// Waits (up to 5 s) until `n` requests wait for memory on device 0.
+async fn until_waiting(alloc: &Allocator, n: usize) {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    for _ in 0..2500 {
+        if actor.waiting() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("expected {n} waiters, found {}", actor.waiting());
+}
+
 fn accounting(devices: u32, capacity: u64) -> (Arc<AccountingBackend>, Allocator) {
     let acc = Arc::new(AccountingBackend::new(devices, capacity));
     let alloc = Allocator::builder()
@@ -156,8 +168,7 @@ async fn waiting_for_memory_succeeds_after_a_free_or_times_out_with_oom() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    assert_eq!(alloc.device_actor(DeviceId(0)).unwrap().waiting(), 1);
+    until_waiting(&alloc, 1).await;
     drop(first);
     let second = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
@@ -178,8 +189,9 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut handles = Vec::new();
     for i in 0..3u32 {
-        let (alloc, s, order) = (alloc.clone(), s.clone(), order.clone());
+        let (a, s, order) = (alloc.clone(), s.clone(), order.clone());
         handles.push(tokio::spawn(async move {
+            let alloc = a;
             let buf = alloc
                 .malloc_with(
                     30 * MIB,
@@ -192,7 +204,7 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
             tokio::time::sleep(Duration::from_millis(5)).await;
             drop(buf);
         }));
-        tokio::time::sleep(Duration::from_millis(15)).await;
+        until_waiting(&alloc, i as usize + 1).await;
     }
     // A fourth waiter is cancelled while queued: it must not block the others.
     let cancelled = {
@@ -207,8 +219,7 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
                 .await;
         })
     };
-    tokio::time::sleep(Duration::from_millis(15)).await;
-    assert_eq!(alloc.device_actor(DeviceId(0)).unwrap().waiting(), 4);
+    until_waiting(&alloc, 4).await;
     cancelled.abort();
     let _ = cancelled.await;
     assert_eq!(alloc.device_actor(DeviceId(0)).unwrap().waiting(), 3);
