@@ -9,7 +9,6 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use gpualloc_devices::{CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest};
 use gpualloc_runtime::actor::mailbox::Call;
@@ -216,63 +215,6 @@ impl DeviceActor {
                     })
                     .await
                     .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
-            }
-        }
-    }
-
-    /// `malloc`, waiting up to `timeout` (first come, first served) for frees to make room
-    /// when the device is full. On timeout: the same out-of-memory error as without waiting.
-    pub(crate) async fn malloc_waiting(
-        self: &Arc<Self>,
-        size: u64,
-        stream: &Stream,
-        timeout: Duration,
-    ) -> Result<DeviceBuffer, Error> {
-        // Waiting needs a timer: the caller must be inside a tokio runtime.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(Error::NoRuntime);
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        let waiters = &self.signals.waiters;
-        // Queue behind requests already waiting, so they are served first.
-        let mut turn = if waiters.is_empty() {
-            None
-        } else {
-            Some(waiters.join())
-        };
-        loop {
-            if let Some(t) = &turn {
-                if tokio::time::timeout_at(deadline, t.wait()).await.is_err() {
-                    // Out of time: one last try, whose error is the one to report.
-                    let last = self.malloc(size, stream).await;
-                    drop(turn);
-                    return last;
-                }
-            }
-            match self.malloc(size, stream).await {
-                Ok(buf) => {
-                    if let Some(t) = turn {
-                        t.finish();
-                    }
-                    return Ok(buf);
-                }
-                Err(e) if e.is_oom() => {
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(e);
-                    }
-                    if turn.is_none() {
-                        let _span =
-                            tracing::debug_span!("malloc_wait", device = self.device.0, size)
-                                .entered();
-                        tracing::debug!(
-                            device = self.device.0,
-                            size,
-                            "out of memory: waiting for frees"
-                        );
-                        turn = Some(waiters.join());
-                    }
-                }
-                Err(e) => return Err(e),
             }
         }
     }

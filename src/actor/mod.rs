@@ -9,11 +9,13 @@
 //! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
 //!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
 //! - `task`: the actor task: drains work handed to it and runs the timed reaper.
+//! - `wait`: malloc that waits for memory (FIFO, bounded, cancellable) instead of failing.
 
 mod device;
 mod slow;
 mod state;
 mod task;
+mod wait;
 
 pub use device::DeviceActor;
 pub(crate) use state::DeviceMsg;
