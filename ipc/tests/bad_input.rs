@@ -108,7 +108,10 @@ fn truncated_and_garbage_messages_are_typed_errors() {
     send_msg(&a, &Message::Released { id: 1 }, &[]);
     assert!(matches!(
         ImportConn::new(b, &PeerPolicy::default(), backend(), DEV),
-        Err(IpcError::Unexpected { expected: "hello", .. })
+        Err(IpcError::Unexpected {
+            expected: "hello",
+            ..
+        })
     ));
 }
 
@@ -119,7 +122,10 @@ fn a_peer_of_another_user_is_rejected_on_both_ends() {
     let (a, b) = UnixStream::pair().unwrap();
     match ExportConn::new(a, &policy, backend()) {
         Err(IpcError::PeerNotAllowed { uid, allowed, pid }) => {
-            assert_eq!((uid, allowed, pid), (me, me.wrapping_add(1000), std::process::id()))
+            assert_eq!(
+                (uid, allowed, pid),
+                (me, me.wrapping_add(1000), std::process::id())
+            )
         }
         Err(e) => panic!("{e:?}"),
         Ok(_) => panic!("accepted"),
@@ -202,12 +208,17 @@ fn a_hostile_importer_still_gets_its_exports_taken_back() {
     let bad_flag = Arc::new(AtomicBool::new(false));
     let f2 = bad_flag.clone();
     assert!(matches!(
-        conn.send_device(&bad, None, Box::new(OnRelease(move || f2.store(true, Ordering::SeqCst)))),
+        conn.send_device(
+            &bad,
+            None,
+            Box::new(OnRelease(move || f2.store(true, Ordering::SeqCst)))
+        ),
         Err(IpcError::InvalidExport(_))
     ));
     assert!(bad_flag.load(Ordering::SeqCst));
     assert_eq!(conn.outstanding(), 1);
-    b.write_all(b"\x00garbage from a hostile importer\x00").unwrap();
+    b.write_all(b"\x00garbage from a hostile importer\x00")
+        .unwrap();
     assert!(matches!(conn.serve(), Err(IpcError::Malformed(_))));
     assert!(released.load(Ordering::SeqCst));
     backend.free(DEV, ptr).unwrap();

@@ -47,7 +47,12 @@ fn sock_path(name: &str) -> PathBuf {
 
 fn spawn(role: &str, path: &PathBuf) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "consumer_entry", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "consumer_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(ROLE, role)
         .env(SOCK, path)
         .stdout(Stdio::null())
@@ -312,7 +317,12 @@ fn vmm_buffer_round_trip_blocking() {
     let _ = std::fs::remove_file(&path);
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "consumer_entry", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "consumer_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(ROLE, "consumer")
         .env(SOCK, &path)
         .env("EXPECT_VMM", "1")
