@@ -15,7 +15,7 @@
 //! - [`addr_map`]: the block table's cheap address hasher.
 //! - [`stats`]: [`HostStats`] with PyTorch's host keys; [`clock`]: [`Clock`]; [`error`].
 
-pub mod addr_map;
+pub use gpualloc_runtime::addr_map;
 pub mod clock;
 pub mod config;
 pub mod core;
