@@ -8,14 +8,14 @@
 //!    base of its ordinary segment ([`SegmentMemory::Allocation`], from the device actor's
 //!    snapshot, see [`DeviceRegion::from_core`]) or, for an expandable segment, the mapped
 //!    physical chunks that cover it ([`SegmentMemory::Vmm`]);
-//! 2. moves the `DeviceBuffer` itself into the guard (`impl ExportGuard for DeviceBuffer`
-//!    with an empty `release`: dropping the box drops the buffer, which sends its free to the
-//!    actor). The user no longer holds the buffer, so the block stays allocated and unused;
+//! 2. moves the `DeviceBuffer` itself into the guard (`impl ExportGuard for DeviceBuffer {}`:
+//!    releasing drops the buffer, which sends its free to the actor). The user no longer
+//!    holds the buffer, so the block stays allocated and unused;
 //! 3. calls `send_device(region, Some(producer_stream), Box::new(buffer))` on a connection.
 //!
-//! The connection calls [`ExportGuard::release`] exactly once, when the importer releases
-//! its reference or its connection ends (importer exited or was killed). Until the facade
-//! exists, [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
+//! The connection releases the guard exactly once, when the importer releases its reference
+//! or its connection ends (importer exited or was killed), or at once if the export fails.
+//! Until the facade exists, [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
@@ -26,23 +26,38 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, PhysHandle};
 use crate::error::{IpcError, Result};
 use crate::message::{OfferedMemory, WireChunk};
 
-/// Keeps an exported block alive; released once, when no importer holds it any more.
+/// Keeps an exported block alive while an importer may use it. Owning the guard is the
+/// keep-alive; dropping it is the release, so every path that lets go of a guard (the
+/// importer released, the importer died, the export failed, the connection was dropped)
+/// releases the block, exactly once.
 pub trait ExportGuard: Send + 'static {
-    /// Every importer reference is gone: the block may be freed and reused.
-    fn release(self: Box<Self>);
+    /// Every importer reference is gone: the block may be freed and reused. The default
+    /// drops the guard, which is all most guards need (their `Drop` frees the block).
+    fn release(self: Box<Self>) {}
 }
 
-/// An [`ExportGuard`] that runs a closure on release.
-pub struct OnRelease<F>(pub F);
+/// An [`ExportGuard`] that runs a closure when released (dropped).
+pub struct OnRelease<F: FnOnce() + Send + 'static>(Option<F>);
 
-impl<F: FnOnce() + Send + 'static> ExportGuard for OnRelease<F> {
-    fn release(self: Box<Self>) {
-        (self.0)()
+impl<F: FnOnce() + Send + 'static> OnRelease<F> {
+    /// Runs `f` on release.
+    pub fn new(f: F) -> Self {
+        OnRelease(Some(f))
     }
 }
 
-/// An [`ExportGuard`] that frees `ptr` in a shared [`DeviceCore`] on release (the block
-/// then returns to its pool, after any recorded stream uses).
+impl<F: FnOnce() + Send + 'static> ExportGuard for OnRelease<F> {}
+
+impl<F: FnOnce() + Send + 'static> Drop for OnRelease<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f()
+        }
+    }
+}
+
+/// An [`ExportGuard`] that frees `ptr` in a shared [`DeviceCore`] when released (dropped);
+/// the block then returns to its pool, after any recorded stream uses.
 pub struct CoreGuard {
     core: Arc<Mutex<DeviceCore>>,
     ptr: DevicePtr,
@@ -55,8 +70,10 @@ impl CoreGuard {
     }
 }
 
-impl ExportGuard for CoreGuard {
-    fn release(self: Box<Self>) {
+impl ExportGuard for CoreGuard {}
+
+impl Drop for CoreGuard {
+    fn drop(&mut self) {
         let mut core = self.core.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(e) = core.free(self.ptr) {
             tracing::warn!(ptr = %self.ptr, error = %e, "freeing a released export failed");

@@ -114,10 +114,8 @@ impl ExporterState {
                 return Err(e);
             }
         };
-        let (id, slot) = match self.ledger.offer(self.refs.counters(), guard) {
-            Ok(x) => x,
-            Err(e) => return Err(e),
-        };
+        // A full ledger drops (releases) the guard with the error.
+        let (id, slot) = self.ledger.offer(self.refs.counters(), guard)?;
         let msg = Message::Device(DeviceOffer {
             id,
             slot,
@@ -206,4 +204,59 @@ fn dup(fd: std::os::fd::BorrowedFd<'_>) -> Result<OwnedFd> {
     fd.as_fd()
         .try_clone_to_owned()
         .map_err(|e| IpcError::os("dup", e))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::export::{OnRelease, SegmentMemory};
+    use gpualloc_runtime::sim::{SimBackend, SimConfig};
+    use gpualloc_runtime::DeviceId;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn every_failed_export_releases_its_guard() {
+        let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let ptr = backend.malloc(DeviceId(0), 1 << 20).unwrap();
+        let peer = PeerCred {
+            pid: 1,
+            uid: 0,
+            gid: 0,
+        };
+        let mut state = ExporterState::new(backend.clone(), peer, 1).unwrap();
+        let released = Arc::new(AtomicUsize::new(0));
+        let guard = || {
+            let r = released.clone();
+            Box::new(OnRelease::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            }))
+        };
+        let region = DeviceRegion {
+            device: DeviceId(0),
+            ptr,
+            len: 4096,
+            segment: SegmentMemory::Allocation { base: ptr },
+        };
+        let (id, out) = state.device(&region, None, guard()).unwrap();
+        assert!(out.fds.is_empty());
+        // The only slot is taken: the next export fails and its guard is released at once.
+        assert!(matches!(
+            state.device(&region, None, guard()),
+            Err(IpcError::SlotsExhausted(1))
+        ));
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+        // A zero-length region is refused, guard released.
+        let empty = DeviceRegion { len: 0, ..region };
+        assert!(matches!(
+            state.device(&empty, None, guard()),
+            Err(IpcError::InvalidExport(_))
+        ));
+        assert_eq!(released.load(Ordering::SeqCst), 2);
+        // A send that failed gives the slot back.
+        state.send_failed(id);
+        assert_eq!(released.load(Ordering::SeqCst), 3);
+        assert_eq!(state.outstanding(), 0);
+        drop(state);
+        backend.free(DeviceId(0), ptr).unwrap();
+    }
 }

@@ -153,7 +153,7 @@ impl SharedMapping {
         // which only the owner of a writable fd can do.
         let raw = unsafe { rustix::mm::mmap(std::ptr::null_mut(), ulen, prot, flags, &fd, 0) }
             .map_err(|e| IpcError::os("mmap", e))?;
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| IpcError::InvalidSize(len))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or(IpcError::InvalidSize(len))?;
         let mapping = SharedMapping {
             ptr,
             len: ulen,

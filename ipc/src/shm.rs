@@ -114,7 +114,7 @@ pub fn open_file(path: &Path, set_len: Option<u64>, options: MapOptions) -> Resu
         return Err(IpcError::ReadOnly);
     }
     // A private mapping may be written (copy-on-write) through a read-only fd.
-    let open_rw = writable && options.sharing == crate::map::Sharing::Shared || set_len.is_some();
+    let open_rw = (writable && options.sharing == crate::map::Sharing::Shared) || set_len.is_some();
     let flags = if open_rw {
         OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC
     } else {

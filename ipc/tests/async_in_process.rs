@@ -43,7 +43,7 @@ async fn async_pair_release_message_and_silent_drop() {
             segment: SegmentMemory::Allocation { base: seg },
         };
         let r = released.clone();
-        let guard = Box::new(OnRelease(move || {
+        let guard = Box::new(OnRelease::new(move || {
             r.fetch_add(1, Ordering::SeqCst);
         }));
         ids.push(exp.send_device(&region, Some(stream), guard).await.unwrap());

@@ -194,7 +194,7 @@ fn a_hostile_importer_still_gets_its_exports_taken_back() {
     conn.send_device(
         &region,
         None,
-        Box::new(OnRelease(move || flag.store(true, Ordering::SeqCst))),
+        Box::new(OnRelease::new(move || flag.store(true, Ordering::SeqCst))),
     )
     .unwrap();
     // A region that is not inside its segment is refused before anything is sent, and its
@@ -211,7 +211,7 @@ fn a_hostile_importer_still_gets_its_exports_taken_back() {
         conn.send_device(
             &bad,
             None,
-            Box::new(OnRelease(move || f2.store(true, Ordering::SeqCst)))
+            Box::new(OnRelease::new(move || f2.store(true, Ordering::SeqCst)))
         ),
         Err(IpcError::InvalidExport(_))
     ));

@@ -340,7 +340,7 @@ fn vmm_buffer_round_trip_blocking() {
         .send_device(
             &region,
             Some(stream),
-            Box::new(OnRelease(move || flag.store(true, Ordering::SeqCst))),
+            Box::new(OnRelease::new(move || flag.store(true, Ordering::SeqCst))),
         )
         .unwrap();
     assert!(!released.load(Ordering::SeqCst));
