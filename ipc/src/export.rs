@@ -125,31 +125,46 @@ pub struct DeviceRegion {
 }
 
 impl DeviceRegion {
-    /// Describes live allocation `ptr` of `core` (its requested length, its segment from
-    /// the snapshot). Expandable segments are refused here: the core does not expose their
-    /// physical handles; describe them with [`SegmentMemory::Vmm`].
+    /// Describes live allocation `ptr` of `core`: its requested length, and its segment from
+    /// the snapshot: the segment base for an ordinary segment, the mapped physical pages
+    /// covering the buffer for an expandable one.
     pub fn from_core(core: &DeviceCore, ptr: DevicePtr) -> Result<DeviceRegion> {
         let alloc = core
             .allocation(ptr)
             .ok_or_else(|| IpcError::InvalidExport(format!("{ptr} is not a live allocation")))?;
-        let snap = core.snapshot();
-        let seg = snap
-            .segments
-            .iter()
-            .find(|s| s.address <= ptr.0 && ptr.0 < s.address.saturating_add(s.total_size))
-            .ok_or_else(|| IpcError::InvalidExport(format!("no segment holds {ptr}")))?;
-        if seg.is_expandable {
-            return Err(IpcError::InvalidExport(
-                "expandable segment: describe its chunks with SegmentMemory::Vmm".into(),
-            ));
-        }
+        let segment = if let Some(pages) = core.expandable_pages(ptr, alloc.size) {
+            SegmentMemory::Vmm {
+                chunks: pages
+                    .into_iter()
+                    .map(|(at, size, handle)| VmmChunk {
+                        ptr: at,
+                        size,
+                        handle,
+                        handle_offset: 0,
+                    })
+                    .collect(),
+            }
+        } else {
+            let snap = core.snapshot();
+            let seg = snap
+                .segments
+                .iter()
+                .find(|s| s.address <= ptr.0 && ptr.0 < s.address.saturating_add(s.total_size))
+                .ok_or_else(|| IpcError::InvalidExport(format!("no segment holds {ptr}")))?;
+            if seg.is_expandable {
+                return Err(IpcError::InvalidExport(format!(
+                    "{ptr} is not on mapped pages of its expandable segment"
+                )));
+            }
+            SegmentMemory::Allocation {
+                base: DevicePtr(seg.address),
+            }
+        };
         Ok(DeviceRegion {
             device: core.device(),
             ptr,
             len: alloc.size,
-            segment: SegmentMemory::Allocation {
-                base: DevicePtr(seg.address),
-            },
+            segment,
         })
     }
 

@@ -45,19 +45,21 @@ fn sock_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("gpualloc-ipc-{}-{name}.sock", std::process::id()))
 }
 
-fn spawn(role: &str, path: &PathBuf) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "consumer_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE, role)
-        .env(SOCK, path)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap()
+fn spawn(role: &str, path: &PathBuf, expect_vmm: bool) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "consumer_entry",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(ROLE, role)
+    .env(SOCK, path)
+    .stdout(Stdio::null());
+    if expect_vmm {
+        cmd.env("EXPECT_VMM", "1");
+    }
+    cmd.spawn().unwrap()
 }
 
 fn shm_names(pid: u32) -> Vec<String> {
@@ -129,8 +131,12 @@ struct Producer {
 
 impl Producer {
     fn new() -> Producer {
+        Producer::with(AllocatorConfig::default())
+    }
+
+    fn with(config: AllocatorConfig) -> Producer {
         let (sim, backend) = sim();
-        let core = DeviceCore::new(backend.clone(), DEV, AllocatorConfig::default()).unwrap();
+        let core = DeviceCore::new(backend.clone(), DEV, config).unwrap();
         let stream = backend.stream_create(DEV).unwrap();
         Producer {
             sim,
@@ -166,11 +172,25 @@ impl Producer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_and_device_buffer_round_trip_async() {
-    let p = Producer::new();
-    let path = sock_path("roundtrip");
+    round_trip(false).await;
+}
+
+/// The same with `expandable_segments:True`: the buffer travels as physical-page fds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expandable_segment_buffer_round_trip_async() {
+    round_trip(true).await;
+}
+
+async fn round_trip(expandable: bool) {
+    let p = Producer::with(AllocatorConfig::default().with_expandable_segments(expandable));
+    let path = sock_path(if expandable {
+        "roundtrip-es"
+    } else {
+        "roundtrip"
+    });
     let _ = std::fs::remove_file(&path);
     let listener = tokio::net::UnixListener::bind(&path).unwrap();
-    let mut child = spawn("consumer", &path);
+    let mut child = spawn("consumer", &path, expandable);
     let (sock, _) = listener.accept().await.unwrap();
     let mut conn = AsyncExportConn::new(sock, &PeerPolicy::default(), p.backend.clone())
         .await
@@ -186,7 +206,13 @@ async fn host_and_device_buffer_round_trip_async() {
         .unwrap();
     let region = DeviceRegion::from_core(&p.core.lock().unwrap(), ptr).unwrap();
     assert_eq!(region.len, DEV_LEN as u64);
-    assert!(matches!(region.segment, SegmentMemory::Allocation { .. }));
+    match &region.segment {
+        SegmentMemory::Allocation { .. } => assert!(!expandable),
+        SegmentMemory::Vmm { chunks } => {
+            assert!(expandable);
+            assert!(!chunks.is_empty());
+        }
+    }
     let guard = Box::new(CoreGuard::new(p.core.clone(), ptr));
     let id = conn
         .send_device(&region, Some(p.stream), guard)
@@ -219,6 +245,7 @@ async fn host_and_device_buffer_round_trip_async() {
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), 0);
     assert_eq!(p.sim.live_allocations(), 0);
+    assert_eq!(p.sim.live_phys(), 0);
     let _ = std::fs::remove_file(&path);
 }
 
@@ -229,7 +256,7 @@ async fn killed_importer_is_reclaimed_and_nothing_leaks() {
     let path = sock_path("killed");
     let _ = std::fs::remove_file(&path);
     let listener = tokio::net::UnixListener::bind(&path).unwrap();
-    let mut child = spawn("hang", &path);
+    let mut child = spawn("hang", &path, false);
     let (sock, _) = listener.accept().await.unwrap();
     let mut conn = AsyncExportConn::new(sock, &PeerPolicy::default(), p.backend.clone())
         .await
@@ -316,19 +343,7 @@ fn vmm_buffer_round_trip_blocking() {
     let path = sock_path("vmm");
     let _ = std::fs::remove_file(&path);
     let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "consumer_entry",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE, "consumer")
-        .env(SOCK, &path)
-        .env("EXPECT_VMM", "1")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn("consumer", &path, true);
     let (sock, _) = listener.accept().unwrap();
     let mut conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
     let host = shm::create(HOST_LEN as u64, Backing::Memfd, MapOptions::shared_rw()).unwrap();
