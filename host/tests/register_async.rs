@@ -95,7 +95,10 @@ fn metadata_is_recorded_at_once_and_the_future_resolves_when_usable() {
         let started = Instant::now();
         let pending = reg.register(mem.as_ptr(), 8 * MIB, RW).unwrap();
         let recorded = started.elapsed();
-        assert!(recorded < Duration::from_millis(40), "register blocked {recorded:?}");
+        assert!(
+            recorded < Duration::from_millis(40),
+            "register blocked {recorded:?}"
+        );
         let info = reg.query(mem.as_ptr()).unwrap();
         assert_eq!(info.id, pending.id());
         assert!(!info.ready);
@@ -140,7 +143,13 @@ fn a_failed_call_fails_every_sharer_and_leaves_nothing() {
         let (ra, rc) = tokio::join!(a, c);
         let err = ra.unwrap_err();
         assert!(
-            matches!(err, RegisterError::Backend { op: "host_register", .. }),
+            matches!(
+                err,
+                RegisterError::Backend {
+                    op: "host_register",
+                    ..
+                }
+            ),
             "{err:?}"
         );
         assert_eq!(rc.unwrap_err(), err, "the sharer gets the same error");
@@ -185,7 +194,11 @@ fn a_registration_waits_for_an_overlapping_unregister_in_flight() {
     let mem = PageMapping::new(4 * MIB as usize).unwrap();
     runtime().block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
-        let a = reg.register(mem.as_ptr(), 4 * MIB, RW).unwrap().await.unwrap();
+        let a = reg
+            .register(mem.as_ptr(), 4 * MIB, RW)
+            .unwrap()
+            .await
+            .unwrap();
         let released = reg.release(a).unwrap(); // 40 ms unregister, in flight
         let b = reg
             .register(mem.as_ptr().wrapping_add(MIB as usize), MIB, RW)
