@@ -51,6 +51,25 @@ pub enum RegistrationMode {
     Inline,
 }
 
+/// How an [`AsyncRegistry`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsyncOptions {
+    /// Where the backend calls run (default: the blocking pool).
+    pub mode: RegistrationMode,
+    /// Backend registrations at least this slow are logged (`warn`) with the number of OS
+    /// mappings their range crosses (default: 10 ms).
+    pub slow_threshold: Duration,
+}
+
+impl Default for AsyncOptions {
+    fn default() -> Self {
+        AsyncOptions {
+            mode: RegistrationMode::Background,
+            slow_threshold: DEFAULT_SLOW_THRESHOLD,
+        }
+    }
+}
+
 /// A shared completion: `None` while in flight, then the result.
 type Done = watch::Receiver<Option<RegisterResult<()>>>;
 type DoneTx = watch::Sender<Option<RegisterResult<()>>>;
@@ -179,13 +198,24 @@ impl AsyncRegistry {
 
     /// Like [`AsyncRegistry::new`], choosing where backend calls run.
     pub fn with_mode(backend: Arc<dyn Backend>, mode: RegistrationMode) -> RegisterResult<Self> {
+        Self::with_options(
+            backend,
+            AsyncOptions {
+                mode,
+                ..AsyncOptions::default()
+            },
+        )
+    }
+
+    /// Like [`AsyncRegistry::new`], with all options.
+    pub fn with_options(backend: Arc<dyn Backend>, options: AsyncOptions) -> RegisterResult<Self> {
         let handle = Handle::try_current().map_err(|_| RegisterError::NoRuntime)?;
         Ok(AsyncRegistry {
             inner: Arc::new(Inner {
                 backend,
                 handle,
-                mode,
-                slow_threshold: DEFAULT_SLOW_THRESHOLD,
+                mode: options.mode,
+                slow_threshold: options.slow_threshold,
                 process: ProcessGuard::new(),
                 state: Mutex::new(State {
                     cache: IntervalCache::new(crate::mapping::page_size() as u64),

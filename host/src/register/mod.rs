@@ -23,9 +23,28 @@ pub mod maps;
 pub mod registry;
 pub mod stats;
 
-pub use async_registry::{AsyncRegistry, PendingRegistration, PendingRelease, RegistrationMode};
+pub use async_registry::{
+    AsyncOptions, AsyncRegistry, PendingRegistration, PendingRelease, RegistrationMode,
+};
 pub use coherence::CoherenceGuard;
 pub use error::{RegisterError, RegisterResult};
 pub use interval_cache::{BackendRange, IntervalCache, RegistrationId, RegistrationInfo};
 pub use registry::HostRegistry;
 pub use stats::{RegistryStats, SlowRegistration};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+
+    #[test]
+    fn handles_cross_threads() {
+        send_sync::<HostRegistry>();
+        send_sync::<AsyncRegistry>();
+        send_sync::<CoherenceGuard>();
+        send::<PendingRegistration>();
+        send::<PendingRelease>();
+    }
+}
