@@ -46,6 +46,8 @@ pub(crate) struct Block {
     pub gc_base: u64,
     /// False for the unmapped parts of an expandable segment.
     pub mapped: bool,
+    /// Part of an expandable segment.
+    pub expandable: bool,
 }
 
 impl Block {
@@ -65,6 +67,7 @@ impl Block {
             segment: addr,
             gc_base: 0,
             mapped: true,
+            expandable: false,
         }
     }
 
@@ -95,6 +98,10 @@ impl BlockArena {
             self.slots.push(Some(block));
             (self.slots.len() - 1) as BlockId
         }
+    }
+
+    pub fn contains(&self, id: BlockId) -> bool {
+        self.slots.get(id as usize).is_some_and(Option::is_some)
     }
 
     pub fn remove(&mut self, id: BlockId) -> Option<Block> {

@@ -18,11 +18,13 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{Block, BlockArena, BlockId, BlockState};
 use crate::config::AllocatorConfig;
 use crate::error::{AllocError, OomReport};
+use crate::expandable::ExpandableSegment;
 use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::stats::{for_pool, DeviceStats};
@@ -80,9 +82,11 @@ pub struct DeviceCore {
     /// Streams whose allocations go to a private pool.
     pub(crate) routes: HashMap<u64, u64>,
     /// Allocated blocks by address.
-    pub(crate) active: HashMap<u64, BlockId>,
-    /// Segments by base address: (size, pool index, expandable).
+    pub(crate) active: AddrMap<BlockId>,
+    /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
+    /// Expandable segments by base address.
+    pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
     /// Pending cross-stream frees per stream, in record order.
     pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
     pub(crate) event_pool: Vec<EventHandle>,
@@ -106,6 +110,9 @@ pub struct DeviceCore {
 pub struct RuleKnobs {
     /// Break ties between equal-size free blocks towards the higher address.
     pub tie_break_high_address: bool,
+    /// Apply `max_split_size` to expandable blocks too, as PyTorch does (reserved memory then
+    /// grows without bound in some alloc/free cycles; see `expandable.rs`).
+    pub max_split_applies_to_expandable: bool,
 }
 
 /// What the core remembers of a segment.
@@ -143,8 +150,9 @@ impl DeviceCore {
             private: BTreeMap::new(),
             next_pool_id: 1,
             routes: HashMap::new(),
-            active: HashMap::new(),
+            active: AddrMap::default(),
             segments: BTreeMap::new(),
+            expandable: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),
             stats: DeviceStats::default(),
@@ -460,38 +468,65 @@ impl DeviceCore {
         let gc_on = self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some();
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
-        let pool = &mut self.pools[params.pool];
         if gc_on {
-            pool.get_free_block_calls += 1;
+            self.pools[params.pool].get_free_block_calls += 1;
         }
-        let Some(((stream, block_size, _), mut id)) =
-            pool.lower_bound(params.stream.raw, params.size)
-        else {
+        let pool = &self.pools[params.pool];
+        let stream = params.stream.raw;
+        let Some((mut k, mut id)) = pool.lower_bound(stream, params.size) else {
             return false;
         };
+        if k.0 != stream {
+            return false;
+        }
         #[cfg(feature = "rule-knobs")]
         if self.knobs.tie_break_high_address {
-            if let Some((_, high)) = pool
+            if let Some((hk, high)) = pool
                 .free
-                .range((stream, block_size, 0)..=(stream, block_size, u64::MAX))
+                .range((stream, k.1, 0)..=(stream, k.1, u64::MAX))
                 .next_back()
             {
-                id = *high;
+                (k, id) = (*hk, *high);
             }
         }
-        if stream != params.stream.raw {
-            return false;
+        if self.blocks.get(id).expandable {
+            // Best fit by the size a block can grow to (its size plus an unmapped successor),
+            // so address space stays free for growth.
+            let grow = |id: BlockId| {
+                let b = self.blocks.get(id);
+                b.size
+                    + b.next.map_or(0, |n| {
+                        let n = self.blocks.get(n);
+                        if n.mapped {
+                            0
+                        } else {
+                            n.size
+                        }
+                    })
+            };
+            for (nk, nid) in pool.free.range(k..).skip(1) {
+                if !self.blocks.get(id).expandable || nk.0 != stream || grow(*nid) >= grow(id) {
+                    break;
+                }
+                (k, id) = (*nk, *nid);
+            }
         }
-        // Never hand an oversize block to a small request.
-        if params.size < max_split && block_size >= max_split {
-            return false;
+        let block_size = k.1;
+        #[cfg(feature = "rule-knobs")]
+        let limits_apply =
+            !self.blocks.get(id).expandable || self.knobs.max_split_applies_to_expandable;
+        #[cfg(not(feature = "rule-knobs"))]
+        let limits_apply = !self.blocks.get(id).expandable;
+        if limits_apply {
+            // Never hand an oversize block to a small request.
+            if params.size < max_split && block_size >= max_split {
+                return false;
+            }
+            // A large request may take an oversize block only if the waste stays bounded.
+            if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
+                return false;
+            }
         }
-        // A large request may take an oversize block only if the waste stays bounded.
-        if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
-            return false;
-        }
-        let b = self.blocks.get(id);
-        let k = key(b.stream.raw, b.size, b.addr);
         self.pools[params.pool].free.remove(&k);
         params.block = Some(id);
         true
@@ -537,6 +572,13 @@ impl DeviceCore {
             }
         }
         let _span = tracing::debug_span!("device_malloc", device = self.device.0, size).entered();
+        if self.config.expandable_segments
+            && matches!(self.pools[params.pool].owner, PoolOwner::Default)
+        {
+            let found = self.try_allocate_expandable_block(params)?;
+            params.block = found;
+            return Ok(found.is_some());
+        }
         match self.backend.malloc(self.device, size) {
             Ok(ptr) => {
                 self.adopt_segment(params, ptr);
@@ -633,6 +675,7 @@ impl DeviceCore {
                 segment: found.segment,
                 gc_base: 0,
                 mapped: found.mapped,
+                expandable: found.expandable,
             };
             let front_id = self.blocks.insert(front);
             if let Some(p) = found.prev {
@@ -646,7 +689,9 @@ impl DeviceCore {
             rest.gc_base = gc_base;
             let (rest_key, rest_size) = (key(rest.stream.raw, rest.size, rest.addr), rest.size);
             self.pools[found.pool].free.insert(rest_key, id);
-            if already_split {
+            if found.expandable {
+                // inactive_split is not tracked for expandable segments (as in PyTorch).
+            } else if already_split {
                 for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
                     s.decrease(size)
                 });
@@ -657,7 +702,7 @@ impl DeviceCore {
                 for_pool(&mut self.stats.inactive_split, small, |s| s.increase(1));
             }
             id = front_id;
-        } else if already_split {
+        } else if already_split && !found.expandable {
             for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
                 s.decrease(found.size)
             });

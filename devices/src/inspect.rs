@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::block::{BlockId, BlockState};
 use crate::core::DeviceCore;
-use crate::pool::{key, PoolOwner};
+use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 use crate::stats::StatType;
 
@@ -20,7 +20,7 @@ impl DeviceCore {
         for (&base, meta) in &self.segments {
             let mut ids = by_segment.remove(&base).unwrap_or_default();
             ids.sort_by_key(|&id| self.blocks.get(id).addr);
-            let blocks: Vec<BlockInfo> = ids
+            let infos: Vec<BlockInfo> = ids
                 .iter()
                 .map(|&id| {
                     let b = self.blocks.get(id);
@@ -37,31 +37,48 @@ impl DeviceCore {
                     }
                 })
                 .collect();
-            let sum = |f: &dyn Fn(&BlockInfo) -> bool, v: &dyn Fn(&BlockInfo) -> u64| {
-                blocks.iter().filter(|b| f(b)).map(v).sum::<u64>()
+            let expandable = self.expandable.contains_key(&base);
+            // As PyTorch does, an expandable segment shows as one segment per mapped run.
+            let runs: Vec<Vec<BlockInfo>> = if expandable {
+                infos
+                    .split(|b| !b.mapped)
+                    .filter(|run| !run.is_empty())
+                    .map(<[BlockInfo]>::to_vec)
+                    .collect()
+            } else {
+                vec![infos]
             };
-            let allocated = sum(&|b| b.state == BlockStateName::ActiveAllocated, &|b| b.size);
-            let active = sum(&|b| b.state != BlockStateName::Inactive, &|b| b.size);
-            let requested = sum(&|b| b.state != BlockStateName::Inactive, &|b| {
-                b.requested_size
-            });
             let pool = &self.pools[meta.pool];
-            segments.push(SegmentInfo {
-                device: self.device.0,
-                address: base,
-                total_size: meta.size,
-                allocated_size: allocated,
-                active_size: active,
-                requested_size: requested,
-                stream: meta.stream.raw,
-                is_small: pool.is_small,
-                pool_id: match pool.owner {
-                    PoolOwner::Default => (0, 0),
-                    PoolOwner::Private(id) => (0, id),
-                },
-                is_expandable: false,
-                blocks,
-            });
+            for blocks in runs {
+                let sum = |active: bool, allocated_only: bool, requested: bool| {
+                    blocks
+                        .iter()
+                        .filter(|b| {
+                            !active
+                                || (b.state != BlockStateName::Inactive
+                                    && (!allocated_only
+                                        || b.state == BlockStateName::ActiveAllocated))
+                        })
+                        .map(|b| if requested { b.requested_size } else { b.size })
+                        .sum::<u64>()
+                };
+                segments.push(SegmentInfo {
+                    device: self.device.0,
+                    address: blocks.first().map_or(base, |b| b.address),
+                    total_size: sum(false, false, false),
+                    allocated_size: sum(true, true, false),
+                    active_size: sum(true, false, false),
+                    requested_size: sum(true, false, true),
+                    stream: meta.stream.raw,
+                    is_small: pool.is_small,
+                    pool_id: match pool.owner {
+                        PoolOwner::Default => (0, 0),
+                        PoolOwner::Private(id) => (0, id),
+                    },
+                    is_expandable: expandable,
+                    blocks,
+                });
+            }
         }
         let trace = self
             .trace
@@ -97,8 +114,16 @@ impl DeviceCore {
         let mut pending_blocks = 0usize;
         for (&base, meta) in &self.segments {
             let small = self.pools[meta.pool].is_small;
-            add(&mut reserved, small, meta.size);
-            add(&mut segs, small, 1);
+            let es = self.expandable.get(&base);
+            match es {
+                // Expandable segments count their mapped pages as reserved, and are not
+                // counted as segments (as in PyTorch).
+                Some(es) => add(&mut reserved, small, es.mapped_bytes()),
+                None => {
+                    add(&mut reserved, small, meta.size);
+                    add(&mut segs, small, 1);
+                }
+            }
             // Find the head: the block at `base` with no prev.
             let head = self
                 .blocks
@@ -120,14 +145,40 @@ impl DeviceCore {
                 if b.size == 0 {
                     return Err(format!("empty block at {:#x}", b.addr));
                 }
+                if b.expandable != es.is_some() {
+                    return Err(format!(
+                        "block at {:#x} disagrees with its segment on expandability",
+                        b.addr
+                    ));
+                }
+                if let Some(es) = es {
+                    // Mapped blocks lie on mapped pages; unmapped blocks are whole unmapped pages.
+                    if !es.pages_are(b.addr, b.size, b.mapped) {
+                        return Err(format!(
+                            "block at {:#x} (mapped: {}) crosses pages of the other kind",
+                            b.addr, b.mapped
+                        ));
+                    }
+                    if !b.mapped && ((b.addr - base) % es.page != 0 || b.size % es.page != 0) {
+                        return Err(format!(
+                            "unmapped block at {:#x} is not page aligned",
+                            b.addr
+                        ));
+                    }
+                    if !b.mapped && b.state != BlockState::Free {
+                        return Err(format!("unmapped block at {:#x} is in use", b.addr));
+                    }
+                }
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
-                        let k = key(b.stream.raw, b.size, b.addr);
-                        let set = if b.mapped {
-                            &self.pools[b.pool].free
+                        let (k, set) = if b.mapped {
+                            (key(b.stream.raw, b.size, b.addr), &self.pools[b.pool].free)
                         } else {
-                            &self.pools[b.pool].unmapped
+                            (
+                                unmapped_key(b.stream.raw, b.addr, b.size),
+                                &self.pools[b.pool].unmapped,
+                            )
                         };
                         if set.get(&k) != Some(&id) {
                             return Err(format!(

@@ -13,6 +13,7 @@ pub mod config;
 mod core;
 pub mod error;
 mod events;
+mod expandable;
 mod inspect;
 mod pool;
 mod release;

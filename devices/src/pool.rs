@@ -24,7 +24,8 @@ pub(crate) enum PoolOwner {
 /// Free blocks of one pool.
 pub(crate) struct BlockPool {
     pub free: BTreeMap<FreeKey, BlockId>,
-    /// Free unmapped ranges of expandable segments, same order.
+    /// Unmapped ranges of expandable segments, ordered by (stream, address): see
+    /// [`unmapped_key`].
     pub unmapped: BTreeMap<FreeKey, BlockId>,
     pub is_small: bool,
     pub owner: PoolOwner,
@@ -50,6 +51,12 @@ impl BlockPool {
             .next()
             .map(|(k, id)| (*k, *id))
     }
+}
+
+/// The key an unmapped block is stored under: (stream, address, size), so blocks of one
+/// stream are visited in address order (PyTorch's `BlockComparatorAddress`).
+pub(crate) fn unmapped_key(stream: u64, addr: u64, size: u64) -> FreeKey {
+    (stream, addr, size)
 }
 
 /// The key a free block is stored under.

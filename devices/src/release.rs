@@ -6,7 +6,7 @@ use gpualloc_runtime::DevicePtr;
 use crate::block::{BlockId, BlockState};
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::pool::key;
+use crate::pool::{key, unmapped_key};
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 
@@ -33,24 +33,22 @@ impl DeviceCore {
         b.state = BlockState::Free;
         b.requested = 0;
         b.gc_base = gc_base;
-        let (k, is_split, size, mapped) = (
+        // A freed block was allocated, so it is mapped.
+        let (k, is_split, size, expandable) = (
             key(b.stream.raw, b.size, b.addr),
             b.is_split(),
             b.size,
-            b.mapped,
+            b.expandable,
         );
-        if mapped {
-            self.pools[pool].free.insert(k, id);
-        } else {
-            self.pools[pool].unmapped.insert(k, id);
-        }
+        self.pools[pool].free.insert(k, id);
         if is_split {
             inactive_blocks += 1;
             inactive_bytes += size as i64;
         }
         let small = self.pools[pool].is_small;
-        let expandable = self.config.expandable_segments;
         let stats = &mut self.stats;
+        // As in PyTorch, inactive_split is not tracked for expandable segments (their free
+        // pages can always be released).
         if !expandable {
             apply_delta(&mut stats.inactive_split, small, inactive_blocks);
             apply_delta(&mut stats.inactive_split_bytes, small, inactive_bytes);
@@ -63,19 +61,23 @@ impl DeviceCore {
     }
 
     /// Merges free `src` into `dst` if it is a free neighbour; returns the bytes subsumed.
-    fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
+    pub(crate) fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
         let s = self.blocks.get(src);
         let d = self.blocks.get(dst);
         if s.state != BlockState::Free || !s.stream_uses.is_empty() || s.mapped != d.mapped {
             return 0;
         }
         let src_block = s.clone();
-        let k = key(src_block.stream.raw, src_block.size, src_block.addr);
         let pool = &mut self.pools[src_block.pool];
         if src_block.mapped {
-            pool.free.remove(&k);
+            pool.free
+                .remove(&key(src_block.stream.raw, src_block.size, src_block.addr));
         } else {
-            pool.unmapped.remove(&k);
+            pool.unmapped.remove(&unmapped_key(
+                src_block.stream.raw,
+                src_block.addr,
+                src_block.size,
+            ));
         }
         if d.prev == Some(src) {
             // [src dst]
@@ -96,6 +98,12 @@ impl DeviceCore {
         self.blocks.get_mut(dst).size += src_block.size;
         self.blocks.remove(src);
         src_block.size
+    }
+
+    /// True for a free block that is a whole ordinary (not expandable) segment.
+    fn is_whole_segment(&self, id: BlockId) -> bool {
+        let b = self.blocks.get(id);
+        !b.is_split() && !b.expandable
     }
 
     /// Returns a whole free segment to the backend (PyTorch's `release_block`).
@@ -122,15 +130,35 @@ impl DeviceCore {
     }
 
     /// Releases every free block of `pool` that is a whole segment.
+    /// Releases every free block of `pool` that is a whole segment, and unmaps the whole pages
+    /// of every free block of an expandable segment (then frees reservations left empty).
     fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
-        let whole: Vec<BlockId> = self.pools[pool]
-            .free
-            .values()
-            .copied()
-            .filter(|&id| !self.blocks.get(id).is_split())
-            .collect();
+        let (mut whole, mut to_unmap) = (Vec::new(), Vec::new());
+        for &id in self.pools[pool].free.values() {
+            let b = self.blocks.get(id);
+            if b.expandable {
+                to_unmap.push(id);
+            } else if !b.is_split() {
+                whole.push(id);
+            }
+        }
         for id in whole {
             self.release_block(id)?;
+        }
+        let mut segments: Vec<u64> = Vec::new();
+        for id in to_unmap {
+            // Unmapping merges neighbours: skip blocks merged away by an earlier unmap.
+            if self.blocks.contains(id)
+                && self.blocks.get(id).state == BlockState::Free
+                && self.blocks.get(id).mapped
+            {
+                segments.push(self.blocks.get(id).segment);
+                self.unmap_block(id)?;
+            }
+        }
+        segments.dedup();
+        for seg in segments {
+            self.release_expandable_segment_if_empty(seg)?;
         }
         Ok(())
     }
@@ -150,7 +178,7 @@ impl DeviceCore {
         let stream = params.stream.raw;
         let pool = &self.pools[params.pool];
         if let Some(((s, _, _), id)) = pool.lower_bound(stream, target) {
-            if s == stream && !self.blocks.get(id).is_split() {
+            if s == stream && self.is_whole_segment(id) {
                 self.release_block(id)?;
                 return Ok(true);
             }
@@ -168,7 +196,7 @@ impl DeviceCore {
             if released >= target {
                 break;
             }
-            if !self.blocks.get(id).is_split() {
+            if self.is_whole_segment(id) {
                 self.release_block(id)?;
                 released += size;
             }
@@ -222,7 +250,7 @@ impl DeviceCore {
             .free
             .values()
             .copied()
-            .filter(|&id| !self.blocks.get(id).is_split())
+            .filter(|&id| self.is_whole_segment(id))
             .collect();
         let mut total_age: u64 = freeable.iter().map(|&id| age(self, id)).sum();
         let mut reclaimed = 0u64;
@@ -263,6 +291,9 @@ impl DeviceCore {
         }
         self.shut_down = true;
         let mut first_err = self.synchronize_and_free_events().err();
+        if let Some(e) = self.release_all_expandable() {
+            first_err.get_or_insert(e);
+        }
         let segments: Vec<u64> = self.segments.keys().copied().collect();
         for addr in segments {
             if let Err(e) = self.backend.free(self.device, DevicePtr(addr)) {
@@ -279,6 +310,7 @@ impl DeviceCore {
             pool.free.clear();
             pool.unmapped.clear();
         }
+        self.expandable.clear();
         self.total_reserved = 0;
         first_err.map_or(Ok(()), Err)
     }

@@ -174,6 +174,16 @@ proptest! {
     }
 
     #[test]
+    fn expandable_segments(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run("expandable_segments:True", 512 * MIB, ops)?;
+    }
+
+    #[test]
+    fn expandable_with_max_split(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run("expandable_segments:True,max_split_size_mb:40,large_segment_size_mb:8", 256 * MIB, ops)?;
+    }
+
+    #[test]
     fn tight_memory_with_gc(ops in prop::collection::vec(op_strategy(), 1..300)) {
         run("garbage_collection_threshold:0.5,per_process_memory_fraction:0.9", 200 * MIB, ops)?;
     }

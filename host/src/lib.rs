@@ -17,7 +17,7 @@
 //! - [`register`]: registering memory the user already has ([`HostRegistry`],
 //!   [`AsyncRegistry`]): interval cache, async registration, coherence, fork.
 
-pub mod addr_map;
+pub use gpualloc_runtime::addr_map;
 pub mod clock;
 pub mod config;
 pub mod core;

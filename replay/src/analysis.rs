@@ -8,6 +8,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
+
 use gpualloc_devices::sizes::{round_size, SMALL_SIZE};
 use gpualloc_devices::AllocatorConfig;
 use gpualloc_trace::Action;
@@ -60,8 +62,8 @@ pub struct TorchFigures {
 /// Allocations alive before the first event, sorted by address; and the number of frees that
 /// could not be explained (double frees of traced allocations).
 pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
-    let mut live: HashSet<u64> = HashSet::new();
-    let mut ever_allocated: HashSet<u64> = HashSet::new();
+    let mut live = AddrSet::default();
+    let mut ever_allocated = AddrSet::default();
     let mut initial: BTreeMap<u64, LiveAtStart> = BTreeMap::new();
     let mut unexplained = 0;
     for e in &trace.events {
@@ -145,8 +147,9 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
     Some(set.into_values().collect())
 }
 
-/// PyTorch's peaks over the trace, from the segment history and the requested sizes.
-pub fn torch_figures(trace: &Trace) -> TorchFigures {
+/// PyTorch's peaks over the trace, from the segment history and the requested sizes
+/// (`initial`: the allocations alive at the start, from [`live_at_start`]).
+pub fn torch_figures(trace: &Trace, initial: &[LiveAtStart]) -> TorchFigures {
     let mut f = TorchFigures {
         segment_allocs: trace.count(Action::SegmentAlloc) as u64,
         segment_frees: trace.count(Action::SegmentFree) as u64,
@@ -169,7 +172,6 @@ pub fn torch_figures(trace: &Trace) -> TorchFigures {
         }
         f.peak_reserved = Some(peak);
     }
-    let (initial, _) = live_at_start(trace);
     let mut in_use: u64 = initial.iter().map(|l| l.requested).sum();
     let mut peak = in_use;
     for e in &trace.events {
@@ -213,16 +215,29 @@ pub fn start_blocks(seg: &StartSegment, live: &[LiveAtStart]) -> Vec<(u64, u64, 
     out
 }
 
-/// Index of each `free_requested` whose `free_completed` does not follow at once (the block
-/// waited for other streams), keyed by event index.
+/// Index of each `free_requested` whose `free_completed` comes later but not at once (the
+/// block waited for other streams). A `free_requested` with no `free_completed` at all (a
+/// format that records only one free event) is an immediate free.
 pub fn deferred_frees(trace: &Trace) -> HashSet<usize> {
-    let ev = &trace.events;
-    (0..ev.len())
-        .filter(|&i| {
-            ev[i].action == Action::FreeRequested
-                && !(i + 1 < ev.len()
-                    && ev[i + 1].action == Action::FreeCompleted
-                    && ev[i + 1].addr == ev[i].addr)
-        })
-        .collect()
+    let mut requested: AddrMap<usize> = AddrMap::default();
+    let mut deferred = HashSet::new();
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.action {
+            Action::FreeRequested => {
+                requested.insert(e.addr, i);
+            }
+            Action::FreeCompleted => {
+                if let Some(j) = requested.remove(&e.addr) {
+                    if j + 1 != i {
+                        deferred.insert(j);
+                    }
+                }
+            }
+            Action::Alloc => {
+                requested.remove(&e.addr);
+            }
+            _ => {}
+        }
+    }
+    deferred
 }

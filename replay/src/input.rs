@@ -69,6 +69,9 @@ pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
     }
     let text = std::str::from_utf8(bytes)
         .map_err(|_| ReplayError::Format(format!("{name}: not a pickle, and not UTF-8 text")))?;
+    if text.trim().is_empty() {
+        return Err(ReplayError::Format(format!("{name}: empty file")));
+    }
     let events = if text.trim_start().starts_with("Thread,") {
         gpualloc_trace::rmm_csv::parse(text)?
     } else {

@@ -12,6 +12,7 @@
 //! - [`summary`]: a PyTorch-style memory summary of a snapshot's final state.
 
 pub mod analysis;
+pub mod export;
 pub mod input;
 pub mod report;
 pub mod run;

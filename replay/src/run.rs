@@ -21,6 +21,7 @@ use std::time::Instant;
 use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{AllocatorConfig, DeviceCore, RestoredBlock};
 use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 use gpualloc_trace::Action;
 
@@ -76,11 +77,11 @@ const DEVICE: DeviceId = DeviceId(0);
 struct Replayer {
     backend: Arc<AccountingBackend>,
     core: DeviceCore,
-    streams: HashMap<u64, StreamHandle>,
+    streams: AddrMap<StreamHandle>,
     /// PyTorch address → ours.
-    addrs: HashMap<u64, DevicePtr>,
+    addrs: AddrMap<DevicePtr>,
     /// PyTorch address → private stream of a deferred free.
-    deferred: HashMap<u64, StreamHandle>,
+    deferred: AddrMap<StreamHandle>,
     next_private: u64,
     warnings: u64,
 }
@@ -133,15 +134,15 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
     let mut r = Replayer {
         backend,
         core,
-        streams: HashMap::new(),
-        addrs: HashMap::new(),
-        deferred: HashMap::new(),
+        streams: AddrMap::default(),
+        addrs: AddrMap::default(),
+        deferred: AddrMap::default(),
         next_private: 0,
         warnings: 0,
     };
     let (initial, unexplained) = live_at_start(trace);
     r.warnings += unexplained;
-    let torch = torch_figures(trace);
+    let torch = torch_figures(trace, &initial);
 
     if options.warm {
         let segments =
@@ -204,24 +205,42 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
             }
             Action::Alloc => {
                 let stream = r.stream(e.stream);
-                let segment = round_size(e.size, &options.config)
-                    .and_then(|rounded| allocation_size(rounded, &options.config));
-                let placement = segment.and_then(|size| {
-                    pending_segments
-                        .get(&size)
-                        .and_then(|q| q.front().copied())
-                        .map(|a| (size, a))
-                });
+                // Warm: place a new segment where PyTorch's pending segment_alloc of the same
+                // size put it. Cold replays skip this bookkeeping (and its backend locks).
+                let placement = if pending_segments.is_empty() {
+                    None
+                } else {
+                    round_size(e.size, &options.config)
+                        .and_then(|rounded| allocation_size(rounded, &options.config))
+                        .and_then(|size| {
+                            pending_segments
+                                .get(&size)
+                                .and_then(|q| q.front().copied())
+                                .map(|a| (size, a))
+                        })
+                };
+                let mallocs_before = if options.warm {
+                    r.backend.counts().mallocs
+                } else {
+                    0
+                };
                 if let Some((_, addr)) = placement {
                     r.backend.place_next(DEVICE, addr);
                 }
-                let mallocs_before = r.backend.counts().mallocs;
                 let result = r.core.malloc(e.size, stream);
-                r.backend.clear_placement(DEVICE);
-                let new_segment = r.backend.counts().mallocs > mallocs_before;
-                if let (true, Some((size, _))) = (new_segment, placement) {
-                    if let Some(q) = pending_segments.get_mut(&size) {
-                        q.pop_front();
+                let mut new_segment = false;
+                if options.warm {
+                    new_segment = r.backend.counts().mallocs > mallocs_before;
+                }
+                if let Some((size, _)) = placement {
+                    r.backend.clear_placement(DEVICE);
+                    if new_segment {
+                        if let Some(q) = pending_segments.get_mut(&size) {
+                            q.pop_front();
+                            if q.is_empty() {
+                                pending_segments.remove(&size);
+                            }
+                        }
                     }
                 }
                 match result {

@@ -94,6 +94,7 @@ fn a_broken_tie_break_is_caught() {
     fn break_ties(core: &mut DeviceCore) {
         core.set_rule_knobs(RuleKnobs {
             tie_break_high_address: true,
+            ..RuleKnobs::default()
         });
     }
     let mut checked = 0;

@@ -29,7 +29,11 @@ use crate::types::{
 /// Alignment of every device allocation and reservation (real drivers give at least this for
 /// large allocations; the allocator only relies on 512 B).
 pub const ALIGNMENT: u64 = 2 << 20;
-const WINDOW: u64 = 1 << 40;
+/// Address window of each device (16 TiB: room for expandable-segment reservations of
+/// 9/8 of a large capacity).
+const WINDOW: u64 = 1 << 44;
+/// Address window of host allocations.
+const HOST_WINDOW: u64 = 1 << 40;
 const BASE: u64 = 0x7000_0000_0000;
 /// Page size the host calls validate against.
 pub const HOST_PAGE: u64 = 4096;
@@ -87,7 +91,7 @@ impl HostState {
             }
             cursor = cursor.max(s + len);
         }
-        (cursor + size <= HOST_BASE + WINDOW).then_some(cursor)
+        (cursor + size <= HOST_BASE + HOST_WINDOW).then_some(cursor)
     }
 }
 
@@ -135,7 +139,7 @@ impl AccountingBackend {
         };
         AccountingBackend {
             capacity,
-            host_capacity: WINDOW,
+            host_capacity: HOST_WINDOW,
             manual_events: false,
             state: Mutex::new(state),
         }
@@ -293,10 +297,10 @@ impl AccountingBackend {
     }
 
     fn new_id(state: &mut State) -> u64 {
-        // Ids count down from the top so they never meet raws chosen by `register_stream`
-        // (trace stream ids are small integers or user-space addresses).
+        // Ids start at 2^62 so they never meet raws chosen by `register_stream` (trace stream
+        // ids are small integers or user-space addresses) and still fit an i64 (snapshots).
         state.next_id += 1;
-        u64::MAX - state.next_id
+        (1 << 62) + state.next_id
     }
 
     fn stream_device(state: &State, stream: StreamHandle) -> Result<DeviceId> {
@@ -497,7 +501,7 @@ impl Backend for AccountingBackend {
         }
         let rounded = size
             .checked_next_multiple_of(HOST_PAGE)
-            .filter(|s| *s <= WINDOW)
+            .filter(|s| *s <= HOST_WINDOW)
             .ok_or_else(|| BackendError::invalid(format!("host size {size} is too large")))?;
         let mut state = lock(&self.state);
         let oom = || BackendError::OutOfMemory {

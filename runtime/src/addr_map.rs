@@ -1,15 +1,19 @@
-//! [`AddrMap`]: a hash map keyed by block address with a cheap hasher.
+//! [`AddrMap`]: a hash map keyed by address with a cheap hasher, shared by the allocator
+//! cores and the replay.
 //!
 //! Block addresses are at least 4 KiB apart in the common case, so their low bits are zero;
 //! the hasher folds a 128-bit multiply so every output bit depends on every input bit, at a
 //! fraction of SipHash's cost on the malloc/free hot path. Keys are our own addresses, not
 //! attacker-chosen, so HashDoS resistance buys nothing here.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// A `HashMap` from block address to `V`.
 pub type AddrMap<V> = HashMap<u64, V, BuildHasherDefault<AddrHasher>>;
+
+/// A `HashSet` of addresses.
+pub type AddrSet = HashSet<u64, BuildHasherDefault<AddrHasher>>;
 
 /// Folded-multiply hasher for `u64` keys (other input is folded in 8 bytes at a time).
 #[derive(Debug, Default, Clone, Copy)]
