@@ -61,14 +61,25 @@ fn bad_input_gets_typed_errors() {
     let high = u64::MAX - 2 * p + 1;
     let err = reg.register(high as *const u8, p, RW).unwrap_err();
     assert!(matches!(err, RegisterError::Unmapped { .. }), "{err:?}");
-    // partly unmapped: a live mapping followed by a hole left by a dropped one
-    let gone = PageMapping::new(p as usize).unwrap();
-    let gone_addr = gone.addr();
-    drop(gone);
-    assert!(matches!(
-        reg.register(gone_addr as *const u8, p, RW),
-        Err(RegisterError::Unmapped { .. })
-    ));
+    // partly inaccessible: the middle page of a live mapping made PROT_NONE
+    let guarded = PageMapping::new(3 * p as usize).unwrap();
+    // SAFETY: the page belongs to `guarded`, which nothing reads or writes before it is
+    // dropped (munmap does not care about protections).
+    unsafe {
+        rustix::mm::mprotect(
+            guarded.as_ptr().add(p as usize).cast(),
+            p as usize,
+            rustix::mm::MprotectFlags::empty(),
+        )
+    }
+    .unwrap();
+    assert_eq!(
+        reg.register(guarded.as_ptr(), 3 * p, RW),
+        Err(RegisterError::Unmapped {
+            range: guarded.addr()..guarded.addr() + 3 * p,
+            hole: guarded.addr() + p
+        })
+    );
     assert!(reg.is_empty() && reg.backend_ranges().is_empty());
 
     // releasing twice, and a handle never issued
