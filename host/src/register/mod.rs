@@ -19,7 +19,7 @@ pub mod error;
 pub mod exec;
 pub mod fork;
 pub mod interval_cache;
-pub mod maps;
+pub use gpualloc_runtime::procmaps as maps;
 pub mod registry;
 pub mod stats;
 

@@ -1,9 +1,10 @@
-//! Reading this process's memory map (`/proc/self/maps`) for registration diagnostics.
+//! Reading this process's memory map (`/proc/self/maps`): the sim's `host_register` checks and
+//! costs ranges with it, and the host registry uses it for diagnostics.
 //!
 //! The cost of registering host memory grows with the number of OS mappings the range
 //! crosses (seed §2.1: a 512 MiB buffer cut into thousands of small mappings took a second to
 //! register). The registry counts them for a slow registration's log line, and checks a range
-//! that the backend refused for holes, to report [`super::RegisterError::Unmapped`].
+//! that the backend refused for holes, to report an unmapped range.
 
 use std::ops::Range;
 
