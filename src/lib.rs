@@ -1,7 +1,39 @@
 //! gpualloc: an async, actor-based caching memory allocator for GPUs, for tokio services.
 //!
-//! This facade re-exports the layers below it. See the README for the two commands that
-//! matter (run the main job, run the tests).
+//! ```no_run
+//! # async fn demo() -> Result<(), gpualloc::Error> {
+//! let alloc = gpualloc::Allocator::builder().build()?; // sim when no GPU (logged)
+//! let stream = alloc.new_stream(gpualloc::DeviceId(0))?;
+//! let buf = alloc.malloc(1 << 20, &stream).await?; // a cache hit is well under a microsecond
+//! drop(buf); // back to the cache, from any thread
+//! alloc.shutdown().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! - [`Allocator`] / [`AllocatorBuilder`]: the handle and its construction.
+//! - [`DeviceBuffer`]: RAII device memory; `Drop` never blocks.
+//! - [`DeviceActor`]: one per device, owning that device's caching core.
+//! - [`MallocOptions`]: e.g. wait for memory instead of failing.
+//! - [`Error`]: everything a call can fail with.
 
+mod actor;
+mod allocator;
+mod buffer;
+mod builder;
+mod error;
+mod fork;
+mod options;
+mod summary;
+
+pub use actor::DeviceActor;
+pub use allocator::Allocator;
+pub use buffer::DeviceBuffer;
+pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind};
+pub use error::Error;
+pub use options::MallocOptions;
+pub use summary::memory_summary;
+
+pub use gpualloc_devices as devices;
+pub use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};

@@ -11,6 +11,7 @@
 mod block;
 pub mod config;
 mod core;
+mod detached;
 pub mod error;
 mod events;
 mod expandable;
@@ -31,6 +32,7 @@ pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
 };
 pub use config::{AllocatorConfig, ConfigError};
+pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
 pub use restore::RestoredBlock;
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};

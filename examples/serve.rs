@@ -1,0 +1,357 @@
+//! An inference-server-like workload on the simulated GPU, with no setup:
+//! `cargo run --release --example serve [-- --requests N --concurrency C]`.
+//!
+//! Concurrent requests of varying sizes (input activations, outputs, scratch) run on two
+//! simulated devices with four streams each. Every request's kernels write a pattern of its
+//! own into its buffers and verify it later on the stream; some hand their output to a
+//! second stream (`record_stream`) for post-processing. Any memory handed out while another
+//! stream still uses it shows up as a mismatch. The devices are small, so requests also wait
+//! for memory (`MallocOptions::wait_for`) instead of failing.
+//!
+//! Prints malloc and request latency percentiles and the PyTorch-style memory summary;
+//! exits non-zero on any data mismatch, failed kernel, error or leak.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpualloc::runtime::sim::{SimBackend, SimConfig};
+use gpualloc::runtime::BackendError;
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Stream};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const DEVICES: u32 = 2;
+const STREAMS_PER_DEVICE: usize = 4;
+
+struct Args {
+    requests: u64,
+    concurrency: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        requests: 4000,
+        concurrency: 48,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let parse = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag} {v}: {e}"));
+        match flag.as_str() {
+            "--requests" => args.requests = parse(&value)?,
+            "--concurrency" => args.concurrency = parse(&value)?.max(1) as usize,
+            other => {
+                return Err(format!(
+                    "unknown flag {other} (use --requests N --concurrency C)"
+                ))
+            }
+        }
+    }
+    Ok(args)
+}
+
+/// A small deterministic generator (xorshift), one per request.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    mismatches: AtomicU64,
+    waited: AtomicU64,
+}
+
+/// Enqueues a kernel that checks `buf` holds `byte` (counting a mismatch, and failing the
+/// kernel, if not) and then fills `next` (if any) with `next_byte`.
+fn check_then_fill(
+    sim: &SimBackend,
+    stream: &Stream,
+    duration: Duration,
+    check: (&DeviceBuffer, u8),
+    next: Option<(&DeviceBuffer, u8)>,
+    counters: &Arc<Counters>,
+) -> Result<(), BackendError> {
+    let (cptr, clen, cbyte) = (check.0.ptr(), check.0.len(), check.1);
+    let next = next.map(|(b, v)| (b.ptr(), b.len(), v));
+    let counters = counters.clone();
+    sim.launch_kernel(stream.handle(), duration, move |m| {
+        if !m.check(cptr, clen, cbyte)? {
+            counters.mismatches.fetch_add(1, Ordering::Relaxed);
+            return Err(BackendError::invalid(
+                "data mismatch: memory reused while in use",
+            ));
+        }
+        if let Some((ptr, len, byte)) = next {
+            m.fill(ptr, len, byte)?;
+        }
+        Ok(())
+    })
+}
+
+struct Timing {
+    mallocs_ns: Vec<u64>,
+    request_ns: u64,
+}
+
+async fn request(
+    id: u64,
+    alloc: Allocator,
+    sim: Arc<SimBackend>,
+    streams: Arc<Vec<Vec<Stream>>>,
+    counters: Arc<Counters>,
+) -> Result<Timing, Error> {
+    let start = Instant::now();
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (id + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    let dev = (id % DEVICES as u64) as usize;
+    let stream = &streams[dev][(rng.next() % STREAMS_PER_DEVICE as u64) as usize];
+    let tokens = 1 + rng.next() % 1024;
+    let sizes = [
+        tokens * 16 * KIB,
+        tokens * 4 * KIB,
+        4 * KIB + rng.next() % (512 * KIB),
+    ];
+    let wait = MallocOptions::wait_for(Duration::from_secs(10));
+    let mut mallocs_ns = Vec::with_capacity(3);
+    let mut bufs = Vec::with_capacity(3);
+    for size in sizes {
+        let t = Instant::now();
+        let buf = alloc.malloc_with(size, stream, wait).await?;
+        let ns = t.elapsed().as_nanos() as u64;
+        if ns > 1_000_000 {
+            counters.waited.fetch_add(1, Ordering::Relaxed);
+        }
+        mallocs_ns.push(ns);
+        bufs.push(buf);
+    }
+    let scratch = bufs
+        .pop()
+        .ok_or_else(|| Error::Internal("scratch".into()))?;
+    let output = bufs.pop().ok_or_else(|| Error::Internal("output".into()))?;
+    let input = bufs.pop().ok_or_else(|| Error::Internal("input".into()))?;
+    let p = (id % 250) as u8 + 1;
+    let compute = Duration::from_micros(20 + tokens / 8);
+
+    // Load the input and scratch, run the "model", then check everything.
+    let (iptr, ilen, sptr, slen) = (input.ptr(), input.len(), scratch.ptr(), scratch.len());
+    sim.launch_kernel(stream.handle(), Duration::from_micros(10), move |m| {
+        m.fill(iptr, ilen, p)?;
+        m.fill(sptr, slen, p ^ 0x33)
+    })?;
+    check_then_fill(
+        &sim,
+        stream,
+        compute,
+        (&input, p),
+        Some((&output, p ^ 0x5A)),
+        &counters,
+    )?;
+    check_then_fill(
+        &sim,
+        stream,
+        Duration::ZERO,
+        (&scratch, p ^ 0x33),
+        None,
+        &counters,
+    )?;
+    // Scratch is done with: free it now (stream-ordered, as in PyTorch).
+    drop(scratch);
+
+    if id % 8 == 0 {
+        // Post-processing on another stream of the same device.
+        let other = &streams[dev][(STREAMS_PER_DEVICE - 1) - (id as usize / 8) % 2];
+        if other != stream {
+            other.wait_event(&stream.record_event()?)?;
+            output.record_stream(other)?;
+            check_then_fill(
+                &sim,
+                other,
+                Duration::from_micros(30),
+                (&output, p ^ 0x5A),
+                None,
+                &counters,
+            )?;
+            drop(output);
+            check_then_fill(&sim, stream, Duration::ZERO, (&input, p), None, &counters)?;
+            drop(input);
+            stream.completed().await?;
+            other.completed().await?;
+            return Ok(Timing {
+                mallocs_ns,
+                request_ns: start.elapsed().as_nanos() as u64,
+            });
+        }
+    }
+    check_then_fill(
+        &sim,
+        stream,
+        Duration::ZERO,
+        (&output, p ^ 0x5A),
+        None,
+        &counters,
+    )?;
+    drop(output);
+    drop(input);
+    stream.completed().await?;
+    Ok(Timing {
+        mallocs_ns,
+        request_ns: start.elapsed().as_nanos() as u64,
+    })
+}
+
+fn percentiles(label: &str, unit: &str, scale: f64, samples: &mut [u64]) {
+    if samples.is_empty() {
+        return;
+    }
+    samples.sort_unstable();
+    let at = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize] as f64 / scale;
+    println!(
+        "{label:<22} n={:<6} p50 {:>9.2} {unit}  p90 {:>9.2} {unit}  p99 {:>9.2} {unit}  p99.9 {:>9.2} {unit}  max {:>9.2} {unit}",
+        samples.len(),
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        at(0.999),
+        at(1.0)
+    );
+}
+
+async fn run(args: Args) -> Result<bool, Error> {
+    let sim = SimBackend::new(SimConfig {
+        devices: DEVICES,
+        capacity_per_device: 768 * MIB,
+        ..SimConfig::default()
+    })?;
+    // GPUALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) applies if set.
+    let alloc = Allocator::builder().backend_instance(sim.clone()).build()?;
+    let streams: Vec<Vec<Stream>> = (0..DEVICES)
+        .map(|d| {
+            (0..STREAMS_PER_DEVICE)
+                .map(|_| alloc.new_stream(DeviceId(d)))
+                .collect::<Result<_, _>>()
+        })
+        .collect::<Result<_, _>>()?;
+    let streams = Arc::new(streams);
+    let counters = Arc::new(Counters::default());
+    let limit = Arc::new(tokio::sync::Semaphore::new(args.concurrency));
+    println!(
+        "serve: {} requests, {} in flight, {DEVICES} simulated devices x {STREAMS_PER_DEVICE} streams, 768 MiB each",
+        args.requests, args.concurrency
+    );
+
+    let started = Instant::now();
+    let mut handles = Vec::with_capacity(args.requests as usize);
+    for id in 0..args.requests {
+        let permit = limit
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|e| Error::Internal(e.to_string()))?;
+        let (alloc, sim, streams, counters) = (
+            alloc.clone(),
+            sim.clone(),
+            streams.clone(),
+            counters.clone(),
+        );
+        handles.push(tokio::spawn(async move {
+            let r = request(id, alloc, sim, streams, counters).await;
+            drop(permit);
+            r
+        }));
+    }
+    let mut mallocs = Vec::new();
+    let mut requests = Vec::new();
+    let mut errors = 0u64;
+    for h in handles {
+        match h.await {
+            Ok(Ok(t)) => {
+                mallocs.extend(t.mallocs_ns);
+                requests.push(t.request_ns);
+            }
+            Ok(Err(e)) => {
+                errors += 1;
+                eprintln!("request failed: {e}");
+            }
+            Err(e) => {
+                errors += 1;
+                eprintln!("request task failed: {e}");
+            }
+        }
+    }
+    let wall = started.elapsed();
+
+    println!(
+        "done in {:.2} s: {:.0} requests/s, {} mallocs",
+        wall.as_secs_f64(),
+        requests.len() as f64 / wall.as_secs_f64(),
+        mallocs.len()
+    );
+    percentiles("malloc latency", "us", 1e3, &mut mallocs);
+    percentiles("request latency", "ms", 1e6, &mut requests);
+    let mut device_mallocs = 0;
+    for d in 0..DEVICES {
+        let st = alloc.stats(DeviceId(d)).await?;
+        device_mallocs += st.num_device_alloc;
+        println!(
+            "device {d}: {} device mallocs, {} device frees, {} OOM retries, peak reserved {:.1} MiB",
+            st.num_device_alloc,
+            st.num_device_free,
+            st.num_alloc_retries,
+            st.reserved_bytes[0].peak as f64 / MIB as f64
+        );
+    }
+    println!(
+        "cache hit rate {:.2}%, {} mallocs waited for memory (> 1 ms)",
+        100.0 * (1.0 - device_mallocs as f64 / mallocs.len().max(1) as f64),
+        counters.waited.load(Ordering::Relaxed)
+    );
+    println!();
+    print!("{}", alloc.memory_summary().await?);
+
+    let mismatches = counters.mismatches.load(Ordering::Relaxed);
+    let failures = sim.kernel_failures();
+    alloc.shutdown().await?;
+    drop(streams);
+    let leaked = sim.live_allocations();
+    println!("data mismatches: {mismatches}, failed kernels: {failures}, errors: {errors}, leaked allocations: {leaked}");
+    Ok(mismatches == 0 && failures == 0 && errors == 0 && leaked == 0)
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("serve: {e}");
+            std::process::exit(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("serve: cannot start tokio: {e}");
+            std::process::exit(2);
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(true) => println!("OK: every buffer held its data"),
+        Ok(false) => {
+            eprintln!("FAILED: data mismatch, kernel failure, error or leak");
+            std::process::exit(1);
+        }
+        Err(e) => {
+            eprintln!("serve: {e}");
+            std::process::exit(1);
+        }
+    }
+}

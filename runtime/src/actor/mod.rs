@@ -1,0 +1,36 @@
+//! Actor plumbing shared by the device and host actors: small pieces, each on its own, all
+//! built on [`crate::sync`] so loom can model-check them (`tests/loom_actor.rs`).
+//!
+//! - [`gate`]: the one-word lock of a flat-combining cell (locked + work-pending bits).
+//! - [`mailbox`]: the flat-combining cell: a state behind the gate that callers run their own
+//!   request on when it is free, or queue a message for whoever holds it.
+//! - [`handoff`]: posting a message from anywhere (e.g. `Drop` on any thread) without ever
+//!   blocking.
+//! - [`reply`]: a one-shot reply slot and the future that awaits it.
+//! - [`notify`]: a single-waiter wake-up with a stored permit.
+//! - [`waiters`]: the FIFO queue of requests waiting for memory (woken by frees, cancel-safe).
+//! - [`reaper`]: the arm/disarm logic of the timed reaper (interval while work is pending,
+//!   asleep when none).
+//! - [`shutdown`]: the shutdown signal.
+//! - [`fork`]: telling a forked child from its parent with one memory load.
+//!
+//! None of these know what state they guard: they are generic, so the host allocator's actor
+//! reuses them.
+
+pub mod fork;
+pub mod gate;
+pub mod handoff;
+pub mod mailbox;
+pub mod notify;
+pub mod reaper;
+pub mod reply;
+pub mod shutdown;
+pub mod waiters;
+
+pub use fork::ForkGuard;
+pub use mailbox::{Actor, Mailbox};
+pub use notify::{Notified, Notify};
+pub use reaper::ReaperArm;
+pub use reply::{reply_slot, ReplyFuture, ReplySender};
+pub use shutdown::Shutdown;
+pub use waiters::{WaitFuture, WaitTurn, Waiters};

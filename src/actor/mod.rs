@@ -1,0 +1,20 @@
+//! The per-device actor: one [`DeviceActor`] per GPU owns that device's
+//! [`DeviceCore`](gpualloc_devices::DeviceCore) behind a flat-combining
+//! [`Mailbox`](gpualloc_runtime::actor::Mailbox).
+//!
+//! - `state`: the guarded state and its messages (Malloc/RecordStream/EmptyCache/Stats/
+//!   Snapshot/Shutdown run as jobs; Free and RecordStream are plain messages so a buffer's
+//!   `Drop` never allocates).
+//! - `device`: the actor's shared handle and the async request paths (hits inline).
+//! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
+//!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
+//! - `task`: the actor task: drains work handed to it and runs the timed reaper.
+
+mod device;
+mod slow;
+mod state;
+mod task;
+
+pub use device::DeviceActor;
+pub(crate) use state::DeviceMsg;
+pub(crate) use task::spawn_actor_task;

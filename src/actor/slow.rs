@@ -1,0 +1,176 @@
+//! The slow paths of a device actor, run on tokio's blocking pool and outside the gate
+//! wherever the driver is involved: a miss's device malloc (PyTorch's
+//! `release_lock_on_cudamalloc`, always on here), the OOM chain's event synchronization and
+//! segment frees, `empty_cache` and shutdown. The gate is taken only for the short
+//! bookkeeping steps in between, so cache hits keep being served.
+//!
+//! The one step that still runs under the gate is the last resort of an out-of-memory
+//! request: the core's own chain (`malloc_after_miss`), which produces PyTorch's report;
+//! by then the cache has been released off the gate, so it has little left to do.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{free_detached, AllocError, CachedOutcome, SegmentRequest};
+use gpualloc_runtime::{DevicePtr, Stream};
+
+use crate::actor::device::DeviceActor;
+use crate::buffer::DeviceBuffer;
+use crate::error::Error;
+
+impl DeviceActor {
+    /// Finishes a miss: device malloc off the gate; if the device is full, release the cache
+    /// off the gate and retry; finally the core's own chain.
+    pub(crate) fn miss_blocking(
+        self: &Arc<Self>,
+        req: SegmentRequest,
+        stream: Stream,
+    ) -> Result<DeviceBuffer, Error> {
+        let size = req.requested();
+        let _span = tracing::debug_span!(
+            "malloc_miss",
+            device = self.device.0,
+            size,
+            alloc_size = req.alloc_size()
+        )
+        .entered();
+        let in_place = {
+            let mut held = self.mailbox.hold_blocking();
+            let core = &held.state().core;
+            // Garbage collection, the memory-fraction cap and expandable segments (which map
+            // pages instead of allocating a segment) are handled by the core's own chain.
+            !req.fits_fraction(core)
+                || core.config().garbage_collection_threshold > 0.0
+                || core.config().expandable_segments
+        };
+        let req = if in_place {
+            req
+        } else {
+            match self.backend.malloc(self.device, req.alloc_size()) {
+                Ok(ptr) => return self.adopt(req, ptr, stream),
+                Err(e) if e.is_oom() => {
+                    tracing::info!(
+                        device = self.device.0,
+                        size,
+                        "device full: releasing cached memory"
+                    );
+                }
+                Err(e) => return Err(e.into()),
+            }
+            let released = self.release_cache_blocking();
+            let outcome = self
+                .mailbox
+                .hold_blocking()
+                .state()
+                .core
+                .try_cached(size, stream.handle())?;
+            let req = match outcome {
+                CachedOutcome::Hit(a) => return Ok(DeviceBuffer::new(a, self.clone(), stream)),
+                CachedOutcome::Miss(req) => req,
+            };
+            if released > 0 {
+                tracing::debug!(device = self.device.0, size, "retrying device malloc");
+                match self.backend.malloc(self.device, req.alloc_size()) {
+                    Ok(ptr) => return self.adopt(req, ptr, stream),
+                    Err(e) if e.is_oom() => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            req
+        };
+        let result = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .malloc_after_miss(req);
+        match result {
+            Ok(a) => Ok(DeviceBuffer::new(a, self.clone(), stream)),
+            Err(e) => {
+                if e.is_oom() {
+                    tracing::warn!(device = self.device.0, size, "out of memory");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Hands a segment allocated off the gate to the core (or back to the backend if the core
+    /// shut down meanwhile).
+    fn adopt(
+        self: &Arc<Self>,
+        req: SegmentRequest,
+        ptr: DevicePtr,
+        stream: Stream,
+    ) -> Result<DeviceBuffer, Error> {
+        let mut held = self.mailbox.hold_blocking();
+        let core = &mut held.state().core;
+        if core.is_shut_down() {
+            drop(held);
+            if let Err(e) = self.backend.free(self.device, ptr) {
+                tracing::warn!(device = self.device.0, %ptr, error = %e, "free after shutdown failed");
+            }
+            return Err(AllocError::Shutdown.into());
+        }
+        let a = core.malloc_with_segment(req, ptr)?;
+        drop(held);
+        Ok(DeviceBuffer::new(a, self.clone(), stream))
+    }
+
+    /// Returns every unused cached segment to the device, doing the driver calls off the
+    /// gate: synchronize the events pending frees wait on, detach the free segments, free
+    /// them. Returns how many segments went back.
+    pub(crate) fn release_cache_blocking(&self) -> usize {
+        let _span = tracing::debug_span!("release_cache", device = self.device.0).entered();
+        let events = self.mailbox.hold_blocking().state().core.pending_events();
+        for e in events {
+            if let Err(err) = self.backend.event_synchronize(e) {
+                tracing::warn!(device = self.device.0, error = %err, "event synchronize failed");
+            }
+        }
+        let detached = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .detach_free_segments();
+        let segments = match detached {
+            Ok(s) => s,
+            Err(e) => {
+                if !e.eq(&AllocError::Shutdown) {
+                    tracing::warn!(device = self.device.0, error = %e, "releasing the cache failed");
+                }
+                return 0;
+            }
+        };
+        if let Err(e) = free_detached(self.backend.as_ref(), self.device, &segments) {
+            tracing::warn!(device = self.device.0, error = %e, "segment free failed");
+        }
+        if !segments.is_empty() {
+            self.signals.waiters.wake_head();
+        }
+        segments.len()
+    }
+
+    /// `empty_cache` for this device.
+    pub(crate) fn empty_cache_blocking(&self) -> Result<(), Error> {
+        if self.mailbox.hold_blocking().state().core.is_shut_down() {
+            return Err(AllocError::Shutdown.into());
+        }
+        self.release_cache_blocking();
+        let mut held = self.mailbox.hold_blocking();
+        let core = &mut held.state().core;
+        if core.config().expandable_segments {
+            // Unmapping pages of expandable segments is the core's own business.
+            core.empty_cache()?;
+        }
+        Ok(())
+    }
+
+    /// Shuts the core down (every segment back to the device) and wakes every waiter so
+    /// they fail at once instead of waiting out their timeouts.
+    pub(crate) fn shutdown_blocking(&self) -> Result<(), Error> {
+        let result = self.mailbox.hold_blocking().state().core.shutdown();
+        self.signals.waiters.wake_head();
+        result.map_err(Error::from)
+    }
+}

@@ -1,0 +1,226 @@
+//! [`Allocator`]: the handle a service holds. Cheap to clone, `Send + Sync`; every clone
+//! talks to the same per-device actors.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
+use gpualloc_runtime::{Backend, DeviceId, Stream};
+use tokio::task::JoinHandle;
+
+use crate::actor::DeviceActor;
+use crate::buffer::DeviceBuffer;
+use crate::builder::AllocatorBuilder;
+use crate::error::Error;
+use crate::fork::ProcessGuard;
+use crate::options::MallocOptions;
+use crate::summary::memory_summary;
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    devices: Vec<Arc<DeviceActor>>,
+    process: ProcessGuard,
+    shut_down: AtomicBool,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+    config: AllocatorConfig,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last handle is gone: stop the actor tasks. The cores live on while buffers
+        // do, and return every segment when the last one is dropped.
+        for d in &self.devices {
+            d.stop.trigger();
+        }
+    }
+}
+
+/// The allocator. See the module docs and the crate docs for an example.
+#[derive(Clone)]
+pub struct Allocator {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Allocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocator")
+            .field("backend", &self.inner.backend.name())
+            .field("devices", &self.inner.devices.len())
+            .finish()
+    }
+}
+
+impl Allocator {
+    /// A builder (configuration, backend choice).
+    pub fn builder() -> AllocatorBuilder {
+        AllocatorBuilder::new()
+    }
+
+    pub(crate) fn from_parts(
+        backend: Arc<dyn Backend>,
+        devices: Vec<Arc<DeviceActor>>,
+        process: ProcessGuard,
+        tasks: Vec<JoinHandle<()>>,
+        config: AllocatorConfig,
+    ) -> Self {
+        Allocator {
+            inner: Arc::new(Inner {
+                backend,
+                devices,
+                process,
+                shut_down: AtomicBool::new(false),
+                tasks: Mutex::new(tasks),
+                config,
+            }),
+        }
+    }
+
+    /// The backend the allocator runs on.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.inner.backend
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &AllocatorConfig {
+        &self.inner.config
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> u32 {
+        self.inner.devices.len() as u32
+    }
+
+    /// A new stream on `device` of this allocator's backend.
+    pub fn new_stream(&self, device: DeviceId) -> Result<Stream, Error> {
+        self.actor(device)?;
+        Ok(Stream::new(&self.inner.backend, device)?)
+    }
+
+    /// The actor of `device`.
+    pub fn device_actor(&self, device: DeviceId) -> Result<&Arc<DeviceActor>, Error> {
+        self.actor(device)
+    }
+
+    fn actor(&self, device: DeviceId) -> Result<&Arc<DeviceActor>, Error> {
+        self.inner
+            .devices
+            .get(device.0 as usize)
+            .ok_or(Error::InvalidDevice {
+                device: device.0,
+                count: self.inner.devices.len() as u32,
+            })
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        self.inner.process.check()?;
+        if self.inner.shut_down.load(Ordering::Acquire) {
+            return Err(AllocError::Shutdown.into());
+        }
+        Ok(())
+    }
+
+    fn actor_for(&self, stream: &Stream) -> Result<&Arc<DeviceActor>, Error> {
+        if !Arc::ptr_eq(stream.backend(), &self.inner.backend) {
+            return Err(Error::ForeignStream);
+        }
+        self.actor(stream.device())
+    }
+
+    /// Allocates `size` bytes for use on `stream` (whose device it picks). A cache hit is
+    /// served inline; a miss allocates from the device on the blocking pool while other
+    /// requests keep being served. Size 0 gives an empty buffer with a null pointer.
+    pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
+        self.check()?;
+        self.actor_for(stream)?.malloc(size, stream).await
+    }
+
+    /// [`Allocator::malloc`] with options (e.g. wait for memory instead of failing).
+    pub async fn malloc_with(
+        &self,
+        size: u64,
+        stream: &Stream,
+        options: MallocOptions,
+    ) -> Result<DeviceBuffer, Error> {
+        self.check()?;
+        let actor = self.actor_for(stream)?;
+        match options.wait_for_memory {
+            None => actor.malloc(size, stream).await,
+            Some(timeout) => actor.malloc_waiting(size, stream, timeout).await,
+        }
+    }
+
+    /// Marks `buffer` as used on `stream` (see [`DeviceBuffer::record_stream`]).
+    pub fn record_stream(&self, buffer: &DeviceBuffer, stream: &Stream) -> Result<(), Error> {
+        buffer.record_stream(stream)
+    }
+
+    /// Returns every unused cached segment of every device to the backend, after waiting
+    /// (off the async runtime) for pending cross-stream frees. Live buffers are untouched.
+    pub async fn empty_cache(&self) -> Result<(), Error> {
+        self.check()?;
+        for actor in &self.inner.devices {
+            let actor = actor.clone();
+            tokio::task::spawn_blocking(move || actor.empty_cache_blocking())
+                .await
+                .map_err(|e| Error::Internal(format!("empty_cache task failed: {e}")))??;
+        }
+        Ok(())
+    }
+
+    /// Statistics of `device` (PyTorch's `memory_stats`).
+    pub async fn stats(&self, device: DeviceId) -> Result<DeviceStats, Error> {
+        self.inner.process.check()?;
+        self.actor(device)?.stats().await
+    }
+
+    /// Segments and blocks of every device (PyTorch's `memory_snapshot`).
+    pub async fn snapshot(&self) -> Result<Vec<DeviceSnapshot>, Error> {
+        self.inner.process.check()?;
+        let mut out = Vec::with_capacity(self.inner.devices.len());
+        for actor in &self.inner.devices {
+            out.push(actor.snapshot().await?);
+        }
+        Ok(out)
+    }
+
+    /// A PyTorch-style `memory_summary()` table for every device.
+    pub async fn memory_summary(&self) -> Result<String, Error> {
+        self.inner.process.check()?;
+        let mut out = String::new();
+        for actor in &self.inner.devices {
+            let stats = actor.stats().await?;
+            out.push_str(&memory_summary(actor.device(), &stats));
+        }
+        Ok(out)
+    }
+
+    /// Shuts down: every device returns every segment to the backend (also those of live
+    /// buffers, which must not be used any more; dropping them later is harmless), waiting
+    /// requests fail, later calls get `AllocError::Shutdown`, and the actor tasks stop.
+    /// Idempotent: later calls return `Ok`.
+    pub async fn shutdown(&self) -> Result<(), Error> {
+        self.inner.process.check()?;
+        if self.inner.shut_down.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        tracing::info!(devices = self.inner.devices.len(), "shutting down");
+        let mut first_err = None;
+        for actor in &self.inner.devices {
+            let a = actor.clone();
+            let r = tokio::task::spawn_blocking(move || a.shutdown_blocking())
+                .await
+                .map_err(|e| Error::Internal(format!("shutdown task failed: {e}")))
+                .and_then(|r| r);
+            if let Err(e) = r {
+                first_err.get_or_insert(e);
+            }
+            actor.stop.trigger();
+        }
+        let tasks =
+            std::mem::take(&mut *self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in tasks {
+            let _ = t.await;
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,387 @@
+//! `bench`: the allocator's latency and throughput figures, each printed with its ratio to a
+//! reference measured in the same run (`--json`: one JSON object per figure with name, value,
+//! unit, reference, ratio).
+//!
+//! - `hit_pair_median_ns` / `hit_pair_p99_ns`: cache-hit malloc + drop through the actor vs a
+//!   direct call of the same core (must: median <= 1 us and <= 3x direct).
+//! - `throughput_64_tasks`: aggregate hit pairs/s of 64 concurrent tasks vs one task
+//!   (must not fall below one task's).
+//! - `hit_p99_during_slow_miss_us`: p99 of hits while another task's miss waits on a 10 ms
+//!   device malloc (sim latency model), vs the p99 without it (target <= 100 us).
+//! - `others_p99_one_device_flooded_us`: p99 of hits on 7 devices while the 8th is flooded
+//!   with 10 ms misses (sim) by 16 tasks, vs the same without the flood.
+//!
+//! Sections can be picked by name: `bench hit throughput miss flood` (default: all).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpualloc::devices::DeviceCore;
+use gpualloc::runtime::accounting::AccountingBackend;
+use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
+use gpualloc::{Allocator, AllocatorConfig, Backend, DeviceId, Stream};
+
+const HIT_SIZE: u64 = 4096;
+const MIB: u64 = 1 << 20;
+
+struct Figure {
+    name: &'static str,
+    value: f64,
+    unit: &'static str,
+    reference: f64,
+}
+
+impl Figure {
+    fn ratio(&self) -> f64 {
+        if self.reference > 0.0 {
+            self.value / self.reference
+        } else {
+            0.0
+        }
+    }
+
+    fn print(&self, json: bool) {
+        if json {
+            println!(
+                "{{\"name\":\"{}\",\"value\":{:.4},\"unit\":\"{}\",\"reference\":{:.4},\"ratio\":{:.4}}}",
+                self.name,
+                self.value,
+                self.unit,
+                self.reference,
+                self.ratio()
+            );
+        } else {
+            println!(
+                "{:<36} {:>12.3} {:<8} reference {:>12.3}   ratio {:>6.2}",
+                self.name,
+                self.value,
+                self.unit,
+                self.reference,
+                self.ratio()
+            );
+        }
+    }
+}
+
+fn percentile(samples: &mut [u64], p: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    samples.sort_unstable();
+    let idx = ((samples.len() - 1) as f64 * p).round() as usize;
+    samples[idx] as f64
+}
+
+fn accounting(devices: u32) -> Arc<AccountingBackend> {
+    Arc::new(AccountingBackend::new(devices, 1 << 40))
+}
+
+/// The simulated GPU where a device malloc takes 10 ms and every other call is free.
+fn slow_malloc_sim(devices: u32) -> Arc<dyn Backend> {
+    let latency = LatencyModel {
+        malloc: Duration::from_millis(10),
+        ..LatencyModel::zero()
+    };
+    let config = SimConfig {
+        devices,
+        capacity_per_device: 64 << 30,
+        latency,
+        ..SimConfig::fast(devices)
+    };
+    match SimBackend::new(config) {
+        Ok(sim) => sim,
+        Err(e) => {
+            eprintln!("bench: cannot build the sim: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn build(backend: Arc<dyn Backend>) -> Allocator {
+    match Allocator::builder()
+        .config(AllocatorConfig::default())
+        .backend_instance(backend)
+        .build()
+    {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("bench: cannot build the allocator: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn direct_pairs(n: usize) -> Vec<u64> {
+    let backend: Arc<dyn Backend> = accounting(1);
+    let mut core = match DeviceCore::new(backend.clone(), DeviceId(0), AllocatorConfig::default()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let stream = Stream::new(&backend, DeviceId(0)).expect("stream");
+    let h = stream.handle();
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 1000 {
+        let t = Instant::now();
+        let a = core.malloc(HIT_SIZE, h).expect("malloc");
+        core.free(a.ptr).expect("free");
+        if i >= 1000 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    samples
+}
+
+async fn actor_pairs(alloc: &Allocator, stream: &Stream, n: usize) -> Vec<u64> {
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 1000 {
+        let t = Instant::now();
+        let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
+        drop(b);
+        if i >= 1000 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    samples
+}
+
+/// Hit pairs on `stream` for `dur`; per-pair latencies in ns.
+async fn hits_for(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64> {
+    let mut samples = Vec::with_capacity(1 << 20);
+    let end = Instant::now() + dur;
+    let mut i = 0u64;
+    loop {
+        let t = Instant::now();
+        let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
+        drop(b);
+        samples.push(t.elapsed().as_nanos() as u64);
+        i += 1;
+        if i % 256 == 0 {
+            if Instant::now() >= end {
+                break;
+            }
+            // Let other tasks on this worker run, as a service's tasks would.
+            tokio::task::yield_now().await;
+        }
+    }
+    samples
+}
+
+async fn hit_latency(figures: &mut Vec<Figure>) {
+    const N: usize = 200_000;
+    let mut direct = direct_pairs(N);
+    let alloc = build(accounting(1));
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let mut actor = actor_pairs(&alloc, &stream, N).await;
+    figures.push(Figure {
+        name: "hit_pair_median_ns",
+        value: percentile(&mut actor, 0.5),
+        unit: "ns",
+        reference: percentile(&mut direct, 0.5),
+    });
+    figures.push(Figure {
+        name: "hit_pair_p99_ns",
+        value: percentile(&mut actor, 0.99),
+        unit: "ns",
+        reference: percentile(&mut direct, 0.99),
+    });
+    let _ = alloc.shutdown().await;
+}
+
+async fn throughput(figures: &mut Vec<Figure>) {
+    const PAIRS: u64 = 200_000;
+    const TASKS: u64 = 64;
+    let alloc = build(accounting(1));
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let t = Instant::now();
+    for _ in 0..PAIRS {
+        drop(alloc.malloc(HIT_SIZE, &stream).await.expect("malloc"));
+    }
+    let single = PAIRS as f64 / t.elapsed().as_secs_f64();
+    let per_task = PAIRS * 2 / TASKS;
+    let mut streams = Vec::new();
+    for _ in 0..TASKS {
+        let s = alloc.new_stream(DeviceId(0)).expect("stream");
+        drop(alloc.malloc(HIT_SIZE, &s).await.expect("warm"));
+        streams.push(s);
+    }
+    let t = Instant::now();
+    let handles: Vec<_> = streams
+        .into_iter()
+        .map(|s| {
+            let alloc = alloc.clone();
+            tokio::spawn(async move {
+                for i in 0..per_task {
+                    drop(alloc.malloc(HIT_SIZE, &s).await.expect("malloc"));
+                    if i % 256 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        let _ = h.await;
+    }
+    let aggregate = (per_task * TASKS) as f64 / t.elapsed().as_secs_f64();
+    figures.push(Figure {
+        name: "throughput_64_tasks_pairs_per_s",
+        value: aggregate,
+        unit: "pairs/s",
+        reference: single,
+    });
+    let _ = alloc.shutdown().await;
+}
+
+async fn slow_miss(figures: &mut Vec<Figure>) {
+    let alloc = build(slow_malloc_sim(1));
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    drop(alloc.malloc(HIT_SIZE, &stream).await.expect("warm"));
+    let mut quiet = hits_for(&alloc, &stream, Duration::from_millis(200)).await;
+    let miss_alloc = alloc.clone();
+    let miss_stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let misser = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        let end = Instant::now() + Duration::from_millis(400);
+        let mut i = 0;
+        while Instant::now() < end {
+            kept.push(
+                miss_alloc
+                    .malloc(64 * MIB + i * 2 * MIB, &miss_stream)
+                    .await
+                    .expect("miss"),
+            );
+            i += 1;
+        }
+        kept.len()
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut busy = hits_for(&alloc, &stream, Duration::from_millis(300)).await;
+    let misses = misser.await.unwrap_or(0);
+    if misses == 0 {
+        eprintln!("bench: the miss task made no progress");
+    }
+    figures.push(Figure {
+        name: "hit_p99_during_slow_miss_us",
+        value: percentile(&mut busy, 0.99) / 1000.0,
+        unit: "us",
+        reference: percentile(&mut quiet, 0.99) / 1000.0,
+    });
+    let _ = alloc.shutdown().await;
+}
+
+async fn flooded_device(figures: &mut Vec<Figure>) {
+    let alloc = build(slow_malloc_sim(8));
+    async fn others(alloc: &Allocator) -> Vec<u64> {
+        let handles: Vec<_> = (1..8)
+            .map(|d| {
+                let alloc = alloc.clone();
+                tokio::spawn(async move {
+                    let s = alloc.new_stream(DeviceId(d)).expect("stream");
+                    drop(alloc.malloc(HIT_SIZE, &s).await.expect("warm"));
+                    hits_for(&alloc, &s, Duration::from_millis(200)).await
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for h in handles {
+            all.extend(h.await.unwrap_or_default());
+        }
+        all
+    }
+    let mut quiet = others(&alloc).await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood: Vec<_> = (0..16u64)
+        .map(|_| {
+            let alloc = alloc.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let s = alloc.new_stream(DeviceId(0)).expect("stream");
+                let mut kept = Vec::new();
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    // Misses (10 ms device mallocs; each task on its own stream, so freed
+                    // blocks do not serve the others) interleaved with hits. Device-full
+                    // errors are part of a flood: ignored.
+                    if let Ok(b) = alloc.malloc(32 * MIB + (i % 16) * 2 * MIB, &s).await {
+                        kept.push(b);
+                    }
+                    if kept.len() >= 8 {
+                        kept.clear();
+                    }
+                    for _ in 0..64 {
+                        if let Ok(b) = alloc.malloc(HIT_SIZE, &s).await {
+                            drop(b);
+                        }
+                    }
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut busy = others(&alloc).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in flood {
+        let _ = h.await;
+    }
+    match alloc.stats(DeviceId(0)).await {
+        Ok(st) if st.num_device_alloc > 0 => {}
+        _ => eprintln!("bench: the flooded device made no device mallocs"),
+    }
+    figures.push(Figure {
+        name: "others_p99_one_device_flooded_us",
+        value: percentile(&mut busy, 0.99) / 1000.0,
+        unit: "us",
+        reference: percentile(&mut quiet, 0.99) / 1000.0,
+    });
+    let _ = alloc.shutdown().await;
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let json = args.iter().any(|a| a == "--json");
+    let only: Vec<&str> = args
+        .iter()
+        .filter(|a| !a.starts_with("--"))
+        .map(String::as_str)
+        .collect();
+    let run = |name: &str| only.is_empty() || only.contains(&name);
+    // Two worker threads: this machine's core count (override: GPUALLOC_BENCH_WORKERS).
+    let workers = std::env::var("GPUALLOC_BENCH_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("bench: cannot start tokio: {e}");
+            std::process::exit(2);
+        }
+    };
+    let figures = runtime.block_on(async {
+        let mut figures = Vec::new();
+        if run("hit") {
+            hit_latency(&mut figures).await;
+        }
+        if run("throughput") {
+            throughput(&mut figures).await;
+        }
+        if run("miss") {
+            slow_miss(&mut figures).await;
+        }
+        if run("flood") {
+            flooded_device(&mut figures).await;
+        }
+        figures
+    });
+    for f in &figures {
+        f.print(json);
+    }
+}

@@ -1,0 +1,105 @@
+//! [`DeviceBuffer`]: device memory from the allocator, returned when dropped.
+//!
+//! `Drop` works on any thread, inside or outside an async runtime, before or after the
+//! allocator shut down, and never blocks or panics: it posts a free to the device actor's
+//! mailbox (handled inline when the gate is free, else queued for the holder). Memory freed
+//! after `record_stream` is reused only once the recorded streams have passed the free.
+
+use std::fmt;
+use std::sync::Arc;
+
+use gpualloc_devices::{AllocError, Allocation};
+use gpualloc_runtime::{DeviceId, DevicePtr, Stream};
+
+use crate::actor::{DeviceActor, DeviceMsg};
+use crate::error::Error;
+
+/// Device memory owned by the holder. See the module docs.
+pub struct DeviceBuffer {
+    ptr: DevicePtr,
+    len: u64,
+    stream: Stream,
+    actor: Arc<DeviceActor>,
+}
+
+impl fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("device", &self.actor.device)
+            .finish()
+    }
+}
+
+impl DeviceBuffer {
+    pub(crate) fn new(a: Allocation, actor: Arc<DeviceActor>, stream: Stream) -> Self {
+        DeviceBuffer {
+            ptr: a.ptr,
+            len: a.size,
+            stream,
+            actor,
+        }
+    }
+
+    /// The device address (null for a zero-length buffer).
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Bytes requested (the block behind it may be larger).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for a zero-length buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> DeviceId {
+        self.actor.device
+    }
+
+    /// The stream it was allocated on: freeing it is ordered after that stream's work.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Marks the buffer as used on `stream` too (PyTorch's `record_stream`): when it is
+    /// dropped, its memory is reused only after the work queued on `stream` by then.
+    /// Errors for a stream of another device or another backend, and in a forked child.
+    pub fn record_stream(&self, stream: &Stream) -> Result<(), Error> {
+        self.actor.process.check()?;
+        if !Arc::ptr_eq(stream.backend(), &self.actor.backend) {
+            return Err(Error::ForeignStream);
+        }
+        if stream.device() != self.actor.device {
+            return Err(AllocError::WrongDevice {
+                expected: self.actor.device,
+                got: stream.device(),
+            }
+            .into());
+        }
+        if self.ptr.0 != 0 {
+            self.actor
+                .mailbox
+                .post(DeviceMsg::RecordStream(self.ptr, stream.handle()));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ptr.0 == 0 {
+            return;
+        }
+        // In a forked child the allocator's state is a dead copy: leave it alone.
+        if self.actor.process.forked() {
+            return;
+        }
+        self.actor.mailbox.post(DeviceMsg::Free(self.ptr));
+    }
+}

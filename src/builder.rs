@@ -1,0 +1,211 @@
+//! [`AllocatorBuilder`]: configuration and backend choice.
+//!
+//! The backend is the simulated GPU by default when no GPU is present (logged at `info`, so
+//! nobody mistakes it for a GPU). Asking for CUDA explicitly on a machine without one, or in a
+//! build without the `cuda` backend, is an error (`BackendError::Unavailable`), never a silent
+//! fallback to the sim.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::sim::{SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, BackendError, DeviceId};
+
+use crate::actor::{spawn_actor_task, DeviceActor};
+use crate::allocator::Allocator;
+use crate::error::Error;
+use crate::fork::ProcessGuard;
+
+/// Which GPU runtime the allocator runs on.
+#[derive(Clone, Default)]
+pub enum BackendKind {
+    /// CUDA if a GPU is present, else the simulated GPU (logged).
+    #[default]
+    Auto,
+    /// The simulated GPU (real memory, worker-thread streams), default configuration:
+    /// one 16 GiB device with real-hardware latencies.
+    Sim,
+    /// The simulated GPU with this configuration.
+    SimWith(Box<SimConfig>),
+    /// CUDA; an error if unavailable.
+    Cuda,
+    /// Addresses and byte counts only (no memory behind them): `devices` devices of
+    /// `capacity` bytes. For replays and benchmarks of the allocator itself.
+    Accounting {
+        /// Number of devices.
+        devices: u32,
+        /// Bytes per device.
+        capacity: u64,
+    },
+    /// A backend the caller built.
+    Custom(Arc<dyn Backend>),
+}
+
+impl std::fmt::Debug for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendKind::Auto => f.write_str("Auto"),
+            BackendKind::Sim => f.write_str("Sim"),
+            BackendKind::SimWith(c) => write!(f, "SimWith({c:?})"),
+            BackendKind::Cuda => f.write_str("Cuda"),
+            BackendKind::Accounting { devices, capacity } => {
+                write!(
+                    f,
+                    "Accounting {{ devices: {devices}, capacity: {capacity} }}"
+                )
+            }
+            BackendKind::Custom(b) => write!(f, "Custom({})", b.name()),
+        }
+    }
+}
+
+/// Builds an [`Allocator`].
+#[derive(Debug, Clone)]
+pub struct AllocatorBuilder {
+    config: Option<AllocatorConfig>,
+    config_str: Option<String>,
+    backend: BackendKind,
+    reaper_interval: Duration,
+}
+
+impl Default for AllocatorBuilder {
+    fn default() -> Self {
+        AllocatorBuilder {
+            config: None,
+            config_str: None,
+            backend: BackendKind::Auto,
+            reaper_interval: Duration::from_millis(1),
+        }
+    }
+}
+
+impl AllocatorBuilder {
+    /// Defaults: `GPUALLOC_CONF` (or `PYTORCH_CUDA_ALLOC_CONF`) if set, automatic backend.
+    pub fn new() -> Self {
+        AllocatorBuilder::default()
+    }
+
+    /// Uses this configuration (instead of the environment's).
+    pub fn config(mut self, config: AllocatorConfig) -> Self {
+        self.config = Some(config);
+        self.config_str = None;
+        self
+    }
+
+    /// Parses a configuration string in PyTorch's syntax, e.g.
+    /// `"max_split_size_mb:128,garbage_collection_threshold:0.8"` (errors at `build`).
+    pub fn config_str(mut self, config: impl Into<String>) -> Self {
+        self.config_str = Some(config.into());
+        self.config = None;
+        self
+    }
+
+    /// Chooses the backend.
+    pub fn backend(mut self, backend: BackendKind) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Runs on a backend the caller built.
+    pub fn backend_instance(self, backend: Arc<dyn Backend>) -> Self {
+        self.backend(BackendKind::Custom(backend))
+    }
+
+    /// How often the reaper completes finished cross-stream frees while any are pending
+    /// (default 1 ms; it sleeps when none are).
+    pub fn reaper_interval(mut self, interval: Duration) -> Self {
+        self.reaper_interval = interval.max(Duration::from_micros(10));
+        self
+    }
+
+    fn resolve_config(&self) -> Result<AllocatorConfig, Error> {
+        if let Some(s) = &self.config_str {
+            return Ok(AllocatorConfig::parse(s)?);
+        }
+        match &self.config {
+            Some(c) => Ok(c.clone()),
+            None => Ok(AllocatorConfig::from_env()?),
+        }
+    }
+
+    fn resolve_backend(&self) -> Result<Arc<dyn Backend>, Error> {
+        match &self.backend {
+            BackendKind::Custom(b) => Ok(b.clone()),
+            BackendKind::Accounting { devices, capacity } => {
+                if *devices == 0 {
+                    return Err(BackendError::invalid(
+                        "the accounting backend needs at least one device",
+                    )
+                    .into());
+                }
+                Ok(Arc::new(AccountingBackend::new(*devices, *capacity)))
+            }
+            BackendKind::Cuda => cuda_backend(),
+            BackendKind::Sim => sim_backend(),
+            BackendKind::SimWith(c) => Ok(SimBackend::new(**c)?),
+            BackendKind::Auto => match cuda_backend() {
+                Ok(b) => Ok(b),
+                Err(e) => {
+                    tracing::info!(reason = %e, "no GPU found: using the simulated GPU (sim backend)");
+                    sim_backend()
+                }
+            },
+        }
+    }
+
+    /// Builds the allocator: one device actor per device of the backend, each with its task
+    /// on the current tokio runtime (so call this from inside one).
+    pub fn build(self) -> Result<Allocator, Error> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::NoRuntime)?;
+        let config = self.resolve_config()?;
+        let backend = self.resolve_backend()?;
+        let count = backend.device_count()?;
+        let process = ProcessGuard::current();
+        let mut devices = Vec::with_capacity(count as usize);
+        let mut tasks = Vec::with_capacity(count as usize);
+        for d in 0..count {
+            let core = DeviceCore::new(backend.clone(), DeviceId(d), config.clone())?;
+            let actor = DeviceActor::new(core, process);
+            tasks.push(spawn_actor_task(
+                actor.clone(),
+                &runtime,
+                self.reaper_interval,
+            ));
+            devices.push(actor);
+        }
+        tracing::info!(
+            backend = backend.name(),
+            devices = count,
+            "gpualloc allocator ready"
+        );
+        Ok(Allocator::from_parts(
+            backend, devices, process, tasks, config,
+        ))
+    }
+}
+
+/// The CUDA backend: `Unavailable` (typed, never a silent fallback) in a build without the
+/// `cuda` feature, or when the driver or a device is missing.
+pub fn cuda_backend() -> Result<Arc<dyn Backend>, Error> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(gpualloc_runtime::cuda::CudaBackend::new()?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(
+            BackendError::Unavailable("this build has no cuda backend (feature `cuda`)".into())
+                .into(),
+        )
+    }
+}
+
+/// The simulated GPU with its default configuration.
+pub fn sim_backend() -> Result<Arc<dyn Backend>, Error> {
+    Err(
+        BackendError::Unavailable("the sim backend is not built into this binary yet".into())
+            .into(),
+    )
+}

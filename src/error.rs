@@ -1,0 +1,62 @@
+//! The facade's error type: the device allocator's errors plus what only the facade can
+//! report (a fork, a missing runtime, an unusable backend choice).
+
+use gpualloc_devices::{AllocError, ConfigError};
+use gpualloc_runtime::BackendError;
+
+/// What an [`Allocator`](crate::Allocator) call can fail with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// The device allocator refused: out of memory (with PyTorch's report), a bad size, a
+    /// stream of another device, the allocator was shut down...
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    /// A backend call failed, or the requested backend is unavailable (e.g. CUDA asked for
+    /// on a machine without a GPU: `BackendError::Unavailable`, never a silent fallback).
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A bad configuration string or value.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The allocator was created in another process and this one is a `fork` of it: its
+    /// threads and device state did not survive the fork. Create a new allocator here.
+    #[error(
+        "this allocator was created in process {parent} and cannot be used in process {child} \
+         (a fork): its threads and device state do not survive fork; create a new allocator in the child"
+    )]
+    Forked {
+        /// The process that created the allocator.
+        parent: u32,
+        /// This process.
+        child: u32,
+    },
+    /// No such device on this backend.
+    #[error("device {device} does not exist (the backend has {count} devices)")]
+    InvalidDevice {
+        /// The device asked for.
+        device: u32,
+        /// How many devices there are.
+        count: u32,
+    },
+    /// The stream was created on another backend than this allocator's.
+    #[error("the stream belongs to another backend than this allocator's")]
+    ForeignStream,
+    /// The allocator must be built inside a tokio runtime (its actor tasks run there).
+    #[error("no tokio runtime: build the allocator from inside a tokio runtime")]
+    NoRuntime,
+    /// A blocking-pool task of the allocator failed (it panicked or the runtime is stopping).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    /// True for out of memory (after the whole retry chain, and after waiting if asked to).
+    pub fn is_oom(&self) -> bool {
+        matches!(self, Error::Alloc(e) if e.is_oom())
+    }
+
+    /// True if the allocator has been shut down.
+    pub fn is_shutdown(&self) -> bool {
+        matches!(self, Error::Alloc(AllocError::Shutdown))
+    }
+}
