@@ -16,6 +16,7 @@ pub mod error;
 mod events;
 mod expandable;
 mod inspect;
+mod pages;
 mod pool;
 mod release;
 mod restore;

@@ -14,34 +14,7 @@ pub enum StatType {
     Large = 2,
 }
 
-/// One counter: current value, its peak, and the sums of increases and decreases.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stat {
-    /// Current value.
-    pub current: u64,
-    /// Highest `current` since the last peak reset.
-    pub peak: u64,
-    /// Sum of increases since the last accumulated reset.
-    pub allocated: u64,
-    /// Sum of decreases since the last accumulated reset.
-    pub freed: u64,
-}
-
-impl Stat {
-    /// Adds `n`.
-    pub fn increase(&mut self, n: u64) {
-        self.current += n;
-        self.peak = self.peak.max(self.current);
-        self.allocated += n;
-    }
-
-    /// Subtracts `n` (saturating: a stat never goes negative).
-    pub fn decrease(&mut self, n: u64) {
-        debug_assert!(self.current >= n, "stat underflow: {} - {n}", self.current);
-        self.current = self.current.saturating_sub(n);
-        self.freed += n;
-    }
-}
+pub use gpualloc_runtime::stat::Stat;
 
 /// A stat per [`StatType`].
 pub type StatArray = [Stat; 3];
@@ -87,26 +60,19 @@ impl DeviceStats {
     /// Resets every peak to its current value (`reset_peak_memory_stats`).
     pub fn reset_peak(&mut self) {
         for arr in self.arrays_mut() {
-            for s in arr.iter_mut() {
-                s.peak = s.current;
-            }
+            arr.iter_mut().for_each(Stat::reset_peak);
         }
-        self.oversize_allocations.peak = self.oversize_allocations.current;
-        self.oversize_segments.peak = self.oversize_segments.current;
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
     }
 
     /// Resets the allocated/freed sums and the event counters (`reset_accumulated_memory_stats`).
     pub fn reset_accumulated(&mut self) {
         for arr in self.arrays_mut() {
-            for s in arr.iter_mut() {
-                s.allocated = 0;
-                s.freed = 0;
-            }
+            arr.iter_mut().for_each(Stat::reset_accumulated);
         }
-        for s in [&mut self.oversize_allocations, &mut self.oversize_segments] {
-            s.allocated = 0;
-            s.freed = 0;
-        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
         self.num_alloc_retries = 0;
         self.num_ooms = 0;
         self.num_sync_all_streams = 0;

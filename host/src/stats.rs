@@ -18,45 +18,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// A counter with PyTorch's four readings.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stat {
-    /// Current value.
-    pub current: u64,
-    /// Highest `current` since creation or the last [`Stat::reset_peak`].
-    pub peak: u64,
-    /// Total ever added.
-    pub allocated: u64,
-    /// Total ever removed.
-    pub freed: u64,
-}
-
-impl Stat {
-    /// Adds `n`.
-    pub fn increase(&mut self, n: u64) {
-        self.current += n;
-        self.allocated += n;
-        self.peak = self.peak.max(self.current);
-    }
-
-    /// Removes `n` (saturating: a bookkeeping bug must not panic the allocator).
-    pub fn decrease(&mut self, n: u64) {
-        debug_assert!(n <= self.current, "stat underflow");
-        self.current = self.current.saturating_sub(n);
-        self.freed += n;
-    }
-
-    /// Sets the peak to the current value.
-    pub fn reset_peak(&mut self) {
-        self.peak = self.current;
-    }
-
-    /// Zeroes the accumulated totals.
-    pub fn reset_accumulated(&mut self) {
-        self.allocated = 0;
-        self.freed = 0;
-    }
-}
+pub use gpualloc_runtime::stat::Stat;
 
 /// Durations of a kind of call, as PyTorch's `DurationStat`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

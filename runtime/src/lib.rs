@@ -20,7 +20,9 @@ pub mod conformance;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+pub mod procmaps;
 pub mod sim;
+pub mod stat;
 pub mod stream;
 pub mod sync;
 pub mod types;

@@ -1,0 +1,243 @@
+//! The exporter's view of a device buffer: [`DeviceRegion`] (device, pointer, length, and
+//! the segment memory behind it) plus an [`ExportGuard`] that keeps the block alive and
+//! unused until every importer has let go.
+//!
+//! # How the facade plugs in
+//! The ipc crate does not know `DeviceBuffer`. To export one, the facade
+//! 1. describes it as a [`DeviceRegion`]: its device, pointer and length, and either the
+//!    base of its ordinary segment ([`SegmentMemory::Allocation`], from the device actor's
+//!    snapshot, see [`DeviceRegion::from_core`]) or, for an expandable segment, the mapped
+//!    physical chunks that cover it ([`SegmentMemory::Vmm`]);
+//! 2. moves the `DeviceBuffer` itself into the guard (`impl ExportGuard for DeviceBuffer {}`:
+//!    releasing drops the buffer, which sends its free to the actor). The user no longer
+//!    holds the buffer, so the block stays allocated and unused;
+//! 3. calls `send_device(region, Some(producer_stream), Box::new(buffer))` on a connection.
+//!
+//! The connection releases the guard exactly once, when the importer releases its reference
+//! or its connection ends (importer exited or was killed), or at once if the export fails.
+//! Until the facade exists, [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
+use gpualloc_devices::DeviceCore;
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, PhysHandle};
+
+use crate::error::{IpcError, Result};
+use crate::message::{OfferedMemory, WireChunk};
+
+/// Keeps an exported block alive while an importer may use it. Owning the guard is the
+/// keep-alive; dropping it is the release, so every path that lets go of a guard (the
+/// importer released, the importer died, the export failed, the connection was dropped)
+/// releases the block, exactly once.
+pub trait ExportGuard: Send + 'static {
+    /// Every importer reference is gone: the block may be freed and reused. The default
+    /// drops the guard, which is all most guards need (their `Drop` frees the block).
+    fn release(self: Box<Self>) {}
+}
+
+/// An [`ExportGuard`] that runs a closure when released (dropped).
+pub struct OnRelease<F: FnOnce() + Send + 'static>(Option<F>);
+
+impl<F: FnOnce() + Send + 'static> OnRelease<F> {
+    /// Runs `f` on release.
+    pub fn new(f: F) -> Self {
+        OnRelease(Some(f))
+    }
+}
+
+impl<F: FnOnce() + Send + 'static> ExportGuard for OnRelease<F> {}
+
+impl<F: FnOnce() + Send + 'static> Drop for OnRelease<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f()
+        }
+    }
+}
+
+/// An [`ExportGuard`] that frees `ptr` in a shared [`DeviceCore`] when released (dropped);
+/// the block then returns to its pool, after any recorded stream uses.
+pub struct CoreGuard {
+    core: Arc<Mutex<DeviceCore>>,
+    ptr: DevicePtr,
+}
+
+impl CoreGuard {
+    /// Guards allocation `ptr` of `core`.
+    pub fn new(core: Arc<Mutex<DeviceCore>>, ptr: DevicePtr) -> Self {
+        CoreGuard { core, ptr }
+    }
+}
+
+impl ExportGuard for CoreGuard {}
+
+impl Drop for CoreGuard {
+    fn drop(&mut self) {
+        let mut core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = core.free(self.ptr) {
+            tracing::warn!(ptr = %self.ptr, error = %e, "freeing a released export failed");
+        }
+    }
+}
+
+/// The memory behind a device buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SegmentMemory {
+    /// An ordinary segment from `Backend::malloc`, starting at `base`: exported with a
+    /// legacy IPC handle of the whole segment plus the offset.
+    Allocation {
+        /// The segment's base address.
+        base: DevicePtr,
+    },
+    /// An expandable segment: the mapped physical chunks covering the buffer, in address
+    /// order and contiguous; exported as one fd per chunk.
+    Vmm {
+        /// The chunks.
+        chunks: Vec<VmmChunk>,
+    },
+}
+
+/// One mapped piece of physical memory in the exporter's address space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmmChunk {
+    /// Where it is mapped.
+    pub ptr: DevicePtr,
+    /// Bytes mapped.
+    pub size: u64,
+    /// The physical memory.
+    pub handle: PhysHandle,
+    /// Offset of the mapping into `handle`.
+    pub handle_offset: u64,
+}
+
+/// A device buffer to export. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceRegion {
+    /// Its device.
+    pub device: DeviceId,
+    /// Its start.
+    pub ptr: DevicePtr,
+    /// Its length in bytes.
+    pub len: u64,
+    /// The memory behind it.
+    pub segment: SegmentMemory,
+}
+
+impl DeviceRegion {
+    /// Describes live allocation `ptr` of `core`: its requested length, and its segment from
+    /// the snapshot: the segment base for an ordinary segment, the mapped physical pages
+    /// covering the buffer for an expandable one.
+    pub fn from_core(core: &DeviceCore, ptr: DevicePtr) -> Result<DeviceRegion> {
+        let alloc = core
+            .allocation(ptr)
+            .ok_or_else(|| IpcError::InvalidExport(format!("{ptr} is not a live allocation")))?;
+        let segment = if let Some(pages) = core.expandable_pages(ptr, alloc.size) {
+            SegmentMemory::Vmm {
+                chunks: pages
+                    .into_iter()
+                    .map(|(at, size, handle)| VmmChunk {
+                        ptr: at,
+                        size,
+                        handle,
+                        handle_offset: 0,
+                    })
+                    .collect(),
+            }
+        } else {
+            let snap = core.snapshot();
+            let seg = snap
+                .segments
+                .iter()
+                .find(|s| s.address <= ptr.0 && ptr.0 < s.address.saturating_add(s.total_size))
+                .ok_or_else(|| IpcError::InvalidExport(format!("no segment holds {ptr}")))?;
+            if seg.is_expandable {
+                return Err(IpcError::InvalidExport(format!(
+                    "{ptr} is not on mapped pages of its expandable segment"
+                )));
+            }
+            SegmentMemory::Allocation {
+                base: DevicePtr(seg.address),
+            }
+        };
+        Ok(DeviceRegion {
+            device: core.device(),
+            ptr,
+            len: alloc.size,
+            segment,
+        })
+    }
+
+    /// Checks the description and builds what travels: the offered memory and its fds.
+    pub(crate) fn offer(&self, backend: &dyn Backend) -> Result<(OfferedMemory, Vec<OwnedFd>)> {
+        if self.len == 0 {
+            return Err(IpcError::InvalidExport("zero-length buffer".into()));
+        }
+        let end = self
+            .ptr
+            .0
+            .checked_add(self.len)
+            .ok_or_else(|| IpcError::InvalidExport("buffer wraps the address space".into()))?;
+        match &self.segment {
+            SegmentMemory::Allocation { base } => {
+                let offset = self.ptr.0.checked_sub(base.0).ok_or_else(|| {
+                    IpcError::InvalidExport(format!("{} is below its segment {base}", self.ptr))
+                })?;
+                let handle = backend.ipc_get_mem_handle(*base)?;
+                Ok((
+                    OfferedMemory::Legacy {
+                        handle: handle.0.to_vec(),
+                        offset,
+                    },
+                    Vec::new(),
+                ))
+            }
+            SegmentMemory::Vmm { chunks } => {
+                let first = chunks
+                    .first()
+                    .ok_or_else(|| IpcError::InvalidExport("no chunks".into()))?;
+                let start = first.ptr.0;
+                let mut at = start;
+                let mut wire = Vec::with_capacity(chunks.len());
+                for c in chunks {
+                    if c.ptr.0 != at || c.size == 0 {
+                        return Err(IpcError::InvalidExport(format!(
+                            "chunks are not contiguous at {}",
+                            c.ptr
+                        )));
+                    }
+                    if c.handle.device != self.device {
+                        return Err(IpcError::InvalidExport(
+                            "a chunk belongs to another device".into(),
+                        ));
+                    }
+                    wire.push(WireChunk {
+                        va_offset: at - start,
+                        size: c.size,
+                        handle_offset: c.handle_offset,
+                    });
+                    at = at
+                        .checked_add(c.size)
+                        .ok_or_else(|| IpcError::InvalidExport("chunk overflows".into()))?;
+                }
+                if self.ptr.0 < start || end > at {
+                    return Err(IpcError::InvalidExport(format!(
+                        "chunks [{start:#x}, {at:#x}) do not cover the buffer"
+                    )));
+                }
+                let fds = chunks
+                    .iter()
+                    .map(|c| backend.phys_export_fd(c.handle))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Ok((
+                    OfferedMemory::Vmm {
+                        span: at - start,
+                        offset: self.ptr.0 - start,
+                        chunks: wire,
+                    },
+                    fds,
+                ))
+            }
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The exporter's state for one connection, without I/O: the reference-count file it
+//! shared, the ledger of what it sent, and the guards that keep those blocks alive. The
+//! blocking and async connection types drive it; it tells them what bytes and fds to send
+//! and what to do with what arrives.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use gpualloc_runtime::{Backend, StreamHandle};
+
+use crate::error::{IpcError, Result};
+use crate::export::{DeviceRegion, ExportGuard};
+use crate::frame;
+use crate::ledger::{ExportId, ExportLedger};
+use crate::map::SharedMapping;
+use crate::message::{DeviceOffer, Message, Readiness};
+use crate::peer::PeerCred;
+use crate::refcount::RefCountFile;
+
+/// Bytes and fds of one frame to send. The fds are this process's duplicates; the kernel
+/// gives the peer its own, and these close once sent.
+#[derive(Debug)]
+pub(crate) struct Outgoing {
+    pub bytes: Vec<u8>,
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Counts of what a connection gave back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServeEnd {
+    /// Exports the importer released itself.
+    pub released: usize,
+    /// Exports reclaimed because the connection ended while the importer held them.
+    pub reclaimed: usize,
+}
+
+/// How an export came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Returned {
+    /// The importer released it.
+    Released,
+    /// The connection ended (importer gone); the exporter took it back.
+    Reclaimed,
+}
+
+pub(crate) struct ExporterState {
+    backend: Arc<dyn Backend>,
+    refs: RefCountFile,
+    ledger: ExportLedger<Box<dyn ExportGuard>>,
+    pub(crate) peer: PeerCred,
+    pub(crate) totals: ServeEnd,
+}
+
+impl ExporterState {
+    pub(crate) fn new(backend: Arc<dyn Backend>, peer: PeerCred, slots: usize) -> Result<Self> {
+        Ok(ExporterState {
+            backend,
+            refs: RefCountFile::create(slots)?,
+            ledger: ExportLedger::new(slots),
+            peer,
+            totals: ServeEnd::default(),
+        })
+    }
+
+    pub(crate) fn hello(&self) -> Result<Outgoing> {
+        let msg = Message::Hello {
+            pid: std::process::id(),
+            slots: u32::try_from(self.refs.slots()).unwrap_or(u32::MAX),
+        };
+        let fd = self
+            .refs
+            .fd()
+            .ok_or_else(|| IpcError::Malformed("reference-count file lost its fd".into()))?;
+        Ok(Outgoing {
+            bytes: frame::encode(&msg)?,
+            fds: vec![dup(fd)?],
+        })
+    }
+
+    pub(crate) fn host(mapping: &SharedMapping, tag: u64) -> Result<Outgoing> {
+        let fd = mapping.fd().ok_or_else(|| {
+            IpcError::InvalidExport("the mapping did not keep its fd (FdAfterMap::Close)".into())
+        })?;
+        let msg = Message::Host {
+            len: mapping.len(),
+            tag,
+        };
+        Ok(Outgoing {
+            bytes: frame::encode(&msg)?,
+            fds: vec![dup(fd)?],
+        })
+    }
+
+    /// Prepares a device export. On error the guard is released (the export did not
+    /// happen, so nothing holds the block).
+    pub(crate) fn device(
+        &mut self,
+        region: &DeviceRegion,
+        producer: Option<StreamHandle>,
+        guard: Box<dyn ExportGuard>,
+    ) -> Result<(ExportId, Outgoing)> {
+        let prepared = (|| {
+            if let Some(s) = producer {
+                // The chosen readiness protocol: the producer's writes are complete before
+                // the importer can see the buffer.
+                self.backend.stream_synchronize(s)?;
+            }
+            region.offer(&*self.backend)
+        })();
+        let (memory, fds) = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                guard.release();
+                return Err(e);
+            }
+        };
+        // A full ledger drops (releases) the guard with the error.
+        let (id, slot) = self.ledger.offer(self.refs.counters(), guard)?;
+        let msg = Message::Device(DeviceOffer {
+            id,
+            slot,
+            device: region.device.0,
+            len: region.len,
+            ready: Readiness::Synchronized,
+            memory,
+        });
+        match frame::encode(&msg) {
+            Ok(bytes) => Ok((id, Outgoing { bytes, fds })),
+            Err(e) => {
+                self.send_failed(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// The frame of export `id` never left: forget it and release its guard.
+    pub(crate) fn send_failed(&mut self, id: ExportId) {
+        if let Ok(guard) = self.ledger.cancel(self.refs.counters(), id) {
+            guard.release();
+        }
+    }
+
+    /// Handles a message from the importer; returns the exports it gave back.
+    pub(crate) fn on_message(&mut self, msg: Message) -> Result<Vec<ExportId>> {
+        match msg {
+            Message::Released { .. } => Ok(self.collect()),
+            other => Err(IpcError::Unexpected {
+                expected: "released",
+                got: other.name().into(),
+            }),
+        }
+    }
+
+    /// Releases the guards of every export whose references are all gone.
+    pub(crate) fn collect(&mut self) -> Vec<ExportId> {
+        let done = self.ledger.collect(self.refs.counters());
+        self.totals.released += done.len();
+        release_all(done)
+    }
+
+    /// The connection ended: take back everything still out.
+    pub(crate) fn reclaim(&mut self) -> Vec<ExportId> {
+        // What the importer released before going counts as released.
+        self.collect();
+        let done = self.ledger.reclaim_all(self.refs.counters());
+        if !done.is_empty() {
+            tracing::info!(
+                count = done.len(),
+                peer = self.peer.pid,
+                "reclaimed exports of a closed ipc connection"
+            );
+        }
+        self.totals.reclaimed += done.len();
+        release_all(done)
+    }
+
+    pub(crate) fn outstanding(&self) -> usize {
+        self.ledger.outstanding()
+    }
+}
+
+impl Drop for ExporterState {
+    fn drop(&mut self) {
+        if self.outstanding() > 0 {
+            tracing::warn!(
+                count = self.outstanding(),
+                "ipc connection dropped with exports out: taking them back"
+            );
+        }
+        self.reclaim();
+    }
+}
+
+fn release_all(done: Vec<(ExportId, Box<dyn ExportGuard>)>) -> Vec<ExportId> {
+    done.into_iter()
+        .map(|(id, guard)| {
+            guard.release();
+            id
+        })
+        .collect()
+}
+
+fn dup(fd: std::os::fd::BorrowedFd<'_>) -> Result<OwnedFd> {
+    fd.as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| IpcError::os("dup", e))
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::export::{OnRelease, SegmentMemory};
+    use gpualloc_runtime::sim::{SimBackend, SimConfig};
+    use gpualloc_runtime::DeviceId;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn every_failed_export_releases_its_guard() {
+        let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let ptr = backend.malloc(DeviceId(0), 1 << 20).unwrap();
+        let peer = PeerCred {
+            pid: 1,
+            uid: 0,
+            gid: 0,
+        };
+        let mut state = ExporterState::new(backend.clone(), peer, 1).unwrap();
+        let released = Arc::new(AtomicUsize::new(0));
+        let guard = || {
+            let r = released.clone();
+            Box::new(OnRelease::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            }))
+        };
+        let region = DeviceRegion {
+            device: DeviceId(0),
+            ptr,
+            len: 4096,
+            segment: SegmentMemory::Allocation { base: ptr },
+        };
+        let (id, out) = state.device(&region, None, guard()).unwrap();
+        assert!(out.fds.is_empty());
+        // The only slot is taken: the next export fails and its guard is released at once.
+        assert!(matches!(
+            state.device(&region, None, guard()),
+            Err(IpcError::SlotsExhausted(1))
+        ));
+        assert_eq!(released.load(Ordering::SeqCst), 1);
+        // A zero-length region is refused, guard released.
+        let empty = DeviceRegion { len: 0, ..region };
+        assert!(matches!(
+            state.device(&empty, None, guard()),
+            Err(IpcError::InvalidExport(_))
+        ));
+        assert_eq!(released.load(Ordering::SeqCst), 2);
+        // A send that failed gives the slot back.
+        state.send_failed(id);
+        assert_eq!(released.load(Ordering::SeqCst), 3);
+        assert_eq!(state.outstanding(), 0);
+        drop(state);
+        backend.free(DeviceId(0), ptr).unwrap();
+    }
+}

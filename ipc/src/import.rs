@@ -1,0 +1,265 @@
+//! The importer's side of a device buffer: [`ImportedBuffer`] opens an offer in this
+//! process (a legacy IPC handle, or VMM fds imported, mapped into a fresh reservation and
+//! made accessible) and, on release, closes it and drops its reference in the shared
+//! counter, which lets the exporter reuse the block. Dropping it releases too.
+//!
+//! Ordering: the exporter synchronized its producing stream before sending (see
+//! [`Readiness`]), so the importer may use the buffer at once. Before releasing, the
+//! importer must finish its own work on it: [`ImportedBuffer::release_after`] synchronizes
+//! the streams it names first.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle, PhysHandle, StreamHandle};
+
+use crate::counter::SharedCounter;
+use crate::error::{IpcError, Result};
+use crate::ledger::ExportId;
+use crate::message::{DeviceOffer, OfferedMemory, Readiness};
+use crate::refcount::RefCountFile;
+
+/// How the memory is open in this process.
+#[derive(Debug)]
+enum Opened {
+    Legacy {
+        base: DevicePtr,
+    },
+    Vmm {
+        device: DeviceId,
+        base: DevicePtr,
+        span: u64,
+        maps: Vec<(DevicePtr, u64)>,
+        handles: Vec<PhysHandle>,
+    },
+}
+
+/// A device buffer of another process, open in this one. See the module docs.
+pub struct ImportedBuffer {
+    backend: Arc<dyn Backend>,
+    refs: Arc<RefCountFile>,
+    id: ExportId,
+    slot: u32,
+    device: DeviceId,
+    ptr: DevicePtr,
+    len: u64,
+    ready: Readiness,
+    opened: Option<Opened>,
+}
+
+impl std::fmt::Debug for ImportedBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportedBuffer")
+            .field("id", &self.id)
+            .field("device", &self.device)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("opened", &self.opened)
+            .finish()
+    }
+}
+
+impl ImportedBuffer {
+    /// Opens `offer` (with its fds) on `device`'s backend.
+    pub(crate) fn open(
+        backend: Arc<dyn Backend>,
+        refs: Arc<RefCountFile>,
+        device: DeviceId,
+        offer: DeviceOffer,
+        fds: Vec<OwnedFd>,
+    ) -> Result<ImportedBuffer> {
+        if offer.slot as usize >= refs.slots() {
+            return Err(IpcError::Malformed(format!(
+                "slot {} of {}",
+                offer.slot,
+                refs.slots()
+            )));
+        }
+        if offer.len == 0 {
+            return Err(IpcError::Malformed("zero-length device buffer".into()));
+        }
+        let (opened, ptr) = match offer.memory {
+            OfferedMemory::Legacy { handle, offset } => {
+                let raw: [u8; 64] = handle
+                    .as_slice()
+                    .try_into()
+                    .map_err(|_| IpcError::Malformed("IPC handle is not 64 bytes".into()))?;
+                let base = backend.ipc_open_mem_handle(device, &IpcMemHandle(raw))?;
+                let ptr = offset
+                    .checked_add(offer.len)
+                    .and_then(|_| base.checked_add(offset));
+                match ptr {
+                    Some(ptr) => (Opened::Legacy { base }, ptr),
+                    None => {
+                        let _ = backend.ipc_close_mem_handle(base);
+                        return Err(IpcError::Malformed("offset overflows".into()));
+                    }
+                }
+            }
+            OfferedMemory::Vmm {
+                span,
+                offset,
+                chunks,
+            } => {
+                let in_span = offset.checked_add(offer.len).is_some_and(|end| end <= span);
+                if !in_span || chunks.len() != fds.len() {
+                    return Err(IpcError::Malformed("VMM offer does not add up".into()));
+                }
+                let gran = backend.vmm_granularity(device)?;
+                let base = backend.va_reserve(device, span, gran)?;
+                let mut opened = Opened::Vmm {
+                    device,
+                    base,
+                    span,
+                    maps: Vec::new(),
+                    handles: Vec::new(),
+                };
+                if let Err(e) = map_chunks(&*backend, device, &mut opened, &chunks, fds) {
+                    close(&*backend, opened);
+                    return Err(e);
+                }
+                let ptr = base
+                    .checked_add(offset)
+                    .ok_or_else(|| IpcError::Malformed("offset overflows".into()))?;
+                (opened, ptr)
+            }
+        };
+        Ok(ImportedBuffer {
+            backend,
+            refs,
+            id: offer.id,
+            slot: offer.slot,
+            device,
+            ptr,
+            len: offer.len,
+            ready: offer.ready,
+            opened: Some(opened),
+        })
+    }
+
+    /// The buffer's start in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Its length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Always false (offers are never empty).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its device in this process.
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    /// The export's id on its connection.
+    pub fn id(&self) -> ExportId {
+        self.id
+    }
+
+    /// What the importer had to wait for (always [`Readiness::Synchronized`] today).
+    pub fn readiness(&self) -> Readiness {
+        self.ready
+    }
+
+    /// True when this is a VMM (expandable-segment) import.
+    pub fn is_vmm(&self) -> bool {
+        matches!(self.opened, Some(Opened::Vmm { .. }))
+    }
+
+    /// Synchronizes `streams` (this process's work on the buffer), then releases.
+    pub fn release_after(self, streams: &[StreamHandle]) -> Result<ExportId> {
+        for s in streams {
+            self.backend.stream_synchronize(*s)?;
+        }
+        Ok(self.release())
+    }
+
+    /// Closes the memory in this process and drops the reference: the exporter may reuse
+    /// the block from now on. Returns the export's id (to tell the exporter).
+    pub fn release(mut self) -> ExportId {
+        self.release_now();
+        self.id
+    }
+
+    fn release_now(&mut self) {
+        if let Some(opened) = self.opened.take() {
+            close(&*self.backend, opened);
+            if let Some(c) = self.refs.counters().get(self.slot as usize) {
+                c.release_one();
+            }
+        }
+    }
+}
+
+impl Drop for ImportedBuffer {
+    fn drop(&mut self) {
+        self.release_now();
+    }
+}
+
+fn map_chunks(
+    backend: &dyn Backend,
+    device: DeviceId,
+    opened: &mut Opened,
+    chunks: &[crate::message::WireChunk],
+    fds: Vec<OwnedFd>,
+) -> Result<()> {
+    let Opened::Vmm {
+        base,
+        span,
+        device: _,
+        maps,
+        handles,
+    } = opened
+    else {
+        return Ok(());
+    };
+    for (c, fd) in chunks.iter().zip(fds) {
+        let fits = c.va_offset.checked_add(c.size).is_some_and(|e| e <= *span);
+        if !fits {
+            return Err(IpcError::Malformed("chunk outside the span".into()));
+        }
+        let h = backend.phys_import_fd(device, fd)?;
+        handles.push(h);
+        let at = base
+            .checked_add(c.va_offset)
+            .ok_or_else(|| IpcError::Malformed("chunk offset overflows".into()))?;
+        backend.map(at, c.size, c.handle_offset, h)?;
+        maps.push((at, c.size));
+        backend.set_access(device, at, c.size)?;
+    }
+    Ok(())
+}
+
+/// Undoes an open, logging (not failing on) errors: it runs from `Drop`.
+fn close(backend: &dyn Backend, opened: Opened) {
+    let warn = |what: &str, r: gpualloc_runtime::Result<()>| {
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "{what} of an imported buffer failed");
+        }
+    };
+    match opened {
+        Opened::Legacy { base } => warn("ipc_close_mem_handle", backend.ipc_close_mem_handle(base)),
+        Opened::Vmm {
+            device,
+            base,
+            span,
+            maps,
+            handles,
+        } => {
+            for (at, size) in maps {
+                warn("unmap", backend.unmap(at, size));
+            }
+            for h in handles {
+                warn("phys_release", backend.phys_release(h));
+            }
+            warn("va_free", backend.va_free(device, base, span));
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Bad input from the other process gets a typed error, never a crash: fds that are not
+//! shared memory, sizes larger than the object, truncated and garbage messages, a peer of
+//! another user, bogus device offers, and a hostile importer (whose exports are still
+//! taken back).
+
+use std::io::Write;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use gpualloc_ipc::fdpass::send_step;
+use gpualloc_ipc::frame;
+use gpualloc_ipc::message::{DeviceOffer, Message, OfferedMemory, Readiness};
+use gpualloc_ipc::refcount::RefCountFile;
+use gpualloc_ipc::{
+    shm, Backing, DeviceRegion, ExportConn, ImportConn, IpcError, MapOptions, OnRelease,
+    PeerPolicy, SegmentMemory,
+};
+use gpualloc_runtime::sim::{SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, BackendError, DeviceId};
+
+const DEV: DeviceId = DeviceId(0);
+
+fn backend() -> Arc<dyn Backend> {
+    SimBackend::new(SimConfig::fast(1)).unwrap()
+}
+
+fn send_raw(sock: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+    let mut sent = 0;
+    while sent < bytes.len() {
+        sent += send_step(sock.as_fd(), bytes, sent, fds).unwrap();
+    }
+}
+
+fn send_msg(sock: &UnixStream, msg: &Message, fds: &[BorrowedFd<'_>]) {
+    send_raw(sock, &frame::encode(msg).unwrap(), fds);
+}
+
+/// A socket pair whose importer end has read a valid hello. Returns (exporter end, importer).
+fn hello_pair(refs: &RefCountFile) -> (UnixStream, ImportConn) {
+    let (a, b) = UnixStream::pair().unwrap();
+    send_msg(
+        &a,
+        &Message::Hello { pid: 1, slots: 8 },
+        &[refs.fd().unwrap()],
+    );
+    let conn = ImportConn::new(b, &PeerPolicy::default(), backend(), DEV).unwrap();
+    (a, conn)
+}
+
+#[test]
+fn a_pipe_is_not_shared_memory() {
+    let refs = RefCountFile::create(8).unwrap();
+    let (a, mut conn) = hello_pair(&refs);
+    let (r, _w): (OwnedFd, OwnedFd) = rustix::pipe::pipe().unwrap();
+    send_msg(&a, &Message::Host { len: 4096, tag: 0 }, &[r.as_fd()]);
+    match conn.recv() {
+        Err(IpcError::NotSharedMemory { kind }) => assert_eq!(kind, "pipe"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_size_larger_than_the_object_is_refused() {
+    let refs = RefCountFile::create(8).unwrap();
+    let (a, mut conn) = hello_pair(&refs);
+    let m = shm::create(4096, Backing::Memfd, MapOptions::shared_rw()).unwrap();
+    send_msg(&a, &Message::Host { len: 8192, tag: 0 }, &[m.fd().unwrap()]);
+    match conn.recv() {
+        Err(IpcError::SizeMismatch { requested, actual }) => {
+            assert_eq!((requested, actual), (8192, 4096))
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn truncated_and_garbage_messages_are_typed_errors() {
+    let refs = RefCountFile::create(8).unwrap();
+    // Truncated: half a frame, then the writer goes away.
+    let (a, mut conn) = hello_pair(&refs);
+    let bytes = frame::encode(&Message::Released { id: 3 }).unwrap();
+    send_raw(&a, &bytes[..bytes.len() / 2], &[]);
+    drop(a);
+    match conn.recv() {
+        Err(IpcError::Truncated { got, expected }) => {
+            assert_eq!((got, expected), (bytes.len() / 2, bytes.len()))
+        }
+        other => panic!("{other:?}"),
+    }
+    // Garbage.
+    let (mut a, mut conn) = hello_pair(&refs);
+    a.write_all(b"this is not a gpualloc frame at all").unwrap();
+    assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    // A clean close between frames.
+    let (a, mut conn) = hello_pair(&refs);
+    drop(a);
+    assert!(matches!(conn.recv(), Err(IpcError::Closed)));
+    // Garbage instead of the hello; a hello that is another message.
+    let (mut a, b) = UnixStream::pair().unwrap();
+    a.write_all(&[0xff; 40]).unwrap();
+    assert!(matches!(
+        ImportConn::new(b, &PeerPolicy::default(), backend(), DEV),
+        Err(IpcError::Malformed(_))
+    ));
+    let (a, b) = UnixStream::pair().unwrap();
+    send_msg(&a, &Message::Released { id: 1 }, &[]);
+    assert!(matches!(
+        ImportConn::new(b, &PeerPolicy::default(), backend(), DEV),
+        Err(IpcError::Unexpected {
+            expected: "hello",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn a_peer_of_another_user_is_rejected_on_both_ends() {
+    let me = rustix::process::geteuid().as_raw();
+    let policy = PeerPolicy::allow_uid(me.wrapping_add(1000));
+    let (a, b) = UnixStream::pair().unwrap();
+    match ExportConn::new(a, &policy, backend()) {
+        Err(IpcError::PeerNotAllowed { uid, allowed, pid }) => {
+            assert_eq!(
+                (uid, allowed, pid),
+                (me, me.wrapping_add(1000), std::process::id())
+            )
+        }
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("accepted"),
+    }
+    assert!(matches!(
+        ImportConn::new(b, &policy, backend(), DEV),
+        Err(IpcError::PeerNotAllowed { .. })
+    ));
+}
+
+#[test]
+fn bogus_device_offers_are_typed_errors() {
+    let refs = RefCountFile::create(8).unwrap();
+    let (a, mut conn) = hello_pair(&refs);
+    let offer = |slot, handle: Vec<u8>| {
+        Message::Device(DeviceOffer {
+            id: 1,
+            slot,
+            device: 0,
+            len: 4096,
+            ready: Readiness::Synchronized,
+            memory: OfferedMemory::Legacy { handle, offset: 0 },
+        })
+    };
+    send_msg(&a, &offer(0, vec![0; 64]), &[]);
+    assert!(matches!(
+        conn.recv(),
+        Err(IpcError::Backend(BackendError::InvalidValue(_)))
+    ));
+    send_msg(&a, &offer(0, vec![0; 10]), &[]);
+    assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    send_msg(&a, &offer(99, vec![0; 64]), &[]);
+    assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    // A VMM offer whose span cannot hold the buffer.
+    let vmm = Message::Device(DeviceOffer {
+        id: 2,
+        slot: 0,
+        device: 0,
+        len: 4096,
+        ready: Readiness::Synchronized,
+        memory: OfferedMemory::Vmm {
+            span: 1024,
+            offset: 0,
+            chunks: vec![],
+        },
+    });
+    send_msg(&a, &vmm, &[]);
+    assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+}
+
+#[test]
+fn a_hostile_importer_still_gets_its_exports_taken_back() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let ptr = backend.malloc(DEV, 1 << 20).unwrap();
+    let (a, mut b) = UnixStream::pair().unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let flag = released.clone();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr,
+        len: 1 << 20,
+        segment: SegmentMemory::Allocation { base: ptr },
+    };
+    conn.send_device(
+        &region,
+        None,
+        Box::new(OnRelease::new(move || flag.store(true, Ordering::SeqCst))),
+    )
+    .unwrap();
+    // A region that is not inside its segment is refused before anything is sent, and its
+    // guard is released at once.
+    let bad = DeviceRegion {
+        segment: SegmentMemory::Allocation {
+            base: gpualloc_runtime::DevicePtr(ptr.0 + 4096),
+        },
+        ..region.clone()
+    };
+    let bad_flag = Arc::new(AtomicBool::new(false));
+    let f2 = bad_flag.clone();
+    assert!(matches!(
+        conn.send_device(
+            &bad,
+            None,
+            Box::new(OnRelease::new(move || f2.store(true, Ordering::SeqCst)))
+        ),
+        Err(IpcError::InvalidExport(_))
+    ));
+    assert!(bad_flag.load(Ordering::SeqCst));
+    assert_eq!(conn.outstanding(), 1);
+    b.write_all(b"\x00garbage from a hostile importer\x00")
+        .unwrap();
+    assert!(matches!(conn.serve(), Err(IpcError::Malformed(_))));
+    assert!(released.load(Ordering::SeqCst));
+    backend.free(DEV, ptr).unwrap();
+}
