@@ -4,8 +4,8 @@
 //!
 //! - `hit_pair_median_ns` / `hit_pair_p99_ns`: cache-hit malloc + drop through the actor vs a
 //!   direct call of the same core (must: median <= 1 us and <= 3x direct).
-//! - `throughput_64_tasks`: aggregate hit pairs/s of 64 concurrent tasks vs one task
-//!   (must not fall below one task's).
+//! - `throughput_64_tasks`: aggregate hit pairs/s of 64 concurrent tasks vs one task, best
+//!   of three runs each (must not fall below one task's).
 //! - `hit_p99_during_slow_miss_us`: p99 of hits while another task's miss waits on a 10 ms
 //!   device malloc (sim latency model), vs the p99 without it (target <= 100 us).
 //! - `others_p99_one_device_flooded_us`: p99 of hits on 7 devices while the 8th is flooded
@@ -190,16 +190,14 @@ async fn hit_latency(figures: &mut Vec<Figure>) {
     let _ = alloc.shutdown().await;
 }
 
+/// Best of `ROUNDS` runs for both figures: other processes on this shared machine only ever
+/// slow a run down, so the best run is the one closest to what the allocator can do.
 async fn throughput(figures: &mut Vec<Figure>) {
     const PAIRS: u64 = 200_000;
     const TASKS: u64 = 64;
+    const ROUNDS: usize = 3;
     let alloc = build(accounting(1));
     let stream = alloc.new_stream(DeviceId(0)).expect("stream");
-    let t = Instant::now();
-    for _ in 0..PAIRS {
-        drop(alloc.malloc(HIT_SIZE, &stream).await.expect("malloc"));
-    }
-    let single = PAIRS as f64 / t.elapsed().as_secs_f64();
     let per_task = PAIRS * 2 / TASKS;
     let mut streams = Vec::new();
     for _ in 0..TASKS {
@@ -207,25 +205,34 @@ async fn throughput(figures: &mut Vec<Figure>) {
         drop(alloc.malloc(HIT_SIZE, &s).await.expect("warm"));
         streams.push(s);
     }
-    let t = Instant::now();
-    let handles: Vec<_> = streams
-        .into_iter()
-        .map(|s| {
-            let alloc = alloc.clone();
-            tokio::spawn(async move {
-                for i in 0..per_task {
-                    drop(alloc.malloc(HIT_SIZE, &s).await.expect("malloc"));
-                    if i % 256 == 0 {
-                        tokio::task::yield_now().await;
+    let (mut single, mut aggregate) = (0f64, 0f64);
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        for _ in 0..PAIRS {
+            drop(alloc.malloc(HIT_SIZE, &stream).await.expect("malloc"));
+        }
+        single = single.max(PAIRS as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let handles: Vec<_> = streams
+            .iter()
+            .cloned()
+            .map(|s| {
+                let alloc = alloc.clone();
+                tokio::spawn(async move {
+                    for i in 0..per_task {
+                        drop(alloc.malloc(HIT_SIZE, &s).await.expect("malloc"));
+                        if i % 256 == 0 {
+                            tokio::task::yield_now().await;
+                        }
                     }
-                }
+                })
             })
-        })
-        .collect();
-    for h in handles {
-        let _ = h.await;
+            .collect();
+        for h in handles {
+            let _ = h.await;
+        }
+        aggregate = aggregate.max((per_task * TASKS) as f64 / t.elapsed().as_secs_f64());
     }
-    let aggregate = (per_task * TASKS) as f64 / t.elapsed().as_secs_f64();
     figures.push(Figure {
         name: "throughput_64_tasks_pairs_per_s",
         value: aggregate,
