@@ -53,7 +53,11 @@ async fn cuda_requested_is_a_typed_error_without_a_gpu_and_works_with_one() {
         Err(Error::Backend(BackendError::Unavailable(msg))) => {
             println!("no GPU here, as expected: {msg}");
             let expected: &[&str] = if cfg!(feature = "cuda") {
-                &["no CUDA driver found", "no CUDA device", "failed to initialize"]
+                &[
+                    "no CUDA driver found",
+                    "no CUDA device",
+                    "failed to initialize",
+                ]
             } else {
                 &["no cuda backend"]
             };
