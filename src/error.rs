@@ -2,6 +2,7 @@
 //! report (a fork, a missing runtime, an unusable backend choice).
 
 use gpualloc_devices::{AllocError, ConfigError};
+use gpualloc_ipc::IpcError;
 use gpualloc_runtime::BackendError;
 
 /// What an [`Allocator`](crate::Allocator) call can fail with.
@@ -47,9 +48,21 @@ pub enum Error {
         "no tokio runtime: build the allocator, and wait for memory, from inside a tokio runtime"
     )]
     NoRuntime,
+    /// Exporting a buffer to another process failed (the ipc crate's error, as text).
+    #[error("export failed: {0}")]
+    Export(String),
     /// A blocking-pool task of the allocator failed (it panicked or the runtime is stopping).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl From<IpcError> for Error {
+    fn from(e: IpcError) -> Self {
+        match e {
+            IpcError::Backend(b) => Error::Backend(b),
+            other => Error::Export(other.to_string()),
+        }
+    }
 }
 
 impl Error {
