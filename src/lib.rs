@@ -13,6 +13,8 @@
 //! - [`Allocator`] / [`AllocatorBuilder`]: the handle and its construction.
 //! - [`DeviceBuffer`]: RAII device memory; `Drop` never blocks.
 //! - [`DeviceActor`]: one per device, owning that device's caching core.
+//! - [`HostAllocator`] (`alloc.host()`) / [`PinnedBuffer`]: pinned host memory, and copies
+//!   between it and device buffers on a stream; [`HostActor`] owns the pinned-host core.
 //! - [`MallocOptions`]: e.g. wait for memory instead of failing.
 //! - [`Error`]: everything a call can fail with.
 
@@ -23,6 +25,7 @@ mod builder;
 mod error;
 mod fork;
 mod options;
+mod pinned;
 mod summary;
 
 pub use actor::DeviceActor;
@@ -31,9 +34,12 @@ pub use buffer::DeviceBuffer;
 pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind};
 pub use error::Error;
 pub use options::MallocOptions;
+pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
 pub use summary::memory_summary;
 
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
+pub use gpualloc_host as host;
+pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};
