@@ -322,3 +322,76 @@ fn a_buffer_outliving_its_runtime_drops_on_a_plain_thread() {
     drop(alloc);
     std::thread::spawn(move || drop(buf)).join().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_miss_returns_its_block() {
+    let latency = gpualloc::runtime::sim::LatencyModel {
+        host_alloc_base: Duration::from_millis(50),
+        ..gpualloc::runtime::sim::LatencyModel::zero()
+    };
+    let sim = SimBackend::new(SimConfig {
+        latency,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let alloc = build(&sim, "");
+    let host = alloc.host();
+    let r = tokio::time::timeout(Duration::from_millis(5), host.malloc(4 * KIB)).await;
+    assert!(r.is_err(), "the miss should still be allocating");
+    // The allocation finishes on the blocking pool and its buffer is dropped there.
+    let mut waited = Duration::ZERO;
+    loop {
+        let s = host.stats().await.unwrap();
+        if s.num_host_alloc == 1 && s.allocation.current == 0 {
+            assert_eq!(s.cached_bytes, 4 * KIB);
+            break;
+        }
+        assert!(waited < Duration::from_secs(5), "leaked: {s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        waited += Duration::from_millis(5);
+    }
+    // And the next malloc is a hit on it.
+    let t = std::time::Instant::now();
+    drop(host.malloc(4 * KIB).await.unwrap());
+    assert!(t.elapsed() < Duration::from_millis(40));
+    assert_eq!(sim.counts().get(Op::HostAlloc), 1);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_tasks_and_threads_lose_nothing() {
+    let sim = sim();
+    let alloc = build(&sim, "");
+    let mut tasks = Vec::new();
+    for t in 0..8u64 {
+        let host = alloc.host();
+        tasks.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            for i in 0..200u64 {
+                let size = KIB << ((t + i) % 4);
+                let mut b = host.malloc(size).await.unwrap();
+                b.fill(t as u8);
+                held.push(b);
+                if held.len() > 3 {
+                    let b = held.remove(0);
+                    assert!(b.iter().all(|&x| x == t as u8), "another task wrote here");
+                    if i % 2 == 0 {
+                        std::thread::spawn(move || drop(b)).join().unwrap();
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let s = alloc.host().stats().await.unwrap();
+    assert_eq!(s.allocation.current, 0);
+    assert_eq!(s.allocated_bytes.current, 0);
+    assert_eq!(s.cached_bytes, s.reserved_bytes.current);
+    alloc.shutdown().await.unwrap();
+    assert_eq!(
+        sim.counts().get(Op::HostAlloc),
+        sim.counts().get(Op::HostFree)
+    );
+}
