@@ -11,6 +11,7 @@ use gpualloc::runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, HostError, Stream};
 
 const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
 
 fn sim() -> Arc<SimBackend> {
     SimBackend::new(SimConfig::fast(1)).expect("sim")
@@ -394,4 +395,35 @@ async fn concurrent_tasks_and_threads_lose_nothing() {
         sim.counts().get(Op::HostAlloc),
         sim.counts().get(Op::HostFree)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_are_served_while_a_slow_miss_allocates() {
+    let latency = gpualloc::runtime::sim::LatencyModel {
+        host_alloc_base: Duration::from_millis(300),
+        ..gpualloc::runtime::sim::LatencyModel::zero()
+    };
+    let sim = SimBackend::new(SimConfig {
+        latency,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let alloc = build(&sim, "");
+    let host = alloc.host();
+    drop(host.malloc(4 * KIB).await.unwrap()); // cached (paid 300 ms once)
+    let slow_host = host.clone();
+    let slow = tokio::spawn(async move { slow_host.malloc(MIB).await.map(|b| b.len()) });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let t = std::time::Instant::now();
+    let hit = host.malloc(4 * KIB).await.unwrap();
+    let waited = t.elapsed();
+    assert!(!slow.is_finished(), "the miss should still be allocating");
+    assert!(
+        waited < Duration::from_millis(150),
+        "a hit waited {waited:?} behind a 300 ms miss"
+    );
+    assert_eq!(slow.await.unwrap().unwrap(), MIB);
+    assert_eq!(sim.counts().get(Op::HostAlloc), 2);
+    drop(hit);
+    alloc.shutdown().await.unwrap();
 }

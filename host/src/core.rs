@@ -190,17 +190,6 @@ impl HostCore {
         Ok(self.insert_live(addr, class.rounded, origin, size))
     }
 
-    /// The cache-only half of [`HostCore::malloc`]: a cached block of `size`'s class, or
-    /// `None` on a miss (then [`HostCore::malloc`] allocates fresh memory, which is slow; an
-    /// actor runs it off its async workers). Bad sizes get the same errors as `malloc`.
-    pub fn try_cached(&mut self, size: u64) -> Result<Option<HostBlock>> {
-        let class = self.size_class(size)?;
-        if !self.config.pinned_use_background_threads {
-            self.process_events_logged();
-        }
-        Ok(self.take_cached(class, size))
-    }
-
     /// Frees a block from [`HostCore::malloc`]. Without recorded streams it is cached at once;
     /// otherwise one event is recorded on each stream and the block waits for them. If
     /// recording fails the block stays allocated (the free can be retried) and the error is
@@ -703,6 +692,9 @@ fn release_memory(
     stats.host_free_time.record(dt);
     Ok(())
 }
+
+#[path = "core_split.rs"]
+pub mod split;
 
 #[cfg(test)]
 #[path = "core_tests.rs"]

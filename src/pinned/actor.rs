@@ -4,15 +4,16 @@
 //!
 //! A malloc first tries the gate and looks in the cache inline (no channel, no wake-up); if
 //! the gate is busy the cache lookup is queued and its future awaits the reply. A miss
-//! continues on tokio's blocking pool, where the core allocates fresh pinned memory
-//! (`host_alloc`, or map + prefault + `host_register`), so no async worker ever waits on the
-//! driver. The core does that allocation under the gate: hits that arrive meanwhile are
-//! queued (their tasks await, they do not block a thread) and served when it ends.
+//! continues on tokio's blocking pool, so no async worker ever waits on the driver: the
+//! fresh pinned memory (`host_alloc`, or map + prefault + `host_register`) is allocated
+//! outside the gate (the core's split malloc, `gpualloc_host::core::split`), so hits keep
+//! being served meanwhile; only adopting the new block takes the gate again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use gpualloc_devices::AllocError;
+use gpualloc_host::core::split::Lookup;
 use gpualloc_host::{HostBlock, HostCore, HostStats};
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
@@ -164,16 +165,44 @@ impl HostActor {
         }
     }
 
-    /// A miss: the core allocates fresh pinned memory (slow: the driver, page faults).
+    /// A miss, on the blocking pool: the cheap steps under the gate, the fresh allocation
+    /// (driver call, or map + prefault + register) outside it, then adopt it under the gate.
+    /// Out of memory: the core's own chain (release the cache, retry) under the gate.
     fn miss_blocking(self: &Arc<Self>, size: u64) -> Result<PinnedBuffer, Error> {
         let _span = tracing::debug_span!("pinned_malloc_miss", size).entered();
-        let block = {
+        let lookup = {
             let mut held = self.mailbox.hold_blocking();
             let st = held.state();
             if st.shut_down {
                 return Err(AllocError::Shutdown.into());
             }
-            st.core.malloc(size)?
+            st.core.lookup_miss(size)?
+        };
+        let request = match lookup {
+            Lookup::Hit(block) => return Ok(PinnedBuffer::new(block, self.clone())),
+            Lookup::Fresh(request) => request,
+        };
+        let block = match request.allocate() {
+            Ok(memory) => {
+                let mut held = self.mailbox.hold_blocking();
+                let st = held.state();
+                let block = st.core.adopt(memory);
+                if st.shut_down {
+                    st.free(block.ptr);
+                    return Err(AllocError::Shutdown.into());
+                }
+                block
+            }
+            Err(e) if e.is_oom() => {
+                tracing::info!(size, "pinned memory full: releasing the cache and retrying");
+                let mut held = self.mailbox.hold_blocking();
+                let st = held.state();
+                if st.shut_down {
+                    return Err(AllocError::Shutdown.into());
+                }
+                st.core.malloc(size)?
+            }
+            Err(e) => return Err(e.into()),
         };
         Ok(PinnedBuffer::new(block, self.clone()))
     }
