@@ -6,7 +6,8 @@
 #   1. the backend conformance suite against CUDA (test binaries named conformance_cuda*),
 #   2. every other test binary of the workspace (unit tests, the CUDA smoke test, the
 #      allocator's integration tests) with GPUALLOC_BACKEND=cuda in the environment
-#      (and GPUALLOC_REQUIRE_GPU=1: tests that would skip without a GPU must fail instead),
+#      (and GPUALLOC_REQUIRE_GPU=1: tests that would skip without a GPU must fail instead;
+#      the facade's tests/backend_env.rs, cuda_interop.rs and cuda_request.rs run on CUDA),
 #   3. the bench binary (binaries named bench*) with GPUALLOC_BACKEND=cuda,
 # and writes one log per step plus summary.txt to $OUT (or target/gpu-check-logs).
 # The whole run stays under 8 minutes (GPU_CHECK_BUDGET_S, default 450 s).

@@ -4,6 +4,10 @@
 //! allocator shut down, and never blocks or panics: it posts a free to the device actor's
 //! mailbox (handled inline when the gate is free, else queued for the holder). Memory freed
 //! after `record_stream` is reused only once the recorded streams have passed the free.
+//!
+//! With the `cuda` feature a buffer is also a cudarc device slice of bytes and a kernel
+//! argument (see the `cuda` module of this crate: use on another stream needs
+//! [`DeviceBuffer::record_stream`], as in PyTorch).
 
 use std::fmt;
 use std::sync::Arc;
@@ -19,7 +23,10 @@ pub struct DeviceBuffer {
     ptr: DevicePtr,
     len: u64,
     stream: Stream,
-    actor: Arc<DeviceActor>,
+    pub(crate) actor: Arc<DeviceActor>,
+    /// The cudarc stream of `stream`, looked up on first use by the cudarc traits.
+    #[cfg(feature = "cuda")]
+    pub(crate) cudarc: std::sync::OnceLock<Option<Arc<cudarc::driver::CudaStream>>>,
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -39,7 +46,15 @@ impl DeviceBuffer {
             len: a.size,
             stream,
             actor,
+            #[cfg(feature = "cuda")]
+            cudarc: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The pointer's address field (kernel arguments are passed by reference).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn ptr_ref(&self) -> &u64 {
+        &self.ptr.0
     }
 
     /// The device address (null for a zero-length buffer).

@@ -3,7 +3,9 @@
 //! The backend is the simulated GPU by default when no GPU is present (logged at `info`, so
 //! nobody mistakes it for a GPU). Asking for CUDA explicitly on a machine without one, or in a
 //! build without the `cuda` backend, is an error (`BackendError::Unavailable`), never a silent
-//! fallback to the sim.
+//! fallback to the sim. The environment variable `GPUALLOC_BACKEND` (`cuda`, `sim` or
+//! `auto`) chooses for [`BackendKind::Auto`], so a test suite or a benchmark runs on a GPU
+//! unchanged (`GPUALLOC_BACKEND=cuda`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +25,8 @@ use crate::pinned::{spawn_host_task, HostActor};
 /// Which GPU runtime the allocator runs on.
 #[derive(Clone, Default)]
 pub enum BackendKind {
-    /// CUDA if a GPU is present, else the simulated GPU (logged).
+    /// What `GPUALLOC_BACKEND` says (`cuda`: CUDA or an error, `sim`: the simulated GPU);
+    /// unset or `auto`: CUDA if a GPU is present, else the simulated GPU (logged).
     #[default]
     Auto,
     /// The simulated GPU (real memory, worker-thread streams), default configuration:
@@ -43,6 +46,27 @@ pub enum BackendKind {
     },
     /// A backend the caller built.
     Custom(Arc<dyn Backend>),
+}
+
+/// The environment variable that chooses the backend for [`BackendKind::Auto`].
+pub const BACKEND_ENV: &str = "GPUALLOC_BACKEND";
+
+impl BackendKind {
+    /// The backend `GPUALLOC_BACKEND` names: `cuda` → [`BackendKind::Cuda`], `sim` →
+    /// [`BackendKind::Sim`], unset, empty or `auto` → [`BackendKind::Auto`] (case-insensitive);
+    /// anything else is an `InvalidValue` error.
+    pub fn from_env() -> Result<BackendKind, Error> {
+        let value = std::env::var(BACKEND_ENV).unwrap_or_default();
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(BackendKind::Auto),
+            "cuda" => Ok(BackendKind::Cuda),
+            "sim" => Ok(BackendKind::Sim),
+            other => Err(BackendError::invalid(format!(
+                "{BACKEND_ENV}={other}: expected cuda, sim or auto"
+            ))
+            .into()),
+        }
+    }
 }
 
 impl std::fmt::Debug for BackendKind {
@@ -147,12 +171,16 @@ impl AllocatorBuilder {
             BackendKind::Cuda => cuda_backend(),
             BackendKind::Sim => sim_backend(),
             BackendKind::SimWith(c) => Ok(SimBackend::new(**c)?),
-            BackendKind::Auto => match cuda_backend() {
-                Ok(b) => Ok(b),
-                Err(e) => {
-                    tracing::info!(reason = %e, "no GPU found: using the simulated GPU (sim backend)");
-                    sim_backend()
-                }
+            BackendKind::Auto => match BackendKind::from_env()? {
+                BackendKind::Cuda => cuda_backend(),
+                BackendKind::Sim => sim_backend(),
+                _ => match cuda_backend() {
+                    Ok(b) => Ok(b),
+                    Err(e) => {
+                        tracing::info!(reason = %e, "no GPU found: using the simulated GPU (sim backend)");
+                        sim_backend()
+                    }
+                },
             },
         }
     }
@@ -228,10 +256,8 @@ pub fn cuda_backend() -> Result<Arc<dyn Backend>, Error> {
     }
 }
 
-/// The simulated GPU with its default configuration.
+/// The simulated GPU with its default configuration (one 16 GiB device, real-hardware
+/// latencies).
 pub fn sim_backend() -> Result<Arc<dyn Backend>, Error> {
-    Err(
-        BackendError::Unavailable("the sim backend is not built into this binary yet".into())
-            .into(),
-    )
+    Ok(SimBackend::new(SimConfig::default())?)
 }

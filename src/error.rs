@@ -3,6 +3,7 @@
 
 use gpualloc_devices::{AllocError, ConfigError};
 use gpualloc_host::HostError;
+use gpualloc_ipc::IpcError;
 use gpualloc_runtime::BackendError;
 
 /// What an [`Allocator`](crate::Allocator) call can fail with.
@@ -57,9 +58,21 @@ pub enum Error {
     /// The allocator must be built inside a tokio runtime (its actor tasks run there).
     #[error("no tokio runtime: build the allocator from inside a tokio runtime")]
     NoRuntime,
+    /// Exporting a buffer to another process failed (the ipc crate's error, as text).
+    #[error("export failed: {0}")]
+    Export(String),
     /// A blocking-pool task of the allocator failed (it panicked or the runtime is stopping).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl From<IpcError> for Error {
+    fn from(e: IpcError) -> Self {
+        match e {
+            IpcError::Backend(b) => Error::Backend(b),
+            other => Error::Export(other.to_string()),
+        }
+    }
 }
 
 impl Error {

@@ -17,12 +17,19 @@
 //!   between it and device buffers on a stream; [`HostActor`] owns the pinned-host core.
 //! - [`MallocOptions`]: e.g. wait for memory instead of failing.
 //! - [`Error`]: everything a call can fail with.
+//! - Export to another process: [`Allocator::export_region`], [`Allocator::export`]
+//!   (a `DeviceBuffer` is an ipc `ExportGuard`; see the [`ipc`] crate).
+//! - Feature `cuda`: cudarc interop (a `DeviceBuffer` is a cudarc `DevicePtr<u8>` /
+//!   `DevicePtrMut<u8>` and a kernel argument; `Stream` to and from `Arc<CudaStream>`).
 
 mod actor;
 mod allocator;
 mod buffer;
 mod builder;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
+mod export;
 mod fork;
 mod options;
 mod pinned;
@@ -31,15 +38,18 @@ mod summary;
 pub use actor::DeviceActor;
 pub use allocator::Allocator;
 pub use buffer::DeviceBuffer;
-pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind};
+pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACKEND_ENV};
 pub use error::Error;
 pub use options::MallocOptions;
 pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
 pub use summary::memory_summary;
 
+#[cfg(feature = "cuda")]
+pub use cudarc;
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
+pub use gpualloc_ipc as ipc;
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};

@@ -27,6 +27,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Short name for logs: `"sim"` or `"cuda"`.
     fn name(&self) -> &'static str;
 
+    /// The backend as `Any`, for callers that need its concrete type behind an
+    /// `Arc<dyn Backend>` (e.g. the facade's cudarc interop finds the `CudaBackend`).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
     // ---- devices and device memory ----
 
     /// Number of devices.

@@ -145,6 +145,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn device_count(&self) -> Result<u32> {
         Ok(self.contexts.count())
     }

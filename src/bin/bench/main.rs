@@ -14,6 +14,10 @@
 //! - the pinned-host figures (section `host`): see `host.rs`.
 //!
 //! Sections can be picked by name: `bench hit throughput miss flood host` (default: all).
+//!
+//! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
+//! on CUDA instead of the accounting backend (the direct reference too), misses with the
+//! real device malloc instead of the sim's 10 ms one, and the flood only with 2+ GPUs.
 
 mod host;
 
@@ -23,7 +27,7 @@ use std::time::{Duration, Instant};
 use gpualloc::devices::DeviceCore;
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
-use gpualloc::{Allocator, AllocatorConfig, Backend, DeviceId, Stream};
+use gpualloc::{Allocator, AllocatorConfig, Backend, BackendKind, DeviceId, Stream};
 
 const HIT_SIZE: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -80,6 +84,37 @@ fn accounting(devices: u32) -> Arc<AccountingBackend> {
     Arc::new(AccountingBackend::new(devices, 1 << 40))
 }
 
+/// True when `GPUALLOC_BACKEND=cuda` asks for the GPU.
+fn on_cuda() -> bool {
+    match BackendKind::from_env() {
+        Ok(kind) => matches!(kind, BackendKind::Cuda),
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The CUDA backend (exits if unavailable: no silent fallback).
+fn cuda() -> Arc<dyn Backend> {
+    match gpualloc::cuda_backend() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("bench: GPUALLOC_BACKEND=cuda but {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The backend for hit figures: CUDA when asked for, else addresses only.
+fn hit_backend() -> Arc<dyn Backend> {
+    if on_cuda() {
+        cuda()
+    } else {
+        accounting(1)
+    }
+}
+
 /// The simulated GPU where a device malloc takes 10 ms and every other call is free.
 fn slow_malloc_sim(devices: u32) -> Arc<dyn Backend> {
     let latency = LatencyModel {
@@ -116,7 +151,7 @@ fn build(backend: Arc<dyn Backend>) -> Allocator {
 }
 
 fn direct_pairs(n: usize) -> Vec<u64> {
-    let backend: Arc<dyn Backend> = accounting(1);
+    let backend: Arc<dyn Backend> = hit_backend();
     let mut core = match DeviceCore::new(backend.clone(), DeviceId(0), AllocatorConfig::default()) {
         Ok(c) => c,
         Err(e) => {
@@ -176,7 +211,7 @@ async fn hits_for(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64>
 async fn hit_latency(figures: &mut Vec<Figure>) {
     const N: usize = 200_000;
     let mut direct = direct_pairs(N);
-    let alloc = build(accounting(1));
+    let alloc = build(hit_backend());
     let stream = alloc.new_stream(DeviceId(0)).expect("stream");
     let mut actor = actor_pairs(&alloc, &stream, N).await;
     figures.push(Figure {
@@ -197,7 +232,7 @@ async fn hit_latency(figures: &mut Vec<Figure>) {
 async fn throughput(figures: &mut Vec<Figure>) {
     const PAIRS: u64 = 200_000;
     const TASKS: u64 = 64;
-    let alloc = build(accounting(1));
+    let alloc = build(hit_backend());
     let stream = alloc.new_stream(DeviceId(0)).expect("stream");
     let t = Instant::now();
     for _ in 0..PAIRS {
@@ -240,7 +275,11 @@ async fn throughput(figures: &mut Vec<Figure>) {
 }
 
 async fn slow_miss(figures: &mut Vec<Figure>) {
-    let alloc = build(slow_malloc_sim(1));
+    let alloc = build(if on_cuda() {
+        cuda()
+    } else {
+        slow_malloc_sim(1)
+    });
     let stream = alloc.new_stream(DeviceId(0)).expect("stream");
     drop(alloc.malloc(HIT_SIZE, &stream).await.expect("warm"));
     let mut quiet = hits_for(&alloc, &stream, Duration::from_millis(200)).await;
@@ -251,12 +290,14 @@ async fn slow_miss(figures: &mut Vec<Figure>) {
         let end = Instant::now() + Duration::from_millis(400);
         let mut i = 0;
         while Instant::now() < end {
-            kept.push(
-                miss_alloc
-                    .malloc(64 * MIB + i * 2 * MIB, &miss_stream)
-                    .await
-                    .expect("miss"),
-            );
+            // A full device (a real GPU is quick to fill) ends the misses.
+            match miss_alloc
+                .malloc(64 * MIB + i * 2 * MIB, &miss_stream)
+                .await
+            {
+                Ok(b) => kept.push(b),
+                Err(_) => break,
+            }
             i += 1;
         }
         kept.len()
@@ -277,9 +318,21 @@ async fn slow_miss(figures: &mut Vec<Figure>) {
 }
 
 async fn flooded_device(figures: &mut Vec<Figure>) {
-    let alloc = build(slow_malloc_sim(8));
+    let alloc = build(if on_cuda() {
+        cuda()
+    } else {
+        slow_malloc_sim(8)
+    });
+    if alloc.device_count() < 2 {
+        eprintln!(
+            "bench: flood skipped: it needs 2+ devices, this backend has {}",
+            alloc.device_count()
+        );
+        let _ = alloc.shutdown().await;
+        return;
+    }
     async fn others(alloc: &Allocator) -> Vec<u64> {
-        let handles: Vec<_> = (1..8)
+        let handles: Vec<_> = (1..alloc.device_count())
             .map(|d| {
                 let alloc = alloc.clone();
                 tokio::spawn(async move {
@@ -369,6 +422,14 @@ fn main() {
             std::process::exit(2);
         }
     };
+    eprintln!(
+        "bench: backend {}",
+        if on_cuda() {
+            "cuda"
+        } else {
+            "accounting + sim"
+        }
+    );
     let figures = runtime.block_on(async {
         let mut figures = Vec::new();
         if run("hit") {

@@ -1,0 +1,67 @@
+//! Exporting a [`DeviceBuffer`] to another process through the ipc crate.
+//!
+//! - [`Allocator::export_region`] describes a live buffer as a [`DeviceRegion`]: its device,
+//!   pointer, length, and the memory behind it (the base of its ordinary segment, or the
+//!   mapped physical pages of its expandable segment), which only the device core knows; it
+//!   is read under the device actor's mailbox like any other request.
+//! - A `DeviceBuffer` is an [`ExportGuard`]: moved into `send_device`, it keeps its block
+//!   allocated and unused while any importer holds it; when the importer releases it (or its
+//!   connection ends) the guard is dropped, and the buffer's drop returns the block.
+//! - [`Allocator::export`] does both over an async connection, with the buffer's stream as
+//!   the producer stream (the importer's stream waits for the work queued on it).
+//!
+//! ```ignore
+//! let mut conn = AsyncExportConn::new(sock, &PeerPolicy::default(), alloc.backend().clone()).await?;
+//! let id = alloc.export(&mut conn, buf).await?; // `buf` now lives until the importer lets go
+//! conn.wait_returned(id).await?;
+//! ```
+
+use std::sync::Arc;
+
+use gpualloc_ipc::{AsyncExportConn, DeviceRegion, ExportGuard, ExportId};
+
+use crate::allocator::Allocator;
+use crate::buffer::DeviceBuffer;
+use crate::error::Error;
+
+/// Releasing an exported buffer drops it: its block goes back to the cache (after the
+/// streams it was recorded on), exactly as when the user drops a buffer.
+impl ExportGuard for DeviceBuffer {}
+
+impl Allocator {
+    /// Describes live `buffer` of this allocator for export (see the module docs). Errors
+    /// for an empty buffer, a buffer of another allocator, and after a fork.
+    pub async fn export_region(&self, buffer: &DeviceBuffer) -> Result<DeviceRegion, Error> {
+        let actor = self.device_actor(buffer.device())?;
+        actor.process.check()?;
+        if !Arc::ptr_eq(actor, &buffer.actor) {
+            return Err(Error::Export(
+                "the buffer belongs to another allocator".into(),
+            ));
+        }
+        if buffer.is_empty() {
+            return Err(Error::Export("cannot export an empty buffer".into()));
+        }
+        let ptr = buffer.ptr();
+        let region = actor
+            .call(move |st| DeviceRegion::from_core(&st.core, ptr))
+            .await??;
+        Ok(region)
+    }
+
+    /// Exports `buffer` over `conn`: the importer maps the same device memory, and its
+    /// stream waits for the work queued on the buffer's stream so far. The buffer is kept
+    /// (allocated, unused) until the importer releases it or goes away, then freed. On
+    /// error the buffer is freed at once.
+    pub async fn export(
+        &self,
+        conn: &mut AsyncExportConn,
+        buffer: DeviceBuffer,
+    ) -> Result<ExportId, Error> {
+        let region = self.export_region(&buffer).await?;
+        let producer = buffer.stream().handle();
+        Ok(conn
+            .send_device(&region, Some(producer), Box::new(buffer))
+            .await?)
+    }
+}

@@ -1,0 +1,164 @@
+//! The allocator's public behaviour on the backend `GPUALLOC_BACKEND` names: `cuda` on the
+//! GPU run of scripts/gpu-check.sh (an error, not a skip, if CUDA is unavailable then), the
+//! simulated GPU when unset or `sim`. Only what holds on every backend with real memory:
+//! data survives, concurrent buffers never overlap, hits reuse blocks, out of memory is
+//! typed, expandable segments grow and give memory back, empty_cache and shutdown return
+//! everything.
+
+use gpualloc::runtime::sim::{SimBackend, SimConfig};
+use gpualloc::{Allocator, AllocatorConfig, BackendKind, DeviceBuffer, DeviceId, Stream};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const DEV: DeviceId = DeviceId(0);
+
+/// The allocator on the backend the environment names (the fast sim by default).
+fn alloc_from_env(config: AllocatorConfig) -> Allocator {
+    let kind = BackendKind::from_env().expect("GPUALLOC_BACKEND");
+    let builder = Allocator::builder().config(config);
+    let builder = match kind {
+        BackendKind::Cuda => builder.backend(BackendKind::Cuda),
+        _ => builder.backend_instance(SimBackend::new(SimConfig::fast(1)).expect("sim")),
+    };
+    let alloc = builder
+        .build()
+        .unwrap_or_else(|e| panic!("GPUALLOC_BACKEND={kind:?}: cannot build the allocator: {e}"));
+    println!("backend: {}", alloc.backend().name());
+    alloc
+}
+
+fn pattern(len: u64, seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i.wrapping_mul(31) ^ seed.wrapping_mul(2654435761)) % 251) as u8)
+        .collect()
+}
+
+/// A cheap per-buffer fill (debug builds generate patterns slowly): one byte per seed.
+fn fill(len: u64, seed: u64) -> Vec<u8> {
+    vec![(seed % 251) as u8 + 1; len as usize]
+}
+
+fn write(alloc: &Allocator, s: &Stream, buf: &DeviceBuffer, data: &[u8]) {
+    alloc
+        .backend()
+        .copy_to_device(s.handle(), buf.ptr(), data)
+        .expect("copy to device");
+}
+
+fn read(alloc: &Allocator, s: &Stream, buf: &DeviceBuffer) -> Vec<u8> {
+    let mut v = vec![0u8; buf.len() as usize];
+    alloc
+        .backend()
+        .copy_from_device(s.handle(), &mut v, buf.ptr())
+        .expect("copy from device");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_reuse_blocks_and_data_survives() {
+    let alloc = alloc_from_env(AllocatorConfig::default());
+    let s = alloc.new_stream(DEV).unwrap();
+    let a = alloc.malloc(3000, &s).await.unwrap();
+    write(&alloc, &s, &a, &pattern(3000, 1));
+    assert_eq!(read(&alloc, &s, &a), pattern(3000, 1));
+    let p = a.ptr();
+    drop(a);
+    let b = alloc.malloc(3000, &s).await.unwrap();
+    assert_eq!(b.ptr(), p, "a hit reuses the cached block");
+    let st = alloc.stats(DEV).await.unwrap();
+    assert_eq!(st.allocated_bytes[0].current, 3072);
+    assert_eq!(st.reserved_bytes[0].current, 2 * MIB);
+    assert_eq!(st.num_device_alloc, 1);
+    drop(b);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_buffers_never_overlap() {
+    let alloc = alloc_from_env(AllocatorConfig::default());
+    let tasks: Vec<_> = (0..8u64)
+        .map(|t| {
+            let alloc = alloc.clone();
+            tokio::spawn(async move {
+                let s = alloc.new_stream(DEV).unwrap();
+                let mut kept: Vec<(DeviceBuffer, u64)> = Vec::new();
+                for i in 0..40u64 {
+                    let size = [KIB, 7 * KIB, 300 * KIB, MIB + 5, 3 * MIB][(i % 5) as usize];
+                    let seed = t * 1000 + i;
+                    let buf = alloc.malloc(size, &s).await.unwrap();
+                    write(&alloc, &s, &buf, &fill(size, seed));
+                    kept.push((buf, seed));
+                    if kept.len() > 6 {
+                        let (old, seed) = kept.remove((i % 3) as usize);
+                        assert_eq!(read(&alloc, &s, &old), fill(old.len(), seed));
+                    }
+                    tokio::task::yield_now().await;
+                }
+                for (buf, seed) in &kept {
+                    assert_eq!(read(&alloc, &s, buf), fill(buf.len(), *seed));
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let st = alloc.stats(DEV).await.unwrap();
+    assert_eq!(st.allocation[0].current, 0, "every buffer came back");
+    alloc.empty_cache().await.unwrap();
+    assert_eq!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current, 0);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_memory_is_a_typed_error() {
+    let alloc = alloc_from_env(AllocatorConfig::default());
+    let s = alloc.new_stream(DEV).unwrap();
+    let keep = alloc.malloc(MIB, &s).await.unwrap();
+    let err = alloc.malloc(1 << 50, &s).await.unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    // The allocator is still fine afterwards.
+    let again = alloc.malloc(MIB, &s).await.unwrap();
+    assert_ne!(again.ptr(), keep.ptr());
+    drop((keep, again));
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expandable_segments_grow_and_give_memory_back() {
+    let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
+    let s = alloc.new_stream(DEV).unwrap();
+    let mut bufs = Vec::new();
+    for i in 0..4u64 {
+        let size = 5 * MIB + i * 333;
+        let b = alloc.malloc(size, &s).await.unwrap();
+        write(&alloc, &s, &b, &pattern(size, 40 + i));
+        bufs.push((b, 40 + i));
+    }
+    for (b, seed) in &bufs {
+        assert_eq!(read(&alloc, &s, b), pattern(b.len(), *seed));
+    }
+    let reserved = alloc.stats(DEV).await.unwrap().reserved_bytes[0].current;
+    assert!(reserved >= 20 * MIB, "{reserved}");
+    drop(bufs);
+    alloc.empty_cache().await.unwrap();
+    assert_eq!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current, 0);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_live_buffers_returns_everything() {
+    let alloc = alloc_from_env(AllocatorConfig::default());
+    let s = alloc.new_stream(DEV).unwrap();
+    let bufs: Vec<DeviceBuffer> = futures::future::join_all((1..=16).map(|i| {
+        let (alloc, s) = (alloc.clone(), s.clone());
+        async move { alloc.malloc(i * 100 * KIB, &s).await.unwrap() }
+    }))
+    .await;
+    assert!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current > 0);
+    alloc.shutdown().await.unwrap();
+    let err = alloc.malloc(10, &s).await.unwrap_err();
+    assert!(err.is_shutdown(), "{err}");
+    std::thread::spawn(move || drop(bufs)).join().unwrap();
+    assert!(alloc.shutdown().await.is_ok(), "idempotent");
+}
