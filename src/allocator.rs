@@ -14,11 +14,13 @@ use crate::builder::AllocatorBuilder;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
 use crate::options::MallocOptions;
+use crate::pinned::{HostActor, HostAllocator};
 use crate::summary::memory_summary;
 
 struct Inner {
     backend: Arc<dyn Backend>,
     devices: Vec<Arc<DeviceActor>>,
+    host: Arc<HostActor>,
     process: ProcessGuard,
     shut_down: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -32,6 +34,7 @@ impl Drop for Inner {
         for d in &self.devices {
             d.stop.trigger();
         }
+        self.host.stop.trigger();
     }
 }
 
@@ -59,6 +62,7 @@ impl Allocator {
     pub(crate) fn from_parts(
         backend: Arc<dyn Backend>,
         devices: Vec<Arc<DeviceActor>>,
+        host: Arc<HostActor>,
         process: ProcessGuard,
         tasks: Vec<JoinHandle<()>>,
         config: AllocatorConfig,
@@ -67,12 +71,19 @@ impl Allocator {
             inner: Arc::new(Inner {
                 backend,
                 devices,
+                host,
                 process,
                 shut_down: AtomicBool::new(false),
                 tasks: Mutex::new(tasks),
                 config,
             }),
         }
+    }
+
+    /// The pinned-host allocator: `alloc.host().malloc(size).await` for page-locked host
+    /// memory, and copies between it and device buffers (see [`HostAllocator`]).
+    pub fn host(&self) -> HostAllocator {
+        HostAllocator::new(self.inner.host.clone())
     }
 
     /// The backend the allocator runs on.
@@ -198,7 +209,9 @@ impl Allocator {
     }
 
     /// Shuts down: every device returns every segment to the backend (also those of live
-    /// buffers, which must not be used any more; dropping them later is harmless), waiting
+    /// buffers, which must not be used any more; dropping them later is harmless); the
+    /// pinned-host allocator waits for pending copies and releases its cache (live pinned
+    /// buffers keep their memory until dropped: it is CPU memory), waiting
     /// requests fail, later calls get `AllocError::Shutdown`, and the actor tasks stop.
     /// Idempotent: later calls return `Ok`.
     pub async fn shutdown(&self) -> Result<(), Error> {
@@ -222,6 +235,16 @@ impl Allocator {
             }
             actor.stop.trigger();
         }
+        // The pinned-host actor: pending copies finish, cached blocks go back.
+        let host = self.inner.host.clone();
+        let r = tokio::task::spawn_blocking(move || host.shutdown_blocking())
+            .await
+            .map_err(|e| Error::Internal(format!("pinned shutdown task failed: {e}")))
+            .and_then(|r| r);
+        if let Err(e) = r {
+            first_err.get_or_insert(e);
+        }
+        self.inner.host.stop.trigger();
         let tasks =
             std::mem::take(&mut *self.inner.tasks.lock().unwrap_or_else(|p| p.into_inner()));
         for t in tasks {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_host::{HostConfig, HostCore, HostError, MonotonicClock};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
@@ -19,6 +20,7 @@ use crate::actor::{spawn_actor_task, DeviceActor};
 use crate::allocator::Allocator;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
+use crate::pinned::{spawn_host_task, HostActor};
 
 /// Which GPU runtime the allocator runs on.
 #[derive(Clone, Default)]
@@ -203,15 +205,39 @@ impl AllocatorBuilder {
             ));
             devices.push(actor);
         }
+        let host = HostActor::new(
+            HostCore::new(
+                backend.clone(),
+                host_config(&config)?,
+                Arc::new(MonotonicClock::new()),
+            )?,
+            backend.clone(),
+            process,
+        );
+        tasks.push(spawn_host_task(
+            host.clone(),
+            &runtime,
+            self.reaper_interval,
+        ));
         tracing::info!(
             backend = backend.name(),
             devices = count,
             "gpualloc allocator ready"
         );
         Ok(Allocator::from_parts(
-            backend, devices, process, tasks, config,
+            backend, devices, host, process, tasks, config,
         ))
     }
+}
+
+/// The pinned-host allocator's settings: the `pinned_*` entries of the config string, applied
+/// in order ([`HostConfig::apply`]); a bad key or value is a typed error at build time.
+fn host_config(config: &AllocatorConfig) -> Result<HostConfig, Error> {
+    let mut host = HostConfig::default();
+    for (key, value) in &config.pinned {
+        host.apply(key, value).map_err(HostError::from)?;
+    }
+    Ok(host)
 }
 
 /// The CUDA backend: `Unavailable` (typed, never a silent fallback) in a build without the

@@ -2,6 +2,7 @@
 //! report (a fork, a missing runtime, an unusable backend choice).
 
 use gpualloc_devices::{AllocError, ConfigError};
+use gpualloc_host::HostError;
 use gpualloc_ipc::IpcError;
 use gpualloc_runtime::BackendError;
 
@@ -19,6 +20,18 @@ pub enum Error {
     /// A bad configuration string or value.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The pinned-host allocator refused: size 0, a size too large to round, a bad
+    /// `pinned_*` config key or value, or the backend's failure (out of memory, ...).
+    #[error("pinned host allocator: {0}")]
+    Host(#[from] HostError),
+    /// A copy's destination is shorter than its source.
+    #[error("copy of {src} bytes into a buffer of {dst} bytes")]
+    CopyLength {
+        /// Bytes of the source.
+        src: u64,
+        /// Bytes of the destination.
+        dst: u64,
+    },
     /// The allocator was created in another process and this one is a `fork` of it: its
     /// threads and device state did not survive the fork. Create a new allocator here.
     #[error(
@@ -69,6 +82,7 @@ impl Error {
     /// True for out of memory (after the whole retry chain, and after waiting if asked to).
     pub fn is_oom(&self) -> bool {
         matches!(self, Error::Alloc(e) if e.is_oom())
+            || matches!(self, Error::Host(e) if e.is_oom())
     }
 
     /// True if the allocator has been shut down.

@@ -13,6 +13,8 @@
 //! - [`Allocator`] / [`AllocatorBuilder`]: the handle and its construction.
 //! - [`DeviceBuffer`]: RAII device memory; `Drop` never blocks.
 //! - [`DeviceActor`]: one per device, owning that device's caching core.
+//! - [`HostAllocator`] (`alloc.host()`) / [`PinnedBuffer`]: pinned host memory, and copies
+//!   between it and device buffers on a stream; [`HostActor`] owns the pinned-host core.
 //! - [`MallocOptions`]: e.g. wait for memory instead of failing.
 //! - [`Error`]: everything a call can fail with.
 //! - Export to another process: [`Allocator::export_region`], [`Allocator::export`]
@@ -40,6 +42,7 @@ mod error;
 mod export;
 mod fork;
 mod options;
+mod pinned;
 mod summary;
 
 pub use actor::DeviceActor;
@@ -48,12 +51,15 @@ pub use buffer::DeviceBuffer;
 pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACKEND_ENV};
 pub use error::Error;
 pub use options::MallocOptions;
+pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
 pub use summary::memory_summary;
 
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
+pub use gpualloc_host as host;
+pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 pub use gpualloc_ipc as ipc;
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};

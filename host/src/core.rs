@@ -693,6 +693,9 @@ fn release_memory(
     Ok(())
 }
 
+#[path = "core_split.rs"]
+pub mod split;
+
 #[cfg(test)]
 #[path = "core_tests.rs"]
 mod tests;

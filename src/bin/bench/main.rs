@@ -11,11 +11,15 @@
 //! - `others_p99_one_device_flooded_us`: p99 of hits on 7 devices while the 8th is flooded
 //!   with 10 ms misses (sim) by 16 tasks, vs the same without the flood.
 //!
-//! Sections can be picked by name: `bench hit throughput miss flood` (default: all).
+//! - the pinned-host figures (section `host`): see `host.rs`.
+//!
+//! Sections can be picked by name: `bench hit throughput miss flood host` (default: all).
 //!
 //! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
 //! on CUDA instead of the accounting backend (the direct reference too), misses with the
 //! real device malloc instead of the sim's 10 ms one, and the flood only with 2+ GPUs.
+
+mod host;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -446,6 +450,9 @@ fn main() {
         }
         if run("flood") {
             flooded_device(&mut figures).await;
+        }
+        if run("host") {
+            host::host_figures(&mut figures).await;
         }
         figures
     });

@@ -1,0 +1,26 @@
+//! The pinned-host side of the facade: one [`HostActor`] owns the
+//! [`HostCore`](gpualloc_host::HostCore) behind the same flat-combining
+//! [`Mailbox`](gpualloc_runtime::actor::Mailbox) the device actors use, and
+//! [`Allocator::host`](crate::Allocator::host) hands out a cheap [`HostAllocator`] handle.
+//!
+//! - `state`: the guarded state and its messages (Free and RecordStream are plain messages, so
+//!   a buffer's `Drop` never allocates; everything else runs as a job).
+//! - `actor`: the shared handle and the async request paths (cache hits inline, misses on the
+//!   blocking pool), `empty_cache`, stats, shutdown.
+//! - `task`: the actor task: drains work handed to it and runs the timed reaper.
+//! - `buffer`: [`PinnedBuffer`], RAII pinned memory; `slice`: its `Deref` to `[u8]`.
+//! - `copy`: async copies between pinned and device buffers that record the stream use.
+//! - `handle`: [`HostAllocator`], what `alloc.host()` returns.
+
+mod actor;
+mod buffer;
+mod copy;
+mod handle;
+mod slice;
+mod state;
+mod task;
+
+pub use actor::HostActor;
+pub use buffer::PinnedBuffer;
+pub use handle::HostAllocator;
+pub(crate) use task::spawn_host_task;

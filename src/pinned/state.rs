@@ -1,0 +1,80 @@
+//! The state the host actor's mailbox guards, and the messages it handles.
+
+use std::sync::Arc;
+
+use gpualloc_host::{HostCore, HostPtr};
+use gpualloc_runtime::actor::mailbox::{Actor, Job};
+use gpualloc_runtime::actor::ReaperArm;
+use gpualloc_runtime::StreamHandle;
+
+/// Signals shared between the guarded state and the actor's users.
+#[derive(Debug, Default)]
+pub(crate) struct HostSignals {
+    /// Wakes the reaper when frees start waiting on stream events.
+    pub reaper: ReaperArm,
+}
+
+/// The pinned-host core, plus what its handlers need.
+pub(crate) struct HostState {
+    pub core: HostCore,
+    pub signals: Arc<HostSignals>,
+    /// Set by shutdown: mallocs fail, and late frees release their memory at once.
+    pub shut_down: bool,
+}
+
+/// A queued message. Requests with replies travel as jobs.
+pub(crate) enum HostMsg {
+    /// A pinned buffer was dropped.
+    Free(HostPtr),
+    /// A pinned buffer is used on a stream.
+    RecordStream(HostPtr, StreamHandle),
+    /// Any other request (malloc, stats, ...), with its reply inside.
+    Job(Job<HostState>),
+}
+
+impl HostState {
+    /// Frees `ptr`; wakes the reaper if the free now waits on events. After shutdown the
+    /// cache is emptied at once, so late frees return their memory to the backend.
+    pub fn free(&mut self, ptr: HostPtr) {
+        let pending_before = self.core.pending_events();
+        if let Err(e) = self.core.free(ptr) {
+            tracing::warn!(%ptr, error = %e, "pinned free failed");
+            return;
+        }
+        if self.shut_down {
+            if let Err(e) = self.core.empty_cache() {
+                tracing::warn!(%ptr, error = %e, "releasing a pinned block after shutdown failed");
+            }
+        } else if self.core.pending_events() > pending_before {
+            self.signals.reaper.arm();
+        }
+    }
+
+    /// Completes frees whose events finished; true while some still wait.
+    pub fn reap(&mut self) -> bool {
+        if let Err(e) = self.core.process_events() {
+            tracing::warn!(error = %e, "querying a pinned block's event failed");
+        }
+        self.core.pending_events() > 0
+    }
+}
+
+impl Actor for HostState {
+    type Msg = HostMsg;
+
+    fn handle(&mut self, msg: HostMsg) {
+        match msg {
+            HostMsg::Free(ptr) => self.free(ptr),
+            HostMsg::RecordStream(ptr, stream) => {
+                if let Err(e) = self.core.record_stream(ptr, stream) {
+                    tracing::warn!(%ptr, error = %e, "pinned record_stream failed");
+                }
+            }
+            HostMsg::Job(job) => job(self),
+        }
+    }
+
+    fn job(job: Job<Self>) -> HostMsg {
+        HostMsg::Job(job)
+    }
+}
