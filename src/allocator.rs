@@ -15,7 +15,7 @@ use crate::error::Error;
 use crate::fork::ProcessGuard;
 use crate::options::MallocOptions;
 use crate::pinned::{HostActor, HostAllocator};
-use crate::summary::memory_summary;
+use gpualloc_devices::memory_summary;
 
 struct Inner {
     backend: Arc<dyn Backend>,

@@ -43,16 +43,15 @@ mod export;
 mod fork;
 mod options;
 mod pinned;
-mod summary;
 
 pub use actor::DeviceActor;
 pub use allocator::Allocator;
 pub use buffer::DeviceBuffer;
 pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACKEND_ENV};
 pub use error::Error;
+pub use gpualloc_devices::memory_summary;
 pub use options::MallocOptions;
 pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
-pub use summary::memory_summary;
 
 #[cfg(feature = "cuda")]
 pub use cudarc;

@@ -171,9 +171,11 @@ async fn many_tasks_streams_and_devices_never_share_live_memory() {
 /// leak nothing: every block comes back and the cache empties to zero.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_cancellation_leaks_nothing() {
+    // Device mallocs take 20 ms: far longer than any spin on the caller's side, so a miss
+    // polled once is always still in flight when it is dropped.
     let sim = SimBackend::new(SimConfig {
         latency: gpualloc::runtime::sim::LatencyModel {
-            malloc: Duration::from_micros(200),
+            malloc: Duration::from_millis(20),
             ..gpualloc::runtime::sim::LatencyModel::zero()
         },
         ..SimConfig::fast(1)
@@ -186,7 +188,7 @@ async fn random_cancellation_leaks_nothing() {
     for i in 0..300u64 {
         let size = KIB + (i * 104_729) % (12 * MIB);
         if i % 10 == 0 {
-            // A fresh size: a miss (a 200 us device malloc on the blocking pool), polled
+            // A fresh size: a miss (a 20 ms device malloc on the blocking pool), polled
             // once and dropped while it is in flight.
             let fresh = 40 * MIB + i * 2 * MIB;
             if futures::FutureExt::now_or_never(alloc.malloc(fresh, &s)).is_none() {

@@ -42,6 +42,6 @@ pub fn summarize(trace: &Trace) -> Result<String, ReplayError> {
     Ok(format!(
         "{}\n{}",
         trace.name,
-        memory_summary(core.stats(), trace.device as u32)
+        memory_summary(DeviceId(trace.device as u32), core.stats())
     ))
 }

@@ -132,5 +132,5 @@ fn summary_of_a_real_snapshot() {
         .lines()
         .find(|l| l.starts_with("| GPU reserved segments"))
         .unwrap();
-    assert!(segs.contains("      43 "), "{segs}");
+    assert!(segs.contains("|     43     |"), "{segs}");
 }
