@@ -20,7 +20,7 @@ use crate::actor::{spawn_actor_task, DeviceActor};
 use crate::allocator::Allocator;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
-use crate::pinned::{spawn_host_task, HostActor};
+use crate::pinned::HostActor;
 
 /// Which GPU runtime the allocator runs on.
 #[derive(Clone, Default)]
@@ -214,7 +214,7 @@ impl AllocatorBuilder {
             backend.clone(),
             process,
         );
-        tasks.push(spawn_host_task(
+        tasks.push(spawn_actor_task(
             host.clone(),
             &runtime,
             self.reaper_interval,

@@ -79,11 +79,11 @@ impl DeviceCore {
     }
 
     /// `release_block` without the driver call.
-    fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
+    pub(crate) fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
         let b = self.blocks.get(id);
         let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
         self.record(TraceAction::SegmentFree, addr, size, stream.raw);
-        tracing::debug!(device = self.device.0, addr, size, "segment_detach");
+        tracing::debug!(device = self.device.0, addr, size, "segment_free");
         self.pools[pool].free.remove(&key(stream.raw, size, addr));
         self.blocks.remove(id);
         self.segments.remove(&addr);

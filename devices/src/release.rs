@@ -110,22 +110,11 @@ impl DeviceCore {
     pub(crate) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.blocks.get(id);
         debug_assert!(!b.is_split() && b.state == BlockState::Free);
-        let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
+        let (addr, size) = (b.addr, b.size);
         let _span = tracing::debug_span!("device_free", device = self.device.0, size).entered();
         self.backend.free(self.device, DevicePtr(addr))?;
-        self.record(TraceAction::SegmentFree, addr, size, stream.raw);
-        tracing::debug!(device = self.device.0, addr, size, "segment_free");
-        self.pools[pool].free.remove(&key(stream.raw, size, addr));
-        self.blocks.remove(id);
-        self.segments.remove(&addr);
-        self.total_reserved -= size;
-        let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));
-        self.stats.num_device_free += 1;
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.decrease(1);
-        }
+        // The bookkeeping is the detached path's (`detached.rs`), after the driver call.
+        self.detach_block(id);
         Ok(())
     }
 

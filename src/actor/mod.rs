@@ -19,4 +19,4 @@ mod wait;
 
 pub use device::DeviceActor;
 pub(crate) use state::DeviceMsg;
-pub(crate) use task::spawn_actor_task;
+pub(crate) use task::{spawn_actor_task, ActorParts};

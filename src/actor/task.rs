@@ -1,43 +1,83 @@
-//! The actor task of one device: drains work the mailbox hands to it (when a holder stopped
-//! draining after its bounded rounds) and runs the timed reaper, which completes frees whose
-//! stream events finished on an interval while any are pending and sleeps when none are.
+//! The task of an actor (a device's, or the pinned host's): drains work the mailbox hands to
+//! it (when a holder stopped draining after its bounded rounds) and runs the timed reaper,
+//! which completes frees whose stream events finished on an interval while any are pending and
+//! sleeps when none are. One implementation serves both actors through [`ActorParts`].
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc_runtime::actor::{Actor, Mailbox, ReaperArm, Shutdown};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::actor::device::DeviceActor;
 
-/// Spawns the task on `runtime`; it ends when the actor's `stop` signal fires.
-pub(crate) fn spawn_actor_task(
-    actor: Arc<DeviceActor>,
+/// What the actor task needs of an actor.
+pub(crate) trait ActorParts: Send + Sync + 'static {
+    /// The state behind the actor's mailbox.
+    type State: Actor + Send + 'static;
+    /// The mailbox to drain.
+    fn mailbox(&self) -> &Mailbox<Self::State>;
+    /// Fires when the actor shuts down.
+    fn stop(&self) -> &Shutdown;
+    /// Armed while frees wait on stream events.
+    fn reaper(&self) -> &ReaperArm;
+    /// One reaper round; true while frees are still pending.
+    fn reap(self: Arc<Self>) -> impl Future<Output = bool> + Send;
+    /// For logs.
+    fn label(&self) -> String;
+}
+
+impl ActorParts for DeviceActor {
+    type State = crate::actor::state::DeviceState;
+
+    fn mailbox(&self) -> &Mailbox<Self::State> {
+        &self.mailbox
+    }
+
+    fn stop(&self) -> &Shutdown {
+        &self.stop
+    }
+
+    fn reaper(&self) -> &ReaperArm {
+        &self.signals.reaper
+    }
+
+    async fn reap(self: Arc<Self>) -> bool {
+        self.call(|st| st.reap()).await.unwrap_or(false)
+    }
+
+    fn label(&self) -> String {
+        format!("device {} actor", self.device.0)
+    }
+}
+
+/// Spawns the task of `actor` on `runtime`; it ends when the actor's stop signal fires.
+pub(crate) fn spawn_actor_task<A: ActorParts>(
+    actor: Arc<A>,
     runtime: &Handle,
     reaper_interval: Duration,
 ) -> JoinHandle<()> {
-    actor.mailbox.attach_drainer();
+    actor.mailbox().attach_drainer();
     runtime.spawn(async move {
         let drainer = async {
             loop {
                 tokio::select! {
-                    _ = actor.mailbox.wake().notified() => {
-                        actor.mailbox.drain();
+                    _ = actor.mailbox().wake().notified() => {
+                        actor.mailbox().drain();
                     }
-                    _ = actor.stop.wait() => break,
+                    _ = actor.stop().wait() => break,
                 }
             }
         };
-        let reaper =
-            actor
-                .signals
-                .reaper
-                .run(&actor.stop, reaper_interval, tokio::time::sleep, || {
-                    let actor = actor.clone();
-                    async move { actor.call(|st| st.reap()).await.unwrap_or(false) }
-                });
+        let reaper = actor
+            .reaper()
+            .run(actor.stop(), reaper_interval, tokio::time::sleep, || {
+                actor.clone().reap()
+            });
         tokio::join!(drainer, reaper);
-        actor.mailbox.detach_drainer();
-        tracing::debug!(device = actor.device.0, "device actor task stopped");
+        actor.mailbox().detach_drainer();
+        tracing::debug!(actor = %actor.label(), "actor task stopped");
     })
 }

@@ -23,4 +23,3 @@ mod task;
 pub use actor::HostActor;
 pub use buffer::PinnedBuffer;
 pub use handle::HostAllocator;
-pub(crate) use task::spawn_host_task;
