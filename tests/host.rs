@@ -351,10 +351,8 @@ async fn a_cancelled_miss_returns_its_block() {
         tokio::time::sleep(Duration::from_millis(5)).await;
         waited += Duration::from_millis(5);
     }
-    // And the next malloc is a hit on it.
-    let t = std::time::Instant::now();
+    // And the next malloc is a hit on it: no second host allocation.
     drop(host.malloc(4 * KIB).await.unwrap());
-    assert!(t.elapsed() < Duration::from_millis(40));
     assert_eq!(sim.counts().get(Op::HostAlloc), 1);
     alloc.shutdown().await.unwrap();
 }

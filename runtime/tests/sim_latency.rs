@@ -59,7 +59,7 @@ fn malloc_costs_what_the_model_says_and_can_be_changed() {
             .collect::<Vec<_>>()
     });
     assert!(
-        took < Duration::from_millis(100),
+        took < Duration::from_millis(500),
         "zero-latency mallocs took {took:?}"
     );
     for q in ptrs.into_iter().chain(more).chain([p]) {
