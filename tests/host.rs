@@ -17,6 +17,19 @@ fn sim() -> Arc<SimBackend> {
     SimBackend::new(SimConfig::fast(1)).expect("sim")
 }
 
+/// A sim whose every pinned host allocation costs `cost` (nothing else costs time).
+fn sim_with_slow_host_alloc(cost: Duration) -> Arc<SimBackend> {
+    let latency = gpualloc::runtime::sim::LatencyModel {
+        host_alloc_base: cost,
+        ..gpualloc::runtime::sim::LatencyModel::zero()
+    };
+    SimBackend::new(SimConfig {
+        latency,
+        ..SimConfig::fast(1)
+    })
+    .expect("sim")
+}
+
 fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
     Allocator::builder()
         .config_str(conf)
@@ -326,15 +339,7 @@ fn a_buffer_outliving_its_runtime_drops_on_a_plain_thread() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_miss_returns_its_block() {
-    let latency = gpualloc::runtime::sim::LatencyModel {
-        host_alloc_base: Duration::from_millis(50),
-        ..gpualloc::runtime::sim::LatencyModel::zero()
-    };
-    let sim = SimBackend::new(SimConfig {
-        latency,
-        ..SimConfig::fast(1)
-    })
-    .unwrap();
+    let sim = sim_with_slow_host_alloc(Duration::from_millis(50));
     let alloc = build(&sim, "");
     let host = alloc.host();
     let r = tokio::time::timeout(Duration::from_millis(5), host.malloc(4 * KIB)).await;
@@ -397,15 +402,7 @@ async fn concurrent_tasks_and_threads_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_are_served_while_a_slow_miss_allocates() {
-    let latency = gpualloc::runtime::sim::LatencyModel {
-        host_alloc_base: Duration::from_millis(300),
-        ..gpualloc::runtime::sim::LatencyModel::zero()
-    };
-    let sim = SimBackend::new(SimConfig {
-        latency,
-        ..SimConfig::fast(1)
-    })
-    .unwrap();
+    let sim = sim_with_slow_host_alloc(Duration::from_millis(300));
     let alloc = build(&sim, "");
     let host = alloc.host();
     drop(host.malloc(4 * KIB).await.unwrap()); // cached (paid 300 ms once)

@@ -159,15 +159,11 @@ impl AsyncExportConn {
     /// Serves the connection until EOF; see [`crate::blocking::ExportConn::serve`].
     pub async fn serve(mut self) -> Result<ServeEnd> {
         loop {
-            match recv(&self.sock, &mut self.reader).await {
-                Ok(frame) => {
-                    self.state.on_message(frame.message)?;
-                }
-                Err(IpcError::Closed | IpcError::Truncated { .. }) => {
-                    self.state.reclaim();
-                    return Ok(self.state.totals);
-                }
-                Err(e) => return Err(e),
+            if let Some(end) = self
+                .state
+                .serve_step(recv(&self.sock, &mut self.reader).await)?
+            {
+                return Ok(end);
             }
         }
     }

@@ -144,15 +144,11 @@ impl ExportConn {
     /// back and reclaiming the rest at the end.
     pub fn serve(mut self) -> Result<ServeEnd> {
         loop {
-            match recv(self.sock.as_fd(), &mut self.reader) {
-                Ok(frame) => {
-                    self.state.on_message(frame.message)?;
-                }
-                Err(IpcError::Closed | IpcError::Truncated { .. }) => {
-                    self.state.reclaim();
-                    return Ok(self.state.totals);
-                }
-                Err(e) => return Err(e),
+            if let Some(end) = self
+                .state
+                .serve_step(recv(self.sock.as_fd(), &mut self.reader))?
+            {
+                return Ok(end);
             }
         }
     }

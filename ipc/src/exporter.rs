@@ -159,6 +159,26 @@ impl ExporterState {
     }
 
     /// The connection ended: take back everything still out.
+    /// One step of `serve` (blocking or async alike): a received frame is handled; the end
+    /// of the connection (closed, or cut mid-frame) reclaims everything still out and ends the
+    /// serve with its totals.
+    pub(crate) fn serve_step(
+        &mut self,
+        received: Result<frame::Frame>,
+    ) -> Result<Option<ServeEnd>> {
+        match received {
+            Ok(frame) => {
+                self.on_message(frame.message)?;
+                Ok(None)
+            }
+            Err(IpcError::Closed | IpcError::Truncated { .. }) => {
+                self.reclaim();
+                Ok(Some(self.totals))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     pub(crate) fn reclaim(&mut self) -> Vec<ExportId> {
         // What the importer released before going counts as released.
         self.collect();

@@ -193,15 +193,8 @@ impl Backend for SimBackend {
         self.mem.validate_write(dst, len)?;
         self.mem.validate(src, len)?;
         let mem = self.mem.clone();
-        let cost = self.latency().copy_cost(len);
         latency::pay(self.latency().launch);
-        shared.enqueue(
-            &tx,
-            Box::new(move || {
-                latency::pay(cost);
-                mem.copy(dst, src, len)
-            }),
-        )
+        self.enqueue_timed(&shared, &tx, len, move || mem.copy(dst, src, len))
     }
 
     fn memset_async(
@@ -218,15 +211,8 @@ impl Backend for SimBackend {
         }
         self.mem.validate_write(dst.0, len)?;
         let mem = self.mem.clone();
-        let cost = self.latency().copy_cost(len);
         latency::pay(self.latency().launch);
-        shared.enqueue(
-            &tx,
-            Box::new(move || {
-                latency::pay(cost);
-                mem.fill(dst.0, len, value)
-            }),
-        )
+        self.enqueue_timed(&shared, &tx, len, move || mem.fill(dst.0, len, value))
     }
 
     fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
@@ -239,20 +225,7 @@ impl Backend for SimBackend {
         self.mem.validate_write(dst.0, len)?;
         let data = src.to_vec();
         let mem = self.mem.clone();
-        let cost = self.latency().copy_cost(len);
-        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        shared.enqueue(
-            &tx,
-            Box::new(move || {
-                latency::pay(cost);
-                let _ = done_tx.send(mem.write(dst.0, &data));
-                Ok(())
-            }),
-        )?;
-        drop(tx);
-        done_rx
-            .recv()
-            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))?
+        self.run_timed(&shared, tx, len, move || mem.write(dst.0, &data))
     }
 
     fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
@@ -264,20 +237,7 @@ impl Backend for SimBackend {
         }
         self.mem.validate(src.0, len)?;
         let mem = self.mem.clone();
-        let cost = self.latency().copy_cost(len);
-        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        shared.enqueue(
-            &tx,
-            Box::new(move || {
-                latency::pay(cost);
-                let _ = done_tx.send(mem.read(src.0, len));
-                Ok(())
-            }),
-        )?;
-        drop(tx);
-        let bytes = done_rx
-            .recv()
-            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))??;
+        let bytes = self.run_timed(&shared, tx, len, move || mem.read(src.0, len))?;
         dst.copy_from_slice(&bytes);
         Ok(())
     }

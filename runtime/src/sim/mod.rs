@@ -287,6 +287,45 @@ impl SimBackend {
         }
     }
 
+    /// Enqueues a memory operation of `len` bytes on a stream: it costs the latency model's
+    /// copy time, then runs `work`.
+    fn enqueue_timed(
+        &self,
+        shared: &StreamShared,
+        tx: &Sender<Task>,
+        len: u64,
+        work: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        let cost = self.latency().copy_cost(len);
+        shared.enqueue(
+            tx,
+            Box::new(move || {
+                latency::pay(cost);
+                work()
+            }),
+        )
+    }
+
+    /// Like [`SimBackend::enqueue_timed`], then waits for the stream to reach the operation
+    /// and returns its result (a synchronous copy in stream order).
+    fn run_timed<T: Send + 'static>(
+        &self,
+        shared: &StreamShared,
+        tx: Sender<Task>,
+        len: u64,
+        work: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+        self.enqueue_timed(shared, &tx, len, move || {
+            let _ = done_tx.send(work());
+            Ok(())
+        })?;
+        drop(tx);
+        done_rx
+            .recv()
+            .map_err(|_| BackendError::Unavailable("stream worker is gone".into()))?
+    }
+
     fn event(&self, h: EventHandle) -> Result<Arc<SimEvent>> {
         let events = lock(&self.events);
         match events.get(&h.raw) {

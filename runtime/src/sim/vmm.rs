@@ -174,20 +174,23 @@ impl SimBackend {
                 return Err(e);
             }
         };
-        let raw = self.next_id();
-        lock(&self.vmm).phys.insert(
-            raw,
-            Phys {
-                device,
-                size,
-                fd,
-                released: false,
-                maps: 0,
-                imported: false,
-            },
-        );
         latency::pay(self.latency().phys);
-        Ok(PhysHandle { device, raw, size })
+        Ok(self.insert_phys(device, size, fd, false))
+    }
+
+    /// Records a new physical handle over `fd`.
+    fn insert_phys(&self, device: DeviceId, size: u64, fd: OwnedFd, imported: bool) -> PhysHandle {
+        let raw = self.next_id();
+        let phys = Phys {
+            device,
+            size,
+            fd,
+            released: false,
+            maps: 0,
+            imported,
+        };
+        lock(&self.vmm).phys.insert(raw, phys);
+        PhysHandle { device, raw, size }
     }
 
     /// Removes `raw` if it is released and unmapped; returns the bytes to give back.
@@ -358,20 +361,8 @@ impl SimBackend {
             return Err(BackendError::invalid("imported memory handle is empty"));
         }
         self.check_granular("imported size", size)?;
-        let raw = self.next_id();
-        lock(&self.vmm).phys.insert(
-            raw,
-            Phys {
-                device,
-                size,
-                fd,
-                released: false,
-                maps: 0,
-                imported: true,
-            },
-        );
         latency::pay(self.latency().ipc);
-        Ok(PhysHandle { device, raw, size })
+        Ok(self.insert_phys(device, size, fd, true))
     }
 
     /// Live reservations (for leak checks in tests).

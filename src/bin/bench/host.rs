@@ -26,7 +26,7 @@ use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
 use gpualloc::{Allocator, Backend, BackendKind};
 
-use super::{percentile, Figure, HIT_SIZE, MIB};
+use super::{percentile, push_median_p99, Figure, HIT_SIZE, MIB};
 
 const GIB: u64 = 1 << 30;
 
@@ -100,18 +100,12 @@ async fn hit_latency(figures: &mut Vec<Figure>) {
             actor.push(t.elapsed().as_nanos() as u64);
         }
     }
-    figures.push(Figure {
-        name: "host_hit_pair_median_ns",
-        value: percentile(&mut actor, 0.5),
-        unit: "ns",
-        reference: percentile(&mut direct, 0.5),
-    });
-    figures.push(Figure {
-        name: "host_hit_pair_p99_ns",
-        value: percentile(&mut actor, 0.99),
-        unit: "ns",
-        reference: percentile(&mut direct, 0.99),
-    });
+    push_median_p99(
+        figures,
+        ["host_hit_pair_median_ns", "host_hit_pair_p99_ns"],
+        &mut actor,
+        &mut direct,
+    );
     let _ = alloc.shutdown().await;
 }
 

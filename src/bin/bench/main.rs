@@ -71,6 +71,23 @@ impl Figure {
     }
 }
 
+/// Pushes the median and p99 (in ns) of `measured` against those of `reference`.
+fn push_median_p99(
+    figures: &mut Vec<Figure>,
+    names: [&'static str; 2],
+    measured: &mut [u64],
+    reference: &mut [u64],
+) {
+    for (name, p) in names.into_iter().zip([0.5, 0.99]) {
+        figures.push(Figure {
+            name,
+            value: percentile(measured, p),
+            unit: "ns",
+            reference: percentile(reference, p),
+        });
+    }
+}
+
 fn percentile(samples: &mut [u64], p: f64) -> f64 {
     if samples.is_empty() {
         return 0.0;
@@ -214,18 +231,12 @@ async fn hit_latency(figures: &mut Vec<Figure>) {
     let alloc = build(hit_backend());
     let stream = alloc.new_stream(DeviceId(0)).expect("stream");
     let mut actor = actor_pairs(&alloc, &stream, N).await;
-    figures.push(Figure {
-        name: "hit_pair_median_ns",
-        value: percentile(&mut actor, 0.5),
-        unit: "ns",
-        reference: percentile(&mut direct, 0.5),
-    });
-    figures.push(Figure {
-        name: "hit_pair_p99_ns",
-        value: percentile(&mut actor, 0.99),
-        unit: "ns",
-        reference: percentile(&mut direct, 0.99),
-    });
+    push_median_p99(
+        figures,
+        ["hit_pair_median_ns", "hit_pair_p99_ns"],
+        &mut actor,
+        &mut direct,
+    );
     let _ = alloc.shutdown().await;
 }
 
