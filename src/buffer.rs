@@ -10,6 +10,7 @@
 //! [`DeviceBuffer::record_stream`], as in PyTorch).
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use gpualloc_devices::{AllocError, Allocation};
@@ -20,9 +21,11 @@ use crate::error::Error;
 
 /// Device memory owned by the holder. See the module docs.
 pub struct DeviceBuffer {
-    ptr: DevicePtr,
-    len: u64,
+    alloc: Allocation,
     stream: Stream,
+    /// `record_stream` named another stream: the free waits on events, so the block must go
+    /// through the core, not the thread cache.
+    used_elsewhere: AtomicBool,
     pub(crate) actor: Arc<DeviceActor>,
     /// The cudarc stream of `stream`, looked up on first use by the cudarc traits.
     #[cfg(feature = "cuda")]
@@ -32,8 +35,8 @@ pub struct DeviceBuffer {
 impl fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
+            .field("ptr", &self.alloc.ptr)
+            .field("len", &self.alloc.size)
             .field("device", &self.actor.device)
             .finish()
     }
@@ -42,9 +45,9 @@ impl fmt::Debug for DeviceBuffer {
 impl DeviceBuffer {
     pub(crate) fn new(a: Allocation, actor: Arc<DeviceActor>, stream: Stream) -> Self {
         DeviceBuffer {
-            ptr: a.ptr,
-            len: a.size,
+            alloc: a,
             stream,
+            used_elsewhere: AtomicBool::new(false),
             actor,
             #[cfg(feature = "cuda")]
             cudarc: std::sync::OnceLock::new(),
@@ -54,22 +57,22 @@ impl DeviceBuffer {
     /// The pointer's address field (kernel arguments are passed by reference).
     #[cfg(feature = "cuda")]
     pub(crate) fn ptr_ref(&self) -> &u64 {
-        &self.ptr.0
+        &self.alloc.ptr.0
     }
 
     /// The device address (null for a zero-length buffer).
     pub fn ptr(&self) -> DevicePtr {
-        self.ptr
+        self.alloc.ptr
     }
 
     /// Bytes requested (the block behind it may be larger).
     pub fn len(&self) -> u64 {
-        self.len
+        self.alloc.size
     }
 
     /// True for a zero-length buffer.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.alloc.size == 0
     }
 
     /// The device the memory is on.
@@ -97,10 +100,11 @@ impl DeviceBuffer {
             }
             .into());
         }
-        if self.ptr.0 != 0 {
+        if self.alloc.ptr.0 != 0 && stream.handle() != self.alloc.stream {
+            self.used_elsewhere.store(true, Ordering::Relaxed);
             self.actor
                 .mailbox
-                .post(DeviceMsg::RecordStream(self.ptr, stream.handle()));
+                .post(DeviceMsg::RecordStream(self.alloc.ptr, stream.handle()));
         }
         Ok(())
     }
@@ -108,13 +112,16 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ptr.0 == 0 {
+        if self.alloc.ptr.0 == 0 {
             return;
         }
         // In a forked child the allocator's state is a dead copy: leave it alone.
         if self.actor.process.forked() {
             return;
         }
-        self.actor.mailbox.post(DeviceMsg::Free(self.ptr));
+        // Relaxed: `record_stream` took `&self`, and whoever drops the buffer owns it, so the
+        // store happened before (any hand-over between threads synchronizes).
+        self.actor
+            .release(self.alloc, self.used_elsewhere.load(Ordering::Relaxed));
     }
 }

@@ -13,6 +13,7 @@
 //! | `large_segment_size_mb` | segment size for 1–10 MiB requests (even, ≥ 2) | 20 |
 //! | `per_process_memory_fraction` | cap reserved memory at this fraction of the device, in (0, 1] | none |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: let the actor serve other requests during a driver malloc | `True` |
+//! | `thread_cache` | `True`/`False`: each thread keeps a few blocks it freed and hands them straight back to a same-size request on the same stream, without the actor's gate (gpualloc's own key; see the facade's `actor::thread_cache`) | `True` |
 //! | `backend` | only `native` is supported | `native` |
 //! | `pinned_*` | pinned-host allocator keys, validated by the host allocator | — |
 //!
@@ -71,6 +72,9 @@ pub struct AllocatorConfig {
     pub per_process_memory_fraction: Option<f64>,
     /// Let other requests be served while a driver allocation runs.
     pub release_lock_on_device_malloc: bool,
+    /// Per-thread caches of just-freed blocks in front of the device actor (facade only;
+    /// the core ignores it).
+    pub thread_cache: bool,
     /// `pinned_*` entries, passed unparsed to the pinned-host allocator.
     pub pinned: Vec<(String, String)>,
 }
@@ -86,6 +90,7 @@ impl Default for AllocatorConfig {
             large_segment_size: LARGE_BUFFER,
             per_process_memory_fraction: None,
             release_lock_on_device_malloc: true,
+            thread_cache: true,
             pinned: Vec::new(),
         }
     }
@@ -140,6 +145,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if !self.release_lock_on_device_malloc {
             parts.push("release_lock_on_cudamalloc:False".into());
+        }
+        if !self.thread_cache {
+            parts.push("thread_cache:False".into());
         }
         for (k, v) in &self.pinned {
             parts.push(format!("{k}:{v}"));
@@ -276,6 +284,7 @@ impl AllocatorConfig {
             "release_lock_on_cudamalloc" => {
                 self.release_lock_on_device_malloc = parse_bool(key, value)?;
             }
+            "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             "backend" => {
                 if value != "native" {
                     return Err(invalid(
@@ -315,6 +324,12 @@ impl AllocatorConfig {
         self.set("garbage_collection_threshold", &threshold.to_string())?;
         self.set("per_process_memory_fraction", &fraction.to_string())?;
         Ok(self)
+    }
+
+    /// Builder: `thread_cache`.
+    pub fn with_thread_cache(mut self, on: bool) -> Self {
+        self.thread_cache = on;
+        self
     }
 
     /// Builder: `per_process_memory_fraction`.
@@ -452,6 +467,20 @@ mod tests {
             err("large_segment_size_mb:3"),
             ConfigError::InvalidValue { .. }
         ));
+        assert!(matches!(
+            err("thread_cache:maybe"),
+            ConfigError::InvalidValue { .. }
+        ));
+    }
+
+    #[test]
+    fn thread_cache_key() {
+        assert!(AllocatorConfig::default().thread_cache);
+        let off = AllocatorConfig::parse("thread_cache:False").unwrap();
+        assert!(!off.thread_cache);
+        assert_eq!(off, AllocatorConfig::default().with_thread_cache(false));
+        assert_eq!(off.to_string(), "thread_cache:False");
+        assert_eq!(AllocatorConfig::parse(&off.to_string()).unwrap(), off);
     }
 
     #[test]

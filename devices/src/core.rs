@@ -41,6 +41,10 @@ pub struct Allocation {
     pub block_size: u64,
     /// The allocation stream.
     pub stream: StreamHandle,
+    /// The block is in a small pool (its statistics count as `small_pool`).
+    pub small_pool: bool,
+    /// The block is at least `max_split_size` (counted in `oversize_allocations`).
+    pub oversize: bool,
 }
 
 /// Id of a private memory pool (PyTorch's `MempoolId_t`).
@@ -362,6 +366,8 @@ impl DeviceCore {
                 size: 0,
                 block_size: 0,
                 stream,
+                small_pool: true,
+                oversize: false,
             }));
         }
         self.process_events()?;
@@ -722,7 +728,8 @@ impl DeviceCore {
         for_pool(&mut self.stats.requested_bytes, small, |s| {
             s.increase(requested)
         });
-        if bsize >= self.config.max_split_size {
+        let oversize = bsize >= self.config.max_split_size;
+        if oversize {
             self.stats.oversize_allocations.increase(1);
         }
         self.record(TraceAction::Alloc, addr, requested, stream.raw);
@@ -731,6 +738,8 @@ impl DeviceCore {
             size: requested,
             block_size: bsize,
             stream,
+            small_pool: small,
+            oversize,
         }
     }
 
@@ -796,6 +805,8 @@ impl DeviceCore {
                 size: b.requested,
                 block_size: b.size,
                 stream: b.stream,
+                small_pool: self.pools[b.pool].is_small,
+                oversize: b.size >= self.config.max_split_size,
             }
         })
     }

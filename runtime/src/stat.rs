@@ -29,6 +29,13 @@ impl Stat {
         self.freed += n;
     }
 
+    /// Counts `n` added and removed again, with `current` (and so `peak`) as it was: what an
+    /// increase followed at once by an equal decrease leaves behind.
+    pub fn round_trip(&mut self, n: u64) {
+        self.allocated += n;
+        self.freed += n;
+    }
+
     /// Sets the peak to the current value.
     pub fn reset_peak(&mut self) {
         self.peak = self.current;

@@ -1,7 +1,9 @@
 //! [`DeviceActor`]: one device's actor, shared by the [`Allocator`](crate::Allocator) and
 //! every live [`DeviceBuffer`] of that device.
 //!
-//! A request first tries to take the mailbox's gate and run inline (a cache hit costs one
+//! A request first looks in the calling thread's slot of the thread cache (`thread_cache.rs`):
+//! a block this thread freed with the same size on the same stream comes back without the
+//! gate. Otherwise it tries to take the mailbox's gate and runs inline (a cache hit costs one
 //! atomic gate acquire, the core's best-fit lookup and one release: no channel, no wake-up).
 //! If the gate is busy the request is queued and its future awaits the reply. A miss leaves
 //! the gate at once and continues on the blocking pool (`slow.rs`), so hits keep being served
@@ -10,12 +12,15 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use gpualloc_devices::{CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest};
+use gpualloc_devices::{
+    Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
+};
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 
-use crate::actor::state::{DeviceState, Signals};
+use crate::actor::state::{DeviceMsg, DeviceState, Signals};
+use crate::actor::thread_cache::ThreadCache;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
@@ -65,14 +70,19 @@ impl DeviceActor {
         process: ProcessGuard,
         runtime: tokio::runtime::Handle,
     ) -> Arc<Self> {
-        let signals = Arc::new(Signals::default());
+        // Garbage collection ages cached blocks by the core's own lookups, which round trips
+        // beside it would skip: the thread cache stays off with it.
+        let config = core.config();
+        let thread_cache = (config.thread_cache && config.garbage_collection_threshold == 0.0)
+            .then(ThreadCache::new);
+        let signals = Arc::new(Signals {
+            thread_cache,
+            ..Signals::default()
+        });
         Arc::new(DeviceActor {
             device: core.device(),
             backend: core.backend().clone(),
-            mailbox: Mailbox::new(DeviceState {
-                core,
-                signals: signals.clone(),
-            }),
+            mailbox: Mailbox::new(DeviceState::new(core, signals.clone())),
             signals,
             process,
             stop: Shutdown::new(),
@@ -181,6 +191,11 @@ impl DeviceActor {
         stream: &Stream,
     ) -> Result<DeviceBuffer, Error> {
         let handle = stream.handle();
+        if let Some(cache) = &self.signals.thread_cache {
+            if let Some(a) = cache.revive(size, handle) {
+                return Ok(DeviceBuffer::new(a, self.clone(), stream.clone()));
+            }
+        }
         // Fast path: nothing is cloned or allocated while the gate is held, and the gate is
         // held for ~100 ns at a time, so spin (with backoff) before queuing: a queued request
         // costs an allocation, a reply slot and maybe a wake-up.
@@ -222,6 +237,30 @@ impl DeviceActor {
                     .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
             }
         }
+    }
+
+    /// Takes back a dropped buffer's block: parked in the calling thread's slot of the thread
+    /// cache when it may be (see `thread_cache.rs`), else freed through the mailbox. Never
+    /// blocks.
+    pub(crate) fn release(&self, a: Allocation, used_elsewhere: bool) {
+        if let Some(cache) = &self.signals.thread_cache {
+            if !used_elsewhere && self.signals.waiters.is_empty() {
+                if let Some(back) = cache.park(a) {
+                    self.mailbox.post(DeviceMsg::Free(back.ptr));
+                }
+                // A request that started waiting for memory just now looks in the slots
+                // once, right after it joined; if it joined after that look could see this
+                // block, it will see this check instead (both sides are sequentially
+                // consistent): free the parked blocks for it through the core.
+                if !self.signals.waiters.is_empty() {
+                    for ptr in cache.unpark_mine() {
+                        self.mailbox.post(DeviceMsg::Free(ptr));
+                    }
+                }
+                return;
+            }
+        }
+        self.mailbox.post(DeviceMsg::Free(a.ptr));
     }
 
     /// Statistics of this device.

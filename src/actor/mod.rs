@@ -9,12 +9,15 @@
 //! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
 //!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
 //! - `task`: the actor task: drains work handed to it and runs the timed reaper.
+//! - `thread_cache`: blocks parked by the thread that freed them and handed straight back
+//!   to its next same-size request on the same stream, without the gate.
 //! - `wait`: malloc that waits for memory (FIFO, bounded, cancellable) instead of failing.
 
 mod device;
 mod slow;
 mod state;
 mod task;
+mod thread_cache;
 mod wait;
 
 pub use device::DeviceActor;

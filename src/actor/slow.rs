@@ -169,6 +169,10 @@ impl DeviceActor {
     /// Shuts the core down (every segment back to the device) and wakes every waiter so
     /// they fail at once instead of waiting out their timeouts.
     pub(crate) fn shutdown_blocking(&self) -> Result<(), Error> {
+        // Closed before the core lets go of its memory: nothing parked is revived after.
+        if let Some(cache) = &self.signals.thread_cache {
+            cache.close();
+        }
         let result = self.mailbox.hold_blocking().state().core.shutdown();
         self.signals.waiters.wake_head();
         result.map_err(Error::from)

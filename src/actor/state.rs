@@ -2,10 +2,12 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::DeviceCore;
+use gpualloc_devices::{DeviceCore, RoundTrips};
 use gpualloc_runtime::actor::mailbox::{Actor, Job};
 use gpualloc_runtime::actor::{ReaperArm, Waiters};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
+
+use crate::actor::thread_cache::{ThreadCache, PARKED_PER_THREAD};
 
 /// Signals shared between the guarded state and the actor's users.
 #[derive(Debug, Default)]
@@ -14,12 +16,16 @@ pub(crate) struct Signals {
     pub waiters: Waiters,
     /// Wakes the reaper when frees start waiting on stream events.
     pub reaper: ReaperArm,
+    /// Blocks parked by the threads that freed them (`None`: `thread_cache:False`).
+    pub thread_cache: Option<ThreadCache>,
 }
 
 /// One device's core, plus the signals its handlers raise.
 pub(crate) struct DeviceState {
     pub core: DeviceCore,
     pub signals: Arc<Signals>,
+    /// Scratch for the parked blocks a collection frees (kept to never allocate).
+    parked: Vec<DevicePtr>,
 }
 
 /// A queued message. Requests with replies travel as jobs.
@@ -33,20 +39,44 @@ pub(crate) enum DeviceMsg {
 }
 
 impl DeviceState {
+    pub fn new(core: DeviceCore, signals: Arc<Signals>) -> Self {
+        let parked = if signals.thread_cache.is_some() {
+            Vec::with_capacity(PARKED_PER_THREAD * gpualloc_runtime::actor::thread_slots::MAX_SLOTS)
+        } else {
+            Vec::new()
+        };
+        DeviceState {
+            core,
+            signals,
+            parked,
+        }
+    }
+
     /// Frees `ptr`; wakes the reaper if the free now waits on events, and the head waiter.
     pub fn free(&mut self, ptr: DevicePtr) {
-        let pending_before = self.core.pending_frees();
-        if let Err(e) = self.core.free(ptr) {
-            // After shutdown every segment went back already; a late free is expected.
-            if !self.core.is_shut_down() {
-                tracing::warn!(device = self.core.device().0, %ptr, error = %e, "free failed");
-            }
+        free(&mut self.core, &self.signals, ptr);
+    }
+
+    /// Folds the thread cache into the core (see `thread_cache.rs`): the round trips of
+    /// revived blocks go into its totals and parked blocks are freed. One load when no
+    /// thread parked or revived anything since the last collection.
+    pub fn collect_thread_cache(&mut self) {
+        let DeviceState {
+            core,
+            signals,
+            parked,
+        } = self;
+        let Some(cache) = &signals.thread_cache else {
             return;
+        };
+        let mut trips = RoundTrips::default();
+        cache.collect(&mut trips, parked);
+        if !trips.is_empty() {
+            core.account_round_trips(&trips);
         }
-        if self.core.pending_frees() > pending_before {
-            self.signals.reaper.arm();
+        for ptr in parked.drain(..) {
+            free(core, signals, ptr);
         }
-        self.signals.waiters.wake_head();
     }
 
     /// Completes frees whose events finished; true while some still wait.
@@ -62,6 +92,21 @@ impl DeviceState {
     }
 }
 
+fn free(core: &mut DeviceCore, signals: &Signals, ptr: DevicePtr) {
+    let pending_before = core.pending_frees();
+    if let Err(e) = core.free(ptr) {
+        // After shutdown every segment went back already; a late free is expected.
+        if !core.is_shut_down() {
+            tracing::warn!(device = core.device().0, %ptr, error = %e, "free failed");
+        }
+        return;
+    }
+    if core.pending_frees() > pending_before {
+        signals.reaper.arm();
+    }
+    signals.waiters.wake_head();
+}
+
 impl Actor for DeviceState {
     type Msg = DeviceMsg;
 
@@ -75,11 +120,19 @@ impl Actor for DeviceState {
                     }
                 }
             }
-            DeviceMsg::Job(job) => job(self),
+            DeviceMsg::Job(job) => {
+                // A request queued behind the gate still sees every block parked before it.
+                self.collect_thread_cache();
+                job(self)
+            }
         }
     }
 
     fn job(job: Job<Self>) -> DeviceMsg {
         DeviceMsg::Job(job)
+    }
+
+    fn on_acquire(&mut self) {
+        self.collect_thread_cache();
     }
 }

@@ -38,6 +38,10 @@ pub trait Actor: Send + 'static {
     fn handle(&mut self, msg: Self::Msg);
     /// Wraps a closure as a message (for [`Mailbox::call`]).
     fn job(job: Job<Self>) -> Self::Msg;
+    /// Runs first whenever a thread takes the gate, before queued messages and the holder's
+    /// own request: the place to fold in work done beside the state without the gate (e.g.
+    /// per-thread slots, [`crate::actor::ThreadSlots`]). Must be quick and must not block.
+    fn on_acquire(&mut self) {}
 }
 
 /// Holder rounds of draining before the rest is handed to the actor task.
@@ -130,6 +134,7 @@ impl<S: Actor> Mailbox<S> {
             mailbox: self,
             inner: Some(lock(&self.inner)),
         };
+        held.state().on_acquire();
         if acquired.pending && self.gate.take_pending() {
             held.drain_queue();
         }

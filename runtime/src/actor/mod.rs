@@ -12,6 +12,8 @@
 //! - [`reaper`]: the arm/disarm logic of the timed reaper (interval while work is pending,
 //!   asleep when none).
 //! - [`shutdown`]: the shutdown signal.
+//! - [`thread_slots`]: per-thread slots beside the state, for work a thread does without the
+//!   gate; the holder collects them first.
 //! - [`fork`]: telling a forked child from its parent with one memory load.
 //!
 //! None of these know what state they guard: they are generic, so the host allocator's actor
@@ -25,6 +27,7 @@ pub mod notify;
 pub mod reaper;
 pub mod reply;
 pub mod shutdown;
+pub mod thread_slots;
 pub mod waiters;
 
 pub use fork::ForkGuard;
@@ -33,4 +36,5 @@ pub use notify::{Notified, Notify};
 pub use reaper::ReaperArm;
 pub use reply::{reply_slot, ReplyFuture, ReplySender};
 pub use shutdown::Shutdown;
+pub use thread_slots::{SlotState, ThreadSlots};
 pub use waiters::{WaitFuture, WaitTurn, Waiters};

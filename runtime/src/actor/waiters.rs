@@ -51,9 +51,12 @@ impl Waiters {
         Waiters::default()
     }
 
-    /// Number of waiting requests (a hint; cheap enough for every free).
+    /// Number of waiting requests (a hint; cheap enough for every free). Sequentially
+    /// consistent, as is the count's update in [`Waiters::join`]: a thread that publishes
+    /// something elsewhere and then reads this, and a joiner that then looks for what was
+    /// published, cannot both miss each other (the device actor's thread cache relies on it).
     pub fn len(&self) -> usize {
-        self.len.load(Ordering::Acquire)
+        self.len.load(Ordering::SeqCst)
     }
 
     /// True when nobody waits.
@@ -72,7 +75,7 @@ impl Waiters {
             notified,
             waker: None,
         });
-        self.len.fetch_add(1, Ordering::AcqRel);
+        self.len.fetch_add(1, Ordering::SeqCst);
         WaitTurn {
             waiters: self,
             id,
@@ -98,7 +101,7 @@ impl Waiters {
                 return;
             };
             inner.queue.remove(pos);
-            self.len.fetch_sub(1, Ordering::AcqRel);
+            self.len.fetch_sub(1, Ordering::SeqCst);
             if pos == 0 {
                 notify_head(&mut inner)
             } else {

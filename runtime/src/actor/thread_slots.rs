@@ -1,0 +1,195 @@
+//! [`ThreadSlots`]: one small slot of state per thread in front of a flat-combining cell, for
+//! work a thread can do on its own without the gate (a device actor's thread cache parks
+//! freed blocks there and hands them straight back to the same thread).
+//!
+//! Each slot is a mutex of its own, on its own cache lines, so the owning thread's updates
+//! touch no line another thread writes. The gate holder must see everything the slots hold
+//! before it reads or changes the guarded state: it calls [`ThreadSlots::collect`] first,
+//! which visits only the slots marked in one `dirty` word (a single load when none are).
+//!
+//! The one rule, and why no slot content is ever missed: **an owner that leaves its slot
+//! non-empty marks it (after unlocking) unless it sees the mark set; a collector clears the
+//! marks before it locks the slots it visits.** Take an owner's update U and a collector C.
+//! If C locks the slot after U unlocked it, C sees U's contents. Otherwise C unlocked the
+//! slot before U locked it, so C's clearing happens before U's check of the mark: U sees it
+//! clear and sets it, and the next collector visits. Either way a non-empty slot is marked
+//! or being collected. The mark is a hint in the other direction: a marked slot may be
+//! empty (the owner emptied it itself), which costs a collector one needless visit.
+//!
+//! All accesses to the marks are sequentially consistent, so an owner that marks its slot
+//! and then reads another flag (e.g. "somebody waits for memory") and a collector that
+//! raised that flag and then reads the marks cannot both miss each other (a store-buffer
+//! pattern that acquire/release alone allows).
+
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::sync::{lock, Mutex, MutexGuard};
+
+/// Most slots a [`ThreadSlots`] can have (one bit each in the dirty word).
+pub const MAX_SLOTS: usize = 64;
+
+/// What a slot holds.
+pub trait SlotState: Send {
+    /// True when a collector has nothing to take from this slot.
+    fn is_empty(&self) -> bool;
+}
+
+/// A slot on its own cache lines (two, for adjacent-line prefetch).
+#[repr(align(128))]
+struct Padded<S>(Mutex<S>);
+
+/// Per-thread slots with a dirty word. See the module docs.
+pub struct ThreadSlots<S> {
+    dirty: AtomicU64,
+    closed: AtomicBool,
+    slots: Box<[Padded<S>]>,
+}
+
+impl<S> std::fmt::Debug for ThreadSlots<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadSlots")
+            .field("slots", &self.slots.len())
+            .field("dirty", &self.dirty.load(Ordering::SeqCst))
+            .finish()
+    }
+}
+
+impl<S: SlotState> ThreadSlots<S> {
+    /// `count` slots (clamped to 1..=[`MAX_SLOTS`]), each made by `make`.
+    pub fn new(count: usize, mut make: impl FnMut() -> S) -> Self {
+        let count = count.clamp(1, MAX_SLOTS);
+        ThreadSlots {
+            dirty: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+            slots: (0..count).map(|_| Padded(Mutex::new(make()))).collect(),
+        }
+    }
+
+    /// Number of slots. Threads share slot `index % len` beyond that (correct, only slower).
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Always false: there is at least one slot.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Owner side: runs `f` on slot `index % len` and marks it if `f` left it non-empty.
+    pub fn update<R>(&self, index: usize, f: impl FnOnce(&mut S) -> R) -> R {
+        let i = index % self.slots.len();
+        let (r, non_empty) = {
+            let mut slot = lock(&self.slots[i].0);
+            let r = f(&mut slot);
+            (r, !slot.is_empty())
+        };
+        if non_empty {
+            let bit = 1u64 << i;
+            // Read first: while the mark stays set the line stays shared, not written.
+            if self.dirty.load(Ordering::SeqCst) & bit == 0 {
+                self.dirty.fetch_or(bit, Ordering::SeqCst);
+            }
+        }
+        r
+    }
+
+    /// Collector side (the gate holder): clears the marks and runs `f` on each slot that was
+    /// marked, to take what it holds. One load when nothing is marked.
+    pub fn collect(&self, mut f: impl FnMut(&mut S)) {
+        if self.dirty.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut marked = self.dirty.swap(0, Ordering::SeqCst);
+        while marked != 0 {
+            let i = marked.trailing_zeros() as usize;
+            marked &= marked - 1;
+            let mut slot: MutexGuard<'_, S> = lock(&self.slots[i].0);
+            f(&mut slot);
+        }
+    }
+
+    /// True if some slot may hold something (a hint).
+    pub fn any_marked(&self) -> bool {
+        self.dirty.load(Ordering::SeqCst) != 0
+    }
+
+    /// Marks the slots closed: from now on [`ThreadSlots::is_closed`] is true. Whoever takes
+    /// something out of a slot checks it afterwards (see the device actor's thread cache).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+    }
+
+    /// True once [`ThreadSlots::close`] ran.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+}
+
+/// A small number naming the calling thread, the same for its whole life: the slot index of
+/// [`ThreadSlots::update`]. Numbers are handed out in order, so the first [`MAX_SLOTS`]
+/// threads that ask never share a slot. `None` while the thread is being torn down.
+#[cfg(not(loom))]
+pub fn thread_index() -> Option<usize> {
+    use std::sync::atomic::AtomicUsize;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    INDEX.try_with(|i| *i).ok()
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Bag(Vec<u32>);
+
+    impl SlotState for Bag {
+        fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    #[test]
+    fn collect_takes_what_owners_left_and_only_marked_slots() {
+        let slots = ThreadSlots::new(4, Bag::default);
+        assert!(!slots.any_marked());
+        slots.update(1, |b| b.0.push(10));
+        slots.update(5, |b| b.0.push(11)); // shares slot 1
+        slots.update(2, |b| b.0.push(20));
+        slots.update(2, |b| b.0.clear()); // emptied by its owner: marked, but empty
+        assert!(slots.any_marked());
+        let mut seen = Vec::new();
+        let mut visits = 0;
+        slots.collect(|b| {
+            visits += 1;
+            seen.append(&mut b.0);
+        });
+        assert_eq!(seen, vec![10, 11]);
+        assert_eq!(visits, 2, "slots 1 and 2 were marked, 0 and 3 were not");
+        assert!(!slots.any_marked());
+        let mut again = 0;
+        slots.collect(|_| again += 1);
+        assert_eq!(again, 0);
+    }
+
+    #[test]
+    fn slot_count_is_clamped_and_close_is_sticky() {
+        let slots = ThreadSlots::new(1000, Bag::default);
+        assert_eq!(slots.len(), MAX_SLOTS);
+        assert_eq!(ThreadSlots::new(0, Bag::default).len(), 1);
+        assert!(!slots.is_closed());
+        slots.close();
+        assert!(slots.is_closed());
+    }
+
+    #[test]
+    fn thread_indices_differ_between_threads() {
+        let here = thread_index().unwrap();
+        let there = std::thread::spawn(|| thread_index().unwrap())
+            .join()
+            .unwrap();
+        assert_ne!(here, there);
+        assert_eq!(thread_index(), Some(here));
+    }
+}
