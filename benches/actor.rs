@@ -1,5 +1,7 @@
-//! Criterion benchmark of the cache-hit fast path: malloc + drop through the device actor
-//! vs a direct call of the same core (accounting backend: no memory behind addresses).
+//! Criterion benchmark of the cache-hit fast path: malloc + drop through the allocator (the
+//! default, whose thread cache serves this loop, and `thread_cache:False`, through the
+//! actor's gate) vs a direct call of the same core (accounting backend: no memory behind
+//! addresses).
 //! The `bench` binary prints the same figures with their ratios, plus the contention ones.
 
 // criterion's macros generate undocumented items.
@@ -35,27 +37,29 @@ fn hit_pair(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let alloc = rt.block_on(async {
-        Allocator::builder()
-            .config(AllocatorConfig::default())
-            .backend_instance(Arc::new(AccountingBackend::new(1, 1 << 40)))
-            .build()
-            .unwrap()
-    });
-    let stream = alloc.new_stream(DeviceId(0)).unwrap();
-    group.bench_function("actor", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let t = Instant::now();
-                for _ in 0..iters {
-                    drop(alloc.malloc(SIZE, &stream).await.unwrap());
-                }
-                t.elapsed()
+    for (name, thread_cache) in [("thread_cache", true), ("gate", false)] {
+        let alloc = rt.block_on(async {
+            Allocator::builder()
+                .config(AllocatorConfig::default().with_thread_cache(thread_cache))
+                .backend_instance(Arc::new(AccountingBackend::new(1, 1 << 40)))
+                .build()
+                .unwrap()
+        });
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        drop(alloc.malloc(SIZE, &stream).await.unwrap());
+                    }
+                    t.elapsed()
+                })
             })
-        })
-    });
+        });
+        rt.block_on(alloc.shutdown()).unwrap();
+    }
     group.finish();
-    rt.block_on(alloc.shutdown()).unwrap();
 }
 
 criterion_group!(benches, hit_pair);

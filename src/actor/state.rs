@@ -61,6 +61,17 @@ impl DeviceState {
     /// revived blocks go into its totals and parked blocks are freed. One load when no
     /// thread parked or revived anything since the last collection.
     pub fn collect_thread_cache(&mut self) {
+        self.fold_thread_cache(false);
+    }
+
+    /// [`DeviceState::collect_thread_cache`] over every slot, marked or not: run by a request
+    /// that just started waiting for memory, so no block parked before it joined stays
+    /// parked (`ThreadSlots::collect_all`).
+    pub fn sweep_thread_cache(&mut self) {
+        self.fold_thread_cache(true);
+    }
+
+    fn fold_thread_cache(&mut self, all: bool) {
         let DeviceState {
             core,
             signals,
@@ -70,7 +81,7 @@ impl DeviceState {
             return;
         };
         let mut trips = RoundTrips::default();
-        cache.collect(&mut trips, parked);
+        cache.collect(all, &mut trips, parked);
         if !trips.is_empty() {
             core.account_round_trips(&trips);
         }

@@ -13,7 +13,8 @@
 //! - **Park**: a dropped buffer goes to its thread's slot (at most
 //!   [`PARKED_PER_THREAD`]; the oldest is then freed through the core) unless it was used
 //!   on another stream (`record_stream`: its free waits on events), somebody is waiting for
-//!   memory (they are woken by frees), or the device shut down. A parked block is still
+//!   memory (they are woken by frees: a request that starts waiting sweeps every slot, and
+//!   a park that raced it frees its blocks through the core), or the device shut down. A parked block is still
 //!   allocated as far as the core knows.
 //! - **Revive**: a malloc first looks in its thread's slot for a block parked with exactly
 //!   the requested size on the same stream. It is handed out again at once: reuse by the
@@ -47,6 +48,8 @@ pub(crate) struct ParkedBlocks {
     parked: Vec<Allocation>,
     /// Round trips of revived blocks not yet added to the core's totals.
     trips: RoundTrips,
+    /// Blocks revived from this slot, ever (for diagnostics and tests).
+    revived: u64,
 }
 
 impl SlotState for ParkedBlocks {
@@ -68,6 +71,7 @@ impl ThreadCache {
             slots: ThreadSlots::new(MAX_SLOTS, || ParkedBlocks {
                 parked: Vec::with_capacity(PARKED_PER_THREAD),
                 trips: RoundTrips::default(),
+                revived: 0,
             }),
         }
     }
@@ -83,6 +87,7 @@ impl ThreadCache {
                 .rposition(|a| a.size == size && a.stream == stream)?;
             let a = slot.parked.remove(pos);
             slot.trips.record(&a);
+            slot.revived += 1;
             Some(a)
         })?;
         // Shutdown closes the slots before it collects them and returns every segment: a
@@ -122,14 +127,27 @@ impl ThreadCache {
             .update(index, |slot| slot.parked.drain(..).map(|a| a.ptr).collect())
     }
 
-    /// Gate holder: empties every marked slot, adding its round trips to `trips` and its
-    /// parked blocks to `parked` (for the caller to free, after adding the round trips).
-    pub fn collect(&self, trips: &mut RoundTrips, parked: &mut Vec<DevicePtr>) {
-        self.slots.collect(|slot| {
+    /// Gate holder: empties every marked slot (every slot with `all`: a request that just
+    /// started waiting for memory), adding its round trips to `trips` and its parked blocks
+    /// to `parked` for the caller to free.
+    pub fn collect(&self, all: bool, trips: &mut RoundTrips, parked: &mut Vec<DevicePtr>) {
+        let take = |slot: &mut ParkedBlocks| {
             trips.merge(&slot.trips);
             slot.trips = RoundTrips::default();
             parked.extend(slot.parked.drain(..).map(|a| a.ptr));
-        });
+        };
+        if all {
+            self.slots.collect_all(take);
+        } else {
+            self.slots.collect(take);
+        }
+    }
+
+    /// Blocks handed back by the thread cache so far, over all threads.
+    pub fn revived(&self) -> u64 {
+        let mut n = 0;
+        self.slots.for_each(|slot| n += slot.revived);
+        n
     }
 
     /// From now on nothing is parked or revived (shutdown; see [`ThreadCache::revive`]).

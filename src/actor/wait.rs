@@ -53,15 +53,21 @@ impl DeviceActor {
                         return Err(e);
                     }
                     if turn.is_none() {
-                        let _span =
-                            tracing::debug_span!("malloc_wait", device = self.device.0, size)
-                                .entered();
-                        tracing::debug!(
-                            device = self.device.0,
-                            size,
-                            "out of memory: waiting for frees"
-                        );
+                        {
+                            let _span =
+                                tracing::debug_span!("malloc_wait", device = self.device.0, size)
+                                    .entered();
+                            tracing::debug!(
+                                device = self.device.0,
+                                size,
+                                "out of memory: waiting for frees"
+                            );
+                        }
                         turn = Some(waiters.join());
+                        // Blocks parked in thread caches before the join go back to the
+                        // core now; parks racing the join see it and free through the
+                        // core (`thread_cache.rs`), so every later free wakes this turn.
+                        self.call(|st| st.sweep_thread_cache()).await?;
                     }
                 }
                 Err(e) => return Err(e),

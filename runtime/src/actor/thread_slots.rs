@@ -107,6 +107,25 @@ impl<S: SlotState> ThreadSlots<S> {
         }
     }
 
+    /// Like [`ThreadSlots::collect`], but visits every slot, marked or not. This is what a
+    /// thread that raised a flag owners check after their updates (e.g. "somebody waits for
+    /// memory") runs next: locking every slot orders it against each owner's last update, so
+    /// it sees that update's contents, or the owner sees the flag. No fence is needed on
+    /// either side, which keeps fences off the owners' path (`tests/loom_thread_slots.rs`).
+    pub fn collect_all(&self, mut f: impl FnMut(&mut S)) {
+        self.dirty.swap(0, Ordering::SeqCst);
+        for slot in self.slots.iter() {
+            f(&mut lock(&slot.0));
+        }
+    }
+
+    /// Runs `f` on every slot without taking anything (reading counters). Locks each in turn.
+    pub fn for_each(&self, mut f: impl FnMut(&S)) {
+        for slot in self.slots.iter() {
+            f(&lock(&slot.0));
+        }
+    }
+
     /// True if some slot may hold something (a hint).
     pub fn any_marked(&self) -> bool {
         self.dirty.load(Ordering::SeqCst) != 0

@@ -51,10 +51,7 @@ impl Waiters {
         Waiters::default()
     }
 
-    /// Number of waiting requests (a hint; cheap enough for every free). Sequentially
-    /// consistent, as is the count's update in [`Waiters::join`]: a thread that publishes
-    /// something elsewhere and then reads this, and a joiner that then looks for what was
-    /// published, cannot both miss each other (the device actor's thread cache relies on it).
+    /// Number of waiting requests (a hint; cheap enough for every free).
     pub fn len(&self) -> usize {
         self.len.load(Ordering::SeqCst)
     }
