@@ -383,11 +383,12 @@ async fn run(args: Args) -> Result<bool, Error> {
         let st = alloc.stats(DeviceId(d)).await?;
         device_mallocs += st.num_device_alloc;
         println!(
-            "device {d}: {} device mallocs, {} device frees, {} OOM retries, peak reserved {:.1} MiB",
+            "device {d}: {} device mallocs, {} device frees, {} OOM retries, peak reserved {:.1} MiB, {} served by the thread cache",
             st.num_device_alloc,
             st.num_device_free,
             st.num_alloc_retries,
-            st.reserved_bytes[0].peak as f64 / MIB as f64
+            st.reserved_bytes[0].peak as f64 / MIB as f64,
+            alloc.device_actor(DeviceId(d))?.thread_cache_revivals()
         );
     }
     println!(

@@ -29,9 +29,11 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // The last handle is gone: stop the actor tasks. The cores live on while buffers
-        // do, and return every segment when the last one is dropped.
+        // The last handle is gone: stop the actor tasks, and close the thread caches (their
+        // lanes point back at the actors; parked blocks go back to the cores). The cores
+        // live on while buffers do, and return every segment when the last one is dropped.
         for d in &self.devices {
+            d.close_thread_cache();
             d.stop.trigger();
         }
         self.host.stop.trigger();

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use gpualloc_devices::{AllocError, Allocation};
 use gpualloc_runtime::{DeviceId, DevicePtr, Stream};
 
-use crate::actor::{DeviceActor, DeviceMsg};
+use crate::actor::{DeviceActor, DeviceMsg, Lane};
 use crate::error::Error;
 
 /// Device memory owned by the holder. See the module docs.
@@ -26,10 +26,17 @@ pub struct DeviceBuffer {
     /// `record_stream` named another stream: the free waits on events, so the block must go
     /// through the core, not the thread cache.
     used_elsewhere: AtomicBool,
-    pub(crate) actor: Arc<DeviceActor>,
+    owner: Owner,
     /// The cudarc stream of `stream`, looked up on first use by the cudarc traits.
     #[cfg(feature = "cuda")]
     pub(crate) cudarc: std::sync::OnceLock<Option<Arc<cudarc::driver::CudaStream>>>,
+}
+
+/// What keeps a buffer's device actor alive: the actor itself, or (for a buffer a thread cache
+/// handed back) that thread's lane to it, whose reference count only that thread writes.
+enum Owner {
+    Actor(Arc<DeviceActor>),
+    Lane(Arc<Lane<DeviceActor>>),
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -37,20 +44,37 @@ impl fmt::Debug for DeviceBuffer {
         f.debug_struct("DeviceBuffer")
             .field("ptr", &self.alloc.ptr)
             .field("len", &self.alloc.size)
-            .field("device", &self.actor.device)
+            .field("device", &self.actor().device)
             .finish()
     }
 }
 
 impl DeviceBuffer {
     pub(crate) fn new(a: Allocation, actor: Arc<DeviceActor>, stream: Stream) -> Self {
+        Self::with_owner(a, Owner::Actor(actor), stream)
+    }
+
+    /// A buffer the thread cache handed back, holding the thread's lane to the actor.
+    pub(crate) fn revived(a: Allocation, lane: Arc<Lane<DeviceActor>>, stream: Stream) -> Self {
+        Self::with_owner(a, Owner::Lane(lane), stream)
+    }
+
+    fn with_owner(a: Allocation, owner: Owner, stream: Stream) -> Self {
         DeviceBuffer {
             alloc: a,
             stream,
             used_elsewhere: AtomicBool::new(false),
-            actor,
+            owner,
             #[cfg(feature = "cuda")]
             cudarc: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The actor that owns the memory.
+    pub(crate) fn actor(&self) -> &Arc<DeviceActor> {
+        match &self.owner {
+            Owner::Actor(a) => a,
+            Owner::Lane(l) => &l.0,
         }
     }
 
@@ -77,7 +101,7 @@ impl DeviceBuffer {
 
     /// The device the memory is on.
     pub fn device(&self) -> DeviceId {
-        self.actor.device
+        self.actor().device
     }
 
     /// The stream it was allocated on: freeing it is ordered after that stream's work.
@@ -89,20 +113,20 @@ impl DeviceBuffer {
     /// dropped, its memory is reused only after the work queued on `stream` by then.
     /// Errors for a stream of another device or another backend, and in a forked child.
     pub fn record_stream(&self, stream: &Stream) -> Result<(), Error> {
-        self.actor.process.check()?;
-        if !Arc::ptr_eq(stream.backend(), &self.actor.backend) {
+        self.actor().process.check()?;
+        if !Arc::ptr_eq(stream.backend(), &self.actor().backend) {
             return Err(Error::ForeignStream);
         }
-        if stream.device() != self.actor.device {
+        if stream.device() != self.actor().device {
             return Err(AllocError::WrongDevice {
-                expected: self.actor.device,
+                expected: self.actor().device,
                 got: stream.device(),
             }
             .into());
         }
         if self.alloc.ptr.0 != 0 && stream.handle() != self.alloc.stream {
             self.used_elsewhere.store(true, Ordering::Relaxed);
-            self.actor
+            self.actor()
                 .mailbox
                 .post(DeviceMsg::RecordStream(self.alloc.ptr, stream.handle()));
         }
@@ -116,12 +140,12 @@ impl Drop for DeviceBuffer {
             return;
         }
         // In a forked child the allocator's state is a dead copy: leave it alone.
-        if self.actor.process.forked() {
+        if self.actor().process.forked() {
             return;
         }
         // Relaxed: `record_stream` took `&self`, and whoever drops the buffer owns it, so the
         // store happened before (any hand-over between threads synchronizes).
-        self.actor
+        self.actor()
             .release(self.alloc, self.used_elsewhere.load(Ordering::Relaxed));
     }
 }

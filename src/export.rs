@@ -34,7 +34,7 @@ impl Allocator {
     pub async fn export_region(&self, buffer: &DeviceBuffer) -> Result<DeviceRegion, Error> {
         let actor = self.device_actor(buffer.device())?;
         actor.process.check()?;
-        if !Arc::ptr_eq(actor, &buffer.actor) {
+        if !Arc::ptr_eq(actor, buffer.actor()) {
             return Err(Error::Export(
                 "the buffer belongs to another allocator".into(),
             ));

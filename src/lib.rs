@@ -25,7 +25,10 @@
 //! How it works: each device's caching core sits behind a flat-combining mailbox
 //! (`gpualloc_runtime::actor`). A cache hit takes the mailbox's gate and runs inline on the
 //! caller's thread (no channel, no wake-up); when the gate is busy the request is queued
-//! and run by the holder. Device mallocs, the out-of-memory chain's frees and event
+//! and run by the holder. In front of that, each thread parks a few blocks it freed and
+//! hands them straight back to its next request of the same size on the same stream,
+//! without the gate (config key `thread_cache`); whoever takes the gate folds the parked
+//! blocks back into the core first, so statistics and snapshots stay exact. Device mallocs, the out-of-memory chain's frees and event
 //! synchronization run on tokio's blocking pool outside the gate, so hits keep flowing.
 //!
 //! Run the main job: `cargo run --release --example serve` (an inference-server-like

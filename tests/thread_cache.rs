@@ -80,11 +80,13 @@ async fn revived_blocks_keep_addresses_and_stats_exact() {
     assert_eq!(comparable(with.1.clone()), comparable(without.1.clone()));
 }
 
-/// Only the same size on the same stream is revived; a buffer used on another stream, and
-/// anything after shutdown, goes through the core.
+/// Only the same size on the same stream is revived; a buffer used on another stream goes
+/// through the core (its free waits on events); use on its own stream does not count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_same_size_same_stream_unshared_blocks_are_revived() {
-    let (acc, alloc) = build(true);
+    // Another stream, another size: the core, which finds the parked block (collected when
+    // the request took the gate).
+    let (_acc, alloc) = build(true);
     let s1 = alloc.new_stream(DeviceId(0)).unwrap();
     let s2 = alloc.new_stream(DeviceId(0)).unwrap();
     let a = alloc.malloc(4096, &s1).await.unwrap();
@@ -93,37 +95,51 @@ async fn only_same_size_same_stream_unshared_blocks_are_revived() {
     let other_stream = alloc.malloc(4096, &s2).await.unwrap();
     assert_ne!(other_stream.ptr(), pa);
     let other_size = alloc.malloc(4000, &s1).await.unwrap();
-    assert_eq!(
-        revivals(&alloc),
-        0,
-        "another stream, another size: the core"
-    );
-    assert_eq!(
-        other_size.ptr(),
-        pa,
-        "the core found the parked block (collected when it took the gate)"
-    );
-    other_size.record_stream(&s2).unwrap();
-    drop(other_size);
-    let again = alloc.malloc(4000, &s1).await.unwrap();
+    assert_eq!(other_size.ptr(), pa);
+    assert_eq!(revivals(&alloc), 0);
+    alloc.shutdown().await.unwrap();
+
+    // Used on another stream: the core. Used on its own stream: still revived.
+    let (_acc, alloc) = build(true);
+    let s1 = alloc.new_stream(DeviceId(0)).unwrap();
+    let s2 = alloc.new_stream(DeviceId(0)).unwrap();
+    let shared = alloc.malloc(4000, &s1).await.unwrap();
+    shared.record_stream(&s2).unwrap();
+    drop(shared);
+    let after_shared = alloc.malloc(4000, &s1).await.unwrap();
     assert_eq!(
         revivals(&alloc),
         0,
         "a block used on s2 waits on events in the core"
     );
-    // The same stream again is no "other stream": still cached.
-    again.record_stream(&s1).unwrap();
-    let pr = again.ptr();
+    after_shared.record_stream(&s1).unwrap();
+    let p = after_shared.ptr();
+    drop(after_shared);
+    let again = alloc.malloc(4000, &s1).await.unwrap();
+    assert_eq!((again.ptr(), revivals(&alloc)), (p, 1));
     drop(again);
-    let same = alloc.malloc(4000, &s1).await.unwrap();
-    assert_eq!((same.ptr(), revivals(&alloc)), (pr, 1));
-    drop(same);
-    drop(other_stream);
     alloc.shutdown().await.unwrap();
-    assert_eq!(acc.used(DeviceId(0)), 0, "parked blocks are returned too");
-    let err = alloc.malloc(4000, &s1).await.unwrap_err();
+}
+
+/// Shutdown returns parked blocks to the device with the rest; nothing is revived after it,
+/// and late drops are harmless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_parked_blocks_and_ends_revivals() {
+    let (acc, alloc) = build(true);
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    let kept = alloc.malloc(2 * MIB, &s).await.unwrap();
+    drop(alloc.malloc(4096, &s).await.unwrap());
+    drop(alloc.malloc(4096, &s).await.unwrap());
+    assert_eq!(revivals(&alloc), 1);
+    alloc.shutdown().await.unwrap();
+    assert_eq!(acc.used(DeviceId(0)), 0, "parked and live blocks went back");
+    let err = alloc.malloc(4096, &s).await.unwrap_err();
     assert!(matches!(err, Error::Alloc(AllocError::Shutdown)), "{err:?}");
     assert_eq!(revivals(&alloc), 1);
+    drop(kept);
+    let err = alloc.malloc(2 * MIB, &s).await.unwrap_err();
+    assert!(matches!(err, Error::Alloc(AllocError::Shutdown)), "{err:?}");
+    assert_eq!(acc.used(DeviceId(0)), 0);
 }
 
 /// A parked block is freed as far as anyone else can tell: stats, snapshots, `empty_cache`
@@ -224,12 +240,39 @@ async fn concurrent_round_trips_are_counted_exactly() {
         st.allocation[0].peak
     );
     // Every request that takes the gate collects every slot, so interleaved streams and
-    // sizes keep the hit rate well below 1 here (about a quarter seen); the point is that
-    // the cache took part.
+    // sizes keep the hit rate low here (5-25% seen), and threads whose parks stop paying
+    // stop parking; the point is that the cache took part.
     assert!(
-        revivals(&alloc) > TASKS * ROUNDS / 10,
+        revivals(&alloc) > TASKS * ROUNDS / 100,
         "{}",
         revivals(&alloc)
     );
     alloc.shutdown().await.unwrap();
+}
+
+/// The thread cache's lanes point back at the device actor; dropping the allocator's last
+/// handle without `shutdown` breaks that cycle, so the actor and its core go away and every
+/// segment returns to the device once the buffers are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_allocator_without_shutdown_returns_everything() {
+    let (acc, alloc) = build(true);
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    drop(alloc.malloc(4096, &s).await.unwrap());
+    let revived = alloc.malloc(4096, &s).await.unwrap(); // holds the thread's lane
+    drop(alloc.malloc(3 * MIB, &s).await.unwrap()); // parked
+    assert_eq!(revivals(&alloc), 1);
+    let actor = Arc::downgrade(alloc.device_actor(DeviceId(0)).unwrap());
+    drop(alloc);
+    drop(revived);
+    for _ in 0..500 {
+        if actor.strong_count() == 0 && acc.used(DeviceId(0)) == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    panic!(
+        "actor alive: {} references, {} bytes still on the device",
+        actor.strong_count(),
+        acc.used(DeviceId(0))
+    );
 }

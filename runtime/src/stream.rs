@@ -12,6 +12,11 @@ use crate::completion::{Completion, CompletionCell};
 use crate::error::Result;
 use crate::types::{DeviceId, EventHandle, StreamHandle};
 
+/// On cache lines of its own (two, for adjacent-line prefetch): every buffer clones its
+/// stream, and the reference counts of streams created one after another would otherwise
+/// share a line, so tasks on different threads using different streams would still take
+/// that line from each other on every allocation.
+#[repr(align(128))]
 struct StreamInner {
     backend: Arc<dyn Backend>,
     handle: StreamHandle,

@@ -1,7 +1,7 @@
 //! Loom models of the per-thread slots (`actor::thread_slots`) and the two protocols the
 //! device actor's thread cache builds on them: an owner parking while a gate holder
-//! collects, a park racing a request that starts waiting for memory, and a revive racing
-//! shutdown.
+//! collects, a park racing a request that starts waiting for memory, a revive racing
+//! shutdown, and a revive's lane racing the close that drops every lane.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-runtime --release --test loom_thread_slots`.
 
@@ -112,5 +112,55 @@ fn nothing_is_revived_after_shutdown_released_memory() {
         s.collect(|b| b.0.clear());
         released.store(true, Ordering::SeqCst);
         owner.join().unwrap();
+    });
+}
+
+#[derive(Default)]
+struct WithLane {
+    items: Vec<u32>,
+    lane: Option<Arc<()>>,
+}
+
+impl SlotState for WithLane {
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+/// A park and a revive that makes the slot's lane (a reference back to the cache's owner)
+/// racing a close that takes every parked block and drops every lane: the park may slip in
+/// after the close's sweep, but the reviver checks `is_closed` after its update and drops the
+/// lane itself, so no lane survives the close either way (it would keep the owner alive
+/// forever).
+#[test]
+fn no_lane_survives_a_close() {
+    loom::model(|| {
+        let s = Arc::new(ThreadSlots::new(2, WithLane::default));
+        let owner = Arc::new(());
+        let (s2, o2) = (s.clone(), owner.clone());
+        let reviver = thread::spawn(move || {
+            if s2.is_closed() {
+                return;
+            }
+            s2.update(0, |b| b.items.push(1));
+            let lane = s2.update(0, |b| {
+                b.items.pop()?;
+                Some(b.lane.get_or_insert_with(|| o2.clone()).clone())
+            });
+            if s2.is_closed() {
+                s2.update(0, |b| b.lane = None);
+            }
+            drop(lane);
+        });
+        s.close();
+        s.collect_all(|b| {
+            b.items.clear();
+            b.lane = None;
+        });
+        reviver.join().unwrap();
+        let mut lanes = 0;
+        s.for_each(|b| lanes += usize::from(b.lane.is_some()));
+        assert_eq!(lanes, 0, "a lane outlived the close");
+        assert_eq!(Arc::strong_count(&owner), 1);
     });
 }

@@ -20,7 +20,7 @@ use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
-use crate::actor::thread_cache::ThreadCache;
+use crate::actor::thread_cache::{Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
@@ -106,7 +106,7 @@ impl DeviceActor {
     /// in flight, whether the gate is held and whether messages are queued.
     pub fn describe(&self) -> String {
         format!(
-            "{}: {} waiting for memory, {} misses in flight, gate {}, queue {}, reaper {}",
+            "{}: {} waiting for memory, {} misses in flight, gate {}, queue {}, reaper {}, {} revived by the thread cache",
             self.device,
             self.waiting(),
             self.misses_in_flight(),
@@ -125,7 +125,19 @@ impl DeviceActor {
             } else {
                 "asleep"
             },
+            self.thread_cache_revivals(),
         )
+    }
+
+    /// Closes the thread cache: nothing is parked or revived from now on, parked blocks are
+    /// freed through the mailbox, and the slots' lanes (references back to this actor) go.
+    /// Shutdown and the allocator's last handle call it. Never blocks.
+    pub(crate) fn close_thread_cache(&self) {
+        if let Some(cache) = &self.signals.thread_cache {
+            for ptr in cache.close() {
+                self.mailbox.post(DeviceMsg::Free(ptr));
+            }
+        }
     }
 
     /// Blocks the thread cache handed straight back to the thread that freed them, so far
@@ -201,8 +213,10 @@ impl DeviceActor {
     ) -> Result<DeviceBuffer, Error> {
         let handle = stream.handle();
         if let Some(cache) = &self.signals.thread_cache {
-            if let Some(a) = cache.revive(size, handle) {
-                return Ok(DeviceBuffer::new(a, self.clone(), stream.clone()));
+            match cache.revive(self, size, handle) {
+                Revived::Hit(a, lane) => return Ok(DeviceBuffer::revived(a, lane, stream.clone())),
+                Revived::Free(ptr) => self.mailbox.post(DeviceMsg::Free(ptr)),
+                Revived::Miss => {}
             }
         }
         // Fast path: nothing is cloned or allocated while the gate is held, and the gate is

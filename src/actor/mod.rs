@@ -23,3 +23,4 @@ mod wait;
 pub use device::DeviceActor;
 pub(crate) use state::DeviceMsg;
 pub(crate) use task::{spawn_actor_task, ActorParts};
+pub(crate) use thread_cache::Lane;

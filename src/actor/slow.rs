@@ -170,9 +170,7 @@ impl DeviceActor {
     /// they fail at once instead of waiting out their timeouts.
     pub(crate) fn shutdown_blocking(&self) -> Result<(), Error> {
         // Closed before the core lets go of its memory: nothing parked is revived after.
-        if let Some(cache) = &self.signals.thread_cache {
-            cache.close();
-        }
+        self.close_thread_cache();
         let result = self.mailbox.hold_blocking().state().core.shutdown();
         self.signals.waiters.wake_head();
         result.map_err(Error::from)

@@ -7,6 +7,7 @@ use gpualloc_runtime::actor::mailbox::{Actor, Job};
 use gpualloc_runtime::actor::{ReaperArm, Waiters};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
+use crate::actor::device::DeviceActor;
 use crate::actor::thread_cache::{ThreadCache, PARKED_PER_THREAD};
 
 /// Signals shared between the guarded state and the actor's users.
@@ -17,7 +18,7 @@ pub(crate) struct Signals {
     /// Wakes the reaper when frees start waiting on stream events.
     pub reaper: ReaperArm,
     /// Blocks parked by the threads that freed them (`None`: `thread_cache:False`).
-    pub thread_cache: Option<ThreadCache>,
+    pub thread_cache: Option<ThreadCache<DeviceActor>>,
 }
 
 /// One device's core, plus the signals its handlers raise.

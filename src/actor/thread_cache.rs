@@ -11,7 +11,10 @@
 //!
 //! The rules, and what they keep:
 //! - **Park**: a dropped buffer goes to its thread's slot (at most
-//!   [`PARKED_PER_THREAD`]; the oldest is then freed through the core) unless it was used
+//!   [`PARKED_PER_THREAD`]; the oldest is then freed through the core) while parking pays
+//!   off for that thread (its revives outnumber the blocks taken away unrevived; see
+//!   `ParkedBlocks::score`: a thread whose sizes never repeat frees through the core, as
+//!   without the cache), unless the buffer was used
 //!   on another stream (`record_stream`: its free waits on events), somebody is waiting for
 //!   memory (they are woken by frees: a request that starts waiting sweeps every slot, and
 //!   a park that raced it frees its blocks through the core), or the device shut down. A parked block is still
@@ -35,6 +38,9 @@
 //! always uses the core directly). Blocks parked by a thread stay parked while the device is
 //! idle; anything that touches the device collects them first.
 
+use std::sync::Arc;
+
+use arrayvec::ArrayVec;
 use gpualloc_devices::{Allocation, RoundTrips};
 use gpualloc_runtime::actor::thread_slots::{thread_index, SlotState, ThreadSlots, MAX_SLOTS};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
@@ -42,66 +48,144 @@ use gpualloc_runtime::{DevicePtr, StreamHandle};
 /// Blocks one thread keeps parked at most.
 pub(crate) const PARKED_PER_THREAD: usize = 8;
 
+/// Bounds of a slot's score (see [`ParkedBlocks::score`]).
+const SCORE_LIMIT: i32 = 16;
+
+/// While a slot's score is negative, one drop in this many still parks, to notice when the
+/// thread's pattern changes.
+const PROBE_EVERY: u32 = 16;
+
 /// What one thread's slot holds.
-pub(crate) struct ParkedBlocks {
-    /// Oldest first.
-    parked: Vec<Allocation>,
+pub(crate) struct ParkedBlocks<O> {
+    /// Oldest first. Inline, not on the heap: the slot's padding keeps it off every other
+    /// thread's cache lines (two heap buffers side by side would share one).
+    parked: ArrayVec<Allocation, PARKED_PER_THREAD>,
     /// Round trips of revived blocks not yet added to the core's totals.
     trips: RoundTrips,
     /// Blocks revived from this slot, ever (for diagnostics and tests).
     revived: u64,
+    /// Whether parking pays for this thread, within ±[`SCORE_LIMIT`]: a revive lifts it to
+    /// at least 1; an eviction, and a request of this thread that finds parked blocks but
+    /// none it can use, take 1. (Collections by other threads do not count: they are not
+    /// this thread's pattern.) Below zero the thread frees through the core (parking only
+    /// every [`PROBE_EVERY`]th block): a parked block that is never revived only moves its
+    /// free into the next gate holder's request, which then waits for it.
+    score: i32,
+    /// Drops declined while the score is negative, for the probes.
+    declined: u32,
+    /// What the buffers this slot hands out hold instead of the actor itself.
+    lane: Option<Arc<Lane<O>>>,
 }
 
-impl SlotState for ParkedBlocks {
+impl<O> ParkedBlocks<O> {
+    fn adjust(&mut self, by: i32) {
+        self.score = (self.score + by).clamp(-SCORE_LIMIT, SCORE_LIMIT);
+    }
+}
+
+impl<O: Send + Sync> SlotState for ParkedBlocks<O> {
     fn is_empty(&self) -> bool {
         self.parked.is_empty() && self.trips.is_empty()
     }
 }
 
-/// One device's thread cache. See the module docs.
-#[derive(Debug)]
-pub(crate) struct ThreadCache {
-    slots: ThreadSlots<ParkedBlocks>,
+/// A thread's reference to the owner of a thread cache (the device actor). A revived buffer
+/// holds a clone of its slot's lane rather than of the actor: the lane's reference count is
+/// written by that thread alone, while the actor's would be written by every thread on every
+/// revive and every drop, which measured at half the two-thread throughput. On cache lines
+/// of its own, like the slots.
+#[repr(align(128))]
+pub(crate) struct Lane<O>(pub Arc<O>);
+
+/// What [`ThreadCache::revive`] found.
+pub(crate) enum Revived<O> {
+    /// A parked block, and the lane its buffer holds.
+    Hit(Allocation, Arc<Lane<O>>),
+    /// A parked block taken out after the cache closed: free it through the core.
+    Free(DevicePtr),
+    /// Nothing to hand back.
+    Miss,
 }
 
-impl ThreadCache {
+/// One device's thread cache, owned by `O` (the device actor). See the module docs.
+///
+/// The slots' lanes point back at the owner, a cycle that [`ThreadCache::close`] breaks:
+/// shutdown calls it, and so does the allocator when its last handle goes.
+pub(crate) struct ThreadCache<O> {
+    slots: ThreadSlots<ParkedBlocks<O>>,
+}
+
+impl<O> std::fmt::Debug for ThreadCache<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.slots.fmt(f)
+    }
+}
+
+impl<O: Send + Sync> ThreadCache<O> {
     pub fn new() -> Self {
         ThreadCache {
-            // Capacity up front: parking and reviving never allocate.
             slots: ThreadSlots::new(MAX_SLOTS, || ParkedBlocks {
-                parked: Vec::with_capacity(PARKED_PER_THREAD),
+                parked: ArrayVec::new(),
                 trips: RoundTrips::default(),
                 revived: 0,
+                score: 0,
+                declined: 0,
+                lane: None,
             }),
         }
     }
 
     /// Takes the block the calling thread parked most recently with exactly `size` bytes
-    /// requested on `stream`, and counts the round trip.
-    pub fn revive(&self, size: u64, stream: StreamHandle) -> Option<Allocation> {
-        let index = thread_index()?;
-        let a = self.slots.update(index, |slot| {
-            let pos = slot
+    /// requested on `stream`, and counts the round trip. `owner` makes the slot's lane the
+    /// first time one is needed.
+    pub fn revive(&self, owner: &Arc<O>, size: u64, stream: StreamHandle) -> Revived<O> {
+        let Some(index) = thread_index() else {
+            return Revived::Miss;
+        };
+        if !self.slots.is_marked(index) {
+            return Revived::Miss; // nothing parked here since the last collection
+        }
+        let found = self.slots.update(index, |slot| {
+            let Some(pos) = slot
                 .parked
                 .iter()
-                .rposition(|a| a.size == size && a.stream == stream)?;
+                .rposition(|a| a.size == size && a.stream == stream)
+            else {
+                if !slot.parked.is_empty() {
+                    slot.adjust(-1); // parked blocks, none of them what this thread wants
+                }
+                return None;
+            };
             let a = slot.parked.remove(pos);
             slot.trips.record(&a);
             slot.revived += 1;
-            Some(a)
-        })?;
-        // Shutdown closes the slots before it collects them and returns every segment: a
-        // block taken out after the close may have no memory behind it any more. (Taken out
-        // before it, it is a live buffer at shutdown, like any other.)
+            slot.score = slot.score.max(0);
+            slot.adjust(1);
+            let lane = slot
+                .lane
+                .get_or_insert_with(|| Arc::new(Lane(owner.clone())));
+            Some((a, lane.clone()))
+        });
+        let Some((a, lane)) = found else {
+            return Revived::Miss;
+        };
+        // Checked after taking the block (and maybe making the lane), never before: close
+        // marks the slots closed before it sweeps them, so either its sweep saw this slot
+        // after the update, or this check sees it closed (the slot's mutex orders the two).
+        // Shutdown returns every segment after closing: a block taken out now may have no
+        // memory behind it any more; taken out before the close, it is a live buffer at
+        // shutdown like any other.
         if self.slots.is_closed() {
-            return None;
+            self.slots.update(index, |slot| slot.lane = None);
+            return Revived::Free(a.ptr);
         }
-        Some(a)
+        Revived::Hit(a, lane)
     }
 
     /// Parks `a` in the calling thread's slot. Returns a block the caller must free through
-    /// the core: the oldest parked one when the slot was full, or `a` itself when it cannot
-    /// be parked (the thread is exiting, or the device shut down).
+    /// the core: the oldest parked one when the slot was full, or `a` itself when it is not
+    /// parked (parking has not paid off for this thread lately, the thread is exiting, or
+    /// the device shut down).
     pub fn park(&self, a: Allocation) -> Option<Allocation> {
         let Some(index) = thread_index() else {
             return Some(a);
@@ -110,7 +194,16 @@ impl ThreadCache {
             return Some(a);
         }
         self.slots.update(index, |slot| {
-            let evicted = (slot.parked.len() >= PARKED_PER_THREAD).then(|| slot.parked.remove(0));
+            if slot.score < 0 {
+                slot.declined = slot.declined.wrapping_add(1);
+                if slot.declined % PROBE_EVERY != 0 {
+                    return Some(a);
+                }
+            }
+            let evicted = slot.parked.is_full().then(|| slot.parked.remove(0));
+            if evicted.is_some() {
+                slot.adjust(-1);
+            }
             slot.parked.push(a);
             evicted
         })
@@ -131,7 +224,7 @@ impl ThreadCache {
     /// started waiting for memory), adding its round trips to `trips` and its parked blocks
     /// to `parked` for the caller to free.
     pub fn collect(&self, all: bool, trips: &mut RoundTrips, parked: &mut Vec<DevicePtr>) {
-        let take = |slot: &mut ParkedBlocks| {
+        let take = |slot: &mut ParkedBlocks<O>| {
             trips.merge(&slot.trips);
             slot.trips = RoundTrips::default();
             parked.extend(slot.parked.drain(..).map(|a| a.ptr));
@@ -150,8 +243,165 @@ impl ThreadCache {
         n
     }
 
-    /// From now on nothing is parked or revived (shutdown; see [`ThreadCache::revive`]).
-    pub fn close(&self) {
+    /// From now on nothing is parked or revived (shutdown, or the allocator's last handle
+    /// went; see [`ThreadCache::revive`]). Drops every lane and returns every parked block,
+    /// for the caller to free through the core. Round trips stay for the next collection.
+    pub fn close(&self) -> Vec<DevicePtr> {
         self.slots.close();
+        let mut parked = Vec::new();
+        self.slots.collect_all(|slot| {
+            slot.lane = None;
+            parked.extend(slot.parked.drain(..).map(|a| a.ptr));
+        });
+        parked
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpualloc_runtime::DeviceId;
+
+    fn block(i: u64, size: u64) -> Allocation {
+        Allocation {
+            ptr: DevicePtr(0x1000 * (i + 1)),
+            size,
+            block_size: size.next_multiple_of(512),
+            stream: StreamHandle {
+                device: DeviceId(0),
+                raw: 1,
+            },
+            small_pool: true,
+            oversize: false,
+        }
+    }
+
+    type Cache = ThreadCache<()>;
+
+    fn owner() -> Arc<()> {
+        Arc::new(())
+    }
+
+    /// The block a revive handed back, if any.
+    fn revive(cache: &Cache, size: u64, stream: StreamHandle) -> Option<Allocation> {
+        match cache.revive(&owner(), size, stream) {
+            Revived::Hit(a, _lane) => Some(a),
+            Revived::Free(_) | Revived::Miss => None,
+        }
+    }
+
+    fn collect(cache: &Cache) -> (RoundTrips, Vec<DevicePtr>) {
+        let (mut trips, mut parked) = (RoundTrips::default(), Vec::new());
+        cache.collect(false, &mut trips, &mut parked);
+        (trips, parked)
+    }
+
+    #[test]
+    fn revives_the_same_size_and_stream_only_and_evicts_the_oldest() {
+        let cache = Cache::new();
+        assert!(cache.park(block(0, 1000)).is_none());
+        let other_stream = StreamHandle {
+            device: DeviceId(0),
+            raw: 2,
+        };
+        assert!(revive(&cache, 1000, other_stream).is_none());
+        assert!(revive(&cache, 1024, block(0, 0).stream).is_none());
+        assert_eq!(
+            revive(&cache, 1000, block(0, 0).stream),
+            Some(block(0, 1000))
+        );
+        assert!(
+            revive(&cache, 1000, block(0, 0).stream).is_none(),
+            "taken once"
+        );
+        for i in 1..=PARKED_PER_THREAD as u64 {
+            assert!(cache.park(block(i, 10 * i)).is_none());
+        }
+        assert_eq!(
+            cache.park(block(99, 7)),
+            Some(block(1, 10)),
+            "the oldest goes"
+        );
+        assert_eq!(cache.revived(), 1);
+        let (trips, parked) = collect(&cache);
+        assert_eq!(trips.len(), 1);
+        assert_eq!(parked.len(), PARKED_PER_THREAD);
+        assert_eq!(collect(&cache), (RoundTrips::default(), vec![]));
+    }
+
+    #[test]
+    fn a_thread_whose_parks_never_pay_stops_parking_until_a_probe_does() {
+        let cache = Cache::new();
+        // Parked, then a request of another size: the score goes negative.
+        assert!(cache.park(block(0, 100)).is_none());
+        assert!(revive(&cache, 200, block(0, 0).stream).is_none());
+        collect(&cache);
+        let declined = (1..=40)
+            .filter(|&i| cache.park(block(i, 100 + i)).is_some())
+            .count();
+        // 40 drops while declining: every 16th parks (a probe).
+        assert_eq!(declined, 40 - 2);
+        let (_, parked) = collect(&cache);
+        assert_eq!(parked.len(), 2, "the two probes");
+        // A probe that is revived turns parking back on at once.
+        let probe = (41..)
+            .find(|&i| cache.park(block(i, 500)).is_none())
+            .unwrap();
+        assert_eq!(
+            revive(&cache, 500, block(0, 0).stream),
+            Some(block(probe, 500))
+        );
+        assert!(cache.park(block(200, 600)).is_none());
+        assert!(cache.park(block(201, 700)).is_none());
+    }
+
+    #[test]
+    fn lanes_are_made_once_per_slot_and_dropped_by_close() {
+        let cache = Cache::new();
+        let owner = owner();
+        let stream = block(0, 0).stream;
+        let mut lanes = Vec::new();
+        for i in 0..3 {
+            assert!(cache.park(block(i, 100)).is_none());
+            match cache.revive(&owner, 100, stream) {
+                Revived::Hit(_, lane) => lanes.push(lane),
+                _ => panic!("parked just now"),
+            }
+        }
+        assert!(Arc::ptr_eq(&lanes[0], &lanes[2]), "one lane per slot");
+        assert_eq!(
+            Arc::strong_count(&owner),
+            2,
+            "the lane holds the owner once"
+        );
+        assert_eq!(
+            Arc::strong_count(&lanes[0]),
+            4,
+            "the slot and three buffers"
+        );
+        assert!(cache.park(block(9, 100)).is_none());
+        cache.close();
+        assert_eq!(Arc::strong_count(&lanes[0]), 3, "the slot let go");
+        assert!(matches!(
+            cache.revive(&owner, 100, stream),
+            Revived::Miss | Revived::Free(_)
+        ));
+        drop(lanes);
+        assert_eq!(Arc::strong_count(&owner), 1, "no cycle left");
+    }
+
+    #[test]
+    fn nothing_is_parked_or_revived_after_close() {
+        let cache = Cache::new();
+        assert!(cache.park(block(0, 1000)).is_none());
+        assert!(cache.park(block(1, 2000)).is_none());
+        assert_eq!(
+            cache.close(),
+            vec![block(0, 0).ptr, block(1, 0).ptr],
+            "handed back"
+        );
+        assert!(revive(&cache, 1000, block(0, 0).stream).is_none());
+        assert_eq!(cache.park(block(2, 1000)), Some(block(2, 1000)));
+        assert!(cache.unpark_mine().is_empty());
     }
 }

@@ -126,6 +126,13 @@ impl<S: SlotState> ThreadSlots<S> {
         }
     }
 
+    /// True if slot `index % len` is marked (a hint: unmarked means its owner left it empty,
+    /// or a collection is taking what it held). One load, no lock: an owner can skip a
+    /// lookup in a slot that cannot hold anything.
+    pub fn is_marked(&self, index: usize) -> bool {
+        self.dirty.load(Ordering::SeqCst) & (1u64 << (index % self.slots.len())) != 0
+    }
+
     /// True if some slot may hold something (a hint).
     pub fn any_marked(&self) -> bool {
         self.dirty.load(Ordering::SeqCst) != 0
@@ -143,17 +150,45 @@ impl<S: SlotState> ThreadSlots<S> {
     }
 }
 
-/// A small number naming the calling thread, the same for its whole life: the slot index of
-/// [`ThreadSlots::update`]. Numbers are handed out in order, so the first [`MAX_SLOTS`]
-/// threads that ask never share a slot. `None` while the thread is being torn down.
+/// A small number naming the calling thread while it lives: the slot index of
+/// [`ThreadSlots::update`]. A thread's number is handed back when it exits and reused by the
+/// next new thread, so as long as at most [`MAX_SLOTS`] threads use the slots at once (a
+/// runtime's workers, plus blocking-pool threads that come and go) no two live threads share
+/// a slot. What a slot held when its thread exited stays there for the next collection.
+/// `None` while the thread is being torn down.
 #[cfg(not(loom))]
 pub fn thread_index() -> Option<usize> {
-    use std::sync::atomic::AtomicUsize;
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static INDEX: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    use std::sync::Mutex as StdMutex;
+
+    /// Numbers handed back by exited threads, and the next never-used one.
+    static FREE: StdMutex<(Vec<usize>, usize)> = StdMutex::new((Vec::new(), 0));
+
+    struct Index(usize);
+
+    impl Index {
+        fn take() -> Index {
+            let mut free = FREE.lock().unwrap_or_else(|p| p.into_inner());
+            let (returned, next) = &mut *free;
+            Index(returned.pop().unwrap_or_else(|| {
+                *next += 1;
+                *next - 1
+            }))
+        }
     }
-    INDEX.try_with(|i| *i).ok()
+
+    impl Drop for Index {
+        fn drop(&mut self) {
+            FREE.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .push(self.0);
+        }
+    }
+
+    thread_local! {
+        static INDEX: Index = Index::take();
+    }
+    INDEX.try_with(|i| i.0).ok()
 }
 
 #[cfg(all(test, not(loom)))]
@@ -178,6 +213,8 @@ mod tests {
         slots.update(2, |b| b.0.push(20));
         slots.update(2, |b| b.0.clear()); // emptied by its owner: marked, but empty
         assert!(slots.any_marked());
+        assert!(slots.is_marked(1) && slots.is_marked(5) && slots.is_marked(2));
+        assert!(!slots.is_marked(0) && !slots.is_marked(3));
         let mut seen = Vec::new();
         let mut visits = 0;
         slots.collect(|b| {
@@ -203,12 +240,29 @@ mod tests {
     }
 
     #[test]
-    fn thread_indices_differ_between_threads() {
+    fn live_threads_have_distinct_indices() {
         let here = thread_index().unwrap();
-        let there = std::thread::spawn(|| thread_index().unwrap())
-            .join()
-            .unwrap();
-        assert_ne!(here, there);
-        assert_eq!(thread_index(), Some(here));
+        assert_eq!(thread_index(), Some(here), "stable for the thread's life");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let wait = std::sync::Arc::new(std::sync::Mutex::new(wait));
+        let live: Vec<_> = (0..4)
+            .map(|_| {
+                let (tx, wait) = (tx.clone(), wait.clone());
+                std::thread::spawn(move || {
+                    tx.send(thread_index().unwrap()).unwrap();
+                    let _ = wait.lock().unwrap().recv();
+                })
+            })
+            .collect();
+        let mut seen: Vec<usize> = (0..4).map(|_| rx.recv().unwrap()).collect();
+        seen.push(here);
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 5, "live threads never share an index: {seen:?}");
+        drop(release);
+        for t in live {
+            t.join().unwrap();
+        }
     }
 }
