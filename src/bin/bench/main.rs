@@ -15,9 +15,13 @@
 //! - `others_p99_one_device_flooded_us`: p99 of hits on 7 devices while the 8th is flooded
 //!   with 10 ms misses (sim) by 16 tasks, vs the same without the flood.
 //!
+//! - `core_behind_mutex_2_threads_pairs_per_s`: the device core's hit pairs/s from two threads
+//!   behind one mutex vs one thread (section `contention`): the ceiling of any design with one
+//!   serialized core per device, the reason for the thread cache.
 //! - the pinned-host figures (section `host`): see `host.rs`.
 //!
-//! Sections can be picked by name: `bench hit throughput miss flood host` (default: all).
+//! Sections can be picked by name: `bench hit throughput miss flood contention host`
+//! (default: all).
 //!
 //! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
 //! on CUDA instead of the accounting backend (the direct reference too), misses with the
@@ -265,6 +269,51 @@ async fn hit_latency(figures: &mut Vec<Figure>, path: Path) {
     let _ = alloc.shutdown().await;
 }
 
+/// The core's hit pairs/s from `threads` OS threads, each on its own stream, behind one
+/// mutex: what any design with one serialized core per device can hope for, and why the
+/// thread cache exists (two CPUs taking turns on one core move its cache lines back and forth).
+fn core_behind_mutex(threads: usize) -> f64 {
+    const PAIRS: u64 = 1_000_000;
+    let backend: Arc<dyn Backend> = accounting(1);
+    let core = match DeviceCore::new(backend.clone(), DeviceId(0), AllocatorConfig::default()) {
+        Ok(c) => Arc::new(std::sync::Mutex::new(c)),
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let start = Instant::now();
+    let workers: Vec<_> = (0..threads)
+        .map(|_| {
+            let (core, backend) = (core.clone(), backend.clone());
+            std::thread::spawn(move || {
+                let stream = Stream::new(&backend, DeviceId(0)).expect("stream");
+                let h = stream.handle();
+                let lock = || core.lock().unwrap_or_else(|p| p.into_inner());
+                for _ in 0..PAIRS {
+                    let a = lock().malloc(HIT_SIZE, h).expect("malloc");
+                    lock().free(a.ptr).expect("free");
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        let _ = w.join();
+    }
+    (PAIRS * threads as u64) as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn core_contention(figures: &mut Vec<Figure>) {
+    let one = core_behind_mutex(1);
+    let two = core_behind_mutex(2);
+    figures.push(Figure {
+        name: "core_behind_mutex_2_threads_pairs_per_s",
+        value: two,
+        unit: "pairs/s",
+        reference: one,
+    });
+}
+
 /// Best of `ROUNDS` runs for both figures: other processes on this shared machine only ever
 /// slow a run down, so the best run is the one closest to what the allocator can do.
 async fn throughput(figures: &mut Vec<Figure>, path: Path) {
@@ -506,6 +555,9 @@ fn main() {
         }
         if run("host") {
             host::host_figures(&mut figures).await;
+        }
+        if run("contention") {
+            core_contention(&mut figures).await;
         }
         figures
     });
