@@ -17,7 +17,9 @@
 //!
 //! - `core_behind_mutex_2_threads_pairs_per_s`: the device core's hit pairs/s from two threads
 //!   behind one mutex vs one thread (section `contention`): the ceiling of any design with one
-//!   serialized core per device, the reason for the thread cache.
+//!   serialized core per device, the reason for the thread cache; and
+//!   `varying_sizes_pairs_per_s`: one task whose sizes never repeat, default vs
+//!   `thread_cache:False` (what the cache costs where it cannot help).
 //! - the pinned-host figures (section `host`): see `host.rs`.
 //!
 //! Sections can be picked by name: `bench hit throughput miss flood contention host`
@@ -303,7 +305,34 @@ fn core_behind_mutex(threads: usize) -> f64 {
     (PAIRS * threads as u64) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Pairs/s of one task whose sizes never repeat within 997 requests, so the thread cache
+/// never serves one: its overhead when it does not help.
+async fn varying_sizes(path: Path) -> f64 {
+    const PAIRS: u64 = 400_000;
+    let alloc = build(hit_backend(), path);
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let size = |i: u64| HIT_SIZE + (i % 997) * 512;
+    for i in 0..2_000 {
+        drop(alloc.malloc(size(i), &stream).await.expect("warm"));
+    }
+    let start = Instant::now();
+    for i in 0..PAIRS {
+        drop(alloc.malloc(size(i), &stream).await.expect("malloc"));
+    }
+    let rate = PAIRS as f64 / start.elapsed().as_secs_f64();
+    let _ = alloc.shutdown().await;
+    rate
+}
+
 async fn core_contention(figures: &mut Vec<Figure>) {
+    let gate = varying_sizes(Path::Gate).await;
+    let cached = varying_sizes(Path::ThreadCache).await;
+    figures.push(Figure {
+        name: "varying_sizes_pairs_per_s",
+        value: cached,
+        unit: "pairs/s",
+        reference: gate,
+    });
     let one = core_behind_mutex(1);
     let two = core_behind_mutex(2);
     figures.push(Figure {
