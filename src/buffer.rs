@@ -1,9 +1,10 @@
 //! [`DeviceBuffer`]: device memory from the allocator, returned when dropped.
 //!
 //! `Drop` works on any thread, inside or outside an async runtime, before or after the
-//! allocator shut down, and never blocks or panics: it posts a free to the device actor's
-//! mailbox (handled inline when the gate is free, else queued for the holder). Memory freed
-//! after `record_stream` is reused only once the recorded streams have passed the free.
+//! allocator shut down, and never blocks or panics: it parks the block in the thread cache
+//! (`actor/thread_cache.rs`) or posts a free to the device actor's mailbox (handled inline
+//! when the gate is free, else queued for the holder). Memory freed after `record_stream` is
+//! reused only once the recorded streams have passed the free.
 //!
 //! With the `cuda` feature a buffer is also a cudarc device slice of bytes and a kernel
 //! argument (see the `cuda` module of this crate: use on another stream needs

@@ -3,25 +3,27 @@
 //! without the actor's gate (config key `thread_cache`, on by default).
 //!
 //! Why: a cache hit through the gate moves the core's cache lines to the calling CPU, and
-//! two CPUs taking turns on one core spend most of their time moving them (the core's hit
-//! path alone runs ~25% slower from two threads than from one). Services mostly free a
-//! tensor and ask for one of the same shape on the same stream, on the same worker thread;
-//! that round trip needs no core at all. jemalloc's tcache and RMM's per-thread arenas
-//! answer the same problem; unlike theirs, this cache keeps the core's accounting exact.
+//! two CPUs taking turns on one core spend their time moving them (the core's hit path from
+//! two threads behind a mutex runs at 0.6-0.8x of one thread: `bench contention`). Services
+//! mostly free a tensor and ask for one of the same shape on the same stream, on the same
+//! worker thread; that round trip needs no core at all. jemalloc's tcache and RMM's
+//! per-thread arenas answer the same problem; unlike theirs, this cache keeps the core's
+//! accounting exact.
 //!
 //! The rules, and what they keep:
-//! - **Park**: a dropped buffer goes to its thread's slot (at most
-//!   [`PARKED_PER_THREAD`]; the oldest is then freed through the core) while parking pays
-//!   off for that thread (its revives outnumber the blocks taken away unrevived; see
-//!   `ParkedBlocks::score`: a thread whose sizes never repeat frees through the core, as
-//!   without the cache), unless the buffer was used
-//!   on another stream (`record_stream`: its free waits on events), somebody is waiting for
-//!   memory (they are woken by frees: a request that starts waiting sweeps every slot, and
-//!   a park that raced it frees its blocks through the core), or the device shut down. A parked block is still
+//! - **Park**: a dropped buffer goes to its thread's slot (at most [`PARKED_PER_THREAD`];
+//!   the oldest is then freed through the core), unless it was used on another stream
+//!   (`record_stream`: its free waits on events), somebody is waiting for memory (they are
+//!   woken by frees: a request that starts waiting sweeps every slot, and a park that raced
+//!   it frees its blocks through the core), the cache closed (shutdown), or parking has not
+//!   paid off for this thread lately (`ParkedBlocks::score`: a thread whose sizes never
+//!   repeat frees through the core, as without the cache). A parked block is still
 //!   allocated as far as the core knows.
 //! - **Revive**: a malloc first looks in its thread's slot for a block parked with exactly
 //!   the requested size on the same stream. It is handed out again at once: reuse by the
-//!   stream that freed it is stream-ordered, exactly as the core's own reuse.
+//!   stream that freed it is stream-ordered, exactly as the core's own reuse. The buffer
+//!   holds the slot's [`Lane`] to the actor instead of the actor, so the round trip writes
+//!   no line another thread writes.
 //! - **Collect**: whoever takes the gate first folds every slot into the core: round trips
 //!   are added to its totals ([`gpualloc_devices::RoundTrips`]), parked blocks are freed
 //!   (`DeviceState::collect_thread_cache`). So the core never reads or changes its state
@@ -29,14 +31,21 @@
 //!   and the out-of-memory chain all see every free that happened before them.
 //! - A revived block had the same size requested, so a round trip changes no current
 //!   value (allocated, active, requested bytes, counts) and no peak: `memory_stats()` stays
-//!   exactly what PyTorch's would be for the same frees and mallocs.
+//!   exactly what PyTorch's would be for the same frees and mallocs (only `inactive_split`'s
+//!   running totals differ: the core would merge and re-split the block, the cache does not).
+//! - **Close** (shutdown, or the allocator's last handle going): nothing is parked or
+//!   revived any more, parked blocks go back through the core, and the lanes, which point
+//!   back at the actor, are dropped, so the actor can go away.
 //!
 //! The departure, written down: the core would merge a freed block with free neighbours and
 //! best-fit the next request, usually splitting the same block off again but sometimes
 //! picking an equal-sized block at a lower address; the thread cache always hands back the
 //! block just freed. `thread_cache:False` gives the core's choice every time (the trace replay
 //! always uses the core directly). Blocks parked by a thread stay parked while the device is
-//! idle; anything that touches the device collects them first.
+//! idle; anything that touches the device collects them first. The cache is off with
+//! `garbage_collection_threshold` (the core ages cached blocks by its own lookups, which
+//! round trips skip); the core's history recording (`DeviceCore::record_history`), which the
+//! facade does not expose, would miss the round trips too.
 
 use std::sync::Arc;
 
