@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{AllocatorConfig, DeviceCore, DeviceStats, RoundTrips};
+use gpualloc_devices::{AllocatorConfig, DeviceCore, DeviceStats, RoundTrips, StatType};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 
@@ -77,7 +77,11 @@ fn a_tally_moves_totals_only() {
     tally.record(&a);
     c.account_round_trips(&tally);
     let after = c.stats().clone();
-    let all = 0;
+    let (all, small, large) = (
+        StatType::All as usize,
+        StatType::Small as usize,
+        StatType::Large as usize,
+    );
     assert_eq!(
         after.allocation[all].current,
         before.allocation[all].current
@@ -92,15 +96,15 @@ fn a_tally_moves_totals_only() {
         before.allocation[all].freed + 2
     );
     assert_eq!(
-        after.allocated_bytes[1].allocated,
-        before.allocated_bytes[1].allocated + 2 * 1024
+        after.allocated_bytes[small].allocated,
+        before.allocated_bytes[small].allocated + 2 * 1024
     );
     assert_eq!(
-        after.requested_bytes[1].freed,
-        before.requested_bytes[1].freed + 2 * 1000
+        after.requested_bytes[small].freed,
+        before.requested_bytes[small].freed + 2 * 1000
     );
     assert_eq!(
-        after.allocated_bytes[2], before.allocated_bytes[2],
+        after.allocated_bytes[large], before.allocated_bytes[large],
         "large pool untouched"
     );
     c.account_round_trips(&RoundTrips::default());

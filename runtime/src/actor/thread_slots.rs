@@ -16,10 +16,11 @@
 //! or being collected. The mark is a hint in the other direction: a marked slot may be
 //! empty (the owner emptied it itself), which costs a collector one needless visit.
 //!
-//! All accesses to the marks are sequentially consistent, so an owner that marks its slot
-//! and then reads another flag (e.g. "somebody waits for memory") and a collector that
-//! raised that flag and then reads the marks cannot both miss each other (a store-buffer
-//! pattern that acquire/release alone allows).
+//! A flag other threads raise and owners read after their updates ("somebody waits for
+//! memory", "the slots are closed") is ordered the same way, through the slots' mutexes: the
+//! thread that raised it then visits every slot ([`ThreadSlots::collect_all`]), so for each
+//! slot either that visit sees the owner's update or the owner's later read sees the flag.
+//! No fence is needed on the owners' path (`tests/loom_thread_slots.rs` checks both).
 
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{lock, Mutex, MutexGuard};
