@@ -8,7 +8,7 @@ use gpualloc_runtime::actor::{ReaperArm, Waiters};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::actor::device::DeviceActor;
-use crate::actor::thread_cache::{ThreadCache, PARKED_PER_THREAD};
+use crate::actor::thread_cache::{ThreadCache, PARKED_AT_MOST};
 
 /// Signals shared between the guarded state and the actor's users.
 #[derive(Debug, Default)]
@@ -41,15 +41,15 @@ pub(crate) enum DeviceMsg {
 
 impl DeviceState {
     pub fn new(core: DeviceCore, signals: Arc<Signals>) -> Self {
-        let parked = if signals.thread_cache.is_some() {
-            Vec::with_capacity(PARKED_PER_THREAD * gpualloc_runtime::actor::thread_slots::MAX_SLOTS)
+        let capacity = if signals.thread_cache.is_some() {
+            PARKED_AT_MOST
         } else {
-            Vec::new()
+            0
         };
         DeviceState {
             core,
             signals,
-            parked,
+            parked: Vec::with_capacity(capacity),
         }
     }
 

@@ -57,6 +57,9 @@ use gpualloc_runtime::{DevicePtr, StreamHandle};
 /// Blocks one thread keeps parked at most.
 pub(crate) const PARKED_PER_THREAD: usize = 8;
 
+/// Blocks all threads together keep parked at most: what one collection can free.
+pub(crate) const PARKED_AT_MOST: usize = PARKED_PER_THREAD * MAX_SLOTS;
+
 /// Bounds of a slot's score (see [`ParkedBlocks::score`]).
 const SCORE_LIMIT: i32 = 16;
 

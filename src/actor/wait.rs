@@ -53,16 +53,15 @@ impl DeviceActor {
                         return Err(e);
                     }
                     if turn.is_none() {
-                        {
-                            let _span =
-                                tracing::debug_span!("malloc_wait", device = self.device.0, size)
-                                    .entered();
-                            tracing::debug!(
-                                device = self.device.0,
-                                size,
-                                "out of memory: waiting for frees"
-                            );
-                        }
+                        tracing::debug_span!("malloc_wait", device = self.device.0, size).in_scope(
+                            || {
+                                tracing::debug!(
+                                    device = self.device.0,
+                                    size,
+                                    "out of memory: waiting for frees"
+                                )
+                            },
+                        );
                         turn = Some(waiters.join());
                         // Blocks parked in thread caches before the join go back to the
                         // core now; parks racing the join see it and free through the

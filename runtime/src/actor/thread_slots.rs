@@ -23,7 +23,7 @@
 //! No fence is needed on the owners' path (`tests/loom_thread_slots.rs` checks both).
 
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::{lock, Mutex, MutexGuard};
+use crate::sync::{lock, Mutex};
 
 /// Most slots a [`ThreadSlots`] can have (one bit each in the dirty word).
 pub const MAX_SLOTS: usize = 64;
@@ -65,17 +65,8 @@ impl<S: SlotState> ThreadSlots<S> {
         }
     }
 
-    /// Number of slots. Threads share slot `index % len` beyond that (correct, only slower).
-    pub fn len(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// Always false: there is at least one slot.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// Owner side: runs `f` on slot `index % len` and marks it if `f` left it non-empty.
+    /// Owner side: runs `f` on slot `index % count` and marks it if `f` left it non-empty.
+    /// Threads beyond the slot count share slots (correct, only slower).
     pub fn update<R>(&self, index: usize, f: impl FnOnce(&mut S) -> R) -> R {
         let i = index % self.slots.len();
         let (r, non_empty) = {
@@ -103,8 +94,7 @@ impl<S: SlotState> ThreadSlots<S> {
         while marked != 0 {
             let i = marked.trailing_zeros() as usize;
             marked &= marked - 1;
-            let mut slot: MutexGuard<'_, S> = lock(&self.slots[i].0);
-            f(&mut slot);
+            f(&mut lock(&self.slots[i].0));
         }
     }
 
@@ -127,16 +117,11 @@ impl<S: SlotState> ThreadSlots<S> {
         }
     }
 
-    /// True if slot `index % len` is marked (a hint: unmarked means its owner left it empty,
+    /// True if slot `index % count` is marked (a hint: unmarked means its owner left it empty,
     /// or a collection is taking what it held). One load, no lock: an owner can skip a
     /// lookup in a slot that cannot hold anything.
     pub fn is_marked(&self, index: usize) -> bool {
         self.dirty.load(Ordering::SeqCst) & (1u64 << (index % self.slots.len())) != 0
-    }
-
-    /// True if some slot may hold something (a hint).
-    pub fn any_marked(&self) -> bool {
-        self.dirty.load(Ordering::SeqCst) != 0
     }
 
     /// Marks the slots closed: from now on [`ThreadSlots::is_closed`] is true. Whoever takes
@@ -208,12 +193,11 @@ mod tests {
     #[test]
     fn collect_takes_what_owners_left_and_only_marked_slots() {
         let slots = ThreadSlots::new(4, Bag::default);
-        assert!(!slots.any_marked());
+        assert!((0..4).all(|i| !slots.is_marked(i)));
         slots.update(1, |b| b.0.push(10));
         slots.update(5, |b| b.0.push(11)); // shares slot 1
         slots.update(2, |b| b.0.push(20));
         slots.update(2, |b| b.0.clear()); // emptied by its owner: marked, but empty
-        assert!(slots.any_marked());
         assert!(slots.is_marked(1) && slots.is_marked(5) && slots.is_marked(2));
         assert!(!slots.is_marked(0) && !slots.is_marked(3));
         let mut seen = Vec::new();
@@ -224,7 +208,7 @@ mod tests {
         });
         assert_eq!(seen, vec![10, 11]);
         assert_eq!(visits, 2, "slots 1 and 2 were marked, 0 and 3 were not");
-        assert!(!slots.any_marked());
+        assert!((0..4).all(|i| !slots.is_marked(i)));
         let mut again = 0;
         slots.collect(|_| again += 1);
         assert_eq!(again, 0);
@@ -232,9 +216,14 @@ mod tests {
 
     #[test]
     fn slot_count_is_clamped_and_close_is_sticky() {
+        // At most MAX_SLOTS slots: index MAX_SLOTS lands on slot 0.
         let slots = ThreadSlots::new(1000, Bag::default);
-        assert_eq!(slots.len(), MAX_SLOTS);
-        assert_eq!(ThreadSlots::new(0, Bag::default).len(), 1);
+        slots.update(MAX_SLOTS, |b| b.0.push(1));
+        assert!(slots.is_marked(0) && !slots.is_marked(1));
+        // At least one slot: every index lands on it.
+        let one = ThreadSlots::new(0, Bag::default);
+        one.update(5, |b| b.0.push(1));
+        assert!(one.is_marked(0) && one.is_marked(7));
         assert!(!slots.is_closed());
         slots.close();
         assert!(slots.is_closed());
@@ -244,26 +233,22 @@ mod tests {
     fn live_threads_have_distinct_indices() {
         let here = thread_index().unwrap();
         assert_eq!(thread_index(), Some(here), "stable for the thread's life");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (release, wait) = std::sync::mpsc::channel::<()>();
-        let wait = std::sync::Arc::new(std::sync::Mutex::new(wait));
+        // All four hold their numbers at the barrier at once.
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
         let live: Vec<_> = (0..4)
             .map(|_| {
-                let (tx, wait) = (tx.clone(), wait.clone());
+                let barrier = barrier.clone();
                 std::thread::spawn(move || {
-                    tx.send(thread_index().unwrap()).unwrap();
-                    let _ = wait.lock().unwrap().recv();
+                    let i = thread_index().unwrap();
+                    barrier.wait();
+                    i
                 })
             })
             .collect();
-        let mut seen: Vec<usize> = (0..4).map(|_| rx.recv().unwrap()).collect();
+        let mut seen: Vec<usize> = live.into_iter().map(|t| t.join().unwrap()).collect();
         seen.push(here);
         seen.sort();
         seen.dedup();
         assert_eq!(seen.len(), 5, "live threads never share an index: {seen:?}");
-        drop(release);
-        for t in live {
-            t.join().unwrap();
-        }
     }
 }
