@@ -129,7 +129,7 @@ impl DeviceBuffer {
             self.used_elsewhere.store(true, Ordering::Relaxed);
             self.actor()
                 .mailbox
-                .post(DeviceMsg::RecordStream(self.alloc.ptr, stream.handle()));
+                .post(DeviceMsg::RecordStream(self.alloc.ptr, stream.clone()));
         }
         Ok(())
     }

@@ -74,6 +74,10 @@ pub(crate) struct AllocParams {
 }
 
 /// The caching allocator of one device. See the module docs.
+///
+/// Streams are plain handles here: the owner keeps each stream that
+/// [`DeviceCore::streams_in_use`] names alive (cached blocks and expandable segments call the
+/// backend with their stream long after the request that brought them).
 pub struct DeviceCore {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) device: DeviceId,

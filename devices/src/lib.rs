@@ -24,6 +24,7 @@ mod round_trips;
 pub mod sizes;
 pub mod snapshot;
 pub mod stats;
+mod streams;
 mod summary;
 pub mod trace;
 

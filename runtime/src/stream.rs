@@ -31,6 +31,17 @@ impl Drop for StreamInner {
 }
 
 /// An in-order queue of work on one device.
+///
+/// Clones share one backend stream; it is destroyed when the last clone goes. The allocator
+/// holds clones where it needs the stream after the call that named it, so dropping a stream
+/// is always safe, even with its blocks cached or its buffers still live:
+/// - a buffer holds its allocation stream until it is dropped;
+/// - the device actor keeps every stream that its cache still names (segments of that stream,
+///   and streams a live buffer was `record_stream`ed on, whose event its free records) and
+///   lets go of it once nothing cached names it: after `empty_cache` or the out-of-memory
+///   chain released its segments. So a dropped stream's backend stream may live on until
+///   then. Its cached blocks serve only that stream (as in PyTorch), so they stay cached until
+///   one of those releases them.
 #[derive(Clone)]
 pub struct Stream {
     inner: Arc<StreamInner>,
@@ -89,8 +100,9 @@ impl Stream {
         &self.inner.backend
     }
 
-    /// Blocks the calling thread until the stream's queued work is done. Use
-    /// [`Stream::completed`] from async code.
+    /// **Blocks the calling thread** until the stream's queued work is done. Never call it on
+    /// an async runtime's worker thread: from async code await [`Stream::completed`] instead
+    /// (or use `tokio::task::spawn_blocking`).
     pub fn synchronize(&self) -> Result<()> {
         self.inner.backend.stream_synchronize(self.inner.handle)
     }

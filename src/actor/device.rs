@@ -140,6 +140,12 @@ impl DeviceActor {
         }
     }
 
+    /// Streams the actor keeps alive because the core still names them (cached segments of
+    /// a stream the user dropped, recorded uses of live buffers; see [`gpualloc_runtime::Stream`]).
+    pub async fn kept_streams(&self) -> Result<usize, Error> {
+        self.call(|st| st.streams.len()).await
+    }
+
     /// Blocks the thread cache handed straight back to the thread that freed them, so far
     /// (0 with `thread_cache:False`). Diagnostics: how often a malloc skipped the gate.
     pub fn thread_cache_revivals(&self) -> u64 {

@@ -8,6 +8,7 @@
 //! - `device`: the actor's shared handle and the async request paths (hits inline).
 //! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
 //!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
+//! - `streams`: the streams the core still names, kept alive after their users dropped them.
 //! - `task`: the actor task: drains work handed to it and runs the timed reaper.
 //! - `thread_cache`: blocks parked by the thread that freed them and handed straight back
 //!   to its next same-size request on the same stream, without the gate.
@@ -16,6 +17,7 @@
 mod device;
 mod slow;
 mod state;
+mod streams;
 mod task;
 mod thread_cache;
 mod wait;

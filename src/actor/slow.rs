@@ -25,6 +25,21 @@ impl DeviceActor {
         req: SegmentRequest,
         stream: Stream,
     ) -> Result<DeviceBuffer, Error> {
+        let result = self.miss_inner(req, stream);
+        let pruned = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .prune_streams_if_grown();
+        drop(pruned);
+        result
+    }
+
+    fn miss_inner(
+        self: &Arc<Self>,
+        req: SegmentRequest,
+        stream: Stream,
+    ) -> Result<DeviceBuffer, Error> {
         let size = req.requested();
         let _span = tracing::debug_span!(
             "malloc_miss",
@@ -35,6 +50,9 @@ impl DeviceActor {
         .entered();
         let in_place = {
             let mut held = self.mailbox.hold_blocking();
+            // A miss may leave a segment of this stream in the cache: keep the stream alive
+            // while the core names it (`streams.rs`).
+            held.state().streams.keep(&stream);
             let core = &held.state().core;
             // Garbage collection, the memory-fraction cap and expandable segments (which map
             // pages instead of allocating a segment) are handled by the core's own chain.
@@ -148,6 +166,7 @@ impl DeviceActor {
         if !segments.is_empty() {
             self.signals.waiters.wake_head();
         }
+        self.prune_streams();
         segments.len()
     }
 
@@ -163,7 +182,20 @@ impl DeviceActor {
             // Unmapping pages of expandable segments is the core's own business.
             core.empty_cache()?;
         }
+        drop(held);
+        self.prune_streams();
         Ok(())
+    }
+
+    /// Lets go of the kept streams the core no longer names (`streams.rs`), dropping them
+    /// after the gate is released.
+    pub(crate) fn prune_streams(&self) {
+        let pruned = {
+            let mut held = self.mailbox.hold_blocking();
+            let st = held.state();
+            st.streams.prune(&st.core)
+        };
+        drop(pruned);
     }
 
     /// Shuts the core down (every segment back to the device) and wakes every waiter so
@@ -171,7 +203,14 @@ impl DeviceActor {
     pub(crate) fn shutdown_blocking(&self) -> Result<(), Error> {
         // Closed before the core lets go of its memory: nothing parked is revived after.
         self.close_thread_cache();
-        let result = self.mailbox.hold_blocking().state().core.shutdown();
+        let (result, kept) = {
+            let mut held = self.mailbox.hold_blocking();
+            let st = held.state();
+            let result = st.core.shutdown();
+            (result, st.streams.take_all())
+        };
+        // Every segment went back: no stream is needed any more.
+        drop(kept);
         self.signals.waiters.wake_head();
         result.map_err(Error::from)
     }

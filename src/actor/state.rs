@@ -5,9 +5,10 @@ use std::sync::Arc;
 use gpualloc_devices::{DeviceCore, RoundTrips};
 use gpualloc_runtime::actor::mailbox::{Actor, Job};
 use gpualloc_runtime::actor::{ReaperArm, Waiters};
-use gpualloc_runtime::{DevicePtr, StreamHandle};
+use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
+use crate::actor::streams::KeptStreams;
 use crate::actor::thread_cache::{ThreadCache, PARKED_AT_MOST};
 
 /// Signals shared between the guarded state and the actor's users.
@@ -25,6 +26,8 @@ pub(crate) struct Signals {
 pub(crate) struct DeviceState {
     pub core: DeviceCore,
     pub signals: Arc<Signals>,
+    /// Streams the core still names, kept alive for it (`streams.rs`).
+    pub streams: KeptStreams,
     /// Scratch for the parked blocks a collection frees (kept to never allocate).
     parked: Vec<DevicePtr>,
 }
@@ -33,8 +36,8 @@ pub(crate) struct DeviceState {
 pub(crate) enum DeviceMsg {
     /// A buffer was dropped.
     Free(DevicePtr),
-    /// A buffer is used on another stream.
-    RecordStream(DevicePtr, StreamHandle),
+    /// A buffer is used on another stream (kept alive while the core names it).
+    RecordStream(DevicePtr, Stream),
     /// Any other request (malloc, stats, snapshot, ...), with its reply inside.
     Job(Job<DeviceState>),
 }
@@ -49,6 +52,7 @@ impl DeviceState {
         DeviceState {
             core,
             signals,
+            streams: KeptStreams::default(),
             parked: Vec::with_capacity(capacity),
         }
     }
@@ -77,6 +81,7 @@ impl DeviceState {
             core,
             signals,
             parked,
+            ..
         } = self;
         let Some(cache) = &signals.thread_cache else {
             return;
@@ -88,6 +93,16 @@ impl DeviceState {
         }
         for ptr in parked.drain(..) {
             free(core, signals, ptr);
+        }
+    }
+
+    /// Lets go of the kept streams the core no longer names, if their number doubled since
+    /// the last pass (`streams.rs`); the caller drops them outside the gate.
+    pub fn prune_streams_if_grown(&mut self) -> Vec<Stream> {
+        if self.streams.wants_prune() {
+            self.streams.prune(&self.core)
+        } else {
+            Vec::new()
         }
     }
 
@@ -126,9 +141,12 @@ impl Actor for DeviceState {
         match msg {
             DeviceMsg::Free(ptr) => self.free(ptr),
             DeviceMsg::RecordStream(ptr, stream) => {
-                if let Err(e) = self.core.record_stream(ptr, stream) {
-                    if !self.core.is_shut_down() {
-                        tracing::warn!(%ptr, error = %e, "record_stream failed");
+                match self.core.record_stream(ptr, stream.handle()) {
+                    Ok(()) => self.streams.keep(&stream),
+                    Err(e) => {
+                        if !self.core.is_shut_down() {
+                            tracing::warn!(%ptr, error = %e, "record_stream failed");
+                        }
                     }
                 }
             }

@@ -45,7 +45,19 @@ impl ActorParts for DeviceActor {
     }
 
     async fn reap(self: Arc<Self>) -> bool {
-        self.call(|st| st.reap()).await.unwrap_or(false)
+        let (pending, pruned) = self
+            .call(|st| {
+                let pending = st.reap();
+                // Recorded frees completing is when kept streams stop being named.
+                (pending, st.prune_streams_if_grown())
+            })
+            .await
+            .unwrap_or((false, Vec::new()));
+        if !pruned.is_empty() {
+            // Destroying a stream may wait for its work (the sim joins its worker).
+            self.runtime.spawn_blocking(move || drop(pruned));
+        }
+        pending
     }
 
     fn label(&self) -> String {

@@ -1,0 +1,176 @@
+//! A user's `Stream` may be dropped while the allocator still caches blocks of it (issue 15,
+//! section 1). The allocator keeps every stream it needs alive (see `Stream`'s docs), so every
+//! path that touches a cached block's stream keeps working afterwards: a malloc on another
+//! stream, the out-of-memory chain, `empty_cache`, snapshots, shutdown, the thread cache, and
+//! frees of buffers recorded on a stream the user dropped. Run in every config.
+
+use std::sync::Arc;
+
+use gpualloc::runtime::sim::{Op, SimBackend, SimConfig};
+use gpualloc::{Allocator, DeviceId};
+
+const MIB: u64 = 1 << 20;
+
+const CONFIGS: &[&str] = &[
+    "",
+    "expandable_segments:True",
+    "thread_cache:False",
+    "expandable_segments:True,thread_cache:False",
+    "garbage_collection_threshold:0.6",
+];
+
+fn sim(capacity: u64) -> Arc<SimBackend> {
+    SimBackend::new(SimConfig {
+        capacity_per_device: capacity,
+        ..SimConfig::fast(1)
+    })
+    .expect("sim")
+}
+
+fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
+    Allocator::builder()
+        .config_str(conf)
+        .backend_instance(sim.clone())
+        .build()
+        .expect("build")
+}
+
+/// Caches large and small blocks of a stream, then drops the stream.
+async fn cache_blocks_of_a_dropped_stream(alloc: &Allocator) {
+    let gone = alloc.new_stream(DeviceId(0)).unwrap();
+    let big = alloc.malloc(40 * MIB, &gone).await.unwrap();
+    let small = alloc.malloc(1000, &gone).await.unwrap();
+    drop(big);
+    drop(small);
+    drop(gone);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_path_works_after_a_stream_with_cached_blocks_is_dropped() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(&sim, conf);
+        cache_blocks_of_a_dropped_stream(&alloc).await;
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        let b = alloc
+            .malloc(40 * MIB, &other)
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: malloc on another stream: {e}"));
+        let snap = alloc.snapshot().await.unwrap();
+        assert!(!snap[0].segments.is_empty(), "{conf:?}");
+        drop(b);
+        alloc
+            .empty_cache()
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: empty_cache: {e}"));
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(
+            st.reserved_bytes[0].current, 0,
+            "{conf:?}: empty_cache released everything"
+        );
+        alloc
+            .shutdown()
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: shutdown: {e}"));
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+        drop(other);
+        assert_eq!(
+            sim.live_streams(),
+            0,
+            "{conf:?}: no stream outlives its users"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oom_chain_releases_blocks_of_a_dropped_stream() {
+    for conf in CONFIGS {
+        let sim = sim(100 * MIB);
+        let alloc = build(&sim, conf);
+        cache_blocks_of_a_dropped_stream(&alloc).await;
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        // 40 MiB cached + 80 MiB more does not fit in 100 MiB: the cache must be released.
+        let b = alloc
+            .malloc(80 * MIB, &other)
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: malloc needing the dropped stream's cache: {e}"));
+        drop(b);
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+        drop(other);
+        assert_eq!(sim.live_streams(), 0, "{conf:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_right_after_the_stream_is_dropped() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(&sim, conf);
+        cache_blocks_of_a_dropped_stream(&alloc).await;
+        alloc
+            .shutdown()
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: shutdown: {e}"));
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+        assert_eq!(sim.live_streams(), 0, "{conf:?}");
+    }
+}
+
+/// A buffer recorded on a stream the user then drops: its free still records its event on
+/// that stream (kept alive by the allocator) instead of falling back to a device synchronize,
+/// and the memory comes back once the stream's work is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_recorded_on_a_dropped_stream_waits_on_its_event() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(&sim, conf);
+        let home = alloc.new_stream(DeviceId(0)).unwrap();
+        let user = alloc.new_stream(DeviceId(0)).unwrap();
+        let buf = alloc.malloc(4 * MIB, &home).await.unwrap();
+        buf.record_stream(&user).unwrap();
+        drop(user);
+        sim.reset_counts();
+        drop(buf);
+        // Any request runs queued messages first: the free has happened by the time it answers.
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        let counts = sim.counts();
+        assert_eq!(
+            counts.get(Op::DeviceSynchronize),
+            0,
+            "{conf:?}: the free recorded an event instead of synchronizing the device"
+        );
+        assert!(counts.get(Op::EventRecord) >= 1, "{conf:?}");
+        assert_eq!(st.allocated_bytes[0].current, 0, "{conf:?}");
+        alloc.empty_cache().await.unwrap();
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(st.reserved_bytes[0].current, 0, "{conf:?}");
+        alloc.shutdown().await.unwrap();
+        drop(home);
+        assert_eq!(sim.live_streams(), 0, "{conf:?}");
+    }
+}
+
+/// Streams the allocator kept alive go once nothing of theirs is cached: a server that makes
+/// a fresh stream per request does not accumulate them past `empty_cache`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_streams_are_released_with_their_segments() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(&sim, conf);
+        for _ in 0..20 {
+            cache_blocks_of_a_dropped_stream(&alloc).await;
+        }
+        assert!(
+            sim.live_streams() >= 1,
+            "{conf:?}: cached blocks keep their stream"
+        );
+        alloc.empty_cache().await.unwrap();
+        assert_eq!(
+            sim.live_streams(),
+            0,
+            "{conf:?}: no cached block is left, so no stream is kept"
+        );
+        alloc.shutdown().await.unwrap();
+    }
+}
