@@ -174,3 +174,29 @@ async fn kept_streams_are_released_with_their_segments() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// A pinned buffer recorded on a stream the user then drops: its free records its event on
+/// that stream (kept alive by the pinned actor), so the block is neither lost nor reused early.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_free_recorded_on_a_dropped_stream_comes_back() {
+    let sim = sim(1 << 30);
+    let alloc = build(&sim, "");
+    let host = alloc.host();
+    let stream = alloc.new_stream(DeviceId(0)).unwrap();
+    let buf = host.malloc(64 << 10).await.unwrap();
+    buf.record_stream(&stream).unwrap();
+    drop(stream);
+    drop(buf);
+    let mut st = host.stats().await.unwrap();
+    for _ in 0..500 {
+        if st.allocation.current == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        st = host.stats().await.unwrap();
+    }
+    assert_eq!(st.allocation.current, 0, "the block came back to the cache");
+    assert_eq!(st.cached_bytes, 64 << 10);
+    alloc.shutdown().await.unwrap();
+    assert_eq!(sim.live_streams(), 0, "no stream outlives its users");
+}

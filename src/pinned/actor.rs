@@ -69,6 +69,8 @@ impl HostActor {
                 core,
                 signals: signals.clone(),
                 shut_down: false,
+                recorded: Default::default(),
+                retired: Vec::new(),
             }),
             signals,
             process,
@@ -236,6 +238,9 @@ impl HostActor {
         st.shut_down = true;
         let drained = st.core.drain_events().map(|_| ());
         let emptied = st.core.empty_cache();
+        let retired = std::mem::take(&mut st.retired);
+        drop(held);
+        drop(retired);
         drained.and(emptied).map_err(Error::from)
     }
 }

@@ -80,7 +80,7 @@ impl PinnedBuffer {
         }
         self.actor
             .mailbox
-            .post(HostMsg::RecordStream(self.ptr, stream.handle()));
+            .post(HostMsg::RecordStream(self.ptr, stream.clone()));
         Ok(())
     }
 }

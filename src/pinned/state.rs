@@ -1,11 +1,12 @@
 //! The state the host actor's mailbox guards, and the messages it handles.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use gpualloc_host::{HostCore, HostPtr};
 use gpualloc_runtime::actor::mailbox::{Actor, Job};
 use gpualloc_runtime::actor::ReaperArm;
-use gpualloc_runtime::StreamHandle;
+use gpualloc_runtime::Stream;
 
 /// Signals shared between the guarded state and the actor's users.
 #[derive(Debug, Default)]
@@ -20,14 +21,20 @@ pub(crate) struct HostState {
     pub signals: Arc<HostSignals>,
     /// Set by shutdown: mallocs fail, and late frees release their memory at once.
     pub shut_down: bool,
+    /// The streams each live buffer was recorded on, kept alive until its free has recorded
+    /// an event on each (the user may drop a stream first; see `Stream`'s docs).
+    pub recorded: HashMap<u64, Vec<Stream>>,
+    /// Streams whose events were recorded, to be dropped outside the gate (destroying a
+    /// stream may wait for its work on the sim): by the reaper or by shutdown.
+    pub retired: Vec<Stream>,
 }
 
 /// A queued message. Requests with replies travel as jobs.
 pub(crate) enum HostMsg {
     /// A pinned buffer was dropped.
     Free(HostPtr),
-    /// A pinned buffer is used on a stream.
-    RecordStream(HostPtr, StreamHandle),
+    /// A pinned buffer is used on a stream (kept alive until the buffer's free).
+    RecordStream(HostPtr, Stream),
     /// Any other request (malloc, stats, ...), with its reply inside.
     Job(Job<HostState>),
 }
@@ -37,7 +44,12 @@ impl HostState {
     /// cache is emptied at once, so late frees return their memory to the backend.
     pub fn free(&mut self, ptr: HostPtr) {
         let pending_before = self.core.pending_events();
-        if let Err(e) = self.core.free(ptr) {
+        let freed = self.core.free(ptr);
+        // Recorded or not, the core names these streams no more.
+        if let Some(streams) = self.recorded.remove(&ptr.0) {
+            self.retired.extend(streams);
+        }
+        if let Err(e) = freed {
             tracing::warn!(%ptr, error = %e, "pinned free failed");
             return;
         }
@@ -66,8 +78,14 @@ impl Actor for HostState {
         match msg {
             HostMsg::Free(ptr) => self.free(ptr),
             HostMsg::RecordStream(ptr, stream) => {
-                if let Err(e) = self.core.record_stream(ptr, stream) {
-                    tracing::warn!(%ptr, error = %e, "pinned record_stream failed");
+                match self.core.record_stream(ptr, stream.handle()) {
+                    Ok(()) => {
+                        let kept = self.recorded.entry(ptr.0).or_default();
+                        if !kept.contains(&stream) {
+                            kept.push(stream);
+                        }
+                    }
+                    Err(e) => tracing::warn!(%ptr, error = %e, "pinned record_stream failed"),
                 }
             }
             HostMsg::Job(job) => job(self),

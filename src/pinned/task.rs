@@ -27,7 +27,15 @@ impl ActorParts for HostActor {
     }
 
     async fn reap(self: Arc<Self>) -> bool {
-        self.call(|st| st.reap()).await.unwrap_or(false)
+        let (pending, retired) = self
+            .call(|st| (st.reap(), std::mem::take(&mut st.retired)))
+            .await
+            .unwrap_or((false, Vec::new()));
+        if !retired.is_empty() {
+            // Destroying a stream may wait for its work (the sim joins its worker).
+            tokio::task::spawn_blocking(move || drop(retired));
+        }
+        pending
     }
 
     fn label(&self) -> String {
