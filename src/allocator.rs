@@ -142,6 +142,11 @@ impl Allocator {
     /// Allocates `size` bytes for use on `stream` (whose device it picks). A cache hit is
     /// served inline; a miss allocates from the device on the blocking pool while other
     /// requests keep being served. Size 0 gives an empty buffer with a null pointer.
+    ///
+    /// When the device is full (after the cache was released) the error is an out-of-memory
+    /// error: test it with [`Error::is_oom`], and read PyTorch's report (requested, free,
+    /// allocated, reserved) from [`Error::oom_report`] or its `Display`. To wait for memory
+    /// instead of failing, use [`Allocator::malloc_with`] and [`MallocOptions::wait_for`].
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
         self.actor_for(stream)?.malloc(size, stream).await
@@ -187,6 +192,20 @@ impl Allocator {
     pub async fn stats(&self, device: DeviceId) -> Result<DeviceStats, Error> {
         self.inner.process.check()?;
         self.actor(device)?.stats().await
+    }
+
+    /// Resets the peaks of `device`'s statistics to their current values (PyTorch's
+    /// `reset_peak_memory_stats`): later [`Allocator::stats`] report peaks from now on.
+    pub async fn reset_peak_stats(&self, device: DeviceId) -> Result<(), Error> {
+        self.inner.process.check()?;
+        self.actor(device)?.reset_peak_stats().await
+    }
+
+    /// Resets the allocated/freed sums and the counters (`num_ooms`, `num_alloc_retries`,
+    /// ...) of `device`'s statistics (PyTorch's `reset_accumulated_memory_stats`).
+    pub async fn reset_accumulated_stats(&self, device: DeviceId) -> Result<(), Error> {
+        self.inner.process.check()?;
+        self.actor(device)?.reset_accumulated_stats().await
     }
 
     /// Segments and blocks of every device (PyTorch's `memory_snapshot`).

@@ -150,10 +150,13 @@ impl AllocatorBuilder {
         if let Some(s) = &self.config_str {
             return Ok(AllocatorConfig::parse(s)?);
         }
-        match &self.config {
-            Some(c) => Ok(c.clone()),
-            None => Ok(AllocatorConfig::from_env()?),
-        }
+        let config = match &self.config {
+            Some(c) => c.clone(),
+            None => AllocatorConfig::from_env()?,
+        };
+        // Public fields set directly are held to the parser's rules.
+        config.validate()?;
+        Ok(config)
     }
 
     fn resolve_backend(&self) -> Result<Arc<dyn Backend>, Error> {

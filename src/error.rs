@@ -1,7 +1,7 @@
 //! The facade's error type: the device allocator's errors plus what only the facade can
 //! report (a fork, a missing runtime, an unusable backend choice).
 
-use gpualloc_devices::{AllocError, ConfigError};
+use gpualloc_devices::{AllocError, ConfigError, OomReport};
 use gpualloc_host::HostError;
 use gpualloc_ipc::IpcError;
 use gpualloc_runtime::BackendError;
@@ -83,6 +83,15 @@ impl Error {
     pub fn is_oom(&self) -> bool {
         matches!(self, Error::Alloc(e) if e.is_oom())
             || matches!(self, Error::Host(e) if e.is_oom())
+    }
+
+    /// The numbers behind a device out-of-memory error (PyTorch's report: requested, device
+    /// free and total, allocated and reserved by this allocator); `None` for other errors.
+    pub fn oom_report(&self) -> Option<&OomReport> {
+        match self {
+            Error::Alloc(AllocError::OutOfMemory(report)) => Some(report),
+            _ => None,
+        }
     }
 
     /// True if the allocator has been shut down.

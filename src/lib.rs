@@ -59,7 +59,10 @@ pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use gpualloc_devices as devices;
-pub use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
+pub use gpualloc_devices::{
+    format_size, AllocError, AllocatorConfig, ConfigError, DeviceSnapshot, DeviceStats, OomReport,
+    Stat, StatArray, StatType,
+};
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 pub use gpualloc_ipc as ipc;

@@ -303,6 +303,62 @@ impl AllocatorConfig {
         Ok(())
     }
 
+    /// Checks every field against the rules the string parser applies, so a config built by
+    /// setting the public fields directly is held to them too (the facade's `build()` and
+    /// [`DeviceCore::new`](crate::DeviceCore::new) call it). The error names the string key
+    /// and shows the field's value in the field's units (bytes for sizes).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bytes = |v: u64| format!("{v} bytes");
+        if self.max_split_size != u64::MAX && self.max_split_size <= LARGE_BUFFER {
+            return Err(invalid(
+                "max_split_size_mb",
+                &bytes(self.max_split_size),
+                "above 20 MiB, or u64::MAX for no limit",
+            ));
+        }
+        if let Some(&n) = self
+            .roundup_power2_divisions
+            .iter()
+            .find(|&&n| n != 0 && !n.is_power_of_two())
+        {
+            return Err(invalid(
+                "roundup_power2_divisions",
+                &n.to_string(),
+                "0 or a power of two in every band",
+            ));
+        }
+        let gc = self.garbage_collection_threshold;
+        if !(gc == 0.0 || (gc > 0.0 && gc < 1.0)) {
+            return Err(invalid(
+                "garbage_collection_threshold",
+                &gc.to_string(),
+                "0.0 (off) or a number in (0.0, 1.0)",
+            ));
+        }
+        if self.large_segment_size < 2 * MIB || self.large_segment_size % (2 * MIB) != 0 {
+            return Err(invalid(
+                "large_segment_size_mb",
+                &bytes(self.large_segment_size),
+                "an even number of MiB, at least 2",
+            ));
+        }
+        if let Some(f) = self.per_process_memory_fraction {
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(invalid(
+                    "per_process_memory_fraction",
+                    &f.to_string(),
+                    "a number in (0.0, 1.0]",
+                ));
+            }
+        }
+        for (key, _) in &self.pinned {
+            if !key.starts_with("pinned_") {
+                return Err(ConfigError::UnknownKey(key.clone()));
+            }
+        }
+        Ok(())
+    }
+
     /// Builder: `max_split_size_mb`.
     pub fn with_max_split_size_mb(mut self, mb: u64) -> Result<Self, ConfigError> {
         self.set("max_split_size_mb", &mb.to_string())?;

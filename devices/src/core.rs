@@ -142,10 +142,13 @@ impl DeviceCore {
         device: DeviceId,
         config: AllocatorConfig,
     ) -> Result<Self, AllocError> {
+        config.validate()?;
         let info = backend.mem_info(device)?;
         let allowed_max = config
             .per_process_memory_fraction
             .map(|f| (info.total as f64 * f) as u64);
+        // PyTorch reports its `size_t` maximum as `int64`: -1.
+        let max_split_size = i64::try_from(config.max_split_size).unwrap_or(-1);
         Ok(DeviceCore {
             backend,
             device,
@@ -163,7 +166,10 @@ impl DeviceCore {
             expandable: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),
-            stats: DeviceStats::default(),
+            stats: DeviceStats {
+                max_split_size,
+                ..DeviceStats::default()
+            },
             total_reserved: 0,
             allowed_max,
             device_total: info.total,

@@ -39,6 +39,6 @@ pub use error::{format_size, AllocError, OomReport};
 pub use restore::RestoredBlock;
 pub use round_trips::RoundTrips;
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
-pub use stats::{DeviceStats, Stat, StatType};
+pub use stats::{DeviceStats, Stat, StatArray, StatType};
 pub use summary::memory_summary;
 pub use trace::{TraceAction, TraceEntry};

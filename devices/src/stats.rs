@@ -14,10 +14,67 @@ pub enum StatType {
     Large = 2,
 }
 
+use std::collections::BTreeMap;
+
 pub use gpualloc_runtime::stat::Stat;
 
-/// A stat per [`StatType`].
-pub type StatArray = [Stat; 3];
+/// A stat per [`StatType`]: read it with [`StatArray::all`], [`StatArray::small`] and
+/// [`StatArray::large`] (or index it by a `StatType`; indexing by 0/1/2 still works).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatArray(pub [Stat; 3]);
+
+impl StatArray {
+    /// Both pools together (PyTorch's `.all.` keys).
+    pub fn all(&self) -> &Stat {
+        &self.0[StatType::All as usize]
+    }
+
+    /// The small pool: blocks of at most 1 MiB (`.small_pool.`).
+    pub fn small(&self) -> &Stat {
+        &self.0[StatType::Small as usize]
+    }
+
+    /// The large pool (`.large_pool.`).
+    pub fn large(&self) -> &Stat {
+        &self.0[StatType::Large as usize]
+    }
+}
+
+impl std::ops::Deref for StatArray {
+    type Target = [Stat; 3];
+
+    fn deref(&self) -> &[Stat; 3] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for StatArray {
+    fn deref_mut(&mut self) -> &mut [Stat; 3] {
+        &mut self.0
+    }
+}
+
+impl std::ops::Index<usize> for StatArray {
+    type Output = Stat;
+
+    fn index(&self, i: usize) -> &Stat {
+        &self.0[i]
+    }
+}
+
+impl std::ops::IndexMut<usize> for StatArray {
+    fn index_mut(&mut self, i: usize) -> &mut Stat {
+        &mut self.0[i]
+    }
+}
+
+impl std::ops::Index<StatType> for StatArray {
+    type Output = Stat;
+
+    fn index(&self, t: StatType) -> &Stat {
+        &self.0[t as usize]
+    }
+}
 
 /// Every statistic of one device allocator.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,6 +111,10 @@ pub struct DeviceStats {
     pub oversize_allocations: Stat,
     /// Segments of at least `max_split_size`.
     pub oversize_segments: Stat,
+    /// The configured `max_split_size` in bytes, -1 when unlimited (PyTorch's
+    /// `max_split_size` key: its `size_t` maximum read as `int64`). Set by the core; resets
+    /// leave it alone.
+    pub max_split_size: i64,
 }
 
 impl DeviceStats {
@@ -94,10 +155,11 @@ impl DeviceStats {
         ]
     }
 
-    /// The stats as PyTorch's flat `memory_stats()` dictionary, e.g.
-    /// `allocated_bytes.all.current`, `num_alloc_retries`.
-    pub fn to_flat(&self) -> Vec<(String, u64)> {
-        let mut out = Vec::with_capacity(160);
+    /// The stats as PyTorch's flat `memory_stats()` dictionary: the same 122 keys (e.g.
+    /// `allocated_bytes.all.current`, `num_alloc_retries`, `max_split_size`), and values as
+    /// PyTorch's `int64` (so `max_split_size` is -1 when unlimited).
+    pub fn to_flat(&self) -> BTreeMap<String, i64> {
+        let mut out = BTreeMap::new();
         let arrays: [(&str, &StatArray); 9] = [
             ("allocation", &self.allocation),
             ("segment", &self.segment),
@@ -116,20 +178,31 @@ impl DeviceStats {
         }
         push_stat(&mut out, "oversize_allocations", &self.oversize_allocations);
         push_stat(&mut out, "oversize_segments", &self.oversize_segments);
-        out.push(("num_alloc_retries".into(), self.num_alloc_retries));
-        out.push(("num_ooms".into(), self.num_ooms));
-        out.push(("num_sync_all_streams".into(), self.num_sync_all_streams));
-        out.push(("num_device_alloc".into(), self.num_device_alloc));
-        out.push(("num_device_free".into(), self.num_device_free));
+        let counters = [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_sync_all_streams", self.num_sync_all_streams),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+        ];
+        for (name, v) in counters {
+            out.insert(name.into(), as_i64(v));
+        }
+        out.insert("max_split_size".into(), self.max_split_size);
         out
     }
 }
 
-fn push_stat(out: &mut Vec<(String, u64)>, prefix: &str, s: &Stat) {
-    out.push((format!("{prefix}.current"), s.current));
-    out.push((format!("{prefix}.peak"), s.peak));
-    out.push((format!("{prefix}.allocated"), s.allocated));
-    out.push((format!("{prefix}.freed"), s.freed));
+/// PyTorch's values are `int64`; counts and bytes never reach 2^63.
+fn as_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn push_stat(out: &mut BTreeMap<String, i64>, prefix: &str, s: &Stat) {
+    out.insert(format!("{prefix}.current"), as_i64(s.current));
+    out.insert(format!("{prefix}.peak"), as_i64(s.peak));
+    out.insert(format!("{prefix}.allocated"), as_i64(s.allocated));
+    out.insert(format!("{prefix}.freed"), as_i64(s.freed));
 }
 
 /// Applies `f` to the entries of `arr` for `All` and the pool's own type.
@@ -172,10 +245,62 @@ mod tests {
             (0, 0, 0)
         );
         let flat = s.to_flat();
-        assert!(flat.contains(&("allocated_bytes.all.current".to_string(), 50)));
-        assert!(flat
-            .iter()
-            .any(|(k, _)| k == "requested_bytes.large_pool.peak"));
-        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 5);
+        assert_eq!(flat["allocated_bytes.all.current"], 50);
+        assert!(flat.contains_key("requested_bytes.large_pool.peak"));
+        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 6);
+    }
+
+    /// PyTorch's `torch.cuda.memory_stats()` keys (its `memoryStats` in `Module.cpp`): the nine
+    /// pool-broken stats, the two oversize stats, five counters and `max_split_size`: 122.
+    #[test]
+    fn flat_keys_are_pytorchs_122() {
+        let mut want: Vec<String> = Vec::new();
+        for name in [
+            "allocation",
+            "segment",
+            "active",
+            "inactive_split",
+            "allocated_bytes",
+            "reserved_bytes",
+            "active_bytes",
+            "inactive_split_bytes",
+            "requested_bytes",
+        ] {
+            for pool in ["all", "small_pool", "large_pool"] {
+                for metric in ["current", "peak", "allocated", "freed"] {
+                    want.push(format!("{name}.{pool}.{metric}"));
+                }
+            }
+        }
+        for name in ["oversize_allocations", "oversize_segments"] {
+            for metric in ["current", "peak", "allocated", "freed"] {
+                want.push(format!("{name}.{metric}"));
+            }
+        }
+        for name in [
+            "num_alloc_retries",
+            "num_ooms",
+            "max_split_size",
+            "num_sync_all_streams",
+            "num_device_alloc",
+            "num_device_free",
+        ] {
+            want.push(name.to_string());
+        }
+        want.sort();
+        assert_eq!(want.len(), 122);
+        let got: Vec<String> = DeviceStats::default().to_flat().into_keys().collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn named_accessors_read_the_pool_entries() {
+        let mut s = DeviceStats::default();
+        for_pool(&mut s.reserved_bytes, true, |x| x.increase(2 << 20));
+        for_pool(&mut s.reserved_bytes, false, |x| x.increase(20 << 20));
+        assert_eq!(s.reserved_bytes.all().current, 22 << 20);
+        assert_eq!(s.reserved_bytes.small().current, 2 << 20);
+        assert_eq!(s.reserved_bytes.large().current, 20 << 20);
+        assert_eq!(s.reserved_bytes[StatType::Large].current, 20 << 20);
     }
 }

@@ -297,6 +297,16 @@ impl DeviceActor {
         self.call(|st| st.core.stats().clone()).await
     }
 
+    /// Resets every peak to its current value (after folding in the thread cache).
+    pub(crate) async fn reset_peak_stats(&self) -> Result<(), Error> {
+        self.call(|st| st.core.reset_peak_stats()).await
+    }
+
+    /// Resets the allocated/freed sums and the event counters.
+    pub(crate) async fn reset_accumulated_stats(&self) -> Result<(), Error> {
+        self.call(|st| st.core.reset_accumulated_stats()).await
+    }
+
     /// Segments and blocks of this device.
     pub(crate) async fn snapshot(&self) -> Result<DeviceSnapshot, Error> {
         self.call(|st| st.core.snapshot()).await
