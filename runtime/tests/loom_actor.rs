@@ -112,8 +112,9 @@ fn waiters_wake_vs_cancel() {
         let w: &'static Waiters = Box::leak(Box::new(Waiters::new()));
         let a = w.join();
         let b = w.join();
-        // `a` joined an empty queue: its first wait returns at once.
+        // `a` joined an empty queue, `b` may overtake it: their first waits return at once.
         loom::future::block_on(a.wait());
+        loom::future::block_on(b.wait());
         let second = thread::spawn(move || {
             loom::future::block_on(b.wait());
             b.finish();
@@ -123,6 +124,30 @@ fn waiters_wake_vs_cancel() {
         waker.join().unwrap();
         canceller.join().unwrap();
         second.join().unwrap();
+        assert!(w.is_empty());
+    });
+}
+
+/// The head passes memory it cannot use on while the waiter behind it is cancelled: the
+/// wake-up reaches the third waiter either way (a lost one would leave `block_on` waiting
+/// forever, which loom reports).
+#[test]
+fn waiters_pass_vs_cancel() {
+    loom::model(|| {
+        let w: &'static Waiters = Box::leak(Box::new(Waiters::new()));
+        let (a, b, c) = (w.join(), w.join(), w.join());
+        for t in [&a, &b, &c] {
+            loom::future::block_on(t.wait());
+        }
+        let passer = thread::spawn(move || {
+            a.pass();
+            a
+        });
+        let canceller = thread::spawn(move || drop(b));
+        loom::future::block_on(c.wait());
+        let a = passer.join().unwrap();
+        canceller.join().unwrap();
+        drop((a, c));
         assert!(w.is_empty());
     });
 }

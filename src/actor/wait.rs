@@ -1,5 +1,10 @@
 //! Waiting for memory: a malloc that, when the device is full even after the out-of-memory
 //! chain, waits (bounded, first come first served, cancellable) for frees instead of failing.
+//! A request larger than the whole device (or its memory-fraction cap) fails at once: no free
+//! can make room for it. A waiter woken by a free that still does not fit passes the memory
+//! on to the waiters behind it, so a large head does not block smaller requests that fit;
+//! the head is overtaken at most `MAX_OVERTAKES` times, then memory waits for it alone
+//! (`gpualloc_runtime::actor::waiters`).
 //! The queue itself is `gpualloc_runtime::actor::Waiters`; frees and released caches wake
 //! its head (`state.rs`, `slow.rs`).
 
@@ -49,10 +54,13 @@ impl DeviceActor {
                     return Ok(buf);
                 }
                 Err(e) if e.is_oom() => {
-                    if tokio::time::Instant::now() >= deadline {
+                    if tokio::time::Instant::now() >= deadline || never_fits(&e) {
                         return Err(e);
                     }
-                    if turn.is_none() {
+                    if let Some(t) = &turn {
+                        // Still too big for what came back: offer it to those behind.
+                        t.pass();
+                    } else {
                         tracing::debug_span!("malloc_wait", device = self.device.0, size).in_scope(
                             || {
                                 tracing::debug!(
@@ -73,4 +81,13 @@ impl DeviceActor {
             }
         }
     }
+}
+
+/// True when the request cannot fit even on an empty device: larger than the device's total
+/// memory or than the `per_process_memory_fraction` cap. Waiting for frees cannot help it.
+fn never_fits(e: &Error) -> bool {
+    e.oom_report().is_some_and(|r| {
+        let limit = r.allowed.unwrap_or(r.device_total).min(r.device_total);
+        r.alloc_size > limit || r.requested > limit
+    })
 }

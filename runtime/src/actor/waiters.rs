@@ -9,8 +9,18 @@
 //! point (cancellation, timeout) leaves the queue and passes the head's wake-up on, so a
 //! cancelled waiter never strands the ones behind it.
 //!
-//! A request joining an empty queue is woken at once: it retries right after joining, so
-//! memory freed between its failed attempt and the join is not missed.
+//! A request joining the queue is woken at once: it retries right after joining, so memory
+//! freed between its failed attempt and the join is not missed (behind a head, that retry
+//! may overtake it; see below).
+//!
+//! First come, first served, with bounded overtaking: a large head that cannot be served must
+//! not block smaller requests behind it that would fit. A woken waiter whose retry fails
+//! calls [`WaitTurn::pass`], which wakes the next one in the queue, so the memory that came
+//! back is offered to every waiter in order until one fits. Each waiter served while the
+//! head still waits *overtakes* it; after [`MAX_OVERTAKES`] overtakes the head ages into
+//! strict FIFO: `pass` stops at it, and memory that comes back is offered to the head alone
+//! until it is served (or leaves). So a head is overtaken at most `MAX_OVERTAKES` times:
+//! never starved forever.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -20,10 +30,16 @@ use std::task::{Context, Poll, Waker};
 use crate::sync::atomic::{AtomicUsize, Ordering};
 use crate::sync::{lock, Mutex};
 
+/// How many later waiters may be served while the head waits, before memory that comes back
+/// is offered to the head alone (see the module docs).
+pub const MAX_OVERTAKES: u32 = 8;
+
 struct Entry {
     id: u64,
     notified: bool,
     waker: Option<Waker>,
+    /// Later waiters served while this one was the head.
+    overtaken: u32,
 }
 
 #[derive(Default)]
@@ -66,11 +82,17 @@ impl Waiters {
         let mut inner = lock(&self.inner);
         let id = inner.next_id;
         inner.next_id += 1;
-        let notified = inner.queue.is_empty();
+        // An empty queue: retry at once. Behind a head: try once at once (overtaking it if
+        // it fits), unless the head has been overtaken enough.
+        let notified = inner
+            .queue
+            .front()
+            .is_none_or(|head| head.overtaken < MAX_OVERTAKES);
         inner.queue.push_back(Entry {
             id,
             notified,
             waker: None,
+            overtaken: 0,
         });
         self.len.fetch_add(1, Ordering::SeqCst);
         WaitTurn {
@@ -91,18 +113,61 @@ impl Waiters {
         }
     }
 
-    fn leave(&self, id: u64) {
+    /// Leaves the queue; `served` when the request got its memory (a waiter served behind
+    /// the head counts as overtaking it).
+    fn leave(&self, id: u64, served: bool) {
         let waker = {
             let mut inner = lock(&self.inner);
             let Some(pos) = inner.queue.iter().position(|e| e.id == id) else {
                 return;
             };
-            inner.queue.remove(pos);
+            let unconsumed = inner.queue.remove(pos).is_some_and(|e| e.notified);
             self.len.fetch_sub(1, Ordering::SeqCst);
             if pos == 0 {
                 notify_head(&mut inner)
+            } else if served || unconsumed {
+                // Served: it overtook the head, and what is left of the memory may fit the
+                // next one. Cancelled with a wake-up it never used: pass that on.
+                let aged = inner.queue.front_mut().is_some_and(|head| {
+                    if served {
+                        head.overtaken = head.overtaken.saturating_add(1);
+                    }
+                    head.overtaken >= MAX_OVERTAKES
+                });
+                match inner.queue.get_mut(pos) {
+                    Some(next) if !aged => {
+                        next.notified = true;
+                        next.waker.take()
+                    }
+                    _ => None,
+                }
             } else {
                 None
+            }
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// The waiter `id` retried and failed: offer the memory to the one behind it, unless the
+    /// head has been overtaken [`MAX_OVERTAKES`] times.
+    fn pass(&self, id: u64) {
+        let waker = {
+            let mut inner = lock(&self.inner);
+            let aged = inner
+                .queue
+                .front()
+                .is_some_and(|h| h.overtaken >= MAX_OVERTAKES);
+            let Some(pos) = inner.queue.iter().position(|e| e.id == id) else {
+                return;
+            };
+            match inner.queue.get_mut(pos + 1) {
+                Some(next) if !aged => {
+                    next.notified = true;
+                    next.waker.take()
+                }
+                _ => None,
             }
         };
         if let Some(w) = waker {
@@ -144,14 +209,21 @@ impl<'a> WaitTurn<'a> {
     /// The request was served: leave the queue and wake the next head.
     pub fn finish(mut self) {
         self.left = true;
-        self.waiters.leave(self.id);
+        self.waiters.leave(self.id, true);
+    }
+
+    /// This request was woken, retried and still does not fit: offer the memory that came
+    /// back to the waiter behind it (bounded overtaking; see the module docs). Keeps this
+    /// request's place.
+    pub fn pass(&self) {
+        self.waiters.pass(self.id);
     }
 }
 
 impl Drop for WaitTurn<'_> {
     fn drop(&mut self) {
         if !self.left {
-            self.waiters.leave(self.id);
+            self.waiters.leave(self.id, false);
         }
     }
 }
@@ -200,6 +272,10 @@ mod tests {
             a.wait().now_or_never().is_some(),
             "joining an empty queue wakes at once"
         );
+        assert!(
+            b.wait().now_or_never().is_some(),
+            "joining behind a head tries once at once"
+        );
         assert!(a.wait().now_or_never().is_none());
         w.wake_head();
         assert!(b.wait().now_or_never().is_none(), "b is not the head");
@@ -215,11 +291,116 @@ mod tests {
     }
 
     #[test]
+    fn a_head_that_does_not_fit_passes_the_memory_on() {
+        let w = Waiters::new();
+        let big = w.join();
+        let small1 = w.join();
+        let small2 = w.join();
+        // Each tried once on joining (and did not fit).
+        for t in [&big, &small1, &small2] {
+            assert!(t.wait().now_or_never().is_some());
+        }
+        // Memory comes back; the head retries, fails and passes it on.
+        w.wake_head();
+        assert!(big.wait().now_or_never().is_some());
+        assert!(small1.wait().now_or_never().is_none(), "not offered yet");
+        big.pass();
+        assert!(
+            small1.wait().now_or_never().is_some(),
+            "offered after the head"
+        );
+        assert!(small2.wait().now_or_never().is_none());
+        small1.finish();
+        assert!(big.is_head(), "the head keeps its place");
+        assert!(
+            small2.wait().now_or_never().is_some(),
+            "what is left is offered to the next"
+        );
+        // A waiter that also fails passes it further.
+        w.wake_head();
+        assert!(big.wait().now_or_never().is_some());
+        big.pass();
+        assert!(small2.wait().now_or_never().is_some());
+        small2.pass();
+        drop(small2);
+        assert_eq!(w.len(), 1);
+    }
+
+    #[test]
+    fn the_head_is_overtaken_at_most_max_overtakes_times() {
+        let w = Waiters::new();
+        let head = w.join();
+        assert!(head.wait().now_or_never().is_some());
+        for i in 0..MAX_OVERTAKES {
+            let later = w.join();
+            assert!(
+                later.wait().now_or_never().is_some(),
+                "tries once on joining"
+            );
+            head.pass();
+            assert!(
+                later.wait().now_or_never().is_some(),
+                "overtake {i} is allowed"
+            );
+            later.finish();
+        }
+        let later = w.join();
+        assert!(
+            later.wait().now_or_never().is_none(),
+            "an aged head: a new waiter does not even try"
+        );
+        head.pass();
+        assert!(
+            later.wait().now_or_never().is_none(),
+            "after {MAX_OVERTAKES} overtakes the memory is the head's alone"
+        );
+        w.wake_head();
+        assert!(later.wait().now_or_never().is_none());
+        assert!(head.wait().now_or_never().is_some());
+        // Once the head is served, the next head starts with a fresh budget.
+        head.finish();
+        assert!(later.is_head());
+        assert!(later.wait().now_or_never().is_some());
+        let behind = w.join();
+        assert!(behind.wait().now_or_never().is_some());
+        later.pass();
+        assert!(
+            behind.wait().now_or_never().is_some(),
+            "a new head's budget is fresh"
+        );
+        drop(behind);
+        drop(later);
+        assert!(w.is_empty());
+    }
+
+    #[test]
+    fn a_cancelled_waiter_passes_an_unused_wake_up_on() {
+        let w = Waiters::new();
+        let a = w.join();
+        let b = w.join();
+        let c = w.join();
+        for t in [&a, &b, &c] {
+            assert!(t.wait().now_or_never().is_some());
+        }
+        a.pass();
+        drop(b);
+        assert!(
+            c.wait().now_or_never().is_some(),
+            "b never used the memory a passed on"
+        );
+        drop(c);
+        drop(a);
+        assert!(w.is_empty());
+    }
+
+    #[test]
     fn a_cancelled_head_passes_the_turn_on() {
         let w = Waiters::new();
         let a = w.join();
         let b = w.join();
         let c = w.join();
+        assert!(b.wait().now_or_never().is_some());
+        assert!(c.wait().now_or_never().is_some());
         drop(a);
         assert!(b.wait().now_or_never().is_some());
         assert!(c.wait().now_or_never().is_none(), "not the head yet");

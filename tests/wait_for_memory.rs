@@ -1,0 +1,147 @@
+//! Waiting for memory (issue 15, section 4): a request that can never fit fails at once, and a
+//! large waiter at the head does not block smaller ones that fit, while its own wait is
+//! bounded (it is overtaken at most `MAX_OVERTAKES` times).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpualloc::runtime::accounting::AccountingBackend;
+use gpualloc::runtime::actor::waiters::MAX_OVERTAKES;
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Stream};
+use tokio::task::JoinHandle;
+
+const MIB: u64 = 1 << 20;
+const LONG: Duration = Duration::from_secs(20);
+
+fn build(conf: &str, capacity: u64) -> Allocator {
+    Allocator::builder()
+        .config_str(conf)
+        .backend_instance(Arc::new(AccountingBackend::new(1, capacity)))
+        .build()
+        .expect("build")
+}
+
+/// Waits (up to 5 s) until `n` requests wait for memory on device 0.
+async fn until_waiting(alloc: &Allocator, n: usize) {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    for _ in 0..2500 {
+        if actor.waiting() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("expected {n} waiters, found {}", actor.waiting());
+}
+
+fn waiter(alloc: &Allocator, s: &Stream, size: u64) -> JoinHandle<Result<DeviceBuffer, Error>> {
+    let (alloc, s) = (alloc.clone(), s.clone());
+    tokio::spawn(async move {
+        alloc
+            .malloc_with(size, &s, MallocOptions::wait_for(LONG))
+            .await
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_can_never_fit_fails_at_once() {
+    let cases = [
+        ("", 100 * MIB),
+        ("expandable_segments:True", 100 * MIB),
+        ("thread_cache:False", 65 * MIB),
+        ("per_process_memory_fraction:0.5", 40 * MIB),
+    ];
+    for (conf, size) in cases {
+        let alloc = build(conf, 64 * MIB);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let held = alloc.malloc(8 * MIB, &s).await.unwrap();
+        let t0 = Instant::now();
+        let err = alloc
+            .malloc_with(size, &s, MallocOptions::wait_for(LONG))
+            .await
+            .unwrap_err();
+        assert!(err.is_oom(), "{conf:?}: {err}");
+        assert!(
+            t0.elapsed() < LONG / 2,
+            "{conf:?}: waited {:?} for memory no free can make",
+            t0.elapsed()
+        );
+        drop(held);
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smaller_waiters_that_fit_are_served_past_a_large_head() {
+    for conf in ["", "thread_cache:False", "expandable_segments:True"] {
+        let alloc = build(conf, 64 * MIB);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let x = alloc.malloc(36 * MIB, &s).await.unwrap();
+        let y = alloc.malloc(24 * MIB, &s).await.unwrap();
+        let big = waiter(&alloc, &s, 48 * MIB);
+        until_waiting(&alloc, 1).await;
+        let small1 = waiter(&alloc, &s, 12 * MIB);
+        until_waiting(&alloc, 2).await;
+        let small2 = waiter(&alloc, &s, 12 * MIB);
+        until_waiting(&alloc, 3).await;
+        // 24 MiB come back: not enough for the head, enough for both small ones.
+        drop(y);
+        let a = tokio::time::timeout(Duration::from_secs(5), small1)
+            .await
+            .unwrap_or_else(|_| panic!("{conf:?}: a 12 MiB waiter stayed blocked"))
+            .unwrap()
+            .unwrap();
+        let b = tokio::time::timeout(Duration::from_secs(5), small2)
+            .await
+            .unwrap_or_else(|_| panic!("{conf:?}: the second 12 MiB waiter stayed blocked"))
+            .unwrap()
+            .unwrap();
+        assert!(!big.is_finished(), "{conf:?}: the head still waits");
+        assert_eq!(alloc.device_actor(DeviceId(0)).unwrap().waiting(), 1);
+        drop((a, b, x));
+        let big = tokio::time::timeout(Duration::from_secs(5), big)
+            .await
+            .unwrap_or_else(|_| panic!("{conf:?}: the head was not served"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(big.len(), 48 * MIB);
+        drop(big);
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_head_is_overtaken_at_most_max_overtakes_times() {
+    let alloc = build("thread_cache:False", 64 * MIB);
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    let x = alloc.malloc(36 * MIB, &s).await.unwrap();
+    let big = waiter(&alloc, &s, 48 * MIB);
+    until_waiting(&alloc, 1).await;
+    // Each later request fits in the free 28 MiB; each served one overtakes the head.
+    for i in 0..MAX_OVERTAKES {
+        let small = waiter(&alloc, &s, 12 * MIB);
+        let buf = tokio::time::timeout(Duration::from_secs(5), small)
+            .await
+            .unwrap_or_else(|_| panic!("overtake {i} was refused"))
+            .unwrap()
+            .unwrap();
+        drop(buf);
+    }
+    // The head has aged: a later request that would fit now queues behind it.
+    let late = waiter(&alloc, &s, 12 * MIB);
+    until_waiting(&alloc, 2).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!late.is_finished(), "an aged head is not overtaken");
+    drop(x);
+    let big = tokio::time::timeout(Duration::from_secs(5), big)
+        .await
+        .expect("the head is served first")
+        .unwrap()
+        .unwrap();
+    let late = tokio::time::timeout(Duration::from_secs(5), late)
+        .await
+        .expect("then the next")
+        .unwrap()
+        .unwrap();
+    drop((big, late));
+    alloc.shutdown().await.unwrap();
+}
