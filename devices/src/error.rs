@@ -71,12 +71,40 @@ pub struct OomReport {
     pub allocated: u64,
     /// Bytes this allocator holds from the device.
     pub reserved: u64,
+    /// Bytes being allocated from the device right now by other requests' misses (set by the
+    /// owner that runs misses off the core; 0 from the core alone). Memory of a cancelled
+    /// request counts here until it lands in the cache.
+    pub in_flight: u64,
+    /// Device memory this process has in use, inside the allocator and out, where the backend
+    /// can tell (PyTorch's "this process has X memory in use"); `None` where it cannot.
+    pub process_used: Option<u64>,
 }
+
+/// The fragmentation hint needs at least this much reserved but unallocated memory.
+pub const HINT_FLOOR: u64 = 20 << 20;
 
 impl OomReport {
     /// Reserved but not allocated bytes (fragmentation and cache).
     pub fn reserved_unallocated(&self) -> u64 {
         self.reserved.saturating_sub(self.allocated)
+    }
+
+    /// True when the request cannot fit even on an empty device: larger than its total memory
+    /// or than the `per_process_memory_fraction` cap.
+    pub fn exceeds_device(&self) -> bool {
+        let limit = self
+            .allowed
+            .unwrap_or(self.device_total)
+            .min(self.device_total);
+        self.requested > limit || self.alloc_size > limit
+    }
+
+    /// Whether the message suggests `expandable_segments` against fragmentation: only when
+    /// reserved but unallocated memory is more than a fifth of what is reserved and at least
+    /// [`HINT_FLOOR`], and never for a request that exceeds the device (no setting helps it).
+    pub fn suggests_expandable_segments(&self) -> bool {
+        let idle = self.reserved_unallocated();
+        !self.exceeds_device() && idle >= HINT_FLOOR && idle * 5 > self.reserved
     }
 }
 
@@ -107,6 +135,20 @@ impl fmt::Display for OomReport {
             format_size(self.device_total),
             format_size(self.device_free)
         )?;
+        if self.in_flight > 0 {
+            write!(
+                f,
+                "{} is being allocated by requests in flight. ",
+                format_size(self.in_flight)
+            )?;
+        }
+        if let Some(used) = self.process_used {
+            write!(
+                f,
+                "Including memory outside gpualloc, this process has {} in use. ",
+                format_size(used)
+            )?;
+        }
         if let Some(allowed) = self.allowed {
             write!(
                 f,
@@ -121,7 +163,7 @@ impl fmt::Display for OomReport {
             format_size(self.allocated),
             format_size(self.reserved_unallocated())
         )?;
-        if self.reserved_unallocated() > self.requested.min(self.reserved / 4) {
+        if self.suggests_expandable_segments() {
             write!(
                 f,
                 " Reserved but unallocated memory is large: try expandable_segments:True in \
@@ -155,8 +197,10 @@ mod tests {
             allowed: None,
             allocated: 10 << 30,
             reserved: 14 << 30,
+            in_flight: 0,
+            process_used: None,
         };
-        let s = AllocError::OutOfMemory(Box::new(r)).to_string();
+        let s = AllocError::OutOfMemory(Box::new(r.clone())).to_string();
         assert!(s.contains("device 1"), "{s}");
         assert!(s.contains("tried to allocate 3.00 GiB"), "{s}");
         assert!(
@@ -169,5 +213,64 @@ mod tests {
             "{s}"
         );
         assert!(s.contains("expandable_segments:True"), "{s}");
+        assert!(
+            !s.contains("in flight") && !s.contains("this process"),
+            "{s}"
+        );
+
+        let busy = OomReport {
+            in_flight: 15 << 30,
+            process_used: Some(15 << 30),
+            ..r.clone()
+        }
+        .to_string();
+        assert!(
+            busy.contains("15.00 GiB is being allocated by requests in flight"),
+            "{busy}"
+        );
+        assert!(busy.contains("this process has 15.00 GiB in use"), "{busy}");
+    }
+
+    #[test]
+    fn the_fragmentation_hint_appears_only_when_true() {
+        let base = OomReport {
+            device: DeviceId(0),
+            requested: 1 << 30,
+            alloc_size: 1 << 30,
+            device_total: 16 << 30,
+            device_free: 0,
+            allowed: None,
+            allocated: 10 << 30,
+            reserved: 16 << 30,
+            in_flight: 0,
+            process_used: None,
+        };
+        let hint = |r: &OomReport| r.to_string().contains("expandable_segments");
+        assert!(hint(&base), "6 GiB of 16 idle: more than a fifth");
+        let tight = OomReport {
+            allocated: 13 << 30,
+            ..base.clone()
+        };
+        assert!(!hint(&tight), "3 GiB of 16 idle: under a fifth");
+        let small = OomReport {
+            allocated: 10 << 20,
+            reserved: 20 << 20,
+            ..base.clone()
+        };
+        assert!(!hint(&small), "10 MiB idle: under the floor");
+        let huge = OomReport {
+            requested: 17 << 30,
+            alloc_size: 17 << 30,
+            ..base.clone()
+        };
+        assert!(!hint(&huge), "larger than the device: no setting helps");
+        assert!(huge.exceeds_device() && !base.exceeds_device());
+        let capped = OomReport {
+            allowed: Some(8 << 30),
+            requested: 9 << 30,
+            alloc_size: 9 << 30,
+            ..base
+        };
+        assert!(capped.exceeds_device() && !hint(&capped));
     }
 }

@@ -321,6 +321,10 @@ impl Backend for AccountingBackend {
         Ok(lock(&self.state).devices.len() as u32)
     }
 
+    fn process_used(&self, device: DeviceId) -> Result<Option<u64>> {
+        Ok(Some(self.used(device)))
+    }
+
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         let mut state = lock(&self.state);
         let used = Self::device(&mut state, device)?.used;

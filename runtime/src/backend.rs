@@ -39,6 +39,13 @@ pub trait Backend: Send + Sync + 'static {
     fn device_count(&self) -> Result<u32>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
+    /// Device memory this process has in use on `device` (allocated through this backend and
+    /// otherwise), where the backend can tell; `None` where it cannot (the driver API alone
+    /// does not say per process: PyTorch asks NVML). For out-of-memory reports.
+    fn process_used(&self, device: DeviceId) -> Result<Option<u64>> {
+        let _ = device;
+        Ok(None)
+    }
     /// Allocates `size` bytes of device memory, synchronously (`cuMemAlloc`).
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr>;
     /// Frees memory from [`Backend::malloc`]; synchronizes the device first (`cuMemFree`).

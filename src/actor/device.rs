@@ -9,16 +9,18 @@
 //! the gate at once and continues on the blocking pool (`slow.rs`), so hits keep being served
 //! while the device allocates.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use gpualloc_devices::{
-    Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
+    AllocError, Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
 };
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 
+use crate::actor::landing::{CancelOnDrop, Landing};
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
 use crate::actor::thread_cache::{Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
@@ -34,6 +36,14 @@ const SPINS: usize = 24;
 /// Checks of a queued request's reply before its task waits to be woken.
 const REPLY_SPINS: usize = 12;
 
+/// A request that ran out of memory while other misses were in flight waits for them to land
+/// (their memory, if their requests were cancelled, lands in the cache) and retries: at most
+/// this many times...
+const LANDING_RETRIES: usize = 3;
+
+/// ...each waiting at most this long for the misses in flight to land.
+const LANDING_WAIT: Duration = Duration::from_secs(5);
+
 /// One device's actor. See the module docs.
 pub struct DeviceActor {
     pub(crate) device: DeviceId,
@@ -45,6 +55,11 @@ pub struct DeviceActor {
     pub(crate) stop: Shutdown,
     /// Misses running on the blocking pool.
     pub(crate) misses_in_flight: AtomicUsize,
+    /// Bytes those misses are allocating (their segment sizes).
+    pub(crate) miss_bytes_in_flight: AtomicU64,
+    /// Notified whenever a miss lands (succeeds or fails), for requests that found the device
+    /// full while misses were in flight.
+    pub(crate) miss_landed: tokio::sync::Notify,
     /// The runtime the allocator was built in: slow work goes to its blocking pool, so a
     /// request made from outside any runtime still works (and never panics).
     pub(crate) runtime: tokio::runtime::Handle,
@@ -87,6 +102,8 @@ impl DeviceActor {
             process,
             stop: Shutdown::new(),
             misses_in_flight: AtomicUsize::new(0),
+            miss_bytes_in_flight: AtomicU64::new(0),
+            miss_landed: tokio::sync::Notify::new(),
             runtime,
         })
     }
@@ -211,8 +228,62 @@ impl DeviceActor {
         }
     }
 
-    /// `malloc` on this device: a hit inline, a miss on the blocking pool.
+    /// `malloc` on this device: a hit inline, a miss on the blocking pool. Out of memory while
+    /// other misses are in flight: wait for them to land and retry (bounded by
+    /// `LANDING_RETRIES` × `LANDING_WAIT`); the final error counts the bytes still in flight.
     pub(crate) async fn malloc(
+        self: &Arc<Self>,
+        size: u64,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer, Error> {
+        let mut retries = 0;
+        loop {
+            match self.malloc_once(size, stream).await {
+                Err(e)
+                    if e.is_oom() && retries < LANDING_RETRIES && self.misses_in_flight() > 0 =>
+                {
+                    retries += 1;
+                    tracing::debug!(
+                        device = self.device.0,
+                        size,
+                        in_flight = self.misses_in_flight(),
+                        "out of memory with misses in flight: waiting for them to land"
+                    );
+                    self.until_misses_land().await;
+                }
+                Err(Error::Alloc(AllocError::OutOfMemory(mut report))) => {
+                    report.in_flight = self.miss_bytes_in_flight.load(Ordering::Acquire);
+                    return Err(Error::Alloc(AllocError::OutOfMemory(report)));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Waits until no miss is in flight, or `LANDING_WAIT` passed. Works from any executor:
+    /// the timer is registered with the allocator's runtime.
+    async fn until_misses_land(&self) {
+        let deadline = tokio::time::Instant::now() + LANDING_WAIT;
+        let mut sleep = {
+            let _in_runtime = self.runtime.enter();
+            Box::pin(tokio::time::sleep_until(deadline))
+        };
+        loop {
+            let landed = self.miss_landed.notified();
+            tokio::pin!(landed);
+            // Registered before the check, so a landing in between is not missed.
+            landed.as_mut().enable();
+            if self.misses_in_flight() == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = &mut landed => {}
+                _ = &mut sleep => return,
+            }
+        }
+    }
+
+    async fn malloc_once(
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
@@ -253,17 +324,21 @@ impl DeviceActor {
             Cached::Miss(req) => {
                 let actor = self.clone();
                 let stream = stream.clone();
-                // The blocking task runs to completion even if this future is dropped; its
-                // buffer is then dropped there and returns the block: nothing leaks.
-                self.misses_in_flight.fetch_add(1, Ordering::AcqRel);
-                self.runtime
-                    .spawn_blocking(move || {
-                        let r = actor.miss_blocking(req, stream);
-                        actor.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
-                        r
-                    })
-                    .await
-                    .map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?
+                // The blocking task runs to completion even if this future is dropped; the
+                // landing then returns its block to the cache (never to a user): nothing
+                // leaks. Until it lands its bytes count as in flight, and requests that run
+                // out of memory meanwhile wait for it (`malloc`; `landing.rs`).
+                let landing = Landing::new(self.clone(), req.alloc_size());
+                let mut guard = CancelOnDrop(Some(landing.clone()));
+                let task = landing.clone();
+                let joined = self
+                    .runtime
+                    .spawn_blocking(move || task.deliver(actor.miss_blocking(req, stream)))
+                    .await;
+                guard.0 = None;
+                let taken = landing.take();
+                joined.map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?;
+                taken.unwrap_or_else(|| Err(Error::Internal("a miss delivered nothing".into())))
             }
         }
     }

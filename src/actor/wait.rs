@@ -83,11 +83,8 @@ impl DeviceActor {
     }
 }
 
-/// True when the request cannot fit even on an empty device: larger than the device's total
-/// memory or than the `per_process_memory_fraction` cap. Waiting for frees cannot help it.
+/// True when the request cannot fit even on an empty device (`OomReport::exceeds_device`):
+/// waiting for frees cannot help it.
 fn never_fits(e: &Error) -> bool {
-    e.oom_report().is_some_and(|r| {
-        let limit = r.allowed.unwrap_or(r.device_total).min(r.device_total);
-        r.alloc_size > limit || r.requested > limit
-    })
+    e.oom_report().is_some_and(|r| r.exceeds_device())
 }

@@ -28,6 +28,12 @@ impl Backend for SimBackend {
         Ok(self.config.devices)
     }
 
+    /// The sim is this process's alone: everything in use on it is this process's.
+    fn process_used(&self, device: DeviceId) -> Result<Option<u64>> {
+        self.enter(Op::ProcessUsed)?;
+        Ok(Some(self.used_on(device)?))
+    }
+
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         self.enter(Op::MemInfo)?;
         let used = self.used_on(device)?;

@@ -32,6 +32,7 @@ ops! {
     Name => "name",
     DeviceCount => "device_count",
     MemInfo => "mem_info",
+    ProcessUsed => "process_used",
     Malloc => "malloc",
     Free => "free",
     DeviceSynchronize => "device_synchronize",
@@ -156,7 +157,7 @@ mod tests {
         assert_eq!(s.get(Op::Free), 0);
         assert_eq!(s.total(), 3);
         assert_eq!(s.nonzero(), vec![(Op::Malloc, 2), (Op::LaunchKernel, 1)]);
-        assert_eq!(Op::ALL.len(), 38);
+        assert_eq!(Op::ALL.len(), 39);
         assert_eq!(Op::IpcCloseMemHandle.name(), "ipc_close_mem_handle");
         c.reset();
         assert_eq!(c.snapshot().total(), 0);

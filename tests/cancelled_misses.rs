@@ -1,0 +1,150 @@
+//! Misses whose requests were cancelled (issue 15, section 3): their memory lands in the
+//! cache, a live request that finds the device full while they are in flight waits for them
+//! and retries instead of failing, and an out-of-memory report says where the memory is.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
+use gpualloc::{Allocator, DeviceId};
+
+const MIB: u64 = 1 << 20;
+
+fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
+    SimBackend::new(SimConfig {
+        capacity_per_device: capacity,
+        latency: LatencyModel {
+            malloc,
+            map: malloc / 10,
+            ..LatencyModel::zero()
+        },
+        ..SimConfig::fast(1)
+    })
+    .expect("sim")
+}
+
+fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
+    Allocator::builder()
+        .config_str(conf)
+        .backend_instance(sim.clone())
+        .build()
+        .expect("build")
+}
+
+/// Starts `n` mallocs of `size` at once and cancels them all while their misses are in
+/// flight (the device's malloc takes the sim's latency).
+async fn cancel_misses_in_flight(alloc: &Allocator, n: usize, size: u64) {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (a, s) = (alloc.clone(), alloc.new_stream(DeviceId(0)).unwrap());
+            tokio::spawn(async move { a.malloc(size, &s).await })
+        })
+        .collect();
+    // With expandable segments the core maps pages under its gate, one miss at a time: wait
+    // for the first ones to be in flight, not for all.
+    for _ in 0..2500 {
+        if actor.misses_in_flight() >= n / 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        actor.misses_in_flight() >= n / 2,
+        "misses are not in flight"
+    );
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_request_waits_for_cancelled_misses_instead_of_failing() {
+    for conf in ["", "thread_cache:False", "expandable_segments:True"] {
+        let sim = slow_sim(1024 * MIB, Duration::from_millis(100));
+        let alloc = build(&sim, conf);
+        // 15 × 64 MiB in flight, all cancelled: 960 of the 1024 MiB are being allocated.
+        cancel_misses_in_flight(&alloc, 15, 64 * MIB).await;
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let buf = alloc
+            .malloc(256 * MIB, &s)
+            .await
+            .unwrap_or_else(|e| panic!("{conf:?}: {e}"));
+        assert_eq!(buf.len(), 256 * MIB);
+        let actor = alloc.device_actor(DeviceId(0)).unwrap();
+        for _ in 0..5000 {
+            if actor.misses_in_flight() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(actor.misses_in_flight(), 0, "{conf:?}: every miss lands");
+        drop(buf);
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(
+            st.allocated_bytes.all().current,
+            0,
+            "{conf:?}: the cancelled requests' memory was never handed out"
+        );
+        alloc.empty_cache().await.unwrap();
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oom_report_counts_memory_in_flight_and_the_process() {
+    let sim = slow_sim(1024 * MIB, Duration::from_millis(400));
+    let alloc = build(&sim, "thread_cache:False");
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    // Live misses (not cancelled) hold 2 × 400 MiB while a third request finds no room.
+    let (a1, s1) = (alloc.clone(), s.clone());
+    let first = tokio::spawn(async move { a1.malloc(400 * MIB, &s1).await });
+    let (a2, s2) = (alloc.clone(), s.clone());
+    let second = tokio::spawn(async move { a2.malloc(400 * MIB, &s2).await });
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    for _ in 0..2500 {
+        if actor.misses_in_flight() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(actor.misses_in_flight(), 2);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let held = (
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    );
+    // Now the device is 800 MiB full with live buffers: the report says so.
+    let err = alloc.malloc(400 * MIB, &s).await.unwrap_err();
+    let report = err.oom_report().expect("an out-of-memory report");
+    assert_eq!(report.in_flight, 0);
+    assert_eq!(report.process_used, Some(800 * MIB));
+    let text = err.to_string();
+    assert!(
+        text.contains("this process has 800.00 MiB in use"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("expandable_segments"),
+        "nothing is reserved but unallocated: no fragmentation hint: {text}"
+    );
+    drop(held);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_larger_than_the_device_gets_no_fragmentation_hint() {
+    let sim = slow_sim(64 * MIB, Duration::ZERO);
+    let alloc = build(&sim, "");
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    // Fragment: 40 MiB reserved, 30 MiB of it idle.
+    let a = alloc.malloc(30 * MIB, &s).await.unwrap();
+    let b = alloc.malloc(10 * MIB, &s).await.unwrap();
+    drop(a);
+    let huge = alloc.malloc(100 * MIB, &s).await.unwrap_err().to_string();
+    assert!(!huge.contains("expandable_segments"), "{huge}");
+    drop(b);
+    alloc.shutdown().await.unwrap();
+}
