@@ -54,7 +54,7 @@ pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACK
 pub use error::Error;
 pub use gpualloc_devices::memory_summary;
 pub use options::MallocOptions;
-pub use pinned::{HostActor, HostAllocator, PinnedBuffer};
+pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 
 #[cfg(feature = "cuda")]
 pub use cudarc;

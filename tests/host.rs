@@ -64,8 +64,8 @@ async fn a_pinned_buffer_freed_under_a_copy_is_not_handed_to_another_task() {
     let first_ptr = first.ptr();
     // The copy sits behind 150 ms of kernel work, so it reads `first` long after the drop.
     stall(&sim, &stream, Duration::from_millis(150));
-    alloc.host().copy_h2d(&first, &dev, &stream).unwrap();
-    drop(first);
+    // Dropped unawaited: `first` is freed while the copy still reads it.
+    drop(alloc.host().copy_h2d(first, &dev, &stream).unwrap());
 
     // Another task asks for the same size while the copy is still queued.
     let host = alloc.host();
@@ -114,9 +114,9 @@ async fn copies_round_trip_through_the_device() {
     let mut dst = host.malloc(10_000).await.unwrap();
     dst.fill(0);
     // On a stream the device buffer was not allocated on: recorded on it too.
-    host.copy_h2d(&src, &dev, &other).unwrap();
-    host.copy_d2h(&dev, &mut dst, &other).unwrap();
-    other.synchronize().unwrap();
+    let src = host.copy_h2d(src, &dev, &other).unwrap();
+    let dst = host.copy_d2h(&dev, dst, &other).unwrap();
+    let (src, dst) = (src.finish().await.unwrap(), dst.finish().await.unwrap());
     assert_eq!(&dst[..], &src[..]);
     assert_eq!(dst.len(), 10_000);
     assert_eq!(dst.capacity(), 16 * KIB);
@@ -129,10 +129,9 @@ async fn bad_input_gets_typed_errors() {
     let sim = sim();
     let alloc = build(&sim, "");
     let host = alloc.host();
-    assert_eq!(
-        host.malloc(0).await.unwrap_err(),
-        Error::Host(HostError::ZeroSize)
-    );
+    let empty = host.malloc(0).await.unwrap();
+    assert!(empty.is_empty() && empty.ptr().0 == 0 && empty[..].is_empty());
+    drop(empty);
     assert_eq!(
         host.malloc(u64::MAX - 100).await.unwrap_err(),
         Error::Host(HostError::TooLarge {
@@ -142,29 +141,33 @@ async fn bad_input_gets_typed_errors() {
     let stream = alloc.new_stream(DeviceId(0)).unwrap();
     let small = alloc.malloc(KIB, &stream).await.unwrap();
     let big = host.malloc(4 * KIB).await.unwrap();
+    let refused = host.copy_h2d(big, &small, &stream).unwrap_err();
     assert_eq!(
-        host.copy_h2d(&big, &small, &stream).unwrap_err(),
+        refused.error,
         Error::CopyLength {
             src: 4 * KIB,
             dst: KIB
         }
     );
-    let mut pinned = host.malloc(KIB).await.unwrap();
+    let big = refused.buffer;
+    assert_eq!(big.len(), 4 * KIB, "a refused copy hands its buffer back");
+    let pinned = host.malloc(KIB).await.unwrap();
     let big_dev = alloc.malloc(4 * KIB, &stream).await.unwrap();
+    let refused = host.copy_d2h(&big_dev, pinned, &stream).unwrap_err();
     assert_eq!(
-        host.copy_d2h(&big_dev, &mut pinned, &stream).unwrap_err(),
+        refused.error,
         Error::CopyLength {
             src: 4 * KIB,
             dst: KIB
         }
     );
+    let pinned = refused.buffer;
     // A stream of another backend.
     let foreign_sim = sim_backend_dyn();
     let foreign = Stream::new(&foreign_sim, DeviceId(0)).unwrap();
-    assert_eq!(
-        host.copy_h2d(&pinned, &big_dev, &foreign).unwrap_err(),
-        Error::ForeignStream
-    );
+    let refused = host.copy_h2d(pinned, &big_dev, &foreign).unwrap_err();
+    assert_eq!(refused.error, Error::ForeignStream);
+    let pinned = refused.buffer;
     assert_eq!(
         pinned.record_stream(&foreign).unwrap_err(),
         Error::ForeignStream
@@ -271,8 +274,7 @@ async fn the_background_reaper_caches_blocks_without_a_malloc() {
     let dev = alloc.malloc(8 * KIB, &stream).await.unwrap();
     let buf = host.malloc(8 * KIB).await.unwrap();
     stall(&sim, &stream, Duration::from_millis(30));
-    host.copy_h2d(&buf, &dev, &stream).unwrap();
-    drop(buf);
+    drop(host.copy_h2d(buf, &dev, &stream).unwrap());
     assert_eq!(host.stats().await.unwrap().cached_bytes, 0, "still in use");
     let mut waited = Duration::ZERO;
     while host.stats().await.unwrap().cached_bytes != 8 * KIB {
@@ -298,8 +300,7 @@ async fn shutdown_waits_for_copies_and_late_drops_on_plain_threads_release() {
     let pending = host.malloc(4 * KIB).await.unwrap();
     let mut live = host.malloc(8 * KIB).await.unwrap();
     stall(&sim, &stream, Duration::from_millis(20));
-    host.copy_h2d(&pending, &dev, &stream).unwrap();
-    drop(pending);
+    drop(host.copy_h2d(pending, &dev, &stream).unwrap());
     alloc.shutdown().await.unwrap();
     let s = host.stats().await.unwrap();
     assert_eq!(

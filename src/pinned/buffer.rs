@@ -45,7 +45,18 @@ impl PinnedBuffer {
         }
     }
 
-    /// The host address (never null: size 0 is refused at malloc).
+    /// An empty buffer (`malloc(0)`, as PyTorch's empty allocation): no block behind it, a
+    /// null pointer, an empty slice; dropping it does nothing.
+    pub(crate) fn empty(actor: Arc<HostActor>) -> Self {
+        PinnedBuffer {
+            ptr: HostPtr(0),
+            len: 0,
+            capacity: 0,
+            actor,
+        }
+    }
+
+    /// The host address (null for an empty buffer).
     pub fn ptr(&self) -> HostPtr {
         self.ptr
     }
@@ -55,7 +66,7 @@ impl PinnedBuffer {
         self.len
     }
 
-    /// Always false (a zero-size malloc is an error); for clippy's `len_without_is_empty`.
+    /// True for the empty buffer of `malloc(0)`.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -78,17 +89,20 @@ impl PinnedBuffer {
         if !Arc::ptr_eq(stream.backend(), &self.actor.backend) {
             return Err(Error::ForeignStream);
         }
-        self.actor
-            .mailbox
-            .post(HostMsg::RecordStream(self.ptr, stream.clone()));
+        if self.ptr.0 != 0 {
+            self.actor
+                .mailbox
+                .post(HostMsg::RecordStream(self.ptr, stream.clone()));
+        }
         Ok(())
     }
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        // In a forked child the allocator's state is a dead copy: leave it alone.
-        if self.actor.process.forked() {
+        // In a forked child the allocator's state is a dead copy: leave it alone. An empty
+        // buffer has no block.
+        if self.ptr.0 == 0 || self.actor.process.forked() {
             return;
         }
         self.actor.mailbox.post(HostMsg::Free(self.ptr));

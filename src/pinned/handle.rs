@@ -17,8 +17,10 @@ use crate::pinned::buffer::PinnedBuffer;
 /// let mut staging = alloc.host().malloc(1 << 20).await?;
 /// staging.fill(7); // it is CPU memory
 /// let dev = alloc.malloc(1 << 20, &stream).await?;
-/// alloc.host().copy_h2d(&staging, &dev, &stream)?; // records the stream on `staging`
-/// drop(staging); // safe: reused only after the copy is done
+/// // The copy takes `staging` and hands it back once the stream has passed the copy.
+/// let copy = alloc.host().copy_h2d(staging, &dev, &stream)?;
+/// let staging = copy.finish().await?;
+/// assert_eq!(staging[0], 7);
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -36,9 +38,14 @@ impl HostAllocator {
     }
 
     /// Allocates `size` bytes of pinned host memory. A cache hit is served inline; a miss
-    /// allocates on the blocking pool. Errors: size 0 or too large (`Error::Host`), the
+    /// allocates on the blocking pool. Size 0 gives an empty buffer with a null pointer, as
+    /// the device `malloc` does (and PyTorch both). Errors: too large (`Error::Host`), the
     /// backend's (out of memory after releasing the cache), shutdown, a forked child.
     pub async fn malloc(&self, size: u64) -> Result<PinnedBuffer, Error> {
+        if size == 0 {
+            self.actor.check()?;
+            return Ok(PinnedBuffer::empty(self.actor.clone()));
+        }
         self.actor.malloc(size).await
     }
 

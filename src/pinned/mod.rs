@@ -9,7 +9,8 @@
 //!   blocking pool), `empty_cache`, stats, shutdown.
 //! - `task`: the actor task: drains work handed to it and runs the timed reaper.
 //! - `buffer`: [`PinnedBuffer`], RAII pinned memory; `slice`: its `Deref` to `[u8]`.
-//! - `copy`: async copies between pinned and device buffers that record the stream use.
+//! - `copy`: async copies between pinned and device buffers that record the stream use and
+//!   hold the pinned buffer until the stream has passed them ([`PinnedCopy`]).
 //! - `handle`: [`HostAllocator`], what `alloc.host()` returns.
 
 mod actor;
@@ -22,4 +23,5 @@ mod task;
 
 pub use actor::HostActor;
 pub use buffer::PinnedBuffer;
+pub use copy::{CopyError, PinnedCopy};
 pub use handle::HostAllocator;
