@@ -20,6 +20,9 @@ pub(crate) enum BlockState {
     Allocated,
     /// Freed by the user, waiting for `event_count` stream events to complete.
     Pending,
+    /// Unmapped pages of an expandable segment being mapped off the core (`growth.rs`): in no
+    /// pool, never merged, allocated or released until committed or aborted.
+    Mapping,
 }
 
 /// One block. See the module docs.

@@ -95,6 +95,12 @@ pub struct DeviceCore {
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
     pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
+    /// Bytes of expandable pages being mapped off the core (`growth.rs`).
+    pub(crate) growing_bytes: u64,
+    /// Growths in flight per expandable segment.
+    pub(crate) growing: BTreeMap<u64, u32>,
+    /// Reservations a shutdown left to their growths in flight (base → size).
+    pub(crate) orphaned: BTreeMap<u64, u64>,
     /// Pending cross-stream frees per stream, in record order.
     pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
     pub(crate) event_pool: Vec<EventHandle>,
@@ -164,6 +170,9 @@ impl DeviceCore {
             active: AddrMap::default(),
             segments: BTreeMap::new(),
             expandable: BTreeMap::new(),
+            growing_bytes: 0,
+            growing: BTreeMap::new(),
+            orphaned: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),
             stats: DeviceStats {
@@ -834,8 +843,8 @@ pub enum CachedOutcome {
 
 /// A miss waiting for a segment (see [`DeviceCore::try_cached`]).
 pub struct SegmentRequest {
-    params: AllocParams,
-    size: u64,
+    pub(crate) params: AllocParams,
+    pub(crate) size: u64,
 }
 
 impl SegmentRequest {

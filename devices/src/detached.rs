@@ -8,6 +8,8 @@
 //!   (as `release_block` does, minus the driver free) and returns them for the caller to free
 //!   with [`free_detached`] off the core. The books drop them at once, so reserved memory
 //!   reads as released a moment before the driver has it back.
+//! - [`DeviceCore::detach_gc_victims`]: the same for the segments a garbage-collection pass
+//!   reclaims.
 //! - [`DeviceCore::is_shut_down`]: an owner finishing a segment allocation made off the core
 //!   must not hand it to a core that already shut down (it frees it instead).
 
@@ -42,6 +44,21 @@ impl DeviceCore {
             .flatten()
             .map(|(event, _)| *event)
             .collect()
+    }
+
+    /// The garbage-collection pass of a miss, split: takes the cached segments it would
+    /// release out of the books (the same ones, chosen by age) and returns them for the caller
+    /// to free with [`free_detached`] off the core. Empty unless `garbage_collection_threshold`
+    /// and `per_process_memory_fraction` are set and reserved memory is above the threshold.
+    pub fn detach_gc_victims(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let victims = self.gc_victims();
+        Ok(victims
+            .into_iter()
+            .map(|id| self.detach_block(id))
+            .collect())
     }
 
     /// Takes every whole free segment of the default pools (and of released private pools)

@@ -22,7 +22,7 @@
 //! allocated under 300 MiB). Here free expandable pages can always be unmapped, so there is
 //! nothing for the limit to protect. `tests/expandable.rs` runs that cycle.
 
-use gpualloc_runtime::{BackendError, DevicePtr, PhysHandle, StreamHandle};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, PhysHandle, StreamHandle};
 
 use crate::block::{Block, BlockId, BlockState};
 use crate::core::{AllocParams, DeviceCore, SegmentMeta};
@@ -72,7 +72,7 @@ impl ExpandableSegment {
 }
 
 impl DeviceCore {
-    fn segment_page_size(&self, pool: usize) -> u64 {
+    pub(crate) fn segment_page_size(&self, pool: usize) -> u64 {
         if self.pools[pool].is_small {
             SMALL_BUFFER
         } else {
@@ -90,48 +90,12 @@ impl DeviceCore {
             .get_mut(&seg)
             .ok_or_else(|| BackendError::invalid("no such segment"))?;
         let (first, last) = (es.page_left(addr), es.page_right(addr + len));
-        let page = es.page;
-        let mut done: Vec<(usize, PhysHandle)> = Vec::with_capacity(last - first);
-        let mut failure = None;
-        for i in first..last {
-            let at = DevicePtr(es.page_addr(i));
-            let step =
-                backend
-                    .phys_create(device, page)
-                    .and_then(|h| match backend.map(at, page, 0, h) {
-                        Ok(()) => Ok(h),
-                        Err(e) => {
-                            let _ = backend.phys_release(h);
-                            Err(e)
-                        }
-                    });
-            match step {
-                Ok(h) => done.push((i, h)),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
         let start = es.page_addr(first);
-        let bytes = (last - first) as u64 * page;
-        if failure.is_none() {
-            if let Err(e) = backend.set_access(device, DevicePtr(start), bytes) {
-                failure = Some(e);
-            }
-        }
-        if let Some(e) = failure {
-            for (i, h) in done {
-                let _ = backend.unmap(DevicePtr(es.page_addr(i)), page);
-                let _ = backend.phys_release(h);
-            }
-            tracing::warn!(device = device.0, addr = start, bytes, error = %e, "expandable map failed; rolled back");
-            return Err(e);
-        }
-        for (i, h) in done {
+        let handles = map_pages(backend.as_ref(), device, start, last - first, es.page)?;
+        for (i, h) in (first..last).zip(handles) {
             es.handles[i] = Some(h);
         }
-        Ok((start, bytes))
+        Ok((start, (last - first) as u64 * es.page))
     }
 
     /// Unmaps the whole pages inside `[addr, addr + len)`, after the segment's stream finished
@@ -204,7 +168,7 @@ impl DeviceCore {
 
     /// First block (lowest address) of `stream` in `pool` from which free and unmapped blocks
     /// add up to `size`; reserves a new segment when none has room (`find_expandable_block`).
-    fn find_expandable_block(
+    pub(crate) fn find_expandable_block(
         &mut self,
         stream: StreamHandle,
         pool: usize,
@@ -245,10 +209,16 @@ impl DeviceCore {
             Err(e) => return Err(e.into()),
         };
         debug_assert!(start == b.addr && len >= size);
-        debug_assert!(self
-            .expandable
-            .get(&b.segment)
-            .is_some_and(|es| es.pages_are(start, len, true)));
+        self.split_unmapped_front(id, len);
+        self.book_mapped(id);
+        Ok(true)
+    }
+
+    /// Takes unmapped block `id` out of its pool's unmapped set and cuts it to its front `len`
+    /// bytes (whole pages); the rest stays an unmapped block in the set.
+    pub(crate) fn split_unmapped_front(&mut self, id: BlockId, len: u64) {
+        let b = self.blocks.get(id).clone();
+        debug_assert!(!b.mapped && len <= b.size);
         let pool = b.pool;
         self.pools[pool]
             .unmapped
@@ -270,9 +240,21 @@ impl DeviceCore {
                 rest_id,
             );
         }
+        self.blocks.get_mut(id).size = len;
+    }
+
+    /// Books block `id` (out of every set, its pages just mapped) as a free mapped block:
+    /// merged with free neighbours, in its pool, counted as reserved.
+    pub(crate) fn book_mapped(&mut self, id: BlockId) {
+        let b = self.blocks.get(id).clone();
+        let (start, len, pool) = (b.addr, b.size, b.pool);
+        debug_assert!(self
+            .expandable
+            .get(&b.segment)
+            .is_some_and(|es| es.pages_are(start, len, true)));
         let blk = self.blocks.get_mut(id);
         blk.mapped = true;
-        blk.size = len;
+        blk.state = BlockState::Free;
         let (prev, next) = (blk.prev, blk.next);
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
@@ -287,7 +269,6 @@ impl DeviceCore {
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(len));
         self.stats.num_device_alloc += 1;
         self.record(TraceAction::SegmentMap, start, len, b.stream.raw);
-        Ok(true)
     }
 
     /// Finds or makes room for `params.size` bytes in an expandable segment, mapping pages as
@@ -456,11 +437,78 @@ impl DeviceCore {
                     }
                 }
             }
-            if let Err(e) = self.backend.va_free(self.device, DevicePtr(seg), es.size()) {
+            if self.growing.contains_key(&seg) {
+                // Pages are being mapped into it off the core: the last of those growths
+                // frees the reservation once its pages are unmapped (`growth.rs`).
+                self.orphaned.insert(seg, es.size());
+            } else if let Err(e) = self.backend.va_free(self.device, DevicePtr(seg), es.size()) {
                 first_err.get_or_insert(AllocError::Backend(e));
             }
             self.segments.remove(&seg);
         }
         first_err
+    }
+}
+
+/// Creates and maps `pages` physical pages of `page` bytes from `start` on, then gives the
+/// device access to them: the slow driver calls of growing an expandable segment, with no
+/// state of the core (so an owner can run them off it). On failure every page this call
+/// created is unmapped and released again.
+pub(crate) fn map_pages(
+    backend: &dyn Backend,
+    device: DeviceId,
+    start: u64,
+    pages: usize,
+    page: u64,
+) -> Result<Vec<PhysHandle>, BackendError> {
+    let mut done: Vec<PhysHandle> = Vec::with_capacity(pages);
+    let mut failure = None;
+    for i in 0..pages {
+        let at = DevicePtr(start + i as u64 * page);
+        let step =
+            backend
+                .phys_create(device, page)
+                .and_then(|h| match backend.map(at, page, 0, h) {
+                    Ok(()) => Ok(h),
+                    Err(e) => {
+                        let _ = backend.phys_release(h);
+                        Err(e)
+                    }
+                });
+        match step {
+            Ok(h) => done.push(h),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    let bytes = pages as u64 * page;
+    if failure.is_none() {
+        if let Err(e) = backend.set_access(device, DevicePtr(start), bytes) {
+            failure = Some(e);
+        }
+    }
+    if let Some(e) = failure {
+        unmap_pages(backend, start, page, &done);
+        tracing::warn!(device = device.0, addr = start, bytes, error = %e, "expandable map failed; rolled back");
+        return Err(e);
+    }
+    Ok(done)
+}
+
+/// Unmaps and releases pages mapped by [`map_pages`] from `start` on (best effort: a page
+/// that cannot be unmapped is logged, never released while mapped).
+pub(crate) fn unmap_pages(backend: &dyn Backend, start: u64, page: u64, handles: &[PhysHandle]) {
+    for (i, h) in handles.iter().enumerate() {
+        let at = DevicePtr(start + i as u64 * page);
+        match backend.unmap(at, page) {
+            Ok(()) => {
+                if let Err(e) = backend.phys_release(*h) {
+                    tracing::warn!(addr = at.0, error = %e, "releasing a page failed");
+                }
+            }
+            Err(e) => tracing::warn!(addr = at.0, error = %e, "unmapping a page failed"),
+        }
     }
 }

@@ -31,7 +31,7 @@ impl DeviceCore {
                         state: match b.state {
                             BlockState::Allocated => BlockStateName::ActiveAllocated,
                             BlockState::Pending => BlockStateName::ActivePendingFree,
-                            BlockState::Free => BlockStateName::Inactive,
+                            BlockState::Free | BlockState::Mapping => BlockStateName::Inactive,
                         },
                         mapped: b.mapped,
                     }
@@ -165,11 +165,19 @@ impl DeviceCore {
                             b.addr
                         ));
                     }
-                    if !b.mapped && b.state != BlockState::Free {
+                    if !b.mapped && !matches!(b.state, BlockState::Free | BlockState::Mapping) {
                         return Err(format!("unmapped block at {:#x} is in use", b.addr));
                     }
                 }
                 match b.state {
+                    BlockState::Mapping => {
+                        if b.mapped || !b.expandable {
+                            return Err(format!(
+                                "block at {:#x} being mapped is mapped or not expandable",
+                                b.addr
+                            ));
+                        }
+                    }
                     BlockState::Free => {
                         free_seen += 1;
                         let (k, set) = if b.mapped {

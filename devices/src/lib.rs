@@ -15,6 +15,7 @@ mod detached;
 pub mod error;
 mod events;
 mod expandable;
+mod growth;
 mod inspect;
 mod pages;
 mod pool;
@@ -36,6 +37,7 @@ pub use crate::core::{
 pub use config::{AllocatorConfig, ConfigError};
 pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
+pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
 pub use restore::RestoredBlock;
 pub use round_trips::RoundTrips;
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};

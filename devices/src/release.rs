@@ -225,40 +225,57 @@ impl DeviceCore {
     /// were cached) first, in rounds above the average age (PyTorch's
     /// `garbage_collect_cached_blocks`). No synchronization.
     pub(crate) fn garbage_collect_cached_blocks(&mut self) -> Result<(), AllocError> {
+        for id in self.gc_victims() {
+            self.release_block(id)?;
+        }
+        Ok(())
+    }
+
+    /// The whole cached segments garbage collection reclaims now (PyTorch's
+    /// `garbage_collect_cached_blocks`): none while reserved memory is at most the threshold's
+    /// share of the allowed memory; else, round by round, the blocks at least as old as the
+    /// average (in `get_free_block` calls since they were freed) until enough is reclaimed.
+    /// Choosing does not depend on releasing, so the in-place pass and the owner's off-core
+    /// pass (`detach_gc_victims`) reclaim the same blocks.
+    pub(crate) fn gc_victims(&self) -> Vec<BlockId> {
+        let mut victims = Vec::new();
         let Some(allowed) = self.allowed_max else {
-            return Ok(());
+            return victims;
         };
+        if self.config.garbage_collection_threshold <= 0.0 {
+            return victims;
+        }
         let threshold = (self.config.garbage_collection_threshold * allowed as f64) as u64;
         if self.total_reserved <= threshold {
-            return Ok(());
+            return victims;
         }
         let target = self.total_reserved - threshold;
         let calls = self.pools[LARGE_POOL].get_free_block_calls;
-        let age = |core: &DeviceCore, id: BlockId| calls - core.blocks.get(id).gc_base;
+        let age = |id: BlockId| calls - self.blocks.get(id).gc_base;
         let mut freeable: Vec<BlockId> = self.pools[LARGE_POOL]
             .free
             .values()
             .copied()
             .filter(|&id| self.is_whole_segment(id))
             .collect();
-        let mut total_age: u64 = freeable.iter().map(|&id| age(self, id)).sum();
+        let mut total_age: u64 = freeable.iter().map(|&id| age(id)).sum();
         let mut reclaimed = 0u64;
         while reclaimed < target && !freeable.is_empty() {
             let threshold_age = total_age as f64 / freeable.len() as f64;
             let (old, young): (Vec<BlockId>, Vec<BlockId>) = freeable
                 .iter()
-                .partition(|&&id| age(self, id) as f64 >= threshold_age);
+                .partition(|&&id| age(id) as f64 >= threshold_age);
             if old.is_empty() {
                 break;
             }
             for id in old {
-                total_age -= age(self, id);
+                total_age -= age(id);
                 reclaimed += self.blocks.get(id).size;
-                self.release_block(id)?;
+                victims.push(id);
             }
             freeable = young;
         }
-        Ok(())
+        victims
     }
 
     /// Returns every unused cached segment to the backend, after waiting for pending

@@ -1,21 +1,36 @@
 //! The slow paths of a device actor, run on tokio's blocking pool and outside the gate
-//! wherever the driver is involved: a miss's device malloc (PyTorch's
-//! `release_lock_on_cudamalloc`, always on here), the OOM chain's event synchronization and
-//! segment frees, `empty_cache` and shutdown. The gate is taken only for the short
-//! bookkeeping steps in between, so cache hits keep being served.
+//! wherever the driver is involved, so cache hits keep being served:
+//! - a miss's device malloc (PyTorch's `release_lock_on_cudamalloc`, always on here);
+//! - expandable segments: creating, mapping and giving access to the pages a miss needs (plan
+//!   under the gate, map outside, commit under it: `gpualloc_devices::growth`);
+//! - garbage collection (`garbage_collection_threshold`): the victims are chosen and taken out
+//!   of the books under the gate, and freed outside;
+//! - the out-of-memory chain's event synchronization and segment frees, `empty_cache` and
+//!   shutdown.
 //!
-//! The one step that still runs under the gate is the last resort of an out-of-memory
-//! request: the core's own chain (`malloc_after_miss`), which produces PyTorch's report;
-//! by then the cache has been released off the gate, so it has little left to do.
+//! The gate is taken only for the short bookkeeping steps in between. What still runs under
+//! the gate is the last resort of an out-of-memory request: the core's own chain
+//! (`malloc_after_miss`), which produces PyTorch's report; by then the cache has been released
+//! off the gate, so it has little left to do. With expandable segments that chain unmaps
+//! free pages (a stream synchronization and driver calls) under the gate, and so does
+//! `empty_cache`: the remaining slow calls on the gate, on the out-of-memory and release paths
+//! only.
 
 use std::sync::Arc;
 
-use gpualloc_devices::{free_detached, AllocError, CachedOutcome, SegmentRequest};
+use gpualloc_devices::{
+    free_detached, map_growth, release_reservation, AllocError, CachedOutcome, Growth,
+    SegmentRequest,
+};
 use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
+
+/// Rounds of off-gate growth a miss tries (each maps what the request still lacks; another
+/// request may take freshly mapped pages first) before the core's chain continues in place.
+const GROWTH_ROUNDS: usize = 4;
 
 impl DeviceActor {
     /// Finishes a miss: device malloc off the gate; if the device is full, release the cache
@@ -48,18 +63,27 @@ impl DeviceActor {
             alloc_size = req.alloc_size()
         )
         .entered();
-        let in_place = {
+        let (in_place, collected) = {
             let mut held = self.mailbox.hold_blocking();
             // A miss may leave a segment of this stream in the cache: keep the stream alive
             // while the core names it (`streams.rs`).
             held.state().streams.keep(&stream);
-            let core = &held.state().core;
-            // Garbage collection, the memory-fraction cap and expandable segments (which map
-            // pages instead of allocating a segment) are handled by the core's own chain.
-            !req.fits_fraction(core)
-                || core.config().garbage_collection_threshold > 0.0
-                || core.config().expandable_segments
+            let core = &mut held.state().core;
+            // Garbage collection (`garbage_collection_threshold`) picks its victims here and
+            // frees them below, off the gate.
+            let collected = core.detach_gc_victims()?;
+            // The memory-fraction cap and expandable segments (which map pages instead of
+            // allocating a segment) are handled by the core's own chain.
+            let in_place = !req.fits_fraction(core) || core.config().expandable_segments;
+            (in_place, collected)
         };
+        if !collected.is_empty() {
+            let _gc = tracing::debug_span!("garbage_collect", device = self.device.0).entered();
+            if let Err(e) = free_detached(self.backend.as_ref(), self.device, &collected) {
+                tracing::warn!(device = self.device.0, error = %e, "segment free failed");
+            }
+            self.signals.waiters.wake_head();
+        }
         let req = if in_place {
             req
         } else {
@@ -95,6 +119,10 @@ impl DeviceActor {
             }
             req
         };
+        let req = match self.grow_off_gate(req, &stream)? {
+            Ok(buf) => return Ok(buf),
+            Err(req) => req,
+        };
         let result = self
             .mailbox
             .hold_blocking()
@@ -110,6 +138,71 @@ impl DeviceActor {
                 Err(e.into())
             }
         }
+    }
+
+    /// Expandable segments: maps the pages a miss needs off the gate (plan under the gate,
+    /// map outside, commit under it: `gpualloc_devices::growth`), then retries the cached
+    /// path. `Err(req)`: nothing to map off the gate, or the device is full: the core's own
+    /// chain continues (it releases the cache and retries, under the gate).
+    fn grow_off_gate(
+        self: &Arc<Self>,
+        mut req: SegmentRequest,
+        stream: &Stream,
+    ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
+        let size = req.requested();
+        for _ in 0..GROWTH_ROUNDS {
+            let plan = match self
+                .mailbox
+                .hold_blocking()
+                .state()
+                .core
+                .plan_growth(&req)?
+            {
+                Growth::Map(plan) => plan,
+                Growth::InPlace => return Ok(Err(req)),
+            };
+            let mapped = {
+                let _map = tracing::debug_span!(
+                    "expandable_map",
+                    device = self.device.0,
+                    bytes = plan.bytes()
+                )
+                .entered();
+                map_growth(self.backend.as_ref(), &plan)
+            };
+            let mut held = self.mailbox.hold_blocking();
+            let core = &mut held.state().core;
+            match mapped {
+                Ok(handles) => {
+                    if let Err(refused) = core.commit_growth(plan, handles) {
+                        drop(held);
+                        refused.release(self.backend.as_ref());
+                        return Err(AllocError::Shutdown.into());
+                    }
+                    // The new pages are cached now; another request may take them first.
+                    match core.try_cached(size, stream.handle())? {
+                        CachedOutcome::Hit(a) => {
+                            drop(held);
+                            return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
+                        }
+                        CachedOutcome::Miss(r) => req = r,
+                    }
+                }
+                Err(e) => {
+                    let orphaned = core.abort_growth(plan);
+                    drop(held);
+                    if let Some(reservation) = orphaned {
+                        release_reservation(self.backend.as_ref(), self.device, reservation);
+                        return Err(AllocError::Shutdown.into());
+                    }
+                    if e.is_oom() {
+                        return Ok(Err(req));
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Err(req))
     }
 
     /// Hands a segment allocated off the gate to the core (or back to the backend if the core

@@ -1,0 +1,243 @@
+//! Growing an expandable segment in three steps, for an owner that must not make the slow
+//! driver calls (create physical memory, map it, set access) while it holds the core (the
+//! device actor: cache hits keep flowing meanwhile):
+//!
+//! 1. [`DeviceCore::plan_growth`], under the core: finds where the request goes
+//!    (`find_expandable_block`, as the in-place chain does) and takes the unmapped pages it
+//!    needs out of the books as a block in state `Mapping`: no other request, release or
+//!    garbage collection touches it, and the segment is not released while it exists.
+//! 2. [`map_growth`], off the core: `map_pages` on the planned range (rolled back on
+//!    failure).
+//! 3. [`DeviceCore::commit_growth`] under the core: installs the pages and books them as a
+//!    free mapped block (as `map_block` does); the owner then retries the cached path, which
+//!    finds them. Or [`DeviceCore::abort_growth`] after a failed map: the pages go back to
+//!    the unmapped set as they were.
+//!
+//! A core shut down between plan and commit keeps the reservation of a segment with growth in
+//! flight (`release_all_expandable`); the commit then refuses, and the owner unmaps, releases
+//! and frees the reservation with [`Refused::release`]. The in-place chain (`malloc_after_miss`)
+//! remains for everything else: the memory-fraction cap, private pools, and out of memory.
+
+use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, PhysHandle};
+
+use crate::block::{BlockId, BlockState};
+use crate::core::{DeviceCore, SegmentRequest};
+use crate::error::AllocError;
+use crate::expandable::{map_pages, unmap_pages};
+use crate::pool::unmapped_key;
+use crate::pool::PoolOwner;
+
+/// Pages of one expandable segment to map off the core. See the module docs.
+#[derive(Debug)]
+#[must_use = "a planned growth must be committed or aborted"]
+pub struct GrowthPlan {
+    block: BlockId,
+    seg: u64,
+    addr: u64,
+    len: u64,
+    page: u64,
+    device: DeviceId,
+}
+
+impl GrowthPlan {
+    /// Bytes to map.
+    pub fn bytes(&self) -> u64 {
+        self.len
+    }
+}
+
+/// What a miss with expandable segments needs.
+#[derive(Debug)]
+pub enum Growth {
+    /// Map these pages off the core, then commit.
+    Map(GrowthPlan),
+    /// Nothing to map off the core: continue with the in-place chain.
+    InPlace,
+}
+
+/// A commit the core refused (it shut down meanwhile): what the owner must give back, with
+/// [`Refused::release`].
+#[derive(Debug)]
+#[must_use = "a refused growth holds mapped pages: release them"]
+pub struct Refused {
+    addr: u64,
+    page: u64,
+    device: DeviceId,
+    handles: Vec<PhysHandle>,
+    /// The segment's reservation, when this was its last growth in flight.
+    reservation: Option<(DevicePtr, u64)>,
+}
+
+impl Refused {
+    /// Unmaps and releases the pages, then frees the segment's reservation if this was its
+    /// last growth in flight. Off the core: these are driver calls.
+    pub fn release(self, backend: &dyn Backend) {
+        unmap_pages(backend, self.addr, self.page, &self.handles);
+        if let Some(r) = self.reservation {
+            release_reservation(backend, self.device, r);
+        }
+    }
+}
+
+impl DeviceCore {
+    /// Step 1: plans the mapping a miss needs (see the module docs).
+    pub fn plan_growth(&mut self, req: &SegmentRequest) -> Result<Growth, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let params = &req.params;
+        if !self.config.expandable_segments
+            || !matches!(self.pools[params.pool].owner, PoolOwner::Default)
+        {
+            return Ok(Growth::InPlace);
+        }
+        let size = params.size;
+        let mut at = Some(self.find_expandable_block(params.stream, params.pool, size)?);
+        let mut bytes = 0u64;
+        while let Some(id) = at {
+            let b = self.blocks.get(id);
+            if b.state != BlockState::Free {
+                break;
+            }
+            if !b.mapped {
+                return Ok(self.plan_block(id, (size - bytes).min(b.size)));
+            }
+            bytes += b.size;
+            if bytes >= size {
+                break;
+            }
+            at = b.next;
+        }
+        Ok(Growth::InPlace)
+    }
+
+    fn plan_block(&mut self, id: BlockId, need: u64) -> Growth {
+        let (seg, pool) = {
+            let b = self.blocks.get(id);
+            (b.segment, b.pool)
+        };
+        let page = self.segment_page_size(pool);
+        let len = need.div_ceil(page) * page;
+        if let Some(max) = self.allowed_max {
+            if self.total_reserved + self.growing_bytes + len > max {
+                return Growth::InPlace;
+            }
+        }
+        self.split_unmapped_front(id, len);
+        let b = self.blocks.get_mut(id);
+        b.state = BlockState::Mapping;
+        let addr = b.addr;
+        self.growing_bytes += len;
+        *self.growing.entry(seg).or_insert(0) += 1;
+        Growth::Map(GrowthPlan {
+            block: id,
+            seg,
+            addr,
+            len,
+            page,
+            device: self.device,
+        })
+    }
+
+    /// The planned block, if the core still has it as planned.
+    fn planned(&self, plan: &GrowthPlan) -> bool {
+        !self.shut_down
+            && self.expandable.contains_key(&plan.seg)
+            && self.blocks.contains(plan.block)
+            && {
+                let b = self.blocks.get(plan.block);
+                b.state == BlockState::Mapping && b.addr == plan.addr && b.size == plan.len
+            }
+    }
+
+    /// Ends a growth in flight; the segment's reservation to free if it was orphaned by a
+    /// shutdown and this was its last growth.
+    fn end_growth(&mut self, plan: &GrowthPlan) -> Option<(DevicePtr, u64)> {
+        self.growing_bytes = self.growing_bytes.saturating_sub(plan.len);
+        let left = self.growing.get_mut(&plan.seg).map(|n| {
+            *n -= 1;
+            *n
+        });
+        if left == Some(0) {
+            self.growing.remove(&plan.seg);
+            return self
+                .orphaned
+                .remove(&plan.seg)
+                .map(|size| (DevicePtr(plan.seg), size));
+        }
+        None
+    }
+
+    /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment. Refused
+    /// when the core shut down meanwhile: give the result to [`release_refused`].
+    pub fn commit_growth(
+        &mut self,
+        plan: GrowthPlan,
+        handles: Vec<PhysHandle>,
+    ) -> Result<(), Refused> {
+        let planned = self.planned(&plan);
+        let reservation = self.end_growth(&plan);
+        if !planned {
+            return Err(Refused {
+                addr: plan.addr,
+                page: plan.page,
+                device: plan.device,
+                handles,
+                reservation,
+            });
+        }
+        if let Some(es) = self.expandable.get_mut(&plan.seg) {
+            let first = ((plan.addr - es.base) / es.page) as usize;
+            for (i, h) in handles.into_iter().enumerate() {
+                es.handles[first + i] = Some(h);
+            }
+        }
+        self.book_mapped(plan.block);
+        Ok(())
+    }
+
+    /// Step 3 after a failed [`map_growth`] (which released what it had made): the pages go
+    /// back to the unmapped set. Returns a reservation to free with [`release_reservation`]
+    /// when a shutdown orphaned it meanwhile.
+    pub fn abort_growth(&mut self, plan: GrowthPlan) -> Option<(DevicePtr, u64)> {
+        let planned = self.planned(&plan);
+        let reservation = self.end_growth(&plan);
+        if planned {
+            let id = plan.block;
+            self.blocks.get_mut(id).state = BlockState::Free;
+            let (prev, next) = {
+                let b = self.blocks.get(id);
+                (b.prev, b.next)
+            };
+            for n in [prev, next].into_iter().flatten() {
+                self.try_merge_blocks(id, n);
+            }
+            let b = self.blocks.get(id);
+            let k = unmapped_key(b.stream.raw, b.addr, b.size);
+            let pool = b.pool;
+            self.pools[pool].unmapped.insert(k, id);
+        }
+        reservation
+    }
+
+    /// Bytes being mapped off the core right now.
+    pub fn growing_bytes(&self) -> u64 {
+        self.growing_bytes
+    }
+}
+
+/// Step 2: the driver calls of a planned growth, off the core.
+pub fn map_growth(
+    backend: &dyn Backend,
+    plan: &GrowthPlan,
+) -> Result<Vec<PhysHandle>, BackendError> {
+    let pages = (plan.len / plan.page) as usize;
+    map_pages(backend, plan.device, plan.addr, pages, plan.page)
+}
+
+/// Frees a reservation orphaned by a shutdown (see the module docs).
+pub fn release_reservation(backend: &dyn Backend, device: DeviceId, (ptr, size): (DevicePtr, u64)) {
+    if let Err(e) = backend.va_free(device, ptr, size) {
+        tracing::warn!(device = device.0, addr = ptr.0, error = %e, "freeing an orphaned reservation failed");
+    }
+}

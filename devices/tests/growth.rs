@@ -1,0 +1,208 @@
+//! Expandable growth split into plan (under the core), map (off it) and commit: the same
+//! addresses and statistics as the in-place chain, rollback on a failed map, concurrent plans
+//! that never overlap, and a shutdown between plan and commit that leaks nothing.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{
+    map_growth, release_reservation, AllocatorConfig, CachedOutcome, DeviceCore, Growth,
+    GrowthPlan, SegmentRequest,
+};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+
+fn core(backend: &Arc<dyn Backend>, conf: &str) -> DeviceCore {
+    DeviceCore::new(
+        backend.clone(),
+        DeviceId(0),
+        AllocatorConfig::parse(conf).unwrap(),
+    )
+    .unwrap()
+}
+
+fn miss(core: &mut DeviceCore, size: u64, s: StreamHandle) -> SegmentRequest {
+    match core.try_cached(size, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(a) => panic!("expected a miss, got {a:?}"),
+    }
+}
+
+fn plan(core: &mut DeviceCore, req: &SegmentRequest) -> GrowthPlan {
+    match core.plan_growth(req).unwrap() {
+        Growth::Map(p) => p,
+        Growth::InPlace => panic!("expected pages to map"),
+    }
+}
+
+/// The split-phase malloc the device actor runs.
+fn split_malloc(core: &mut DeviceCore, size: u64, s: StreamHandle) -> gpualloc_devices::Allocation {
+    let backend = core.backend().clone();
+    loop {
+        let req = match core.try_cached(size, s).unwrap() {
+            CachedOutcome::Hit(a) => return a,
+            CachedOutcome::Miss(req) => req,
+        };
+        match core.plan_growth(&req).unwrap() {
+            Growth::Map(p) => {
+                let handles = map_growth(backend.as_ref(), &p).unwrap();
+                core.commit_growth(p, handles).unwrap();
+            }
+            Growth::InPlace => return core.malloc_after_miss(req).unwrap(),
+        }
+    }
+}
+
+#[test]
+fn split_growth_matches_the_in_place_chain() {
+    let sizes = [
+        5 * MIB,
+        30 * MIB,
+        4096,
+        700 << 10,
+        64 * MIB,
+        3 * MIB,
+        100 * MIB,
+    ];
+    let a: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+    let b: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+    let (mut in_place, mut split) = (
+        core(&a, "expandable_segments:True"),
+        core(&b, "expandable_segments:True"),
+    );
+    let (sa, sb) = (
+        a.stream_create(DeviceId(0)).unwrap(),
+        b.stream_create(DeviceId(0)).unwrap(),
+    );
+    let mut live = Vec::new();
+    for round in 0..3 {
+        for (i, &size) in sizes.iter().enumerate() {
+            let x = in_place.malloc(size, sa).unwrap();
+            let y = split_malloc(&mut split, size, sb);
+            assert_eq!(
+                x.ptr.0 - in_place.snapshot().segments[0].address.min(x.ptr.0),
+                y.ptr.0 - split.snapshot().segments[0].address.min(y.ptr.0),
+                "round {round}, request {i}: same offset"
+            );
+            assert_eq!(x.block_size, y.block_size);
+            live.push((x.ptr, y.ptr));
+            if i % 2 == 1 {
+                let (p, q) = live.remove(0);
+                in_place.free(p).unwrap();
+                split.free(q).unwrap();
+            }
+            split.check_invariants().unwrap();
+        }
+    }
+    assert_eq!(in_place.stats(), split.stats(), "identical statistics");
+    assert_eq!(in_place.reserved_bytes(), split.reserved_bytes());
+}
+
+#[test]
+fn a_failed_map_aborts_and_the_pages_can_be_planned_again() {
+    let simb: Arc<SimBackend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let sim: Arc<dyn Backend> = simb.clone();
+    let mut c = core(&sim, "expandable_segments:True");
+    let s = sim.stream_create(DeviceId(0)).unwrap();
+    let req = miss(&mut c, 50 * MIB, s);
+    let p = plan(&mut c, &req);
+    assert_eq!(p.bytes(), 60 * MIB, "three 20 MiB pages");
+    simb.inject(
+        Op::Map,
+        Fault::FailNext {
+            skip: 1,
+            count: 1,
+            error: BackendError::OutOfMemory {
+                requested: 20 * MIB,
+                what: "injected".into(),
+            },
+        },
+    );
+    assert!(map_growth(sim.as_ref(), &p).is_err());
+    assert_eq!(c.abort_growth(p), None);
+    c.check_invariants().unwrap();
+    assert_eq!(c.reserved_bytes(), 0);
+    assert_eq!(c.growing_bytes(), 0);
+    simb.clear_faults();
+    let a = split_malloc(&mut c, 50 * MIB, s);
+    assert_eq!(c.reserved_bytes(), 60 * MIB);
+    assert_eq!(c.snapshot().segments.len(), 1, "no second segment");
+    c.free(a.ptr).unwrap();
+    c.shutdown().unwrap();
+    assert_eq!(simb.used_bytes(DeviceId(0)).unwrap(), 0);
+}
+
+#[test]
+fn concurrent_plans_take_disjoint_pages_of_one_segment() {
+    let acc: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+    let mut c = core(&acc, "expandable_segments:True");
+    let s = acc.stream_create(DeviceId(0)).unwrap();
+    let (r1, r2) = (miss(&mut c, 30 * MIB, s), miss(&mut c, 30 * MIB, s));
+    let (p1, p2) = (plan(&mut c, &r1), plan(&mut c, &r2));
+    assert_eq!(c.growing_bytes(), 80 * MIB);
+    c.check_invariants().unwrap();
+    // Commit in the other order.
+    let h2 = map_growth(acc.as_ref(), &p2).unwrap();
+    let h1 = map_growth(acc.as_ref(), &p1).unwrap();
+    c.commit_growth(p2, h2).unwrap();
+    c.commit_growth(p1, h1).unwrap();
+    c.check_invariants().unwrap();
+    assert_eq!(c.reserved_bytes(), 80 * MIB);
+    let snap = c.snapshot();
+    assert_eq!(
+        snap.segments.len(),
+        1,
+        "one contiguous mapped run, one reservation"
+    );
+    let a = match c.try_cached(30 * MIB, s).unwrap() {
+        CachedOutcome::Hit(a) => a,
+        CachedOutcome::Miss(_) => panic!("the committed pages serve the request"),
+    };
+    let b = match c.try_cached(30 * MIB, s).unwrap() {
+        CachedOutcome::Hit(b) => b,
+        CachedOutcome::Miss(_) => panic!("and the second"),
+    };
+    assert_ne!(a.ptr, b.ptr);
+    c.free(a.ptr).unwrap();
+    c.free(b.ptr).unwrap();
+    c.empty_cache().unwrap();
+    assert_eq!(c.reserved_bytes(), 0);
+}
+
+#[test]
+fn a_shutdown_between_plan_and_commit_leaks_nothing() {
+    let simb: Arc<SimBackend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let sim: Arc<dyn Backend> = simb.clone();
+    let mut c = core(&sim, "expandable_segments:True");
+    let s = sim.stream_create(DeviceId(0)).unwrap();
+    let req = miss(&mut c, 30 * MIB, s);
+    let p = plan(&mut c, &req);
+    let handles = map_growth(sim.as_ref(), &p).unwrap();
+    c.shutdown().unwrap();
+    assert!(
+        simb.used_bytes(DeviceId(0)).unwrap() > 0,
+        "the growth's pages"
+    );
+    let refused = c.commit_growth(p, handles).unwrap_err();
+    refused.release(sim.as_ref());
+    assert_eq!(simb.used_bytes(DeviceId(0)).unwrap(), 0);
+    let counts = simb.counts();
+    assert_eq!(
+        counts.get(Op::VaFree),
+        counts.get(Op::VaReserve),
+        "every reservation freed"
+    );
+    assert_eq!(counts.get(Op::PhysRelease), counts.get(Op::PhysCreate));
+
+    // The same when the map fails after the shutdown: abort hands the reservation back.
+    let mut c = core(&sim, "expandable_segments:True");
+    let req = miss(&mut c, 30 * MIB, s);
+    let p = plan(&mut c, &req);
+    c.shutdown().unwrap();
+    let reservation = c.abort_growth(p).expect("the orphaned reservation");
+    release_reservation(sim.as_ref(), DeviceId(0), reservation);
+    let counts = simb.counts();
+    assert_eq!(counts.get(Op::VaFree), counts.get(Op::VaReserve));
+}

@@ -1,0 +1,135 @@
+//! Cache hits keep flowing while a miss makes slow driver calls (issue 15, section 2): the
+//! pages of an expandable growth are mapped, and a garbage-collection pass frees segments,
+//! outside the actor's gate. Checked by order, not by time: with each slow call costing
+//! 300 ms on the sim, a hit must come back while the miss is still in flight.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc::runtime::sim::{LatencyModel, Op, SimBackend, SimConfig};
+use gpualloc::{Allocator, DeviceId};
+
+const MIB: u64 = 1 << 20;
+const SLOW: Duration = Duration::from_millis(300);
+
+fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
+    Allocator::builder()
+        .config_str(conf)
+        .backend_instance(sim.clone())
+        .build()
+        .expect("build")
+}
+
+/// Waits until the sim has started `op` at least `n` times.
+async fn until_started(sim: &SimBackend, op: Op, n: u64) {
+    for _ in 0..5000 {
+        if sim.counts().get(op) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{op} never started");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_flow_while_an_expandable_segment_grows() {
+    for conf in [
+        "expandable_segments:True,thread_cache:False",
+        "expandable_segments:True",
+    ] {
+        let sim = SimBackend::new(SimConfig {
+            capacity_per_device: 1 << 30,
+            ..SimConfig::fast(1)
+        })
+        .unwrap();
+        let alloc = build(&sim, conf);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        // A cached small block to hit, and a mapped large page in use.
+        drop(alloc.malloc(512 << 10, &s).await.unwrap());
+        let held = alloc.malloc(15 * MIB, &s).await.unwrap();
+        sim.set_latency(LatencyModel {
+            map: SLOW,
+            ..LatencyModel::zero()
+        });
+        sim.reset_counts();
+        let grower = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            tokio::spawn(async move { alloc.malloc(100 * MIB, &s).await })
+        };
+        until_started(&sim, Op::Map, 1).await;
+        let actor = alloc.device_actor(DeviceId(0)).unwrap();
+        // From another thread, so the thread cache (if on) cannot answer it.
+        let hit = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
+                .join()
+                .unwrap()
+                .unwrap()
+        };
+        // Five 20 MiB pages are mapped one after another, 300 ms each: the hit comes back
+        // while the first is being mapped.
+        assert_eq!(
+            (sim.counts().get(Op::Map), actor.misses_in_flight()),
+            (1, 1),
+            "{conf:?}: the hit waited for the growth (pages mapped under the gate)"
+        );
+        drop(hit);
+        let grown = grower.await.unwrap().unwrap();
+        assert_eq!(grown.len(), 100 * MIB);
+        sim.set_latency(LatencyModel::zero());
+        drop((grown, held));
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_flow_during_a_garbage_collection_pass() {
+    let sim = SimBackend::new(SimConfig {
+        capacity_per_device: 100 * MIB,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let alloc = build(
+        &sim,
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+    );
+    let s = alloc.new_stream(DeviceId(0)).unwrap();
+    drop(alloc.malloc(512 << 10, &s).await.unwrap());
+    // 60 MiB cached in two segments: above the 50 MiB threshold.
+    let (a, b) = (
+        alloc.malloc(30 * MIB, &s).await.unwrap(),
+        alloc.malloc(30 * MIB, &s).await.unwrap(),
+    );
+    drop((a, b));
+    sim.set_latency(LatencyModel {
+        free: SLOW,
+        ..LatencyModel::zero()
+    });
+    sim.reset_counts();
+    let collector = {
+        let (alloc, s) = (alloc.clone(), s.clone());
+        tokio::spawn(async move { alloc.malloc(40 * MIB, &s).await })
+    };
+    until_started(&sim, Op::Free, 1).await;
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    let hit = alloc.malloc(512 << 10, &s).await.unwrap();
+    // Two segments are freed one after the other, 300 ms each: the hit comes back while the
+    // first is being freed.
+    assert_eq!(
+        (sim.counts().get(Op::Free), actor.misses_in_flight()),
+        (1, 1),
+        "the hit waited for the garbage collection's frees"
+    );
+    drop(hit);
+    let big = collector.await.unwrap().unwrap();
+    assert_eq!(
+        sim.counts().get(Op::Free),
+        2,
+        "the pass freed both segments"
+    );
+    sim.set_latency(LatencyModel::zero());
+    drop(big);
+    alloc.shutdown().await.unwrap();
+    assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);
+}
