@@ -6,7 +6,17 @@
 //! many calls the average cost matches the model.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+/// Threads of this process sleeping in [`pay`] right now (all sims together).
+static SLEEPING: AtomicUsize = AtomicUsize::new(0);
+
+/// How many sim calls are paying their latency (sleeping) right now, in this process: lets a
+/// benchmark tell which of its requests overlapped a slow call.
+pub fn sleeping_now() -> usize {
+    SLEEPING.load(Ordering::Acquire)
+}
 
 /// Latency debt below which a call does not sleep yet (see the module docs).
 pub const SLEEP_QUANTUM: Duration = Duration::from_micros(100);
@@ -170,9 +180,11 @@ pub fn pay(cost: Duration) {
         return;
     }
     let start = Instant::now();
+    SLEEPING.fetch_add(1, Ordering::AcqRel);
     std::thread::sleep(Duration::from_nanos(
         u64::try_from(debt).unwrap_or(u64::MAX),
     ));
+    SLEEPING.fetch_sub(1, Ordering::AcqRel);
     let slept = start.elapsed().as_nanos() as i128;
     // Credit at most one quantum of oversleep, so a long stall is not paid back by later calls.
     DEBT_NANOS.with(|d| d.set((debt - slept).max(-(SLEEP_QUANTUM.as_nanos() as i128))));

@@ -44,7 +44,7 @@ use crossbeam_channel::Sender;
 pub use counters::{CallCounts, Op};
 pub use faults::Fault;
 pub use kernel::KernelMemory;
-pub use latency::{LatencyModel, SLEEP_QUANTUM};
+pub use latency::{sleeping_now, LatencyModel, SLEEP_QUANTUM};
 
 use crate::error::{BackendError, Result};
 use crate::types::{DeviceId, DevicePtr, EventHandle, StreamHandle};

@@ -12,6 +12,11 @@
 //! `thread_cache:False`, where every request goes through the gate (names ending `_gate`).
 //! - `hit_p99_during_slow_miss_us`: p99 of hits while another task's miss waits on a 10 ms
 //!   device malloc (sim latency model), vs the p99 without it (target <= 100 us).
+//! - `hit_p99_during_expandable_growth_us` / `hit_p99_during_gc_pass_us` (section
+//!   `slowcalls`, sim only): p99 of the hits that start while another task's miss is in a
+//!   slow call (`sim::sleeping_now`): growing an expandable segment (one 20 MiB page per miss, 10 ms per map) or runs a garbage-collection
+//!   pass (10 ms per segment freed), vs the p99 of hits without misses (target <= 2x). With garbage
+//!   collection the thread cache is off on both paths (it ages blocks by the core's lookups).
 //! - `others_p99_one_device_flooded_us`: p99 of hits on 7 devices while the 8th is flooded
 //!   with 10 ms misses (sim) by 16 tasks, vs the same without the flood.
 //!
@@ -22,7 +27,7 @@
 //!   `thread_cache:False` (what the cache costs where it cannot help).
 //! - the pinned-host figures (section `host`): see `host.rs`.
 //!
-//! Sections can be picked by name: `bench hit throughput miss flood contention host`
+//! Sections can be picked by name: `bench hit throughput miss flood slowcalls contention host`
 //! (default: all).
 //!
 //! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
@@ -253,6 +258,32 @@ async fn hits_for(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64>
     samples
 }
 
+/// Hit pairs on `stream` for `dur`, keeping only those that started while a sim call was
+/// paying its latency (the slow call of another task's miss): a hit stuck behind that call is
+/// one sample among the few that overlap it, not one among a million. In ns.
+async fn hits_during_slow_calls(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64> {
+    let mut samples = Vec::with_capacity(1 << 20);
+    let end = Instant::now() + dur;
+    let mut i = 0u64;
+    loop {
+        let during = gpualloc::runtime::sim::sleeping_now() > 0;
+        let t = Instant::now();
+        let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
+        drop(b);
+        if during {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+        i += 1;
+        if i % 256 == 0 {
+            if Instant::now() >= end {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+    samples
+}
+
 async fn hit_latency(figures: &mut Vec<Figure>, path: Path) {
     const N: usize = 200_000;
     let mut direct = direct_pairs(N);
@@ -447,6 +478,120 @@ async fn slow_miss(figures: &mut Vec<Figure>, path: Path) {
     let _ = alloc.shutdown().await;
 }
 
+/// The slow backend work a miss can do besides a device malloc (section `slowcalls`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlowWork {
+    /// Growing an expandable segment: one 20 MiB page per miss, its map costing 10 ms.
+    ExpandableGrowth,
+    /// A garbage-collection pass: cached segments freed at 10 ms each before the malloc.
+    GarbageCollection,
+}
+
+/// p99 of the hits that start while another task's miss is in a slow call of `work` (sim,
+/// 10 ms per call), vs the p99 of hits without misses (target: <= 2x).
+async fn slow_work(figures: &mut Vec<Figure>, path: Path, work: SlowWork) {
+    let (conf, latency) = match work {
+        SlowWork::ExpandableGrowth => (
+            "expandable_segments:True",
+            LatencyModel {
+                map: Duration::from_millis(10),
+                ..LatencyModel::zero()
+            },
+        ),
+        SlowWork::GarbageCollection => (
+            "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+            LatencyModel {
+                free: Duration::from_millis(10),
+                ..LatencyModel::zero()
+            },
+        ),
+    };
+    let sim = match SimBackend::new(SimConfig {
+        capacity_per_device: 1 << 30,
+        latency,
+        ..SimConfig::fast(1)
+    }) {
+        Ok(sim) => sim,
+        Err(e) => {
+            eprintln!("bench: cannot build the sim: {e}");
+            std::process::exit(2);
+        }
+    };
+    let mut config = AllocatorConfig::parse(conf).expect("config");
+    config.thread_cache = path == Path::ThreadCache;
+    let alloc = match Allocator::builder()
+        .config(config)
+        .backend_instance(sim.clone())
+        .build()
+    {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("bench: cannot build the allocator: {e}");
+            std::process::exit(2);
+        }
+    };
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    drop(alloc.malloc(HIT_SIZE, &stream).await.expect("warm"));
+    let mut quiet = hits_for(&alloc, &stream, Duration::from_millis(200)).await;
+    let (miss_alloc, miss_stream) = (
+        alloc.clone(),
+        alloc.new_stream(DeviceId(0)).expect("stream"),
+    );
+    let slow_calls = move || {
+        let c = sim.counts();
+        c.get(gpualloc::runtime::sim::Op::Map) + c.get(gpualloc::runtime::sim::Op::Free)
+    };
+    let before = slow_calls();
+    let misser = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        let end = Instant::now() + Duration::from_millis(400);
+        let mut i = 0;
+        while Instant::now() < end {
+            let size = match work {
+                // Each request needs one more page.
+                SlowWork::ExpandableGrowth => 20 * MIB,
+                // Sizes never repeat: each is a miss, freed at once into the cache, which
+                // stays above the 512 MiB threshold, so every miss runs a pass.
+                SlowWork::GarbageCollection => 64 * MIB + (i % 64) * 2 * MIB,
+            };
+            match miss_alloc.malloc(size, &miss_stream).await {
+                Ok(b) if work == SlowWork::ExpandableGrowth => kept.push(b),
+                Ok(b) => drop(b),
+                Err(_) => break,
+            }
+            i += 1;
+        }
+        i
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut busy = hits_during_slow_calls(&alloc, &stream, Duration::from_millis(300)).await;
+    let misses = misser.await.unwrap_or(0);
+    eprintln!(
+        "bench: {} misses, {} slow calls (maps + frees); {} hits started during them, slowest {} us",
+        misses,
+        slow_calls() - before,
+        busy.len(),
+        busy.iter().max().copied().unwrap_or(0) / 1000
+    );
+    let name = match work {
+        SlowWork::ExpandableGrowth => path.name(
+            "hit_p99_during_expandable_growth_us",
+            "hit_p99_during_expandable_growth_gate_us",
+        ),
+        SlowWork::GarbageCollection => path.name(
+            "hit_p99_during_gc_pass_us",
+            "hit_p99_during_gc_pass_gate_us",
+        ),
+    };
+    figures.push(Figure {
+        name,
+        value: percentile(&mut busy, 0.99) / 1000.0,
+        unit: "us",
+        reference: percentile(&mut quiet, 0.99) / 1000.0,
+    });
+    let _ = alloc.shutdown().await;
+}
+
 async fn flooded_device(figures: &mut Vec<Figure>, path: Path) {
     let alloc = build(
         if on_cuda() {
@@ -580,6 +725,10 @@ fn main() {
             }
             if run("flood") {
                 flooded_device(&mut figures, path).await;
+            }
+            if run("slowcalls") && !on_cuda() {
+                slow_work(&mut figures, path, SlowWork::ExpandableGrowth).await;
+                slow_work(&mut figures, path, SlowWork::GarbageCollection).await;
             }
         }
         if run("host") {
