@@ -133,3 +133,47 @@ async fn hits_flow_during_a_garbage_collection_pass() {
     alloc.shutdown().await.unwrap();
     assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_flow_while_empty_cache_waits_for_a_busy_stream() {
+    let sim = SimBackend::new(SimConfig {
+        capacity_per_device: 1 << 30,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let alloc = build(&sim, "expandable_segments:True,thread_cache:False");
+    let (s, h) = (
+        alloc.new_stream(DeviceId(0)).unwrap(),
+        alloc.new_stream(DeviceId(0)).unwrap(),
+    );
+    drop(alloc.malloc(512 << 10, &h).await.unwrap());
+    drop(alloc.malloc(30 * MIB, &s).await.unwrap());
+    // The segment's stream is busy for 300 ms: its pages are unmapped only after that.
+    sim.launch_kernel(s.handle(), SLOW, |_| Ok(())).unwrap();
+    sim.reset_counts();
+    let emptier = {
+        let alloc = alloc.clone();
+        tokio::spawn(async move { alloc.empty_cache().await })
+    };
+    until_started(&sim, Op::StreamSynchronize, 1).await;
+    let hit = {
+        let (alloc, h) = (alloc.clone(), h.clone());
+        std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &h)))
+            .join()
+            .unwrap()
+            .unwrap()
+    };
+    assert!(
+        !emptier.is_finished(),
+        "the hit waited for empty_cache's stream synchronization (under the gate)"
+    );
+    drop(hit);
+    emptier.await.unwrap().unwrap();
+    let st = alloc.stats(DeviceId(0)).await.unwrap();
+    assert!(
+        st.reserved_bytes.large().current == 0,
+        "the large pages went back"
+    );
+    alloc.shutdown().await.unwrap();
+    assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);
+}

@@ -23,6 +23,9 @@ pub(crate) enum BlockState {
     /// Unmapped pages of an expandable segment being mapped off the core (`growth.rs`): in no
     /// pool, never merged, allocated or released until committed or aborted.
     Mapping,
+    /// Pages of an expandable segment taken out of the books, being unmapped off the core
+    /// (`shrink.rs`): in no pool, never merged or mapped until that finishes.
+    Unmapping,
 }
 
 /// One block. See the module docs.

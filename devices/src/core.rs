@@ -97,8 +97,9 @@ pub struct DeviceCore {
     pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
     /// Bytes of expandable pages being mapped off the core (`growth.rs`).
     pub(crate) growing_bytes: u64,
-    /// Growths in flight per expandable segment.
-    pub(crate) growing: BTreeMap<u64, u32>,
+    /// Off-core operations in flight per expandable segment (growths, page releases): its
+    /// reservation is not freed while any runs (`growth.rs`, `shrink.rs`).
+    pub(crate) busy: BTreeMap<u64, u32>,
     /// Reservations a shutdown left to their growths in flight (base → size).
     pub(crate) orphaned: BTreeMap<u64, u64>,
     /// Pending cross-stream frees per stream, in record order.
@@ -171,7 +172,7 @@ impl DeviceCore {
             segments: BTreeMap::new(),
             expandable: BTreeMap::new(),
             growing_bytes: 0,
-            growing: BTreeMap::new(),
+            busy: BTreeMap::new(),
             orphaned: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),

@@ -46,15 +46,15 @@ impl ExpandableSegment {
         self.page * self.handles.len() as u64
     }
 
-    fn page_left(&self, addr: u64) -> usize {
+    pub(crate) fn page_left(&self, addr: u64) -> usize {
         ((addr - self.base) / self.page) as usize
     }
 
-    fn page_right(&self, addr: u64) -> usize {
+    pub(crate) fn page_right(&self, addr: u64) -> usize {
         (addr - self.base).div_ceil(self.page) as usize
     }
 
-    fn page_addr(&self, i: usize) -> u64 {
+    pub(crate) fn page_addr(&self, i: usize) -> u64 {
         self.base + i as u64 * self.page
     }
 
@@ -314,6 +314,17 @@ impl DeviceCore {
         if len == 0 {
             return Ok(());
         }
+        self.book_unmapped(id, start, len, false);
+        Ok(())
+    }
+
+    /// Books `[start, start + len)` (whole pages inside free mapped block `id`, whose handles
+    /// are gone) as unmapped: the parts before and after stay free mapped blocks, `id` becomes
+    /// the unmapped middle, reserved memory goes down. `in_flight`: the pages are still being
+    /// unmapped off the core (`shrink.rs`): the block is left out of the unmapped set, unmerged,
+    /// in state `Unmapping`, until that finishes.
+    pub(crate) fn book_unmapped(&mut self, id: BlockId, start: u64, len: u64, in_flight: bool) {
+        let b = self.blocks.get(id).clone();
         debug_assert!(self
             .expandable
             .get(&b.segment)
@@ -365,7 +376,23 @@ impl DeviceCore {
         blk.addr = start;
         blk.size = len;
         blk.mapped = false;
-        let (prev, next) = (blk.prev, blk.next);
+        if in_flight {
+            blk.state = BlockState::Unmapping;
+        } else {
+            self.file_unmapped(id);
+        }
+        self.total_reserved -= len;
+        let small = self.pools[pool].is_small;
+        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(len));
+        self.stats.num_device_free += 1;
+        self.record(TraceAction::SegmentUnmap, start, len, b.stream.raw);
+    }
+
+    /// Files free unmapped block `id` in its pool's unmapped set, merged with free unmapped
+    /// neighbours.
+    pub(crate) fn file_unmapped(&mut self, id: BlockId) {
+        let blk = self.blocks.get(id);
+        let (prev, next, pool) = (blk.prev, blk.next, blk.pool);
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
@@ -373,12 +400,6 @@ impl DeviceCore {
         self.pools[pool]
             .unmapped
             .insert(unmapped_key(blk.stream.raw, blk.addr, blk.size), id);
-        self.total_reserved -= len;
-        let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(len));
-        self.stats.num_device_free += 1;
-        self.record(TraceAction::SegmentUnmap, start, len, b.stream.raw);
-        Ok(())
     }
 
     /// Frees the reservation of segment `seg` when nothing in it is mapped any more.
@@ -437,9 +458,9 @@ impl DeviceCore {
                     }
                 }
             }
-            if self.growing.contains_key(&seg) {
-                // Pages are being mapped into it off the core: the last of those growths
-                // frees the reservation once its pages are unmapped (`growth.rs`).
+            if self.busy.contains_key(&seg) {
+                // Pages are being mapped or unmapped off the core: the last of those
+                // operations frees the reservation (`growth.rs`, `shrink.rs`).
                 self.orphaned.insert(seg, es.size());
             } else if let Err(e) = self.backend.va_free(self.device, DevicePtr(seg), es.size()) {
                 first_err.get_or_insert(AllocError::Backend(e));

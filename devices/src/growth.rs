@@ -24,7 +24,6 @@ use crate::block::{BlockId, BlockState};
 use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages};
-use crate::pool::unmapped_key;
 use crate::pool::PoolOwner;
 
 /// Pages of one expandable segment to map off the core. See the module docs.
@@ -128,7 +127,7 @@ impl DeviceCore {
         b.state = BlockState::Mapping;
         let addr = b.addr;
         self.growing_bytes += len;
-        *self.growing.entry(seg).or_insert(0) += 1;
+        self.begin_off_core(seg);
         Growth::Map(GrowthPlan {
             block: id,
             seg,
@@ -151,19 +150,30 @@ impl DeviceCore {
     }
 
     /// Ends a growth in flight; the segment's reservation to free if it was orphaned by a
-    /// shutdown and this was its last growth.
+    /// shutdown and this was its last off-core operation.
     fn end_growth(&mut self, plan: &GrowthPlan) -> Option<(DevicePtr, u64)> {
         self.growing_bytes = self.growing_bytes.saturating_sub(plan.len);
-        let left = self.growing.get_mut(&plan.seg).map(|n| {
+        self.end_off_core(plan.seg)
+    }
+
+    /// An off-core operation on segment `seg` starts: its reservation stays until it ends.
+    pub(crate) fn begin_off_core(&mut self, seg: u64) {
+        *self.busy.entry(seg).or_insert(0) += 1;
+    }
+
+    /// An off-core operation on `seg` ended; the reservation to free if a shutdown orphaned it
+    /// and this was the last.
+    pub(crate) fn end_off_core(&mut self, seg: u64) -> Option<(DevicePtr, u64)> {
+        let left = self.busy.get_mut(&seg).map(|n| {
             *n -= 1;
             *n
         });
         if left == Some(0) {
-            self.growing.remove(&plan.seg);
+            self.busy.remove(&seg);
             return self
                 .orphaned
-                .remove(&plan.seg)
-                .map(|size| (DevicePtr(plan.seg), size));
+                .remove(&seg)
+                .map(|size| (DevicePtr(seg), size));
         }
         None
     }
@@ -203,19 +213,8 @@ impl DeviceCore {
         let planned = self.planned(&plan);
         let reservation = self.end_growth(&plan);
         if planned {
-            let id = plan.block;
-            self.blocks.get_mut(id).state = BlockState::Free;
-            let (prev, next) = {
-                let b = self.blocks.get(id);
-                (b.prev, b.next)
-            };
-            for n in [prev, next].into_iter().flatten() {
-                self.try_merge_blocks(id, n);
-            }
-            let b = self.blocks.get(id);
-            let k = unmapped_key(b.stream.raw, b.addr, b.size);
-            let pool = b.pool;
-            self.pools[pool].unmapped.insert(k, id);
+            self.blocks.get_mut(plan.block).state = BlockState::Free;
+            self.file_unmapped(plan.block);
         }
         reservation
     }

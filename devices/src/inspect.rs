@@ -31,7 +31,9 @@ impl DeviceCore {
                         state: match b.state {
                             BlockState::Allocated => BlockStateName::ActiveAllocated,
                             BlockState::Pending => BlockStateName::ActivePendingFree,
-                            BlockState::Free | BlockState::Mapping => BlockStateName::Inactive,
+                            BlockState::Free | BlockState::Mapping | BlockState::Unmapping => {
+                                BlockStateName::Inactive
+                            }
                         },
                         mapped: b.mapped,
                     }
@@ -165,12 +167,17 @@ impl DeviceCore {
                             b.addr
                         ));
                     }
-                    if !b.mapped && !matches!(b.state, BlockState::Free | BlockState::Mapping) {
+                    if !b.mapped
+                        && !matches!(
+                            b.state,
+                            BlockState::Free | BlockState::Mapping | BlockState::Unmapping
+                        )
+                    {
                         return Err(format!("unmapped block at {:#x} is in use", b.addr));
                     }
                 }
                 match b.state {
-                    BlockState::Mapping => {
+                    BlockState::Mapping | BlockState::Unmapping => {
                         if b.mapped || !b.expandable {
                             return Err(format!(
                                 "block at {:#x} being mapped is mapped or not expandable",

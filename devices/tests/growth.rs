@@ -206,3 +206,71 @@ fn a_shutdown_between_plan_and_commit_leaks_nothing() {
     let counts = simb.counts();
     assert_eq!(counts.get(Op::VaFree), counts.get(Op::VaReserve));
 }
+
+/// Free pages released in three steps end where the in-place release ends.
+#[test]
+fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
+    let simb: Arc<SimBackend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let sim: Arc<dyn Backend> = simb.clone();
+    let mut c = core(&sim, "expandable_segments:True");
+    let s = sim.stream_create(DeviceId(0)).unwrap();
+    let a = c.malloc(50 * MIB, s).unwrap();
+    let b = c.malloc(30 * MIB, s).unwrap();
+    let small = c.malloc(4096, s).unwrap();
+    c.free(a.ptr).unwrap();
+    c.free(small.ptr).unwrap();
+    let reserved = c.reserved_bytes();
+    let releases = c.detach_free_pages().unwrap();
+    let bytes: u64 = releases.iter().map(|r| r.bytes()).sum();
+    assert_eq!(
+        c.reserved_bytes(),
+        reserved - bytes,
+        "booked as released at once"
+    );
+    c.check_invariants().unwrap();
+    // Pages being unmapped are nobody's: a growth plans other pages.
+    let req = miss(&mut c, 60 * MIB, s);
+    let p = plan(&mut c, &req);
+    let h = map_growth(sim.as_ref(), &p).unwrap();
+    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    for r in releases {
+        assert_eq!(c.finish_page_release(r).unwrap(), None);
+    }
+    c.commit_growth(p, h).unwrap();
+    c.check_invariants().unwrap();
+    c.free(b.ptr).unwrap();
+    let releases = c.detach_free_pages().unwrap();
+    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    for r in releases {
+        assert_eq!(c.finish_page_release(r).unwrap(), None);
+    }
+    c.check_invariants().unwrap();
+    assert_eq!(c.reserved_bytes(), 0);
+    assert_eq!(simb.used_bytes(DeviceId(0)).unwrap(), 0);
+    let counts = simb.counts();
+    assert_eq!(
+        counts.get(Op::VaFree),
+        counts.get(Op::VaReserve),
+        "empty reservations freed"
+    );
+
+    // A shutdown between detach and finish: the last release frees the reservation.
+    let x = c.malloc(30 * MIB, s).unwrap();
+    c.free(x.ptr).unwrap();
+    let releases = c.detach_free_pages().unwrap();
+    assert_eq!(releases.len(), 1);
+    c.shutdown().unwrap();
+    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    let mut freed = 0;
+    for r in releases {
+        if let Some(res) = c.finish_page_release(r).unwrap() {
+            release_reservation(sim.as_ref(), DeviceId(0), res);
+            freed += 1;
+        }
+    }
+    assert_eq!(freed, 1);
+    assert_eq!(simb.used_bytes(DeviceId(0)).unwrap(), 0);
+    let counts = simb.counts();
+    assert_eq!(counts.get(Op::VaFree), counts.get(Op::VaReserve));
+    assert_eq!(counts.get(Op::PhysRelease), counts.get(Op::PhysCreate));
+}

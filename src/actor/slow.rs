@@ -2,31 +2,42 @@
 //! wherever the driver is involved, so cache hits keep being served:
 //! - a miss's device malloc (PyTorch's `release_lock_on_cudamalloc`, always on here);
 //! - expandable segments: creating, mapping and giving access to the pages a miss needs (plan
-//!   under the gate, map outside, commit under it: `gpualloc_devices::growth`);
+//!   under the gate, map outside, commit under it: `gpualloc_devices::growth`), and releasing
+//!   free pages on `empty_cache` and when the device is full (detach under the gate, stream
+//!   synchronization and unmapping outside, finish under it: `gpualloc_devices::shrink`);
 //! - garbage collection (`garbage_collection_threshold`): the victims are chosen and taken out
 //!   of the books under the gate, and freed outside;
 //! - the out-of-memory chain's event synchronization and segment frees, `empty_cache` and
 //!   shutdown.
 //!
 //! The gate is taken only for the short bookkeeping steps in between. What still runs under
-//! the gate is the last resort of an out-of-memory request: the core's own chain
-//! (`malloc_after_miss`), which produces PyTorch's report; by then the cache has been released
-//! off the gate, so it has little left to do. With expandable segments that chain unmaps
-//! free pages (a stream synchronization and driver calls) under the gate, and so does
-//! `empty_cache`: the remaining slow calls on the gate, on the out-of-memory and release paths
-//! only.
+//! the gate is the last resort of an out-of-memory request, after all of the above failed to
+//! make room: the core's own chain (`malloc_after_miss`), which produces PyTorch's report; by
+//! then the cache has been released off the gate, so it has little left to do. Shutdown runs
+//! the core's own release under the gate too (nothing is served after it).
 
 use std::sync::Arc;
 
 use gpualloc_devices::{
-    free_detached, map_growth, release_reservation, AllocError, CachedOutcome, Growth,
-    SegmentRequest,
+    free_detached, map_growth, release_pages, release_reservation, AllocError, CachedOutcome,
+    Growth, SegmentRequest,
 };
 use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
+
+/// What an off-gate growth came to.
+enum Grown {
+    /// The request is served.
+    Buffer(DeviceBuffer),
+    /// Nothing to map off the gate (not expandable, the fraction cap, private pools): the
+    /// core's own chain continues.
+    InPlace(SegmentRequest),
+    /// The device had no memory for the pages.
+    Full(SegmentRequest),
+}
 
 /// Rounds of off-gate growth a miss tries (each maps what the request still lacks; another
 /// request may take freshly mapped pages first) before the core's chain continues in place.
@@ -120,8 +131,25 @@ impl DeviceActor {
             req
         };
         let req = match self.grow_off_gate(req, &stream)? {
-            Ok(buf) => return Ok(buf),
-            Err(req) => req,
+            Grown::Buffer(buf) => return Ok(buf),
+            Grown::InPlace(req) => req,
+            Grown::Full(req) => {
+                // The device is full: release the cache (pages unmapped off the gate too)
+                // and try once more before the core's chain.
+                tracing::info!(
+                    device = self.device.0,
+                    size,
+                    "device full: releasing cached memory"
+                );
+                if self.release_cache_blocking() > 0 {
+                    match self.grow_off_gate(req, &stream)? {
+                        Grown::Buffer(buf) => return Ok(buf),
+                        Grown::InPlace(req) | Grown::Full(req) => req,
+                    }
+                } else {
+                    req
+                }
+            }
         };
         let result = self
             .mailbox
@@ -142,13 +170,12 @@ impl DeviceActor {
 
     /// Expandable segments: maps the pages a miss needs off the gate (plan under the gate,
     /// map outside, commit under it: `gpualloc_devices::growth`), then retries the cached
-    /// path. `Err(req)`: nothing to map off the gate, or the device is full: the core's own
-    /// chain continues (it releases the cache and retries, under the gate).
+    /// path.
     fn grow_off_gate(
         self: &Arc<Self>,
         mut req: SegmentRequest,
         stream: &Stream,
-    ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
+    ) -> Result<Grown, Error> {
         let size = req.requested();
         for _ in 0..GROWTH_ROUNDS {
             let plan = match self
@@ -159,7 +186,7 @@ impl DeviceActor {
                 .plan_growth(&req)?
             {
                 Growth::Map(plan) => plan,
-                Growth::InPlace => return Ok(Err(req)),
+                Growth::InPlace => return Ok(Grown::InPlace(req)),
             };
             let mapped = {
                 let _map = tracing::debug_span!(
@@ -183,7 +210,11 @@ impl DeviceActor {
                     match core.try_cached(size, stream.handle())? {
                         CachedOutcome::Hit(a) => {
                             drop(held);
-                            return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
+                            return Ok(Grown::Buffer(DeviceBuffer::new(
+                                a,
+                                self.clone(),
+                                stream.clone(),
+                            )));
                         }
                         CachedOutcome::Miss(r) => req = r,
                     }
@@ -196,13 +227,13 @@ impl DeviceActor {
                         return Err(AllocError::Shutdown.into());
                     }
                     if e.is_oom() {
-                        return Ok(Err(req));
+                        return Ok(Grown::Full(req));
                     }
                     return Err(e.into());
                 }
             }
         }
-        Ok(Err(req))
+        Ok(Grown::InPlace(req))
     }
 
     /// Hands a segment allocated off the gate to the core (or back to the backend if the core
@@ -256,11 +287,48 @@ impl DeviceActor {
         if let Err(e) = free_detached(self.backend.as_ref(), self.device, &segments) {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");
         }
-        if !segments.is_empty() {
+        let pages = self.release_free_pages_blocking();
+        if !segments.is_empty() || pages > 0 {
             self.signals.waiters.wake_head();
         }
         self.prune_streams();
-        segments.len()
+        segments.len() + pages
+    }
+
+    /// Expandable segments: unmaps the whole pages of every free block, with the stream
+    /// synchronization and the driver calls off the gate (`gpualloc_devices::shrink`).
+    /// Returns how many free blocks gave up pages.
+    fn release_free_pages_blocking(&self) -> usize {
+        let detached = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .detach_free_pages();
+        let releases = match detached {
+            Ok(r) if !r.is_empty() => r,
+            _ => return 0,
+        };
+        let n = releases.len();
+        release_pages(self.backend.as_ref(), &releases);
+        let mut orphaned = Vec::new();
+        {
+            let mut held = self.mailbox.hold_blocking();
+            let core = &mut held.state().core;
+            for r in releases {
+                match core.finish_page_release(r) {
+                    Ok(Some(reservation)) => orphaned.push(reservation),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(device = self.device.0, error = %e, "finishing a page release failed")
+                    }
+                }
+            }
+        }
+        for reservation in orphaned {
+            release_reservation(self.backend.as_ref(), self.device, reservation);
+        }
+        n
     }
 
     /// `empty_cache` for this device.
