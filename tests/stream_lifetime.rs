@@ -165,7 +165,14 @@ async fn kept_streams_are_released_with_their_segments() {
             sim.live_streams() >= 1,
             "{conf:?}: cached blocks keep their stream"
         );
+        let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+        let kept = actor.kept_streams().await.unwrap();
+        assert!(
+            (1..=20).contains(&kept),
+            "{conf:?}: {kept} streams kept for 20 dropped"
+        );
         alloc.empty_cache().await.unwrap();
+        assert_eq!(actor.kept_streams().await.unwrap(), 0, "{conf:?}");
         assert_eq!(
             sim.live_streams(),
             0,

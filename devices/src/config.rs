@@ -547,4 +547,116 @@ mod tests {
         .unwrap();
         assert_eq!(AllocatorConfig::parse(&c.to_string()).unwrap(), c);
     }
+
+    #[test]
+    fn validate_holds_typed_fields_to_the_parsers_rules() {
+        let ok = |c: AllocatorConfig| c.validate().is_ok();
+        let d = AllocatorConfig::default;
+        assert!(ok(d()));
+        let parsed = AllocatorConfig::parse(
+            "max_split_size_mb:21,large_segment_size_mb:4,garbage_collection_threshold:0.5,\
+             per_process_memory_fraction:1.0,roundup_power2_divisions:[64:8,>:1],pinned_num_register_threads:2",
+        )
+        .unwrap();
+        assert!(ok(parsed), "whatever the parser accepts validates");
+        // max_split_size: unlimited, or above 20 MiB.
+        assert!(!ok(AllocatorConfig {
+            max_split_size: 20 * MIB,
+            ..d()
+        }));
+        assert!(ok(AllocatorConfig {
+            max_split_size: 20 * MIB + 1,
+            ..d()
+        }));
+        assert!(!ok(AllocatorConfig {
+            max_split_size: 0,
+            ..d()
+        }));
+        // Divisions: 0 or powers of two.
+        let mut div = [0; ROUNDUP_BANDS];
+        div[3] = 4;
+        div[5] = 1;
+        assert!(ok(AllocatorConfig {
+            roundup_power2_divisions: div,
+            ..d()
+        }));
+        div[4] = 3;
+        assert!(!ok(AllocatorConfig {
+            roundup_power2_divisions: div,
+            ..d()
+        }));
+        // Garbage collection: 0 (off) or in (0, 1).
+        for (t, good) in [
+            (0.0, true),
+            (1e-9, true),
+            (0.5, true),
+            (0.999, true),
+            (1.0, false),
+            (-0.1, false),
+            (f64::NAN, false),
+        ] {
+            assert_eq!(
+                ok(AllocatorConfig {
+                    garbage_collection_threshold: t,
+                    ..d()
+                }),
+                good,
+                "{t}"
+            );
+        }
+        // Large segments: an even number of MiB, at least 2.
+        for (size, good) in [
+            (2 * MIB, true),
+            (4 * MIB, true),
+            (MIB, false),
+            (3 * MIB, false),
+            (2 * MIB + 1, false),
+            (0, false),
+        ] {
+            assert_eq!(
+                ok(AllocatorConfig {
+                    large_segment_size: size,
+                    ..d()
+                }),
+                good,
+                "{size}"
+            );
+        }
+        // Fraction: in (0, 1].
+        for (f, good) in [
+            (1.0, true),
+            (1e-9, true),
+            (0.0, false),
+            (1.0001, false),
+            (-1.0, false),
+            (f64::NAN, false),
+        ] {
+            assert_eq!(
+                ok(AllocatorConfig {
+                    per_process_memory_fraction: Some(f),
+                    ..d()
+                }),
+                good,
+                "{f}"
+            );
+        }
+        let foreign = AllocatorConfig {
+            pinned: vec![("other".into(), "1".into())],
+            ..d()
+        };
+        assert_eq!(
+            foreign.validate(),
+            Err(ConfigError::UnknownKey("other".into()))
+        );
+        let err = AllocatorConfig {
+            large_segment_size: 3,
+            ..d()
+        }
+        .validate()
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "invalid value `3 bytes` for `large_segment_size_mb`: expected an even number of MiB, at least 2"
+        );
+    }
 }

@@ -273,4 +273,50 @@ mod tests {
         };
         assert!(capped.exceeds_device() && !hint(&capped));
     }
+
+    #[test]
+    fn exceeds_device_at_the_boundaries() {
+        let r = |requested: u64, alloc_size: u64, allowed: Option<u64>| OomReport {
+            device: DeviceId(0),
+            requested,
+            alloc_size,
+            device_total: 64 << 20,
+            device_free: 0,
+            allowed,
+            allocated: 0,
+            reserved: 0,
+            in_flight: 0,
+            process_used: None,
+        };
+        assert!(
+            !r(64 << 20, 64 << 20, None).exceeds_device(),
+            "exactly the device fits"
+        );
+        assert!(r((64 << 20) + 1, 66 << 20, None).exceeds_device());
+        assert!(
+            r(63 << 20, (64 << 20) + 1, None).exceeds_device(),
+            "the rounded size counts"
+        );
+        assert!(!r(32 << 20, 32 << 20, Some(32 << 20)).exceeds_device());
+        assert!(
+            r(32 << 20, 34 << 20, Some(32 << 20)).exceeds_device(),
+            "the cap counts"
+        );
+        assert!(
+            !r(1, 64 << 20, Some(128 << 20)).exceeds_device(),
+            "a cap above the device"
+        );
+        // The hint at its boundary: idle exactly a fifth of reserved is not "large".
+        let idle = |allocated: u64, reserved: u64| OomReport {
+            allocated,
+            reserved,
+            ..r(1 << 20, 2 << 20, None)
+        };
+        assert!(!idle(80 << 20, 100 << 20).suggests_expandable_segments());
+        assert!(idle((80 << 20) - 1, 100 << 20).suggests_expandable_segments());
+        assert!(
+            !idle(100 << 20, (120 << 20) - 1).suggests_expandable_segments(),
+            "under 20 MiB idle"
+        );
+    }
 }

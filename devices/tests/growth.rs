@@ -221,6 +221,7 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     c.free(small.ptr).unwrap();
     let reserved = c.reserved_bytes();
     let releases = c.detach_free_pages().unwrap();
+    assert_eq!(releases.len(), 2, "a large and a small block gave up pages");
     let bytes: u64 = releases.iter().map(|r| r.bytes()).sum();
     assert_eq!(
         c.reserved_bytes(),
@@ -232,7 +233,14 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     let req = miss(&mut c, 60 * MIB, s);
     let p = plan(&mut c, &req);
     let h = map_growth(sim.as_ref(), &p).unwrap();
+    simb.reset_counts();
     gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    let counts = simb.counts();
+    assert_eq!(
+        (counts.get(Op::StreamSynchronize), counts.get(Op::Unmap)),
+        (1, 3),
+        "one synchronization of their stream before the unmaps"
+    );
     for r in releases {
         assert_eq!(c.finish_page_release(r).unwrap(), None);
     }
@@ -250,11 +258,12 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     let counts = simb.counts();
     assert_eq!(
         counts.get(Op::VaFree),
-        counts.get(Op::VaReserve),
-        "empty reservations freed"
+        2,
+        "both reservations (large and small pages) freed once empty"
     );
 
     // A shutdown between detach and finish: the last release frees the reservation.
+    simb.reset_counts();
     let x = c.malloc(30 * MIB, s).unwrap();
     c.free(x.ptr).unwrap();
     let releases = c.detach_free_pages().unwrap();
@@ -271,6 +280,74 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     assert_eq!(freed, 1);
     assert_eq!(simb.used_bytes(DeviceId(0)).unwrap(), 0);
     let counts = simb.counts();
-    assert_eq!(counts.get(Op::VaFree), counts.get(Op::VaReserve));
-    assert_eq!(counts.get(Op::PhysRelease), counts.get(Op::PhysCreate));
+    assert_eq!((counts.get(Op::VaReserve), counts.get(Op::VaFree)), (1, 1));
+    assert_eq!(
+        (counts.get(Op::PhysCreate), counts.get(Op::PhysRelease)),
+        (2, 2)
+    );
+}
+
+#[test]
+fn plans_start_from_a_free_mapped_neighbour_and_only_for_expandable_segments() {
+    let acc: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+    let s = acc.stream_create(DeviceId(0)).unwrap();
+    let mut plain = core(&acc, "");
+    let req = miss(&mut plain, 30 * MIB, s);
+    assert!(matches!(plain.plan_growth(&req).unwrap(), Growth::InPlace));
+    assert!(plain.snapshot().segments.is_empty(), "nothing reserved");
+
+    let mut c = core(&acc, "expandable_segments:True");
+    let a = split_malloc(&mut c, 10 * MIB, s);
+    // 10 MiB of the first page are free and mapped: 25 MiB more needs one page, not two.
+    let req = miss(&mut c, 25 * MIB, s);
+    let p = plan(&mut c, &req);
+    assert_eq!(p.bytes(), 20 * MIB);
+    let h = map_growth(acc.as_ref(), &p).unwrap();
+    c.commit_growth(p, h).unwrap();
+    let b = match c.try_cached(25 * MIB, s).unwrap() {
+        CachedOutcome::Hit(b) => b,
+        CachedOutcome::Miss(_) => panic!("served by the run"),
+    };
+    assert_eq!(b.ptr.0, a.ptr.0 + 10 * MIB, "right after the first request");
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn plans_respect_the_memory_fraction_with_growths_in_flight() {
+    // 1000 MiB device, half allowed: 500 MiB, 25 pages.
+    let acc: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1000 * MIB));
+    let s = acc.stream_create(DeviceId(0)).unwrap();
+    let mut c = core(
+        &acc,
+        "expandable_segments:True,per_process_memory_fraction:0.5",
+    );
+    let whole = miss(&mut c, 500 * MIB, s);
+    let p = plan(&mut c, &whole);
+    assert_eq!(p.bytes(), 500 * MIB, "exactly the allowed memory");
+    assert_eq!(c.abort_growth(p), None);
+    let (r1, r2, r3) = (
+        miss(&mut c, 200 * MIB, s),
+        miss(&mut c, 300 * MIB, s),
+        miss(&mut c, 20 * MIB, s),
+    );
+    let p1 = plan(&mut c, &r1);
+    let p2 = plan(&mut c, &r2);
+    assert_eq!(c.growing_bytes(), 500 * MIB);
+    assert!(
+        matches!(c.plan_growth(&r3).unwrap(), Growth::InPlace),
+        "planned growths count against the cap"
+    );
+    for p in [p1, p2] {
+        let h = map_growth(acc.as_ref(), &p).unwrap();
+        c.commit_growth(p, h).unwrap();
+    }
+    assert_eq!((c.reserved_bytes(), c.growing_bytes()), (500 * MIB, 0));
+    let x = c.malloc(500 * MIB, s).unwrap();
+    let r4 = miss(&mut c, 20 * MIB, s);
+    assert!(
+        matches!(c.plan_growth(&r4).unwrap(), Growth::InPlace),
+        "reserved memory counts against the cap"
+    );
+    c.free(x.ptr).unwrap();
+    c.check_invariants().unwrap();
 }

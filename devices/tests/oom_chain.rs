@@ -206,3 +206,53 @@ fn per_process_memory_fraction_caps_reserved_memory() {
     assert_eq!(backend.counts().failed_mallocs, 0, "never asked the device");
     assert!(report.to_string().contains("50.00 MiB allowed"));
 }
+
+/// The off-core garbage collection (`detach_gc_victims`) picks, round by round, the cached
+/// segments at least as old as the average of those left, until enough is reclaimed.
+#[test]
+fn detached_garbage_collection_picks_old_segments_round_by_round() {
+    // 100 MiB allowed, collect above 45 MiB.
+    let (_backend, mut core, s0, _) = rig(
+        100 * MIB,
+        "garbage_collection_threshold:0.45,per_process_memory_fraction:1.0",
+        false,
+    );
+    let [a, b, c, d] = [0; 4].map(|_| core.malloc(20 * MIB, s0).unwrap());
+    let x = core.malloc(12 * MIB, s0).unwrap();
+    // Each 12 MiB malloc is one large-pool lookup (it hits `x`): the ages of the others.
+    let lookups = |core: &mut DeviceCore, n: usize| {
+        for _ in 0..n {
+            let m = core.malloc(12 * MIB, s0).unwrap();
+            assert_eq!(m.ptr, x.ptr);
+            core.free(m.ptr).unwrap();
+        }
+    };
+    core.free(a.ptr).unwrap();
+    core.free(x.ptr).unwrap();
+    lookups(&mut core, 4);
+    core.free(b.ptr).unwrap();
+    lookups(&mut core, 3);
+    core.free(c.ptr).unwrap();
+    lookups(&mut core, 1);
+    core.free(d.ptr).unwrap();
+    lookups(&mut core, 1);
+    // Ages a 9, b 5, c 2, d 1, x 0; 92 MiB reserved, 47 MiB to reclaim. Round 1 (average
+    // 3.4): a, b (40 MiB). Round 2 over c, d, x (average 1): c, d.
+    assert_eq!(core.reserved_bytes(), 92 * MIB);
+    let mut got: Vec<u64> = core
+        .detach_gc_victims()
+        .unwrap()
+        .iter()
+        .map(|s| s.ptr.0)
+        .collect();
+    got.sort_unstable();
+    let mut want = vec![a.ptr.0, b.ptr.0, c.ptr.0, d.ptr.0];
+    want.sort_unstable();
+    assert_eq!(got, want);
+    assert_eq!(core.reserved_bytes(), 12 * MIB);
+    core.check_invariants().unwrap();
+    assert!(
+        core.detach_gc_victims().unwrap().is_empty(),
+        "under the threshold now"
+    );
+}

@@ -240,7 +240,9 @@ impl DeviceActor {
         loop {
             match self.malloc_once(size, stream).await {
                 Err(e)
-                    if e.is_oom() && retries < LANDING_RETRIES && self.misses_in_flight() > 0 =>
+                    if retries < LANDING_RETRIES
+                        && self.misses_in_flight() > 0
+                        && e.oom_report().is_some_and(|r| !r.exceeds_device()) =>
                 {
                     retries += 1;
                     tracing::debug!(
