@@ -238,39 +238,36 @@ async fn actor_pairs(alloc: &Allocator, stream: &Stream, n: usize) -> Vec<u64> {
 
 /// Hit pairs on `stream` for `dur`; per-pair latencies in ns.
 async fn hits_for(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64> {
-    let mut samples = Vec::with_capacity(1 << 20);
-    let end = Instant::now() + dur;
-    let mut i = 0u64;
-    loop {
-        let t = Instant::now();
-        let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
-        drop(b);
-        samples.push(t.elapsed().as_nanos() as u64);
-        i += 1;
-        if i % 256 == 0 {
-            if Instant::now() >= end {
-                break;
-            }
-            // Let other tasks on this worker run, as a service's tasks would.
-            tokio::task::yield_now().await;
-        }
-    }
-    samples
+    hits_kept(alloc, stream, dur, || true).await
 }
 
 /// Hit pairs on `stream` for `dur`, keeping only those that started while a sim call was
 /// paying its latency (the slow call of another task's miss): a hit stuck behind that call is
 /// one sample among the few that overlap it, not one among a million. In ns.
 async fn hits_during_slow_calls(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64> {
+    hits_kept(alloc, stream, dur, || {
+        gpualloc::runtime::sim::sleeping_now() > 0
+    })
+    .await
+}
+
+/// Hit pairs on `stream` for `dur`; the latencies (ns) of those for which `keep()` held when
+/// they started.
+async fn hits_kept(
+    alloc: &Allocator,
+    stream: &Stream,
+    dur: Duration,
+    keep: impl Fn() -> bool,
+) -> Vec<u64> {
     let mut samples = Vec::with_capacity(1 << 20);
     let end = Instant::now() + dur;
     let mut i = 0u64;
     loop {
-        let during = gpualloc::runtime::sim::sleeping_now() > 0;
+        let kept = keep();
         let t = Instant::now();
         let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
         drop(b);
-        if during {
+        if kept {
             samples.push(t.elapsed().as_nanos() as u64);
         }
         i += 1;
@@ -278,6 +275,7 @@ async fn hits_during_slow_calls(alloc: &Allocator, stream: &Stream, dur: Duratio
             if Instant::now() >= end {
                 break;
             }
+            // Let other tasks on this worker run, as a service's tasks would.
             tokio::task::yield_now().await;
         }
     }
