@@ -292,7 +292,13 @@ async fn run(args: Args) -> Result<bool, Error> {
     let streams = Arc::new(streams);
     let counters = Arc::new(Counters::default());
     let limit = Arc::new(tokio::sync::Semaphore::new(args.concurrency));
-    let budget_mib = (CAPACITY / MIB) as usize * 3 / 5;
+    // 3/5 of what the allocator may hold: the device, or its `per_process_memory_fraction`
+    // (a budget above the cap lets requests holding buffers wait on each other).
+    let allowed = alloc
+        .config()
+        .per_process_memory_fraction
+        .map_or(CAPACITY, |f| (CAPACITY as f64 * f) as u64);
+    let budget_mib = (allowed / MIB) as usize * 3 / 5;
     let budgets: Arc<Vec<_>> = Arc::new(
         (0..DEVICES)
             .map(|_| Arc::new(tokio::sync::Semaphore::new(budget_mib)))

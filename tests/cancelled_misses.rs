@@ -148,3 +148,33 @@ async fn a_request_larger_than_the_device_gets_no_fragmentation_hint() {
     drop(b);
     alloc.shutdown().await.unwrap();
 }
+
+/// Concurrent misses, each checking `per_process_memory_fraction` before its device malloc
+/// off the gate, must not overshoot the cap together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_misses_respect_the_memory_fraction() {
+    let sim = slow_sim(1024 * MIB, Duration::from_millis(100));
+    let alloc = build(&sim, "per_process_memory_fraction:0.5,thread_cache:False");
+    let tasks: Vec<_> = (0..10u64)
+        .map(|i| {
+            let (a, s) = (alloc.clone(), alloc.new_stream(DeviceId(0)).unwrap());
+            tokio::spawn(async move { a.malloc(100 * MIB + i * 2 * MIB, &s).await })
+        })
+        .collect();
+    let mut served = Vec::new();
+    for t in tasks {
+        if let Ok(buf) = t.await.unwrap() {
+            served.push(buf);
+        }
+    }
+    let st = alloc.stats(DeviceId(0)).await.unwrap();
+    assert!(
+        st.reserved_bytes.all().peak <= 512 * MIB,
+        "peak reserved {} MiB over the 512 MiB cap ({} served)",
+        st.reserved_bytes.all().peak / MIB,
+        served.len()
+    );
+    assert!(served.len() >= 3, "{} served", served.len());
+    drop(served);
+    alloc.shutdown().await.unwrap();
+}

@@ -95,7 +95,8 @@ pub struct DeviceCore {
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
     pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
-    /// Bytes of expandable pages being mapped off the core (`growth.rs`).
+    /// Bytes being obtained off the core: expandable pages being mapped (`growth.rs`) and
+    /// segments claimed by `SegmentRequest::claim_fraction`. They count against the cap.
     pub(crate) growing_bytes: u64,
     /// Off-core operations in flight per expandable segment (growths, page releases): its
     /// reservation is not freed while any runs (`growth.rs`, `shrink.rs`).
@@ -421,16 +422,24 @@ impl DeviceCore {
     }
 
     /// Finishes a miss with a segment the caller allocated from the backend itself (`ptr`,
-    /// `request.alloc_size()` bytes). The segment is adopted even if the cache could serve the
-    /// request by now, so nothing leaks.
+    /// `request.alloc_size()` bytes), claimed beforehand with
+    /// [`SegmentRequest::claim_fraction`] (the claim ends here). The segment is adopted even
+    /// if the cache could serve the request by now, so nothing leaks.
     pub fn malloc_with_segment(
         &mut self,
         request: SegmentRequest,
         ptr: DevicePtr,
     ) -> Result<Allocation, AllocError> {
         let SegmentRequest { mut params, size } = request;
+        self.growing_bytes = self.growing_bytes.saturating_sub(params.alloc_size);
         self.adopt_segment(&mut params, ptr);
         self.finish(&params, size)
+    }
+
+    /// A segment claimed with [`SegmentRequest::claim_fraction`] was not obtained (the device
+    /// malloc failed, or the core shut down and it went back): it no longer counts.
+    pub fn segment_not_obtained(&mut self, request: &SegmentRequest) {
+        self.growing_bytes = self.growing_bytes.saturating_sub(request.params.alloc_size);
     }
 
     fn malloc_miss(
@@ -595,7 +604,9 @@ impl DeviceCore {
         }
         let size = params.alloc_size;
         if let Some(max) = self.allowed_max {
-            if self.total_reserved.saturating_add(size) > max {
+            // Memory being obtained off the core counts against the cap too.
+            let held = self.total_reserved.saturating_add(self.growing_bytes);
+            if held.saturating_add(size) > max {
                 return Ok(false);
             }
         }
@@ -860,8 +871,26 @@ impl SegmentRequest {
     }
 
     /// True when a segment of this size fits under `per_process_memory_fraction` right now.
+    /// Memory being obtained off the core counts.
     pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
-        core.allowed_max
-            .is_none_or(|max| core.total_reserved.saturating_add(self.params.alloc_size) <= max)
+        core.allowed_max.is_none_or(|max| {
+            core.total_reserved
+                .saturating_add(core.growing_bytes)
+                .saturating_add(self.params.alloc_size)
+                <= max
+        })
+    }
+
+    /// [`SegmentRequest::fits_fraction`], and if it fits, counts the segment as being
+    /// allocated off the core until [`DeviceCore::malloc_with_segment`] adopts it or
+    /// [`DeviceCore::segment_not_obtained`] says it failed: every check (this one, the core's
+    /// own chain, expandable growth) counts it against `per_process_memory_fraction`, so
+    /// concurrent misses off the core cannot overshoot the cap together.
+    pub fn claim_fraction(&self, core: &mut DeviceCore) -> bool {
+        let fits = self.fits_fraction(core);
+        if fits {
+            core.growing_bytes += self.params.alloc_size;
+        }
+        fits
     }
 }

@@ -219,7 +219,9 @@ impl DeviceCore {
         reservation
     }
 
-    /// Bytes being mapped off the core right now.
+    /// Bytes being obtained off the core right now: pages planned for mapping, and segments
+    /// claimed with [`SegmentRequest::claim_fraction`]. They count against
+    /// `per_process_memory_fraction`.
     pub fn growing_bytes(&self) -> u64 {
         self.growing_bytes
     }

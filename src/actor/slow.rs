@@ -83,9 +83,11 @@ impl DeviceActor {
             // Garbage collection (`garbage_collection_threshold`) picks its victims here and
             // frees them below, off the gate.
             let collected = core.detach_gc_victims()?;
-            // The memory-fraction cap and expandable segments (which map pages instead of
-            // allocating a segment) are handled by the core's own chain.
-            let in_place = !req.fits_fraction(core) || core.config().expandable_segments;
+            // Expandable segments map pages instead of allocating a segment (below). A
+            // segment allocated off the gate is claimed against `per_process_memory_fraction`
+            // first, so concurrent misses cannot overshoot it together; one that does not fit
+            // goes to the core's own chain.
+            let in_place = core.config().expandable_segments || !req.claim_fraction(core);
             (in_place, collected)
         };
         if !collected.is_empty() {
@@ -98,37 +100,10 @@ impl DeviceActor {
         let req = if in_place {
             req
         } else {
-            match self.backend.malloc(self.device, req.alloc_size()) {
-                Ok(ptr) => return self.adopt(req, ptr, stream),
-                Err(e) if e.is_oom() => {
-                    tracing::info!(
-                        device = self.device.0,
-                        size,
-                        "device full: releasing cached memory"
-                    );
-                }
-                Err(e) => return Err(e.into()),
+            match self.malloc_claimed(req, &stream)? {
+                Ok(buf) => return Ok(buf),
+                Err(req) => req,
             }
-            let released = self.release_cache_blocking();
-            let outcome = self
-                .mailbox
-                .hold_blocking()
-                .state()
-                .core
-                .try_cached(size, stream.handle())?;
-            let req = match outcome {
-                CachedOutcome::Hit(a) => return Ok(DeviceBuffer::new(a, self.clone(), stream)),
-                CachedOutcome::Miss(req) => req,
-            };
-            if released > 0 {
-                tracing::debug!(device = self.device.0, size, "retrying device malloc");
-                match self.backend.malloc(self.device, req.alloc_size()) {
-                    Ok(ptr) => return self.adopt(req, ptr, stream),
-                    Err(e) if e.is_oom() => {}
-                    Err(e) => return Err(e.into()),
-                }
-            }
-            req
         };
         let req = match self.grow_off_gate(req, &stream)? {
             Grown::Buffer(buf) => return Ok(buf),
@@ -166,6 +141,72 @@ impl DeviceActor {
                 Err(e.into())
             }
         }
+    }
+
+    /// A device malloc off the gate for a request whose segment was claimed against the
+    /// memory-fraction cap; if the device is full, release the cache off the gate and retry.
+    /// `Err(req)` (claim dropped): the core's own chain continues.
+    fn malloc_claimed(
+        self: &Arc<Self>,
+        req: SegmentRequest,
+        stream: &Stream,
+    ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
+        let size = req.requested();
+        match self.backend.malloc(self.device, req.alloc_size()) {
+            Ok(ptr) => return self.adopt(req, ptr, stream.clone()).map(Ok),
+            Err(e) if e.is_oom() => {
+                tracing::info!(
+                    device = self.device.0,
+                    size,
+                    "device full: releasing cached memory"
+                );
+            }
+            Err(e) => {
+                self.unclaim(&req);
+                return Err(e.into());
+            }
+        }
+        let released = self.release_cache_blocking();
+        let outcome = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .try_cached(size, stream.handle());
+        // The retry below claims the same bytes (same size, same rounding).
+        let retry = match outcome {
+            Ok(CachedOutcome::Hit(a)) => {
+                self.unclaim(&req);
+                return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
+            }
+            Ok(CachedOutcome::Miss(retry)) => retry,
+            Err(e) => {
+                self.unclaim(&req);
+                return Err(e.into());
+            }
+        };
+        if released > 0 {
+            tracing::debug!(device = self.device.0, size, "retrying device malloc");
+            match self.backend.malloc(self.device, retry.alloc_size()) {
+                Ok(ptr) => return self.adopt(retry, ptr, stream.clone()).map(Ok),
+                Err(e) if e.is_oom() => {}
+                Err(e) => {
+                    self.unclaim(&req);
+                    return Err(e.into());
+                }
+            }
+        }
+        self.unclaim(&req);
+        Ok(Err(retry))
+    }
+
+    /// Drops the fraction claim of a segment that was not obtained.
+    fn unclaim(&self, req: &SegmentRequest) {
+        self.mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .segment_not_obtained(req);
     }
 
     /// Expandable segments: maps the pages a miss needs off the gate (plan under the gate,
@@ -247,6 +288,7 @@ impl DeviceActor {
         let mut held = self.mailbox.hold_blocking();
         let core = &mut held.state().core;
         if core.is_shut_down() {
+            core.segment_not_obtained(&req);
             drop(held);
             if let Err(e) = self.backend.free(self.device, ptr) {
                 tracing::warn!(device = self.device.0, %ptr, error = %e, "free after shutdown failed");
