@@ -4,24 +4,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
+use common::until_waiting;
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::{
     Allocator, AllocatorConfig, BackendError, BackendKind, DeviceId, Error, MallocOptions,
 };
 
 const MIB: u64 = 1 << 20;
-
-/// Waits (up to 5 s) until `n` requests wait for memory on device 0.
-async fn until_waiting(alloc: &Allocator, n: usize) {
-    let actor = alloc.device_actor(DeviceId(0)).unwrap();
-    for _ in 0..2500 {
-        if actor.waiting() == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("expected {n} waiters, found {}", actor.waiting());
-}
 
 fn accounting(devices: u32, capacity: u64) -> (Arc<AccountingBackend>, Allocator) {
     let acc = Arc::new(AccountingBackend::new(devices, capacity));

@@ -5,30 +5,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
+mod common;
+
+use common::{build, MIB};
+use gpualloc::runtime::sim::{LatencyModel, SimBackend};
 use gpualloc::{Allocator, DeviceId};
 
-const MIB: u64 = 1 << 20;
-
 fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
-    SimBackend::new(SimConfig {
-        capacity_per_device: capacity,
-        latency: LatencyModel {
+    common::sim_with(
+        capacity,
+        LatencyModel {
             malloc,
             map: malloc / 10,
             ..LatencyModel::zero()
         },
-        ..SimConfig::fast(1)
-    })
-    .expect("sim")
-}
-
-fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
-    Allocator::builder()
-        .config_str(conf)
-        .backend_instance(sim.clone())
-        .build()
-        .expect("build")
+    )
 }
 
 /// Starts `n` mallocs of `size` at once and cancels them all while their misses are in
@@ -63,7 +54,7 @@ async fn cancel_misses_in_flight(alloc: &Allocator, n: usize, size: u64) {
 async fn a_live_request_waits_for_cancelled_misses_instead_of_failing() {
     for conf in ["", "thread_cache:False", "expandable_segments:True"] {
         let sim = slow_sim(1024 * MIB, Duration::from_millis(100));
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         // 15 × 64 MiB in flight, all cancelled: 960 of the 1024 MiB are being allocated.
         cancel_misses_in_flight(&alloc, 15, 64 * MIB).await;
         let s = alloc.new_stream(DeviceId(0)).unwrap();
@@ -96,7 +87,7 @@ async fn a_live_request_waits_for_cancelled_misses_instead_of_failing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_oom_report_counts_memory_in_flight_and_the_process() {
     let sim = slow_sim(1024 * MIB, Duration::from_millis(400));
-    let alloc = build(&sim, "thread_cache:False");
+    let alloc = build(sim.clone(), "thread_cache:False");
     let s = alloc.new_stream(DeviceId(0)).unwrap();
     // Live misses (not cancelled) hold 2 × 400 MiB while a third request finds no room.
     let (a1, s1) = (alloc.clone(), s.clone());
@@ -137,7 +128,7 @@ async fn the_oom_report_counts_memory_in_flight_and_the_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_larger_than_the_device_gets_no_fragmentation_hint() {
     let sim = slow_sim(64 * MIB, Duration::ZERO);
-    let alloc = build(&sim, "");
+    let alloc = build(sim.clone(), "");
     let s = alloc.new_stream(DeviceId(0)).unwrap();
     // Fragment: 40 MiB reserved, 30 MiB of it idle.
     let a = alloc.malloc(30 * MIB, &s).await.unwrap();
@@ -154,7 +145,10 @@ async fn a_request_larger_than_the_device_gets_no_fragmentation_hint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_misses_respect_the_memory_fraction() {
     let sim = slow_sim(1024 * MIB, Duration::from_millis(100));
-    let alloc = build(&sim, "per_process_memory_fraction:0.5,thread_cache:False");
+    let alloc = build(
+        sim.clone(),
+        "per_process_memory_fraction:0.5,thread_cache:False",
+    );
     let tasks: Vec<_> = (0..10u64)
         .map(|i| {
             let (a, s) = (alloc.clone(), alloc.new_stream(DeviceId(0)).unwrap());

@@ -3,22 +3,15 @@
 //! outside the actor's gate. Checked by order, not by time: with each slow call costing
 //! 300 ms on the sim, a hit must come back while the miss is still in flight.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc::runtime::sim::{LatencyModel, Op, SimBackend, SimConfig};
-use gpualloc::{Allocator, DeviceId};
+mod common;
 
-const MIB: u64 = 1 << 20;
+use common::{build, sim, MIB};
+use gpualloc::runtime::sim::{LatencyModel, Op, SimBackend};
+use gpualloc::DeviceId;
+
 const SLOW: Duration = Duration::from_millis(300);
-
-fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
-    Allocator::builder()
-        .config_str(conf)
-        .backend_instance(sim.clone())
-        .build()
-        .expect("build")
-}
 
 /// Waits until the sim has started `op` at least `n` times.
 async fn until_started(sim: &SimBackend, op: Op, n: u64) {
@@ -37,12 +30,8 @@ async fn hits_flow_while_an_expandable_segment_grows() {
         "expandable_segments:True,thread_cache:False",
         "expandable_segments:True",
     ] {
-        let sim = SimBackend::new(SimConfig {
-            capacity_per_device: 1 << 30,
-            ..SimConfig::fast(1)
-        })
-        .unwrap();
-        let alloc = build(&sim, conf);
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
         let s = alloc.new_stream(DeviceId(0)).unwrap();
         // A cached small block to hit, and a mapped large page in use.
         drop(alloc.malloc(512 << 10, &s).await.unwrap());
@@ -85,13 +74,9 @@ async fn hits_flow_while_an_expandable_segment_grows() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_flow_during_a_garbage_collection_pass() {
-    let sim = SimBackend::new(SimConfig {
-        capacity_per_device: 100 * MIB,
-        ..SimConfig::fast(1)
-    })
-    .unwrap();
+    let sim = sim(100 * MIB);
     let alloc = build(
-        &sim,
+        sim.clone(),
         "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
     );
     let s = alloc.new_stream(DeviceId(0)).unwrap();
@@ -136,12 +121,8 @@ async fn hits_flow_during_a_garbage_collection_pass() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_flow_while_empty_cache_waits_for_a_busy_stream() {
-    let sim = SimBackend::new(SimConfig {
-        capacity_per_device: 1 << 30,
-        ..SimConfig::fast(1)
-    })
-    .unwrap();
-    let alloc = build(&sim, "expandable_segments:True,thread_cache:False");
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:True,thread_cache:False");
     let (s, h) = (
         alloc.new_stream(DeviceId(0)).unwrap(),
         alloc.new_stream(DeviceId(0)).unwrap(),

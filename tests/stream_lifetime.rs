@@ -4,12 +4,11 @@
 //! stream, the out-of-memory chain, `empty_cache`, snapshots, shutdown, the thread cache, and
 //! frees of buffers recorded on a stream the user dropped. Run in every config.
 
-use std::sync::Arc;
+mod common;
 
-use gpualloc::runtime::sim::{Op, SimBackend, SimConfig};
+use common::{build, sim, MIB};
+use gpualloc::runtime::sim::Op;
 use gpualloc::{Allocator, DeviceId};
-
-const MIB: u64 = 1 << 20;
 
 const CONFIGS: &[&str] = &[
     "",
@@ -18,22 +17,6 @@ const CONFIGS: &[&str] = &[
     "expandable_segments:True,thread_cache:False",
     "garbage_collection_threshold:0.6",
 ];
-
-fn sim(capacity: u64) -> Arc<SimBackend> {
-    SimBackend::new(SimConfig {
-        capacity_per_device: capacity,
-        ..SimConfig::fast(1)
-    })
-    .expect("sim")
-}
-
-fn build(sim: &Arc<SimBackend>, conf: &str) -> Allocator {
-    Allocator::builder()
-        .config_str(conf)
-        .backend_instance(sim.clone())
-        .build()
-        .expect("build")
-}
 
 /// Caches large and small blocks of a stream, then drops the stream.
 async fn cache_blocks_of_a_dropped_stream(alloc: &Allocator) {
@@ -49,7 +32,7 @@ async fn cache_blocks_of_a_dropped_stream(alloc: &Allocator) {
 async fn every_path_works_after_a_stream_with_cached_blocks_is_dropped() {
     for conf in CONFIGS {
         let sim = sim(1 << 30);
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         cache_blocks_of_a_dropped_stream(&alloc).await;
         let other = alloc.new_stream(DeviceId(0)).unwrap();
         let b = alloc
@@ -86,7 +69,7 @@ async fn every_path_works_after_a_stream_with_cached_blocks_is_dropped() {
 async fn the_oom_chain_releases_blocks_of_a_dropped_stream() {
     for conf in CONFIGS {
         let sim = sim(100 * MIB);
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         cache_blocks_of_a_dropped_stream(&alloc).await;
         let other = alloc.new_stream(DeviceId(0)).unwrap();
         // 40 MiB cached + 80 MiB more does not fit in 100 MiB: the cache must be released.
@@ -106,7 +89,7 @@ async fn the_oom_chain_releases_blocks_of_a_dropped_stream() {
 async fn shutdown_right_after_the_stream_is_dropped() {
     for conf in CONFIGS {
         let sim = sim(1 << 30);
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         cache_blocks_of_a_dropped_stream(&alloc).await;
         alloc
             .shutdown()
@@ -124,7 +107,7 @@ async fn shutdown_right_after_the_stream_is_dropped() {
 async fn a_free_recorded_on_a_dropped_stream_waits_on_its_event() {
     for conf in CONFIGS {
         let sim = sim(1 << 30);
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         let home = alloc.new_stream(DeviceId(0)).unwrap();
         let user = alloc.new_stream(DeviceId(0)).unwrap();
         let buf = alloc.malloc(4 * MIB, &home).await.unwrap();
@@ -157,7 +140,7 @@ async fn a_free_recorded_on_a_dropped_stream_waits_on_its_event() {
 async fn kept_streams_are_released_with_their_segments() {
     for conf in CONFIGS {
         let sim = sim(1 << 30);
-        let alloc = build(&sim, conf);
+        let alloc = build(sim.clone(), conf);
         for _ in 0..20 {
             cache_blocks_of_a_dropped_stream(&alloc).await;
         }
@@ -187,7 +170,7 @@ async fn kept_streams_are_released_with_their_segments() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pinned_free_recorded_on_a_dropped_stream_comes_back() {
     let sim = sim(1 << 30);
-    let alloc = build(&sim, "");
+    let alloc = build(sim.clone(), "");
     let host = alloc.host();
     let stream = alloc.new_stream(DeviceId(0)).unwrap();
     let buf = host.malloc(64 << 10).await.unwrap();

@@ -5,32 +5,18 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{until_waiting, MIB};
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::runtime::actor::waiters::MAX_OVERTAKES;
 use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Stream};
 use tokio::task::JoinHandle;
 
-const MIB: u64 = 1 << 20;
 const LONG: Duration = Duration::from_secs(20);
 
 fn build(conf: &str, capacity: u64) -> Allocator {
-    Allocator::builder()
-        .config_str(conf)
-        .backend_instance(Arc::new(AccountingBackend::new(1, capacity)))
-        .build()
-        .expect("build")
-}
-
-/// Waits (up to 5 s) until `n` requests wait for memory on device 0.
-async fn until_waiting(alloc: &Allocator, n: usize) {
-    let actor = alloc.device_actor(DeviceId(0)).unwrap();
-    for _ in 0..2500 {
-        if actor.waiting() == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("expected {n} waiters, found {}", actor.waiting());
+    common::build(Arc::new(AccountingBackend::new(1, capacity)), conf)
 }
 
 fn waiter(alloc: &Allocator, s: &Stream, size: u64) -> JoinHandle<Result<DeviceBuffer, Error>> {

@@ -1,0 +1,48 @@
+//! Helpers shared by the facade's integration tests: a one-device simulated GPU, an allocator
+//! on a backend, and waiting for requests to queue for memory. (Each test file is its own
+//! crate and uses only some of them.)
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
+use gpualloc::{Allocator, Backend, DeviceId};
+
+pub const MIB: u64 = 1 << 20;
+
+/// A one-device sim of `capacity` bytes with no latency.
+pub fn sim(capacity: u64) -> Arc<SimBackend> {
+    sim_with(capacity, LatencyModel::zero())
+}
+
+/// A one-device sim of `capacity` bytes whose calls cost `latency`.
+pub fn sim_with(capacity: u64, latency: LatencyModel) -> Arc<SimBackend> {
+    SimBackend::new(SimConfig {
+        capacity_per_device: capacity,
+        latency,
+        ..SimConfig::fast(1)
+    })
+    .expect("sim")
+}
+
+/// An allocator with config string `conf` on `backend`.
+pub fn build(backend: Arc<dyn Backend>, conf: &str) -> Allocator {
+    Allocator::builder()
+        .config_str(conf)
+        .backend_instance(backend)
+        .build()
+        .expect("build")
+}
+
+/// Waits (up to 5 s) until `n` requests wait for memory on device 0.
+pub async fn until_waiting(alloc: &Allocator, n: usize) {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    for _ in 0..2500 {
+        if actor.waiting() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("expected {n} waiters, found {}", actor.waiting());
+}
