@@ -127,20 +127,14 @@ impl Waiters {
                 notify_head(&mut inner)
             } else if served || unconsumed {
                 // Served: it overtook the head, and what is left of the memory may fit the
-                // next one. Cancelled with a wake-up it never used: pass that on.
-                let aged = inner.queue.front_mut().is_some_and(|head| {
-                    if served {
+                // one that was behind it (now at `pos`). Cancelled with a wake-up it never
+                // used: pass that on.
+                if served {
+                    if let Some(head) = inner.queue.front_mut() {
                         head.overtaken = head.overtaken.saturating_add(1);
                     }
-                    head.overtaken >= MAX_OVERTAKES
-                });
-                match inner.queue.get_mut(pos) {
-                    Some(next) if !aged => {
-                        next.notified = true;
-                        next.waker.take()
-                    }
-                    _ => None,
                 }
+                offer_at(&mut inner, pos)
             } else {
                 None
             }
@@ -155,25 +149,30 @@ impl Waiters {
     fn pass(&self, id: u64) {
         let waker = {
             let mut inner = lock(&self.inner);
-            let aged = inner
-                .queue
-                .front()
-                .is_some_and(|h| h.overtaken >= MAX_OVERTAKES);
             let Some(pos) = inner.queue.iter().position(|e| e.id == id) else {
                 return;
             };
-            match inner.queue.get_mut(pos + 1) {
-                Some(next) if !aged => {
-                    next.notified = true;
-                    next.waker.take()
-                }
-                _ => None,
-            }
+            offer_at(&mut inner, pos + 1)
         };
         if let Some(w) = waker {
             w.wake();
         }
     }
+}
+
+/// Offers memory that came back to the waiter at `pos` (behind the head), unless the head has
+/// been overtaken [`MAX_OVERTAKES`] times: then it is the head's alone.
+fn offer_at(inner: &mut Inner, pos: usize) -> Option<Waker> {
+    let aged = inner
+        .queue
+        .front()
+        .is_some_and(|head| head.overtaken >= MAX_OVERTAKES);
+    if aged {
+        return None;
+    }
+    let next = inner.queue.get_mut(pos)?;
+    next.notified = true;
+    next.waker.take()
 }
 
 fn notify_head(inner: &mut Inner) -> Option<Waker> {
