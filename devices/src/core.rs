@@ -870,8 +870,8 @@ impl SegmentRequest {
         self.size
     }
 
-    /// True when a segment of this size fits under `per_process_memory_fraction` right now.
-    /// Memory being obtained off the core counts.
+    /// True when a segment of this size fits under `per_process_memory_fraction` right now,
+    /// counting memory being obtained off the core (`DeviceCore::growing_bytes`).
     pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
         core.allowed_max.is_none_or(|max| {
             core.total_reserved

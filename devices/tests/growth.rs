@@ -55,6 +55,37 @@ fn split_malloc(core: &mut DeviceCore, size: u64, s: StreamHandle) -> gpualloc_d
     }
 }
 
+/// A mapped run: its size, whether small, and its blocks as (offset, size, state).
+type Run = (u64, bool, Vec<(u64, u64, String)>);
+
+/// Every mapped run (a segment as the snapshot shows it), so two cores with different
+/// addresses compare.
+fn layout(core: &DeviceCore) -> Vec<Run> {
+    core.snapshot()
+        .segments
+        .iter()
+        .map(|s| {
+            let blocks = s
+                .blocks
+                .iter()
+                .map(|b| (b.address - s.address, b.size, format!("{:?}", b.state)))
+                .collect();
+            (s.total_size, s.is_small, blocks)
+        })
+        .collect()
+}
+
+/// Which run `ptr` lies in (by index) and its offset there.
+fn place(core: &DeviceCore, ptr: u64) -> (usize, u64) {
+    let segs = core.snapshot().segments;
+    let (i, s) = segs
+        .iter()
+        .enumerate()
+        .find(|(_, s)| (s.address..s.address + s.total_size).contains(&ptr))
+        .expect("inside a run");
+    (i, ptr - s.address)
+}
+
 #[test]
 fn split_growth_matches_the_in_place_chain() {
     let sizes = [
@@ -82,9 +113,14 @@ fn split_growth_matches_the_in_place_chain() {
             let x = in_place.malloc(size, sa).unwrap();
             let y = split_malloc(&mut split, size, sb);
             assert_eq!(
-                x.ptr.0 - in_place.snapshot().segments[0].address.min(x.ptr.0),
-                y.ptr.0 - split.snapshot().segments[0].address.min(y.ptr.0),
-                "round {round}, request {i}: same offset"
+                place(&in_place, x.ptr.0),
+                place(&split, y.ptr.0),
+                "round {round}, request {i}: same place in the same mapped run"
+            );
+            assert_eq!(
+                layout(&in_place),
+                layout(&split),
+                "round {round}, request {i}: same runs and blocks"
             );
             assert_eq!(x.block_size, y.block_size);
             live.push((x.ptr, y.ptr));
