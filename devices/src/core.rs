@@ -488,7 +488,7 @@ impl DeviceCore {
             allowed: self.allowed_max,
             allocated: self.stats.allocated_bytes[0].current,
             reserved: self.stats.reserved_bytes[0].current,
-            in_flight: 0,
+            in_flight: self.growing_bytes,
             process_used: self.backend.process_used(self.device).ok().flatten(),
         };
         tracing::warn!(

@@ -71,9 +71,9 @@ pub struct OomReport {
     pub allocated: u64,
     /// Bytes this allocator holds from the device.
     pub reserved: u64,
-    /// Bytes being allocated from the device right now by other requests' misses (set by the
-    /// owner that runs misses off the core; 0 from the core alone). Memory of a cancelled
-    /// request counts here until it lands in the cache.
+    /// Bytes being obtained from the device off the core right now by other requests
+    /// (`DeviceCore::growing_bytes`: segments allocated and pages mapped by the owner's misses).
+    /// Memory of a cancelled request counts here until it lands in the cache.
     pub in_flight: u64,
     /// Device memory this process has in use, inside the allocator and out, where the backend
     /// can tell (PyTorch's "this process has X memory in use"); `None` where it cannot.

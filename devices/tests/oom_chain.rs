@@ -256,3 +256,37 @@ fn detached_garbage_collection_picks_old_segments_round_by_round() {
         "under the threshold now"
     );
 }
+
+/// A segment claimed by an owner allocating off the core counts against
+/// `per_process_memory_fraction` in the core's own chain, and the out-of-memory report names
+/// it as in flight; the claim ends when the segment is adopted.
+#[test]
+fn claimed_segments_count_against_the_cap_and_show_in_the_report() {
+    let (backend, mut core, s0, _) = rig(100 * MIB, "per_process_memory_fraction:1.0", false);
+    let req = match core.try_cached(60 * MIB, s0).unwrap() {
+        gpualloc_devices::CachedOutcome::Miss(r) => r,
+        gpualloc_devices::CachedOutcome::Hit(_) => panic!("empty core"),
+    };
+    assert!(req.claim_fraction(&mut core));
+    assert_eq!(core.growing_bytes(), 60 * MIB);
+    let err = core.malloc(60 * MIB, s0).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("expected out of memory, got {err}");
+    };
+    assert_eq!(report.in_flight, 60 * MIB);
+    assert!(
+        report
+            .to_string()
+            .contains("60.00 MiB is being allocated by requests in flight"),
+        "{report}"
+    );
+    assert!(
+        !req.claim_fraction(&mut core),
+        "a second 60 MiB does not fit either"
+    );
+    let ptr = backend.malloc(DeviceId(0), req.alloc_size()).unwrap();
+    let a = core.malloc_with_segment(req, ptr).unwrap();
+    assert_eq!((core.growing_bytes(), core.reserved_bytes()), (0, 60 * MIB));
+    core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+}

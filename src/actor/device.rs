@@ -9,12 +9,12 @@
 //! the gate at once and continues on the blocking pool (`slow.rs`), so hits keep being served
 //! while the device allocates.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_devices::{
-    AllocError, Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
+    Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
 };
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
@@ -55,8 +55,6 @@ pub struct DeviceActor {
     pub(crate) stop: Shutdown,
     /// Misses running on the blocking pool.
     pub(crate) misses_in_flight: AtomicUsize,
-    /// Bytes those misses are allocating (their segment sizes).
-    pub(crate) miss_bytes_in_flight: AtomicU64,
     /// Notified whenever a miss lands (succeeds or fails), for requests that found the device
     /// full while misses were in flight.
     pub(crate) miss_landed: tokio::sync::Notify,
@@ -102,7 +100,6 @@ impl DeviceActor {
             process,
             stop: Shutdown::new(),
             misses_in_flight: AtomicUsize::new(0),
-            miss_bytes_in_flight: AtomicU64::new(0),
             miss_landed: tokio::sync::Notify::new(),
             runtime,
         })
@@ -230,7 +227,8 @@ impl DeviceActor {
 
     /// `malloc` on this device: a hit inline, a miss on the blocking pool. Out of memory while
     /// other misses are in flight: wait for them to land and retry (bounded by
-    /// `LANDING_RETRIES` × `LANDING_WAIT`); the final error counts the bytes still in flight.
+    /// `LANDING_RETRIES` × `LANDING_WAIT`). The out-of-memory report counts the bytes other
+    /// misses are obtaining (`OomReport::in_flight`).
     pub(crate) async fn malloc(
         self: &Arc<Self>,
         size: u64,
@@ -252,10 +250,6 @@ impl DeviceActor {
                         "out of memory with misses in flight: waiting for them to land"
                     );
                     self.until_misses_land().await;
-                }
-                Err(Error::Alloc(AllocError::OutOfMemory(mut report))) => {
-                    report.in_flight = self.miss_bytes_in_flight.load(Ordering::Acquire);
-                    return Err(Error::Alloc(AllocError::OutOfMemory(report)));
                 }
                 r => return r,
             }
@@ -330,7 +324,7 @@ impl DeviceActor {
                 // landing then returns its block to the cache (never to a user): nothing
                 // leaks. Until it lands its bytes count as in flight, and requests that run
                 // out of memory meanwhile wait for it (`malloc`; `landing.rs`).
-                let landing = Landing::new(self.clone(), req.alloc_size());
+                let landing = Landing::new(self.clone());
                 let mut guard = CancelOnDrop(Some(landing.clone()));
                 let task = landing.clone();
                 let joined = self

@@ -1,8 +1,8 @@
 //! Where a miss running on the blocking pool lands: handed to its request if that is still
 //! waiting, or returned to the cache if the request was cancelled, and only then announced.
 //!
-//! The bytes of a miss count as in flight (`DeviceActor::miss_bytes_in_flight`) until its
-//! result has been *taken*: by the live request, or by the cancellation that drops its
+//! A miss counts as in flight (`DeviceActor::misses_in_flight`) until its result has been
+//! *taken*: by the live request, or by the cancellation that drops its
 //! buffer (which returns the block to the cache, never to a user). Exactly one of the two
 //! takes it, under the slot's lock, and then announces the landing, so a request that ran out
 //! of memory and waits for misses to land (`DeviceActor::malloc`) always finds a cancelled
@@ -26,20 +26,15 @@ struct Slot {
 /// One miss's landing place, shared by its request and its blocking task.
 pub(crate) struct Landing {
     actor: Arc<DeviceActor>,
-    bytes: u64,
     slot: Mutex<Slot>,
 }
 
 impl Landing {
-    /// Counts `bytes` as in flight on `actor` until the landing is taken.
-    pub fn new(actor: Arc<DeviceActor>, bytes: u64) -> Arc<Landing> {
+    /// Counts a miss as in flight on `actor` until the landing is taken.
+    pub fn new(actor: Arc<DeviceActor>) -> Arc<Landing> {
         actor.misses_in_flight.fetch_add(1, Ordering::AcqRel);
-        actor
-            .miss_bytes_in_flight
-            .fetch_add(bytes, Ordering::AcqRel);
         Arc::new(Landing {
             actor,
-            bytes,
             slot: Mutex::new(Slot::default()),
         })
     }
@@ -90,8 +85,6 @@ impl Landing {
 
     fn announce(&self) {
         let a = &self.actor;
-        a.miss_bytes_in_flight
-            .fetch_sub(self.bytes, Ordering::AcqRel);
         a.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
         a.miss_landed.notify_waiters();
     }
