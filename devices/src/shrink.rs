@@ -52,8 +52,8 @@ impl DeviceCore {
         let mut ids: Vec<BlockId> = Vec::new();
         for pool in [LARGE_POOL, SMALL_POOL] {
             for &id in self.pools[pool].free.values() {
-                let b = self.blocks.get(id);
-                if b.expandable && b.mapped {
+                // The free sets hold mapped blocks only (unmapped ones have sets of their own).
+                if self.blocks.get(id).expandable {
                     ids.push(id);
                 }
             }
