@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpualloc_devices::{AllocError, AllocatorConfig, DeviceSnapshot, DeviceStats};
+use gpualloc_devices::{AllocError, AllocatorConfig, CrossStreamFree, DeviceSnapshot, DeviceStats};
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 use tokio::task::JoinHandle;
 
@@ -206,6 +206,22 @@ impl Allocator {
     pub async fn reset_accumulated_stats(&self, device: DeviceId) -> Result<(), Error> {
         self.inner.process.check()?;
         self.actor(device)?.reset_accumulated_stats().await
+    }
+
+    /// The last frees on `device` that the `debug_cross_stream_frees` config key's check
+    /// reported (oldest first, at most [`CROSS_STREAM_LOG`](crate::devices::CROSS_STREAM_LOG)):
+    /// buffers dropped while another stream, neither `record_stream`ed nor waited for, still
+    /// had queued work on them. Empty with the key off, or on a backend that cannot tell (a
+    /// real GPU). Each report is also a `tracing` warning, and counted in
+    /// [`DeviceStats::num_cross_stream_frees`](crate::DeviceStats). A free is checked when
+    /// the device actor processes it: after a buffer's drop, call this (or any other call
+    /// through the actor, such as [`Allocator::stats`]) to see it.
+    pub async fn cross_stream_frees(
+        &self,
+        device: DeviceId,
+    ) -> Result<Vec<CrossStreamFree>, Error> {
+        self.inner.process.check()?;
+        self.actor(device)?.cross_stream_frees().await
     }
 
     /// Segments and blocks of every device (PyTorch's `memory_snapshot`).

@@ -60,8 +60,8 @@ pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 pub use cudarc;
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{
-    format_size, AllocError, AllocatorConfig, ConfigError, DeviceSnapshot, DeviceStats, OomReport,
-    Stat, StatArray, StatType,
+    format_size, AllocError, AllocatorConfig, ConfigError, CrossStreamFree, DeviceSnapshot,
+    DeviceStats, OomReport, Stat, StatArray, StatType,
 };
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};

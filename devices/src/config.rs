@@ -14,6 +14,7 @@
 //! | `per_process_memory_fraction` | cap reserved memory at this fraction of the device, in (0, 1] | none |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: let the actor serve other requests during a driver malloc | `True` |
 //! | `thread_cache` | `True`/`False`: each thread keeps a few blocks it freed and hands them straight back to a same-size request on the same stream, without the actor's gate (gpualloc's own key; see the facade's `actor::thread_cache`) | `True` |
+//! | `debug_cross_stream_frees` | `True`/`False`: on each free, ask the backend whether another stream that was not `record_stream`ed still has queued work touching the block, and report it (gpualloc's own key; the sim can tell, a real driver cannot; every free then goes through the actor) | `False` |
 //! | `backend` | only `native` is supported | `native` |
 //! | `pinned_*` | pinned-host allocator keys, validated by the host allocator | — |
 //!
@@ -75,6 +76,9 @@ pub struct AllocatorConfig {
     /// Per-thread caches of just-freed blocks in front of the device actor (facade only;
     /// the core ignores it).
     pub thread_cache: bool,
+    /// Check every free for other streams' pending work on the block (a debugging aid; see
+    /// `DeviceCore::cross_stream_frees`).
+    pub debug_cross_stream_frees: bool,
     /// `pinned_*` entries, passed unparsed to the pinned-host allocator.
     pub pinned: Vec<(String, String)>,
 }
@@ -91,6 +95,7 @@ impl Default for AllocatorConfig {
             per_process_memory_fraction: None,
             release_lock_on_device_malloc: true,
             thread_cache: true,
+            debug_cross_stream_frees: false,
             pinned: Vec::new(),
         }
     }
@@ -148,6 +153,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if !self.thread_cache {
             parts.push("thread_cache:False".into());
+        }
+        if self.debug_cross_stream_frees {
+            parts.push("debug_cross_stream_frees:True".into());
         }
         for (k, v) in &self.pinned {
             parts.push(format!("{k}:{v}"));
@@ -285,6 +293,9 @@ impl AllocatorConfig {
                 self.release_lock_on_device_malloc = parse_bool(key, value)?;
             }
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
+            "debug_cross_stream_frees" => {
+                self.debug_cross_stream_frees = parse_bool(key, value)?;
+            }
             "backend" => {
                 if value != "native" {
                     return Err(invalid(
@@ -385,6 +396,12 @@ impl AllocatorConfig {
     /// Builder: `thread_cache`.
     pub fn with_thread_cache(mut self, on: bool) -> Self {
         self.thread_cache = on;
+        self
+    }
+
+    /// Builder: `debug_cross_stream_frees`.
+    pub fn with_debug_cross_stream_frees(mut self, on: bool) -> Self {
+        self.debug_cross_stream_frees = on;
         self
     }
 
@@ -537,6 +554,23 @@ mod tests {
         assert_eq!(off, AllocatorConfig::default().with_thread_cache(false));
         assert_eq!(off.to_string(), "thread_cache:False");
         assert_eq!(AllocatorConfig::parse(&off.to_string()).unwrap(), off);
+    }
+
+    #[test]
+    fn debug_cross_stream_frees_key() {
+        assert!(!AllocatorConfig::default().debug_cross_stream_frees);
+        let on = AllocatorConfig::parse("debug_cross_stream_frees:True").unwrap();
+        assert!(on.debug_cross_stream_frees);
+        assert_eq!(
+            on,
+            AllocatorConfig::default().with_debug_cross_stream_frees(true)
+        );
+        assert_eq!(on.to_string(), "debug_cross_stream_frees:True");
+        assert_eq!(AllocatorConfig::parse(&on.to_string()).unwrap(), on);
+        assert!(matches!(
+            AllocatorConfig::parse("debug_cross_stream_frees:yes"),
+            Err(ConfigError::InvalidValue { .. })
+        ));
     }
 
     #[test]

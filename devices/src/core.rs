@@ -23,6 +23,7 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{Block, BlockArena, BlockId, BlockState};
 use crate::config::AllocatorConfig;
+use crate::cross_stream::CrossStreamLog;
 use crate::error::{AllocError, OomReport};
 use crate::expandable::ExpandableSegment;
 use crate::pool::{key, BlockPool, PoolOwner};
@@ -114,6 +115,8 @@ pub struct DeviceCore {
     pub(crate) trace: Option<TraceRing>,
     pub(crate) now_us: u64,
     callbacks: Vec<FreeMemoryCallback>,
+    /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
+    pub(crate) cross_stream: CrossStreamLog,
     pub(crate) shut_down: bool,
     #[cfg(feature = "rule-knobs")]
     knobs: RuleKnobs,
@@ -187,6 +190,7 @@ impl DeviceCore {
             trace: None,
             now_us: 0,
             callbacks: Vec::new(),
+            cross_stream: CrossStreamLog::default(),
             shut_down: false,
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),
@@ -799,6 +803,9 @@ impl DeviceCore {
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
         if size >= self.config.max_split_size {
             self.stats.oversize_allocations.decrease(1);
+        }
+        if self.config.debug_cross_stream_frees {
+            self.check_cross_stream_free(id);
         }
         if has_uses {
             self.insert_events(id);

@@ -11,6 +11,7 @@
 mod block;
 pub mod config;
 mod core;
+mod cross_stream;
 mod detached;
 pub mod error;
 mod events;
@@ -36,6 +37,7 @@ pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
 };
 pub use config::{AllocatorConfig, ConfigError};
+pub use cross_stream::{CrossStreamFree, CROSS_STREAM_LOG};
 pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
 pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};

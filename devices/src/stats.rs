@@ -115,6 +115,9 @@ pub struct DeviceStats {
     /// `max_split_size` key: its `size_t` maximum read as `int64`). Set by the core; resets
     /// leave it alone.
     pub max_split_size: i64,
+    /// Frees the `debug_cross_stream_frees` check reported (gpualloc's own counter: not one of
+    /// PyTorch's keys, so not in [`DeviceStats::to_flat`]). Reset with the accumulated stats.
+    pub num_cross_stream_frees: u64,
 }
 
 impl DeviceStats {
@@ -139,6 +142,7 @@ impl DeviceStats {
         self.num_sync_all_streams = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
+        self.num_cross_stream_frees = 0;
     }
 
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {

@@ -63,6 +63,20 @@ pub trait Backend: Send + Sync + 'static {
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
     /// Makes future work on `stream` wait until `event` (as last recorded) completes.
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
+    /// Streams of `stream`'s device, other than `stream`, with queued work not yet finished
+    /// that touches `[ptr, ptr + len)` and that `stream` has not been made to wait for (by
+    /// [`Backend::stream_wait_event`] on an event recorded after that work). `None` where the
+    /// backend cannot tell (a real driver does not say what queued work touches). For the
+    /// allocator's debug check of frees that race other streams (`debug_cross_stream_frees`).
+    fn unordered_users(
+        &self,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        len: u64,
+    ) -> Result<Option<Vec<StreamHandle>>> {
+        let _ = (stream, ptr, len);
+        Ok(None)
+    }
     /// Enqueues `f` on `stream`; it runs on a backend thread after the work before it.
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()>;
     /// Copies `len` bytes from `src` to `dst` in stream order. Both are device or

@@ -97,3 +97,69 @@ fn device_synchronize_waits_for_every_stream_of_the_device_only() {
     sim.stream_destroy(s0).unwrap();
     sim.stream_destroy(s1).unwrap();
 }
+
+#[test]
+fn unordered_users_names_streams_with_pending_work_on_a_range_until_waited_for() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let a = sim.stream_create(D0).unwrap();
+    let b = sim.stream_create(D0).unwrap();
+    let c = sim.stream_create(D0).unwrap();
+    let buf = sim.malloc(D0, 1 << 20).unwrap();
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    // b is held by a kernel, then has a memset of [buf + 4096, buf + 8192) and a kernel that
+    // declares [buf + 64 KiB, + 4 KiB) queued behind it.
+    sim.launch_kernel(b, Duration::ZERO, move |_| {
+        let _ = gate.recv();
+        Ok(())
+    })
+    .unwrap();
+    sim.memset_async(b, gpualloc_runtime::DevicePtr(buf.0 + 4096), 7, 4096)
+        .unwrap();
+    sim.launch_kernel_touching(
+        b,
+        Duration::ZERO,
+        &[(gpualloc_runtime::DevicePtr(buf.0 + 65536), 4096)],
+        |_| Ok(()),
+    )
+    .unwrap();
+    let users = |s, off: u64, len| {
+        sim.unordered_users(s, gpualloc_runtime::DevicePtr(buf.0 + off), len)
+            .unwrap()
+    };
+    assert_eq!(users(a, 0, 1 << 20), Some(vec![b]));
+    assert_eq!(users(a, 8191, 1), Some(vec![b]), "last byte of the memset");
+    assert_eq!(users(a, 8192, 4096), Some(vec![]), "just past the memset");
+    assert_eq!(users(a, 0, 4096), Some(vec![]), "just before it");
+    assert_eq!(
+        users(a, 65536 + 4095, 1),
+        Some(vec![b]),
+        "declared by the kernel"
+    );
+    assert_eq!(
+        users(b, 0, 1 << 20),
+        Some(vec![]),
+        "a stream's own work is ordered"
+    );
+    // a waits for an event recorded on b after that work: ordered, no longer reported for a.
+    let e = sim.event_create(D0).unwrap();
+    sim.event_record(e, b).unwrap();
+    sim.stream_wait_event(a, e).unwrap();
+    assert_eq!(users(a, 0, 1 << 20), Some(vec![]));
+    assert_eq!(users(c, 0, 1 << 20), Some(vec![b]), "c did not wait");
+    // Work b queues after the record is not covered by a's wait.
+    sim.memset_async(b, buf, 1, 16).unwrap();
+    assert_eq!(users(a, 0, 16), Some(vec![b]));
+    drop(open);
+    sim.stream_synchronize(b).unwrap();
+    assert_eq!(
+        users(c, 0, 1 << 20),
+        Some(vec![]),
+        "finished work is not pending"
+    );
+    assert_eq!(sim.counts().get(Op::UnorderedUsers), 10);
+    sim.event_destroy(e).unwrap();
+    for s in [a, b, c] {
+        sim.stream_destroy(s).unwrap();
+    }
+    sim.free(D0, buf).unwrap();
+}

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_devices::{
-    Allocation, CachedOutcome, DeviceCore, DeviceSnapshot, DeviceStats, SegmentRequest,
+    Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot, DeviceStats,
+    SegmentRequest,
 };
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
@@ -84,9 +85,12 @@ impl DeviceActor {
         runtime: tokio::runtime::Handle,
     ) -> Arc<Self> {
         // Garbage collection ages cached blocks by the core's own lookups, which round trips
-        // beside it would skip: the thread cache stays off with it.
+        // beside it would skip: the thread cache stays off with it. So it does with the
+        // `debug_cross_stream_frees` check, which the core makes on every free.
         let config = core.config();
-        let thread_cache = (config.thread_cache && config.garbage_collection_threshold == 0.0)
+        let thread_cache = (config.thread_cache
+            && config.garbage_collection_threshold == 0.0
+            && !config.debug_cross_stream_frees)
             .then(ThreadCache::new);
         let signals = Arc::new(Signals {
             thread_cache,
@@ -376,6 +380,11 @@ impl DeviceActor {
     /// Resets the allocated/freed sums and the event counters.
     pub(crate) async fn reset_accumulated_stats(&self) -> Result<(), Error> {
         self.call(|st| st.core.reset_accumulated_stats()).await
+    }
+
+    /// The last frees the `debug_cross_stream_frees` check reported.
+    pub(crate) async fn cross_stream_frees(&self) -> Result<Vec<CrossStreamFree>, Error> {
+        self.call(|st| st.core.cross_stream_frees()).await
     }
 
     /// Segments and blocks of this device.

@@ -164,6 +164,11 @@ impl Backend for SimBackend {
         let (shared, tx) = self.stream(stream)?;
         let ev = self.event(event)?;
         let seq = ev.last();
+        if let Some((other, task)) = ev.last_at() {
+            if other != shared.raw {
+                shared.wait_for(other, task);
+            }
+        }
         latency::pay(self.latency().event);
         if ev.reached(seq) {
             return Ok(());
@@ -175,6 +180,32 @@ impl Backend for SimBackend {
                 Ok(())
             }),
         )
+    }
+
+    fn unordered_users(
+        &self,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+        len: u64,
+    ) -> Result<Option<Vec<StreamHandle>>> {
+        self.enter(Op::UnorderedUsers)?;
+        let (shared, _tx) = self.stream(stream)?;
+        let end = ptr.0.saturating_add(len);
+        let others: Vec<Arc<crate::sim::queue::StreamShared>> = self
+            .device_streams(shared.device)
+            .into_iter()
+            .filter(|s| s.raw != shared.raw)
+            .collect();
+        let mut users: Vec<StreamHandle> = others
+            .iter()
+            .filter(|o| o.touches_pending(ptr.0, end, shared.waits_for(o.raw)))
+            .map(|o| StreamHandle {
+                device: o.device,
+                raw: o.raw,
+            })
+            .collect();
+        users.sort_by_key(|h| h.raw);
+        Ok(Some(users))
     }
 
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
@@ -200,7 +231,8 @@ impl Backend for SimBackend {
         self.mem.validate(src, len)?;
         let mem = self.mem.clone();
         latency::pay(self.latency().launch);
-        self.enqueue_timed(&shared, &tx, len, move || mem.copy(dst, src, len))
+        let touches = [(dst, len), (src, len)];
+        self.enqueue_timed(&shared, &tx, len, &touches, move || mem.copy(dst, src, len))
     }
 
     fn memset_async(
@@ -218,7 +250,10 @@ impl Backend for SimBackend {
         self.mem.validate_write(dst.0, len)?;
         let mem = self.mem.clone();
         latency::pay(self.latency().launch);
-        self.enqueue_timed(&shared, &tx, len, move || mem.fill(dst.0, len, value))
+        let touches = [(dst.0, len)];
+        self.enqueue_timed(&shared, &tx, len, &touches, move || {
+            mem.fill(dst.0, len, value)
+        })
     }
 
     fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
@@ -270,17 +305,24 @@ impl Backend for SimBackend {
         let seq = ev.begin_record();
         let completer = ev.clone();
         latency::pay(self.latency().event);
-        let queued = shared.enqueue(
+        let queued = shared.enqueue_touching(
             &tx,
             Box::new(move || {
                 completer.complete(seq);
                 Ok(())
             }),
+            &[],
         );
-        if queued.is_err() {
-            ev.complete(seq);
+        match queued {
+            Ok(task) => {
+                ev.placed(seq, shared.raw, task);
+                Ok(())
+            }
+            Err(e) => {
+                ev.complete(seq);
+                Err(e)
+            }
         }
-        queued
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {

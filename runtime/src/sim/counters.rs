@@ -40,6 +40,7 @@ ops! {
     StreamDestroy => "stream_destroy",
     StreamSynchronize => "stream_synchronize",
     StreamWaitEvent => "stream_wait_event",
+    UnorderedUsers => "unordered_users",
     LaunchHostFunc => "launch_host_func",
     MemcpyAsync => "memcpy_async",
     MemsetAsync => "memset_async",
@@ -157,7 +158,7 @@ mod tests {
         assert_eq!(s.get(Op::Free), 0);
         assert_eq!(s.total(), 3);
         assert_eq!(s.nonzero(), vec![(Op::Malloc, 2), (Op::LaunchKernel, 1)]);
-        assert_eq!(Op::ALL.len(), 39);
+        assert_eq!(Op::ALL.len(), 40);
         assert_eq!(Op::IpcCloseMemHandle.name(), "ipc_close_mem_handle");
         c.reset();
         assert_eq!(c.snapshot().total(), 0);

@@ -214,19 +214,38 @@ impl SimBackend {
         duration: Duration,
         f: impl FnOnce(&mut KernelMemory) -> Result<()> + Send + 'static,
     ) -> Result<()> {
+        self.launch_kernel_touching(stream, duration, &[], f)
+    }
+
+    /// [`SimBackend::launch_kernel`] for a kernel that declares the device ranges
+    /// `(ptr, len)` it reads or writes. The sim remembers them until the kernel has run, so
+    /// the allocator's `debug_cross_stream_frees` check can tell that a buffer freed meanwhile
+    /// is still in use on this stream. (A kernel may touch memory it did not declare; the
+    /// check then cannot see it.)
+    pub fn launch_kernel_touching(
+        &self,
+        stream: StreamHandle,
+        duration: Duration,
+        touches: &[(DevicePtr, u64)],
+        f: impl FnOnce(&mut KernelMemory) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
         self.enter(Op::LaunchKernel)?;
         let (shared, tx) = self.stream(stream)?;
         let mem = self.mem.clone();
         latency::pay(self.latency().launch);
-        shared.enqueue(
-            &tx,
-            Box::new(move || {
-                if !duration.is_zero() {
-                    std::thread::sleep(duration);
-                }
-                f(&mut KernelMemory::new(mem))
-            }),
-        )
+        let touches: Vec<(u64, u64)> = touches.iter().map(|&(p, len)| (p.0, len)).collect();
+        shared
+            .enqueue_touching(
+                &tx,
+                Box::new(move || {
+                    if !duration.is_zero() {
+                        std::thread::sleep(duration);
+                    }
+                    f(&mut KernelMemory::new(mem))
+                }),
+                &touches,
+            )
+            .map(|_| ())
     }
 
     // ---- helpers for the Backend impl ----
@@ -294,16 +313,20 @@ impl SimBackend {
         shared: &StreamShared,
         tx: &Sender<Task>,
         len: u64,
+        touches: &[(u64, u64)],
         work: impl FnOnce() -> Result<()> + Send + 'static,
     ) -> Result<()> {
         let cost = self.latency().copy_cost(len);
-        shared.enqueue(
-            tx,
-            Box::new(move || {
-                latency::pay(cost);
-                work()
-            }),
-        )
+        shared
+            .enqueue_touching(
+                tx,
+                Box::new(move || {
+                    latency::pay(cost);
+                    work()
+                }),
+                touches,
+            )
+            .map(|_| ())
     }
 
     /// Like [`SimBackend::enqueue_timed`], then waits for the stream to reach the operation
@@ -316,7 +339,7 @@ impl SimBackend {
         work: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Result<T> {
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        self.enqueue_timed(shared, &tx, len, move || {
+        self.enqueue_timed(shared, &tx, len, &[], move || {
             let _ = done_tx.send(work());
             Ok(())
         })?;

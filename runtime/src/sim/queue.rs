@@ -5,8 +5,12 @@
 //! the work enqueued before it. A failing task leaves a sticky error that the next
 //! `stream_synchronize` returns. Events keep the sequence number of their last record and
 //! the set of records not yet reached; a wait captures the record current when it was made.
+//!
+//! For the allocator's debug check of frees that race other streams, a stream also keeps the
+//! address ranges its queued tasks touch (until they run) and, per other stream, the last task
+//! of that stream it has been made to wait for (through an event's record).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -24,17 +28,31 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// An address range `[start, end)` a queued task touches; `task` is its queue number.
+#[derive(Debug, Clone, Copy)]
+struct Touch {
+    task: u64,
+    start: u64,
+    end: u64,
+}
+
 #[derive(Debug, Default)]
 struct Progress {
     submitted: u64,
     done: u64,
     error: Option<BackendError>,
+    /// Ranges touched by tasks not yet run, in queue order.
+    touches: VecDeque<Touch>,
+    /// Per other stream (raw id): the last of its tasks this stream waits for.
+    waits_for: HashMap<u64, u64>,
 }
 
 /// The part of a stream its worker and synchronizing callers share.
 #[derive(Debug)]
 pub(crate) struct StreamShared {
     pub(crate) device: DeviceId,
+    /// The stream's raw handle.
+    pub(crate) raw: u64,
     progress: Mutex<Progress>,
     cv: Condvar,
 }
@@ -42,11 +60,54 @@ pub(crate) struct StreamShared {
 impl StreamShared {
     /// Enqueues `task` on `tx`, numbering it in queue order.
     pub(crate) fn enqueue(&self, tx: &Sender<Task>, task: Task) -> Result<()> {
+        self.enqueue_touching(tx, task, &[]).map(|_| ())
+    }
+
+    /// Enqueues `task`, which touches the address ranges `(start, len)` of `touches`, and
+    /// returns its queue number.
+    pub(crate) fn enqueue_touching(
+        &self,
+        tx: &Sender<Task>,
+        task: Task,
+        touches: &[(u64, u64)],
+    ) -> Result<u64> {
         let mut p = lock(&self.progress);
         tx.send(task)
             .map_err(|_| BackendError::InvalidHandle("stream is shutting down".into()))?;
         p.submitted += 1;
-        Ok(())
+        let number = p.submitted;
+        for &(start, len) in touches.iter().filter(|t| t.1 > 0) {
+            p.touches.push_back(Touch {
+                task: number,
+                start,
+                end: start.saturating_add(len),
+            });
+        }
+        Ok(number)
+    }
+
+    /// Records that this stream's later work waits for task `task` of stream `other`.
+    pub(crate) fn wait_for(&self, other: u64, task: u64) {
+        let mut p = lock(&self.progress);
+        let w = p.waits_for.entry(other).or_insert(0);
+        *w = (*w).max(task);
+    }
+
+    /// The last task of stream `other` this stream waits for (0: none).
+    pub(crate) fn waits_for(&self, other: u64) -> u64 {
+        lock(&self.progress)
+            .waits_for
+            .get(&other)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// True when a task after `after` that has not run yet touches `[start, end)`.
+    pub(crate) fn touches_pending(&self, start: u64, end: u64, after: u64) -> bool {
+        let p = lock(&self.progress);
+        p.touches
+            .iter()
+            .any(|t| t.task > p.done && t.task > after && t.start < end && start < t.end)
     }
 
     /// Blocks until everything enqueued before the call has run.
@@ -87,6 +148,7 @@ impl SimStream {
         let (tx, rx) = crossbeam_channel::unbounded::<Task>();
         let shared = Arc::new(StreamShared {
             device,
+            raw,
             progress: Mutex::new(Progress::default()),
             cv: Condvar::new(),
         });
@@ -132,6 +194,10 @@ fn worker(rx: Receiver<Task>, shared: Arc<StreamShared>, failures: Arc<AtomicU64
         });
         let mut p = lock(&shared.progress);
         p.done += 1;
+        let done = p.done;
+        while p.touches.front().is_some_and(|t| t.task <= done) {
+            p.touches.pop_front();
+        }
         if let Err(e) = result {
             failures.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(device = shared.device.0, error = %e, "sim stream task failed");
@@ -147,6 +213,8 @@ fn worker(rx: Receiver<Task>, shared: Arc<StreamShared>, failures: Arc<AtomicU64
 struct EventState {
     last: u64,
     pending: BTreeSet<u64>,
+    /// Where the last record sits: the stream (raw id) and its queue number there.
+    last_at: Option<(u64, u64)>,
 }
 
 /// An event: the sequence number of its last record and the records not yet reached.
@@ -172,7 +240,21 @@ impl SimEvent {
         s.last += 1;
         let seq = s.last;
         s.pending.insert(seq);
+        s.last_at = None;
         seq
+    }
+
+    /// Notes where record `seq` sits in its stream's queue (if it is still the last).
+    pub(crate) fn placed(&self, seq: u64, stream: u64, task: u64) {
+        let mut s = lock(&self.state);
+        if s.last == seq {
+            s.last_at = Some((stream, task));
+        }
+    }
+
+    /// The stream and queue number of the last record, if it was placed.
+    pub(crate) fn last_at(&self) -> Option<(u64, u64)> {
+        lock(&self.state).last_at
     }
 
     /// Marks record `seq` reached.
