@@ -59,7 +59,8 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let mut conn = AsyncExportConn::new(sock, &PeerPolicy::default(), backend.clone()).await?;
     println!("consumer {} connected", conn.peer().pid);
 
-    let host = shm::create(1 << 20, Backing::PosixShm, MapOptions::shared_rw())?;
+    // A memfd, sealed at its size: the consumer cannot truncate it under this process.
+    let host = shm::create(1 << 20, Backing::Memfd, MapOptions::shared_rw())?;
     host.write_at(
         0,
         format!("hello from producer {}\0", std::process::id()).as_bytes(),

@@ -96,6 +96,17 @@ pub enum IpcError {
     /// The description of a device buffer to export is inconsistent.
     #[error("invalid export: {0}")]
     InvalidExport(String),
+    /// A shared-memory object another process sent is not sealed against resizing: its
+    /// owner could truncate it under our mapping (a SIGBUS on the next access).
+    #[error("shared memory from a peer is not sealed against resizing (seals {seals:#x})")]
+    NotSealed {
+        /// The seals it has (`F_GET_SEALS`).
+        seals: u32,
+    },
+    /// The object cannot be sealed (a POSIX shared-memory object or a file), so it is not
+    /// handed to a peer, which could truncate it under this process's mapping.
+    #[error("cannot seal this object against resizing ({0}): only memfds are shared with peers")]
+    Unsealable(String),
     /// No such export (unknown id).
     #[error("unknown export id {0}")]
     UnknownExport(u64),

@@ -71,6 +71,7 @@ impl ExporterState {
             .refs
             .fd()
             .ok_or_else(|| IpcError::Malformed("reference-count file lost its fd".into()))?;
+        crate::shm::ensure_sealed(fd)?;
         Ok(Outgoing {
             bytes: frame::encode(&msg)?,
             fds: vec![dup(fd)?],
@@ -81,6 +82,9 @@ impl ExporterState {
         let fd = mapping.fd().ok_or_else(|| {
             IpcError::InvalidExport("the mapping did not keep its fd (FdAfterMap::Close)".into())
         })?;
+        // The importer gets its own fd of the object: sealed, it cannot shrink it under our
+        // mapping (see `shm`).
+        crate::shm::ensure_sealed(fd)?;
         let msg = Message::Host {
             len: mapping.len(),
             tag,

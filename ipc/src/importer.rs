@@ -66,6 +66,7 @@ impl ImporterState {
                     got: 0,
                     expected: 1,
                 })?;
+                shm::check_sealed(std::os::fd::AsFd::as_fd(&fd))?;
                 let mapping = shm::open_fd(
                     fd,
                     Some(len),

@@ -31,9 +31,10 @@ impl RefCountFile {
         Ok(RefCountFile { mapping, slots })
     }
 
-    /// Maps a file received from the exporter (fd closed after mapping). Its size must be a
-    /// non-zero multiple of 8.
+    /// Maps a file received from the exporter (fd closed after mapping). It must be sealed
+    /// against resizing ([`IpcError::NotSealed`]) and its size a non-zero multiple of 8.
     pub fn open(fd: OwnedFd) -> Result<RefCountFile> {
+        shm::check_sealed(std::os::fd::AsFd::as_fd(&fd))?;
         let mapping = shm::open_fd(
             fd,
             None,

@@ -8,11 +8,17 @@
 //! is [`IpcError::SizeMismatch`] (mapping past the end would SIGBUS the reader). Objects are
 //! created with mode 0600 (this user only); sizes are set with `ftruncate` only on objects
 //! opened writable.
+//!
+//! Sealing: a process that holds an fd of a memory object can `ftruncate` it, and every other
+//! process's mapping of the truncated part then faults (SIGBUS) on its next access. So a
+//! memfd from [`create`] is sealed at its size ([`SIZE_SEALS`]: no shrink, no grow, no more
+//! seals) before anyone else can see it, [`ensure_sealed`] refuses to hand out what cannot be
+//! sealed, and [`check_sealed`] refuses to map what a peer sent unsealed.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
-use rustix::fs::{FileType, Mode, OFlags};
+use rustix::fs::{FileType, Mode, OFlags, SealFlags};
 
 use crate::error::{IpcError, Result};
 use crate::map::{Access, MapOptions, SharedMapping};
@@ -24,6 +30,11 @@ pub enum Backing {
     Memfd,
     /// `shm_open(O_CREAT | O_EXCL)` under a random name in `/dev/shm`, unlinked right after
     /// mapping (PyTorch's `SHAREDMEM | EXCLUSIVE | UNLINK`).
+    ///
+    /// **Not for peers.** POSIX shared memory cannot be sealed: any process holding its fd
+    /// could truncate it and crash every process mapping it (SIGBUS). The connections
+    /// therefore refuse to send it ([`IpcError::Unsealable`]); use [`Backing::Memfd`] for
+    /// memory shared with another process.
     PosixShm,
 }
 
@@ -56,7 +67,8 @@ pub fn inspect(fd: BorrowedFd<'_>) -> Result<ObjectInfo> {
 }
 
 /// Creates `len` bytes of anonymous shared memory and maps it read/write, shared, with the
-/// fd kept (to send it to another process) unless `options` says otherwise. A
+/// fd kept (to send it to another process) unless `options` says otherwise. A memfd is
+/// sealed at `len` ([`SIZE_SEALS`]), so no holder of its fd can resize it. A
 /// [`Backing::PosixShm`] name is unlinked right after mapping (and on every error path), so
 /// nothing is left in `/dev/shm` whatever happens.
 pub fn create(len: u64, backing: Backing, options: MapOptions) -> Result<SharedMapping> {
@@ -75,6 +87,8 @@ pub fn create(len: u64, backing: Backing, options: MapOptions) -> Result<SharedM
             )
             .map_err(|e| IpcError::os("memfd_create", e))?;
             resize(fd.as_fd(), len)?;
+            rustix::fs::fcntl_add_seals(&fd, SIZE_SEALS)
+                .map_err(|e| IpcError::os("fcntl(F_ADD_SEALS)", e))?;
             SharedMapping::map(fd, len, options)
         }
         Backing::PosixShm => {
@@ -91,6 +105,41 @@ pub fn create(len: u64, backing: Backing, options: MapOptions) -> Result<SharedM
             drop(unlink);
             mapping
         }
+    }
+}
+
+/// Seals that fix an object's size for good: no shrink, no grow, no further seals (so nobody
+/// can add a write seal either).
+pub const SIZE_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Makes sure `fd`'s object carries [`SIZE_SEALS`], adding them if it can: for what this
+/// process hands to a peer. An object that cannot be sealed (POSIX shared memory, a file, a
+/// memfd created without `MFD_ALLOW_SEALING` or already sealed otherwise) is
+/// [`IpcError::Unsealable`].
+pub fn ensure_sealed(fd: BorrowedFd<'_>) -> Result<()> {
+    let seals = rustix::fs::fcntl_get_seals(fd)
+        .map_err(|e| IpcError::Unsealable(format!("not a memfd: {}", std::io::Error::from(e))))?;
+    if seals.contains(SIZE_SEALS) {
+        return Ok(());
+    }
+    rustix::fs::fcntl_add_seals(fd, SIZE_SEALS)
+        .map_err(|e| IpcError::Unsealable(format!("F_ADD_SEALS: {}", std::io::Error::from(e))))
+}
+
+/// Checks that an object a peer sent cannot change size under our mapping (it carries the
+/// shrink and grow seals): else [`IpcError::NotSealed`]. Something that is not a memory
+/// object at all is [`IpcError::NotSharedMemory`] first.
+pub fn check_sealed(fd: BorrowedFd<'_>) -> Result<()> {
+    inspect(fd)?;
+    let seals = rustix::fs::fcntl_get_seals(fd).unwrap_or(SealFlags::empty());
+    if seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        Ok(())
+    } else {
+        Err(IpcError::NotSealed {
+            seals: seals.bits(),
+        })
     }
 }
 

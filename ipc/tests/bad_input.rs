@@ -223,3 +223,37 @@ fn a_hostile_importer_still_gets_its_exports_taken_back() {
     assert!(released.load(Ordering::SeqCst));
     backend.free(DEV, ptr).unwrap();
 }
+
+/// An unsealed memfd of `len` bytes: its owner could still truncate it under a mapping.
+fn unsealed(len: u64) -> OwnedFd {
+    let flags = rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING;
+    let fd = rustix::fs::memfd_create("unsealed", flags).unwrap();
+    rustix::fs::ftruncate(&fd, len).unwrap();
+    fd
+}
+
+#[test]
+fn an_importer_refuses_memory_the_exporter_could_still_truncate() {
+    // The reference-count file of the hello.
+    let (a, b) = UnixStream::pair().unwrap();
+    let refs = unsealed(4096);
+    send_msg(&a, &Message::Hello { pid: 1, slots: 8 }, &[refs.as_fd()]);
+    match ImportConn::new(b, &PeerPolicy::default(), backend(), DEV) {
+        Err(IpcError::NotSealed { seals: 0 }) => {}
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // A host buffer.
+    let good = RefCountFile::create(8).unwrap();
+    let (a, mut conn) = hello_pair(&good);
+    let host = unsealed(1 << 20);
+    send_msg(&a, &Message::Host { len: 4096, tag: 0 }, &[host.as_fd()]);
+    assert!(matches!(conn.recv(), Err(IpcError::NotSealed { .. })));
+    // The same memfd once sealed is accepted.
+    shm::ensure_sealed(host.as_fd()).unwrap();
+    send_msg(&a, &Message::Host { len: 4096, tag: 3 }, &[host.as_fd()]);
+    assert!(matches!(
+        conn.recv(),
+        Ok(gpualloc_ipc::Received::Host { tag: 3, .. })
+    ));
+    assert!(rustix::fs::ftruncate(&host, 0).is_err());
+}

@@ -156,7 +156,7 @@ impl Producer {
     }
 
     fn host_buffer(&self) -> gpualloc_ipc::SharedMapping {
-        let m = shm::create(HOST_LEN as u64, Backing::PosixShm, MapOptions::shared_rw()).unwrap();
+        let m = shm::create(HOST_LEN as u64, Backing::Memfd, MapOptions::shared_rw()).unwrap();
         m.write_at(0, &pattern(HOST_LEN, 1)).unwrap();
         m
     }

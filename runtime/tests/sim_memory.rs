@@ -340,3 +340,35 @@ fn pinned_and_registered_host_memory() {
 fn byte_offset(p: *mut u8, by: usize) -> *mut u8 {
     p.wrapping_add(by)
 }
+
+#[test]
+fn device_memory_is_sealed_at_its_size_and_unsealed_handles_are_refused() {
+    let sim = small(1, 64 << 20);
+    // A legacy IPC open goes through the allocation's memfd: nobody can resize it.
+    let ptr = sim.malloc(D0, 2 << 20).unwrap();
+    let h = sim.ipc_get_mem_handle(ptr).unwrap();
+    let fd = i32::from_le_bytes(h.0[12..16].try_into().unwrap());
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("/proc/self/fd/{fd}"))
+        .unwrap();
+    assert!(rustix::fs::ftruncate(&file, 0).is_err(), "shrink is sealed");
+    assert!(
+        rustix::fs::ftruncate(&file, 4 << 20).is_err(),
+        "grow is sealed"
+    );
+    drop(file);
+    // So is exported physical memory.
+    let gran = sim.vmm_granularity(D0).unwrap();
+    let phys = sim.phys_create(D0, gran).unwrap();
+    let exported = sim.phys_export_fd(phys).unwrap();
+    assert!(rustix::fs::ftruncate(&exported, 0).is_err());
+    drop(exported);
+    // A memfd its owner could still truncate under our mapping is refused on import.
+    let open = rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&open, gran).unwrap();
+    assert!(invalid(sim.phys_import_fd(D0, open)));
+    sim.phys_release(phys).unwrap();
+    sim.free(D0, ptr).unwrap();
+}

@@ -35,20 +35,39 @@ fn to_usize(len: u64) -> Result<usize> {
     usize::try_from(len).map_err(|_| BackendError::invalid(format!("length {len} too large")))
 }
 
-/// Creates a memfd of `size` bytes (sparse: pages are consumed only when touched).
+/// Seals that fix a memory file's size for good: nobody holding an fd of it (another process
+/// it was exported to, included) can truncate it under a mapping, which would make the next
+/// access through that mapping a SIGBUS.
+pub(crate) const SIZE_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// Creates a memfd of `size` bytes (sparse: pages are consumed only when touched), sealed at
+/// that size ([`SIZE_SEALS`]): device memory is exported to other processes, which must not
+/// be able to shrink it under this one.
 pub(crate) fn memfd(size: u64, what: &str) -> Result<OwnedFd> {
-    let fd = rustix::fs::memfd_create("gpualloc-sim", MemfdFlags::CLOEXEC)
-        .map_err(|e| mem_err("memfd_create", size, what, e))?;
+    let fd = rustix::fs::memfd_create(
+        "gpualloc-sim",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| mem_err("memfd_create", size, what, e))?;
     rustix::fs::ftruncate(&fd, size).map_err(|e| mem_err("ftruncate", size, what, e))?;
+    rustix::fs::fcntl_add_seals(&fd, SIZE_SEALS).map_err(|e| BackendError::os("add seals", e))?;
     Ok(fd)
 }
 
-/// Checks that `fd` is a memory file (a memfd or shared-memory file) and returns its size.
-/// Anything else (a pipe, a socket, `/dev/null`, a regular file) is `InvalidValue`.
+/// Checks that `fd` is a memory file (a memfd) sealed against resizing, and returns its size.
+/// Anything else (a pipe, a socket, `/dev/null`, a regular file, a memfd its owner could still
+/// shrink under our mapping) is `InvalidValue`.
 pub(crate) fn memory_file_size(fd: impl AsFd) -> Result<u64> {
     let fd = fd.as_fd();
-    let _: SealFlags = rustix::fs::fcntl_get_seals(fd)
+    let seals: SealFlags = rustix::fs::fcntl_get_seals(fd)
         .map_err(|_| BackendError::invalid("fd is not a memory handle (no memfd seals)"))?;
+    if !seals.contains(SealFlags::SHRINK | SealFlags::GROW) {
+        return Err(BackendError::invalid(
+            "memory handle is not sealed against resizing (its owner could truncate it)",
+        ));
+    }
     let stat = rustix::fs::fstat(fd).map_err(|e| BackendError::os("fstat", e))?;
     u64::try_from(stat.st_size)
         .map_err(|_| BackendError::invalid("memory handle has a negative size"))
