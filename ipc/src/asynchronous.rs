@@ -19,7 +19,7 @@ use crate::exporter::{ExporterState, Outgoing, Returned, ServeEnd};
 use crate::fdpass::{recv_step, send_step};
 use crate::frame::{Frame, FrameReader};
 use crate::import::ImportedBuffer;
-use crate::importer::{released, ImporterState, Received};
+use crate::importer::{ImporterState, Received};
 use crate::ledger::ExportId;
 use crate::map::SharedMapping;
 use crate::peer::{PeerCred, PeerPolicy};
@@ -132,27 +132,16 @@ impl AsyncExportConn {
         self.state.outstanding()
     }
 
-    /// Waits until export `id` comes back (released, or reclaimed at EOF).
+    /// Waits until export `id` comes back (released, or reclaimed at EOF); see
+    /// [`crate::blocking::ExportConn::wait_returned`].
     pub async fn wait_returned(&mut self, id: ExportId) -> Result<Returned> {
         loop {
-            if self.state.collect().contains(&id) {
-                return Ok(Returned::Released);
+            self.state.collect();
+            if let Some(how) = self.state.returned(id)? {
+                return Ok(how);
             }
-            match recv(&self.sock, &mut self.reader).await {
-                Ok(frame) => {
-                    if self.state.on_message(frame.message)?.contains(&id) {
-                        return Ok(Returned::Released);
-                    }
-                }
-                Err(IpcError::Closed | IpcError::Truncated { .. }) => {
-                    return Ok(if self.state.reclaim().contains(&id) {
-                        Returned::Reclaimed
-                    } else {
-                        Returned::Released
-                    });
-                }
-                Err(e) => return Err(e),
-            }
+            let received = recv(&self.sock, &mut self.reader).await;
+            self.state.wait_step(received)?;
         }
     }
 
@@ -188,7 +177,7 @@ impl AsyncImportConn {
         let peer = policy.check(sock.as_fd())?;
         let mut reader = FrameReader::new();
         let hello = recv(&sock, &mut reader).await?;
-        let state = ImporterState::from_hello(backend, device, hello)?;
+        let state = ImporterState::from_hello(backend, device, sock.as_fd(), hello)?;
         Ok(AsyncImportConn {
             sock,
             reader,
@@ -208,13 +197,10 @@ impl AsyncImportConn {
         self.state.on_frame(frame)
     }
 
-    /// Synchronizes `streams`, releases `buf` and tells the exporter.
+    /// Synchronizes `streams` (blocking backend calls), releases `buf` and tells the
+    /// exporter (one non-blocking send). Dropping `buf` releases and tells too.
     pub async fn release(&mut self, buf: ImportedBuffer, streams: &[StreamHandle]) -> Result<()> {
-        let id = buf.release_after(streams)?;
-        let out = Outgoing {
-            bytes: released(id)?,
-            fds: Vec::new(),
-        };
-        send(&self.sock, &out).await
+        buf.release_after(streams)?;
+        Ok(())
     }
 }

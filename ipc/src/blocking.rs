@@ -14,7 +14,7 @@ use crate::exporter::{ExporterState, Outgoing, Returned, ServeEnd};
 use crate::fdpass::{recv_step, send_step};
 use crate::frame::{Frame, FrameReader};
 use crate::import::ImportedBuffer;
-use crate::importer::{released, ImporterState, Received};
+use crate::importer::{ImporterState, Received};
 use crate::ledger::ExportId;
 use crate::map::SharedMapping;
 use crate::peer::{PeerCred, PeerPolicy};
@@ -116,27 +116,16 @@ impl ExportConn {
     }
 
     /// Blocks until export `id` comes back: released by the importer, or reclaimed because
-    /// the connection ended.
+    /// the connection ended. An export already back answers at once with how it came back;
+    /// an id this connection never issued is [`IpcError::UnknownExport`].
     pub fn wait_returned(&mut self, id: ExportId) -> Result<Returned> {
         loop {
-            if self.state.collect().contains(&id) {
-                return Ok(Returned::Released);
+            self.state.collect();
+            if let Some(how) = self.state.returned(id)? {
+                return Ok(how);
             }
-            match recv(self.sock.as_fd(), &mut self.reader) {
-                Ok(frame) => {
-                    if self.state.on_message(frame.message)?.contains(&id) {
-                        return Ok(Returned::Released);
-                    }
-                }
-                Err(IpcError::Closed | IpcError::Truncated { .. }) => {
-                    return Ok(if self.state.reclaim().contains(&id) {
-                        Returned::Reclaimed
-                    } else {
-                        Returned::Released
-                    });
-                }
-                Err(e) => return Err(e),
-            }
+            let received = recv(self.sock.as_fd(), &mut self.reader);
+            self.state.wait_step(received)?;
         }
     }
 
@@ -174,7 +163,7 @@ impl ImportConn {
         let peer = policy.check(sock.as_fd())?;
         let mut reader = FrameReader::new();
         let hello = recv(sock.as_fd(), &mut reader)?;
-        let state = ImporterState::from_hello(backend, device, hello)?;
+        let state = ImporterState::from_hello(backend, device, sock.as_fd(), hello)?;
         Ok(ImportConn {
             sock,
             reader,
@@ -199,16 +188,10 @@ impl ImportConn {
         self.state.on_frame(frame)
     }
 
-    /// Synchronizes `streams`, releases `buf` and tells the exporter.
+    /// Synchronizes `streams`, releases `buf` and tells the exporter. (Dropping `buf` or
+    /// [`ImportedBuffer::release`] releases and tells too, without synchronizing.)
     pub fn release(&mut self, buf: ImportedBuffer, streams: &[StreamHandle]) -> Result<()> {
-        let id = buf.release_after(streams)?;
-        let bytes = released(id)?;
-        send(
-            self.sock.as_fd(),
-            &Outgoing {
-                bytes,
-                fds: Vec::new(),
-            },
-        )
+        buf.release_after(streams)?;
+        Ok(())
     }
 }

@@ -3,6 +3,7 @@
 //! blocking and async connection types drive it; it tells them what bytes and fds to send
 //! and what to do with what arrives.
 
+use std::collections::BTreeSet;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
@@ -49,6 +50,11 @@ pub(crate) struct ExporterState {
     ledger: ExportLedger<Box<dyn ExportGuard>>,
     pub(crate) peer: PeerCred,
     pub(crate) totals: ServeEnd,
+    /// Exports that came back without the importer releasing them (reclaimed at the end of
+    /// the connection, or never sent); every other export no longer out was released.
+    /// Bounded by the slots: each id enters at most once, and only when it leaves a slot
+    /// without a release.
+    taken_back: BTreeSet<ExportId>,
 }
 
 impl ExporterState {
@@ -59,6 +65,7 @@ impl ExporterState {
             ledger: ExportLedger::new(slots),
             peer,
             totals: ServeEnd::default(),
+            taken_back: BTreeSet::new(),
         })
     }
 
@@ -140,6 +147,7 @@ impl ExporterState {
     /// The frame of export `id` never left: forget it and release its guard.
     pub(crate) fn send_failed(&mut self, id: ExportId) {
         if let Ok(guard) = self.ledger.cancel(self.refs.counters(), id) {
+            self.taken_back.insert(id);
             guard.release();
         }
     }
@@ -195,7 +203,35 @@ impl ExporterState {
             );
         }
         self.totals.reclaimed += done.len();
+        self.taken_back.extend(done.iter().map(|(id, _)| *id));
         release_all(done)
+    }
+
+    /// How export `id` came back, `None` while it is out; [`IpcError::UnknownExport`] for an
+    /// id this connection never issued.
+    pub(crate) fn returned(&self, id: ExportId) -> Result<Option<Returned>> {
+        if !self.ledger.issued(id) {
+            Err(IpcError::UnknownExport(id))
+        } else if self.ledger.is_out(id) {
+            Ok(None)
+        } else if self.taken_back.contains(&id) {
+            Ok(Some(Returned::Reclaimed))
+        } else {
+            Ok(Some(Returned::Released))
+        }
+    }
+
+    /// One step of `wait_returned` after a receive: handles the frame, or reclaims
+    /// everything at the end of the connection.
+    pub(crate) fn wait_step(&mut self, received: Result<frame::Frame>) -> Result<()> {
+        match received {
+            Ok(frame) => self.on_message(frame.message).map(|_| ()),
+            Err(IpcError::Closed | IpcError::Truncated { .. }) => {
+                self.reclaim();
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     pub(crate) fn outstanding(&self) -> usize {

@@ -1,7 +1,9 @@
 //! The importer's side of a device buffer: [`ImportedBuffer`] opens an offer in this
 //! process (a legacy IPC handle, or VMM fds imported, mapped into a fresh reservation and
 //! made accessible) and, on release, closes it and drops its reference in the shared
-//! counter, which lets the exporter reuse the block. Dropping it releases too.
+//! counter, which lets the exporter reuse the block, and tells the exporter at once. Dropping
+//! it releases too. It keeps its connection's socket open (see `link.rs`): dropping the
+//! connection first does not let the exporter take the block back while the buffer lives.
 //!
 //! Ordering: the exporter synchronized its producing stream before sending (see
 //! [`Readiness`]), so the importer may use the buffer at once. Before releasing, the
@@ -16,6 +18,7 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle, PhysHandle, S
 use crate::counter::SharedCounter;
 use crate::error::{IpcError, Result};
 use crate::ledger::ExportId;
+use crate::link::ConnLink;
 use crate::message::{DeviceOffer, OfferedMemory, Readiness};
 use crate::refcount::RefCountFile;
 
@@ -38,6 +41,7 @@ enum Opened {
 pub struct ImportedBuffer {
     backend: Arc<dyn Backend>,
     refs: Arc<RefCountFile>,
+    link: Arc<ConnLink>,
     id: ExportId,
     slot: u32,
     device: DeviceId,
@@ -64,6 +68,7 @@ impl ImportedBuffer {
     pub(crate) fn open(
         backend: Arc<dyn Backend>,
         refs: Arc<RefCountFile>,
+        link: Arc<ConnLink>,
         device: DeviceId,
         offer: DeviceOffer,
         fds: Vec<OwnedFd>,
@@ -127,6 +132,7 @@ impl ImportedBuffer {
         Ok(ImportedBuffer {
             backend,
             refs,
+            link,
             id: offer.id,
             slot: offer.slot,
             device,
@@ -180,26 +186,36 @@ impl ImportedBuffer {
         Ok(self.release())
     }
 
-    /// Closes the memory in this process and drops the reference: the exporter may reuse
-    /// the block from now on. Returns the export's id (to tell the exporter).
+    /// Closes the memory in this process, drops the reference (the exporter may reuse the
+    /// block from now on) and tells the exporter (best effort: see `link.rs`). Returns the
+    /// export's id.
     pub fn release(mut self) -> ExportId {
-        self.release_now();
+        if self.release_now() {
+            let _ = self.link.notify_released(self.id);
+        }
         self.id
     }
 
-    fn release_now(&mut self) {
-        if let Some(opened) = self.opened.take() {
-            close(&*self.backend, opened);
-            if let Some(c) = self.refs.counters().get(self.slot as usize) {
-                c.release_one();
-            }
+    /// Closes and drops the reference; true if this call did (not an earlier one).
+    fn release_now(&mut self) -> bool {
+        let Some(opened) = self.opened.take() else {
+            return false;
+        };
+        close(&*self.backend, opened);
+        if let Some(c) = self.refs.counters().get(self.slot as usize) {
+            c.release_one();
         }
+        true
     }
 }
 
 impl Drop for ImportedBuffer {
     fn drop(&mut self) {
-        self.release_now();
+        if self.release_now() {
+            if let Err(e) = self.link.notify_released(self.id) {
+                tracing::debug!(id = self.id, error = %e, "could not tell the exporter of a release");
+            }
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use crate::error::{IpcError, Result};
 use crate::frame::{self, Frame};
 use crate::import::ImportedBuffer;
 use crate::ledger::ExportId;
+use crate::link::ConnLink;
 use crate::map::{FdAfterMap, MapOptions, SharedMapping};
 use crate::message::Message;
 use crate::refcount::RefCountFile;
@@ -33,14 +34,17 @@ pub(crate) struct ImporterState {
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) device: DeviceId,
     pub(crate) refs: Arc<RefCountFile>,
+    /// A duplicate of the connection's socket each imported buffer keeps.
+    pub(crate) link: Arc<ConnLink>,
     pub(crate) exporter_pid: u32,
 }
 
 impl ImporterState {
-    /// Reads the hello frame.
+    /// Reads the hello frame that came on `sock`.
     pub(crate) fn from_hello(
         backend: Arc<dyn Backend>,
         device: DeviceId,
+        sock: std::os::fd::BorrowedFd<'_>,
         hello: Frame,
     ) -> Result<Self> {
         let Frame { message, mut fds } = hello;
@@ -49,6 +53,7 @@ impl ImporterState {
                 backend,
                 device,
                 refs: Arc::new(RefCountFile::open(fd)?),
+                link: Arc::new(ConnLink::new(sock)?),
                 exporter_pid: pid,
             }),
             (other, _) => Err(IpcError::Unexpected {
@@ -77,6 +82,7 @@ impl ImporterState {
             Message::Device(offer) => Ok(Received::Device(ImportedBuffer::open(
                 self.backend.clone(),
                 self.refs.clone(),
+                self.link.clone(),
                 self.device,
                 offer,
                 fds,

@@ -107,6 +107,16 @@ impl<G> ExportLedger<G> {
     pub fn outstanding(&self) -> usize {
         self.entries.len()
     }
+
+    /// True when `id` was handed out by [`ExportLedger::offer`] (whether or not it is back).
+    pub fn issued(&self, id: ExportId) -> bool {
+        id >= 1 && id < self.next_id
+    }
+
+    /// True when export `id` is still out.
+    pub fn is_out(&self, id: ExportId) -> bool {
+        self.entries.contains_key(&id)
+    }
 }
 
 #[cfg(all(test, not(loom)))]

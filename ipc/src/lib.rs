@@ -26,6 +26,7 @@ pub mod frame;
 pub mod import;
 mod importer;
 pub mod ledger;
+mod link;
 pub mod map;
 pub mod message;
 pub mod peer;

@@ -1,0 +1,277 @@
+//! How long an imported buffer holds the exporter's block, with a real second process (this
+//! test binary re-executed in a role named by an environment variable) and a control socket
+//! that orders the two processes' steps:
+//! - a buffer kept after its connection is dropped still holds the block (the exporter does
+//!   not read EOF as "released": a second allocation is not corrupted by the importer's
+//!   later writes);
+//! - a buffer dropped on a live connection wakes an exporter waiting for it at once;
+//! - `wait_returned` answers at once for ids it does not know or that already came back.
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_ipc::{
+    CoreGuard, DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received,
+    Returned, SegmentMemory,
+};
+use gpualloc_runtime::sim::{SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+
+const ROLE: &str = "GPUALLOC_IPC_LIFETIME_ROLE";
+const SOCK: &str = "GPUALLOC_IPC_LIFETIME_SOCK";
+const CTRL: &str = "GPUALLOC_IPC_LIFETIME_CTRL";
+const DEV: DeviceId = DeviceId(0);
+const LEN: u64 = 2 << 20;
+
+fn path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "gpualloc-lifetime-{}-{name}.sock",
+        std::process::id()
+    ))
+}
+
+fn byte(ctrl: &mut UnixStream) -> u8 {
+    let mut b = [0u8];
+    ctrl.read_exact(&mut b).unwrap();
+    b[0]
+}
+
+// ---------------------------------------------------------------- the child process
+
+/// The importer, when this binary runs as the child; a no-op in the normal run.
+#[test]
+fn importer_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let stream = backend.stream_create(DEV).unwrap();
+    let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
+    let mut ctrl = UnixStream::connect(std::env::var(CTRL).unwrap()).unwrap();
+    ctrl.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let Received::Device(buf) = conn.recv().unwrap() else {
+        panic!("expected a device buffer");
+    };
+    match role.as_str() {
+        "keep" => {
+            drop(conn);
+            ctrl.write_all(b"d").unwrap();
+            assert_eq!(byte(&mut ctrl), b'g');
+            backend
+                .copy_to_device(stream, buf.ptr(), &[0xee; 4096])
+                .unwrap();
+            ctrl.write_all(b"w").unwrap();
+            drop(buf);
+        }
+        "drop" => {
+            drop(buf);
+            // Hold the connection until told to go (or 5 s pass).
+            let mut b = [0u8];
+            let _ = ctrl.read(&mut b);
+        }
+        other => panic!("unknown role {other}"),
+    }
+    backend.stream_destroy(stream).unwrap();
+}
+
+// ---------------------------------------------------------------- the parent process
+
+struct Exporter {
+    backend: Arc<dyn Backend>,
+    core: Arc<Mutex<DeviceCore>>,
+    stream: StreamHandle,
+    child: Child,
+    /// `None` once a test handed it to `serve`.
+    conn: Option<ExportConn>,
+    ctrl: UnixStream,
+    paths: [PathBuf; 2],
+}
+
+impl Exporter {
+    fn start(role: &str) -> Exporter {
+        let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let core = DeviceCore::new(backend.clone(), DEV, AllocatorConfig::default()).unwrap();
+        let stream = backend.stream_create(DEV).unwrap();
+        let paths = [path(&format!("{role}-data")), path(&format!("{role}-ctrl"))];
+        for p in &paths {
+            let _ = std::fs::remove_file(p);
+        }
+        let data = UnixListener::bind(&paths[0]).unwrap();
+        let ctrl = UnixListener::bind(&paths[1]).unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "importer_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, role)
+            .env(SOCK, &paths[0])
+            .env(CTRL, &paths[1])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let (sock, _) = data.accept().unwrap();
+        let (ctrl, _) = ctrl.accept().unwrap();
+        let conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
+        Exporter {
+            backend,
+            core: Arc::new(Mutex::new(core)),
+            stream,
+            child,
+            conn: Some(conn),
+            ctrl,
+            paths,
+        }
+    }
+
+    fn malloc(&self) -> DevicePtr {
+        self.core
+            .lock()
+            .unwrap()
+            .malloc(LEN, self.stream)
+            .unwrap()
+            .ptr
+    }
+
+    fn export(&mut self, ptr: DevicePtr) -> u64 {
+        let region = DeviceRegion::from_core(&self.core.lock().unwrap(), ptr).unwrap();
+        let guard = Box::new(CoreGuard::new(self.core.clone(), ptr));
+        let stream = self.stream;
+        self.conn()
+            .send_device(&region, Some(stream), guard)
+            .unwrap()
+    }
+
+    fn conn(&mut self) -> &mut ExportConn {
+        self.conn.as_mut().expect("the connection is being served")
+    }
+
+    fn read(&self, ptr: DevicePtr) -> Vec<u8> {
+        let mut v = vec![0u8; 4096];
+        self.backend
+            .copy_from_device(self.stream, &mut v, ptr)
+            .unwrap();
+        v
+    }
+
+    fn finish(mut self) {
+        assert!(self.child.wait().unwrap().success(), "the importer failed");
+        for p in &self.paths {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[test]
+fn a_buffer_kept_after_its_connection_is_dropped_still_holds_the_block() {
+    let mut ex = Exporter::start("keep");
+    let exported = ex.malloc();
+    ex.export(exported);
+    let conn = ex.conn.take().unwrap();
+    let serving = std::thread::spawn(move || conn.serve().unwrap());
+    // The importer dropped its connection but keeps the buffer.
+    assert_eq!(byte(&mut ex.ctrl), b'd');
+    let t = Instant::now();
+    while !serving.is_finished() && t.elapsed() < Duration::from_millis(300) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !serving.is_finished(),
+        "the exporter read EOF while the buffer lives"
+    );
+    // A second allocation of the same size, filled, while the importer still writes.
+    let second = ex.malloc();
+    assert_ne!(second, exported, "the exported block was handed out again");
+    ex.backend
+        .copy_to_device(ex.stream, second, &[0x11; 4096])
+        .unwrap();
+    ex.ctrl.write_all(b"g").unwrap();
+    assert_eq!(byte(&mut ex.ctrl), b'w');
+    assert_eq!(
+        ex.read(second),
+        vec![0x11; 4096],
+        "the second allocation was corrupted"
+    );
+    assert_eq!(ex.read(exported), vec![0xee; 4096], "the importer's writes");
+    let end = serving.join().unwrap();
+    assert_eq!((end.released, end.reclaimed), (1, 0));
+    assert!(ex.core.lock().unwrap().allocation(exported).is_none());
+    ex.finish();
+}
+
+#[test]
+fn a_buffer_dropped_on_a_live_connection_wakes_the_waiting_exporter() {
+    let mut ex = Exporter::start("drop");
+    let ptr = ex.malloc();
+    let id = ex.export(ptr);
+    let t = Instant::now();
+    assert_eq!(ex.conn().wait_returned(id).unwrap(), Returned::Released);
+    let waited = t.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "woken after {waited:?}: the drop sent nothing"
+    );
+    assert!(ex.core.lock().unwrap().allocation(ptr).is_none());
+    // Asked again: the recorded outcome, at once.
+    assert_eq!(ex.conn().wait_returned(id).unwrap(), Returned::Released);
+    ex.ctrl.write_all(b"q").unwrap();
+    ex.finish();
+}
+
+#[test]
+fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
+    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    // A wait that would block fails after 2 s instead of hanging the test.
+    a.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
+    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let unknown = |conn: &mut ExportConn| {
+        for id in [0, 4, 99] {
+            match conn.wait_returned(id) {
+                Err(IpcError::UnknownExport(x)) => assert_eq!(x, id),
+                other => panic!("id {id}: {other:?}"),
+            }
+        }
+    };
+    unknown(&mut conn);
+    let ptr = backend.malloc(DEV, LEN).unwrap();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr,
+        len: 4096,
+        segment: SegmentMemory::Allocation { base: ptr },
+    };
+    let guard = || Box::new(OnRelease::new(|| {}));
+    // Released by a drop on a live connection.
+    let first = conn.send_device(&region, None, guard()).unwrap();
+    let Received::Device(buf) = imp.recv().unwrap() else {
+        panic!("expected a device buffer");
+    };
+    drop(buf);
+    assert_eq!(conn.wait_returned(first).unwrap(), Returned::Released);
+    assert_eq!(conn.wait_returned(first).unwrap(), Returned::Released);
+    // Never read by the importer, which then goes: reclaimed at EOF.
+    let second = conn.send_device(&region, None, guard()).unwrap();
+    let third = conn.send_device(&region, None, guard()).unwrap();
+    let Received::Device(kept) = imp.recv().unwrap() else {
+        panic!("expected a device buffer");
+    };
+    drop(imp);
+    drop(kept);
+    assert_eq!(conn.wait_returned(third).unwrap(), Returned::Reclaimed);
+    assert_eq!(conn.wait_returned(second).unwrap(), Returned::Released);
+    assert_eq!(conn.wait_returned(third).unwrap(), Returned::Reclaimed);
+    assert_eq!(conn.wait_returned(first).unwrap(), Returned::Released);
+    unknown(&mut conn);
+    drop(conn);
+    backend.free(DEV, ptr).unwrap();
+}
