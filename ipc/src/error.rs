@@ -107,6 +107,10 @@ pub enum IpcError {
     /// handed to a peer, which could truncate it under this process's mapping.
     #[error("cannot seal this object against resizing ({0}): only memfds are shared with peers")]
     Unsealable(String),
+    /// The exporter took the offered buffer back (its connection ended) before this importer
+    /// accepted it: the buffer is refused, its memory may already belong to someone else.
+    #[error("offer {0} was withdrawn: the exporter took the buffer back before it was accepted")]
+    Withdrawn(u64),
     /// No such export (unknown id).
     #[error("unknown export id {0}")]
     UnknownExport(u64),

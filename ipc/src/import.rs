@@ -73,31 +73,65 @@ impl ImportedBuffer {
         offer: DeviceOffer,
         fds: Vec<OwnedFd>,
     ) -> Result<ImportedBuffer> {
-        if offer.slot as usize >= refs.slots() {
+        let Some(counter) = refs.counters().get(offer.slot as usize) else {
             return Err(IpcError::Malformed(format!(
                 "slot {} of {}",
                 offer.slot,
                 refs.slots()
             )));
-        }
+        };
         if offer.len == 0 {
+            counter.decline();
             return Err(IpcError::Malformed("zero-length device buffer".into()));
         }
-        let (opened, ptr) = match offer.memory {
+        // Take the reference before touching the memory: an offer the exporter already took
+        // back (the slot no longer holds it) is refused, never opened.
+        if !counter.accept() {
+            return Err(IpcError::Withdrawn(offer.id));
+        }
+        match Self::open_memory(&backend, device, &offer, fds) {
+            Ok((opened, ptr)) => Ok(ImportedBuffer {
+                backend,
+                refs,
+                link,
+                id: offer.id,
+                slot: offer.slot,
+                device,
+                ptr,
+                len: offer.len,
+                ready: offer.ready,
+                opened: Some(opened),
+            }),
+            Err(e) => {
+                // Give the reference back: the exporter collects the slot as released.
+                counter.release_one();
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens the memory an offer names and checks the offer against what was opened.
+    fn open_memory(
+        backend: &Arc<dyn Backend>,
+        device: DeviceId,
+        offer: &DeviceOffer,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(Opened, DevicePtr)> {
+        match &offer.memory {
             OfferedMemory::Legacy { handle, offset } => {
                 let raw: [u8; 64] = handle
                     .as_slice()
                     .try_into()
                     .map_err(|_| IpcError::Malformed("IPC handle is not 64 bytes".into()))?;
                 let base = backend.ipc_open_mem_handle(device, &IpcMemHandle(raw))?;
-                let ptr = offset
-                    .checked_add(offer.len)
-                    .and_then(|_| base.checked_add(offset));
-                match ptr {
-                    Some(ptr) => (Opened::Legacy { base }, ptr),
-                    None => {
-                        let _ = backend.ipc_close_mem_handle(base);
-                        return Err(IpcError::Malformed("offset overflows".into()));
+                let opened = Opened::Legacy { base };
+                // The window must lie inside the allocation actually opened: a device
+                // pointer past its end would fault on the GPU.
+                match legacy_window(&**backend, base, *offset, offer.len) {
+                    Ok(ptr) => Ok((opened, ptr)),
+                    Err(e) => {
+                        close(&**backend, opened);
+                        Err(e)
                     }
                 }
             }
@@ -106,6 +140,7 @@ impl ImportedBuffer {
                 offset,
                 chunks,
             } => {
+                let span = *span;
                 let in_span = offset.checked_add(offer.len).is_some_and(|end| end <= span);
                 if !in_span || chunks.len() != fds.len() {
                     return Err(IpcError::Malformed("VMM offer does not add up".into()));
@@ -119,28 +154,20 @@ impl ImportedBuffer {
                     maps: Vec::new(),
                     handles: Vec::new(),
                 };
-                if let Err(e) = map_chunks(&*backend, device, &mut opened, &chunks, fds) {
-                    close(&*backend, opened);
-                    return Err(e);
+                let mapped =
+                    map_chunks(&**backend, device, &mut opened, chunks, fds).and_then(|()| {
+                        base.checked_add(*offset)
+                            .ok_or_else(|| IpcError::Malformed("offset overflows".into()))
+                    });
+                match mapped {
+                    Ok(ptr) => Ok((opened, ptr)),
+                    Err(e) => {
+                        close(&**backend, opened);
+                        Err(e)
+                    }
                 }
-                let ptr = base
-                    .checked_add(offset)
-                    .ok_or_else(|| IpcError::Malformed("offset overflows".into()))?;
-                (opened, ptr)
             }
-        };
-        Ok(ImportedBuffer {
-            backend,
-            refs,
-            link,
-            id: offer.id,
-            slot: offer.slot,
-            device,
-            ptr,
-            len: offer.len,
-            ready: offer.ready,
-            opened: Some(opened),
-        })
+        }
     }
 
     /// The buffer's start in this process.
@@ -217,6 +244,25 @@ impl Drop for ImportedBuffer {
             }
         }
     }
+}
+
+/// The start of `[offset, offset + len)` inside the allocation opened at `base`, checked
+/// against its size as the backend reports it.
+fn legacy_window(
+    backend: &dyn Backend,
+    base: DevicePtr,
+    offset: u64,
+    len: u64,
+) -> Result<DevicePtr> {
+    let (start, size) = backend.mem_address_range(base)?;
+    let fits = start == base && offset.checked_add(len).is_some_and(|end| end <= size);
+    if !fits {
+        return Err(IpcError::Malformed(format!(
+            "offer of {len} bytes at offset {offset} runs past the {size}-byte allocation opened"
+        )));
+    }
+    base.checked_add(offset)
+        .ok_or_else(|| IpcError::Malformed("offset overflows".into()))
 }
 
 fn map_chunks(

@@ -33,8 +33,8 @@ impl<G> ExportLedger<G> {
         }
     }
 
-    /// Records a new export holding `guard`: takes a free slot and arms it with one
-    /// reference (before the buffer is sent). Returns the export's id and slot.
+    /// Records a new export holding `guard`: takes a free slot and offers it
+    /// ([`OFFERED`](crate::counter::OFFERED), before the buffer is sent). Returns the export's id and slot.
     pub fn offer<C: SharedCounter>(&mut self, counters: &[C], guard: G) -> Result<(ExportId, u32)> {
         let slot = self
             .free_slots
@@ -44,7 +44,7 @@ impl<G> ExportLedger<G> {
             self.free_slots.push(slot);
             return Err(IpcError::SlotsExhausted(counters.len()));
         };
-        counter.arm(1);
+        counter.arm(crate::counter::OFFERED);
         let id = self.next_id;
         self.next_id += 1;
         self.entries.insert(id, (slot, guard));
@@ -137,6 +137,7 @@ mod tests {
         assert_ne!(sa, sb);
         assert!(matches!(l.offer(&c, "c"), Err(IpcError::SlotsExhausted(2))));
         assert!(l.collect(&c).is_empty());
+        assert!(c[sb as usize].accept());
         assert!(c[sb as usize].release_one());
         assert_eq!(l.collect(&c), vec![(b, "b")]);
         assert_eq!(l.outstanding(), 1);

@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use gpualloc_ipc::counter::{SharedCounter, OFFERED};
 use gpualloc_ipc::fdpass::send_step;
 use gpualloc_ipc::frame;
 use gpualloc_ipc::message::{DeviceOffer, Message, OfferedMemory, Readiness};
@@ -150,15 +151,26 @@ fn bogus_device_offers_are_typed_errors() {
             memory: OfferedMemory::Legacy { handle, offset: 0 },
         })
     };
+    // Each offer names a slot the exporter armed, as a real one would; every refusal gives
+    // the slot back.
+    let slot = &refs.counters()[0];
+    slot.arm(OFFERED);
     send_msg(&a, &offer(0, vec![0; 64]), &[]);
     assert!(matches!(
         conn.recv(),
         Err(IpcError::Backend(BackendError::InvalidValue(_)))
     ));
+    assert!(slot.is_free());
+    slot.arm(OFFERED);
     send_msg(&a, &offer(0, vec![0; 10]), &[]);
     assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    assert!(slot.is_free());
     send_msg(&a, &offer(99, vec![0; 64]), &[]);
     assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    // A slot that holds no offer (never armed, or taken back): refused before anything opens.
+    send_msg(&a, &offer(1, vec![0; 64]), &[]);
+    assert!(matches!(conn.recv(), Err(IpcError::Withdrawn(1))));
+    slot.arm(OFFERED);
     // A VMM offer whose span cannot hold the buffer.
     let vmm = Message::Device(DeviceOffer {
         id: 2,
@@ -174,6 +186,56 @@ fn bogus_device_offers_are_typed_errors() {
     });
     send_msg(&a, &vmm, &[]);
     assert!(matches!(conn.recv(), Err(IpcError::Malformed(_))));
+    assert!(slot.is_free());
+}
+
+#[test]
+fn a_legacy_offer_must_lie_inside_the_allocation_it_names() {
+    let refs = RefCountFile::create(8).unwrap();
+    let (a, mut conn) = hello_pair(&refs);
+    let exporter = backend();
+    let size = 2u64 << 20;
+    let ptr = exporter.malloc(DEV, size).unwrap();
+    let handle = exporter.ipc_get_mem_handle(ptr).unwrap().0.to_vec();
+    let offer = |offset, len| {
+        Message::Device(DeviceOffer {
+            id: 1,
+            slot: 0,
+            device: 0,
+            len,
+            ready: Readiness::Synchronized,
+            memory: OfferedMemory::Legacy {
+                handle: handle.clone(),
+                offset,
+            },
+        })
+    };
+    let slot = &refs.counters()[0];
+    for (offset, len) in [
+        (size, 1 << 62),
+        (size, 1),
+        (0, size + 1),
+        (size - 4096, 8192),
+    ] {
+        slot.arm(OFFERED);
+        send_msg(&a, &offer(offset, len), &[]);
+        match conn.recv() {
+            Err(IpcError::Malformed(m)) => assert!(m.contains("runs past"), "{m}"),
+            other => panic!("offset {offset} len {len}: {other:?}"),
+        }
+        assert!(slot.is_free(), "the refused offer's slot is given back");
+    }
+    // The exact fit is accepted.
+    slot.arm(OFFERED);
+    send_msg(&a, &offer(size - 4096, 4096), &[]);
+    let Ok(gpualloc_ipc::Received::Device(buf)) = conn.recv() else {
+        panic!("the last page is a valid window");
+    };
+    assert_eq!(buf.len(), 4096);
+    assert!(!slot.is_free());
+    drop(buf);
+    assert!(slot.is_free());
+    exporter.free(DEV, ptr).unwrap();
 }
 
 #[test]

@@ -56,6 +56,24 @@ fn importer_entry() {
     let mut ctrl = UnixStream::connect(std::env::var(CTRL).unwrap()).unwrap();
     ctrl.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    if role == "late" {
+        // Read the offer only after the exporter dropped its connection and reused the block.
+        ctrl.write_all(b"r").unwrap();
+        assert_eq!(byte(&mut ctrl), b'g');
+        match conn.recv() {
+            Err(IpcError::Withdrawn(_)) => {}
+            Ok(Received::Device(buf)) => {
+                backend
+                    .copy_to_device(stream, buf.ptr(), &[0xee; 4096])
+                    .unwrap();
+                ctrl.write_all(b"w").unwrap();
+                panic!("imported an offer the exporter had taken back");
+            }
+            other => panic!("{other:?}"),
+        }
+        ctrl.write_all(b"w").unwrap();
+        return;
+    }
     let Received::Device(buf) = conn.recv().unwrap() else {
         panic!("expected a device buffer");
     };
@@ -223,6 +241,34 @@ fn a_buffer_dropped_on_a_live_connection_wakes_the_waiting_exporter() {
     // Asked again: the recorded outcome, at once.
     assert_eq!(ex.conn().wait_returned(id).unwrap(), Returned::Released);
     ex.ctrl.write_all(b"q").unwrap();
+    ex.finish();
+}
+
+#[test]
+fn an_offer_taken_back_before_it_was_read_is_refused() {
+    let mut ex = Exporter::start("late");
+    assert_eq!(byte(&mut ex.ctrl), b'r');
+    let exported = ex.malloc();
+    ex.export(exported);
+    // The exporter's connection ends with the offer unread: it takes the block back.
+    let end = ex.conn.take().unwrap();
+    drop(end);
+    assert!(ex.core.lock().unwrap().allocation(exported).is_none());
+    let second = ex.malloc();
+    assert_eq!(
+        second, exported,
+        "the block went back to the cache and out again"
+    );
+    ex.backend
+        .copy_to_device(ex.stream, second, &[0x11; 4096])
+        .unwrap();
+    ex.ctrl.write_all(b"g").unwrap();
+    assert_eq!(byte(&mut ex.ctrl), b'w');
+    assert_eq!(
+        ex.read(second),
+        vec![0x11; 4096],
+        "the new owner's bytes were overwritten"
+    );
     ex.finish();
 }
 

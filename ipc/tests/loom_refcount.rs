@@ -1,7 +1,8 @@
 //! Loom model of the shared reference-count protocol ([`gpualloc_ipc::counter`] steps driven
-//! by the exporter's [`ExportLedger`]): every interleaving of an importer releasing, the
-//! exporter collecting, and the exporter reclaiming at EOF releases each export exactly
-//! once, never before the importer's writes are visible, and never lets a counter wrap.
+//! by the exporter's [`ExportLedger`]): every interleaving of an importer accepting and
+//! releasing, the exporter collecting, and the exporter reclaiming at EOF releases each export
+//! exactly once, never before the importer's writes are visible, never lets a counter wrap,
+//! and never lets an importer accept an offer the exporter already took back.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-ipc --release --test loom_refcount`.
 #![cfg(loom)]
@@ -32,6 +33,7 @@ fn release_then_collect_sees_the_importers_writes_and_frees_once() {
 
         let (c2, b2) = (c.clone(), block.clone());
         let importer = thread::spawn(move || {
+            assert!(c2[slot as usize].accept());
             b2.0.with_mut(|p| unsafe { *p = 42 });
             assert!(c2[slot as usize].release_one());
         });
@@ -62,15 +64,19 @@ fn release_racing_reclaim_at_eof_frees_exactly_once_and_never_wraps() {
 
         let c2 = c.clone();
         let importer = thread::spawn(move || {
-            // A late release (the socket already closed) and a repeated one.
+            // An accept racing the take, then a late release and a repeated one.
+            let accepted = c2[slot as usize].accept();
             let first = c2[slot as usize].release_one();
             let second = c2[slot as usize].release_one();
             assert!(!second);
-            first
+            assert!(accepted || !first, "released a reference it never took");
+            accepted
         });
         let reclaimed = ledger.reclaim_all(&c[..]);
         assert_eq!(reclaimed, vec![(id, 7)]);
         let _ = importer.join().unwrap();
+        // Once taken back, the offer can no longer be accepted.
+        assert!(!c[0].accept());
         assert_eq!(c[0].load(Ordering::SeqCst), 0);
         assert_eq!(ledger.outstanding(), 0);
         assert!(ledger.collect(&c[..]).is_empty());
@@ -88,7 +94,10 @@ fn two_importers_release_concurrently_each_export_freed_once() {
             .into_iter()
             .map(|slot| {
                 let c = c.clone();
-                thread::spawn(move || assert!(c[slot as usize].release_one()))
+                thread::spawn(move || {
+                    assert!(c[slot as usize].accept());
+                    assert!(c[slot as usize].release_one());
+                })
             })
             .collect();
         let mut freed = ledger.collect(&c[..]);

@@ -48,6 +48,16 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Allocates `size` bytes of device memory, synchronously (`cuMemAlloc`).
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr>;
+    /// The allocation that contains `ptr` (from [`Backend::malloc`] or
+    /// [`Backend::ipc_open_mem_handle`]): its base and size (`cuMemGetAddressRange`). An
+    /// importer checks an offer's window against it. `NotSupported` where the backend has no
+    /// such query.
+    fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        let _ = ptr;
+        Err(crate::error::BackendError::NotSupported(
+            "mem_address_range".into(),
+        ))
+    }
     /// Frees memory from [`Backend::malloc`]; synchronizes the device first (`cuMemFree`).
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()>;
     /// Blocks until all work on all streams of `device` is done.

@@ -346,6 +346,11 @@ fn device_memory_is_sealed_at_its_size_and_unsealed_handles_are_refused() {
     let sim = small(1, 64 << 20);
     // A legacy IPC open goes through the allocation's memfd: nobody can resize it.
     let ptr = sim.malloc(D0, 2 << 20).unwrap();
+    assert_eq!(
+        sim.mem_address_range(DevicePtr(ptr.0 + 4097)).unwrap(),
+        (ptr, 2 << 20)
+    );
+    assert!(invalid(sim.mem_address_range(DevicePtr(ptr.0 + (2 << 20)))));
     let h = sim.ipc_get_mem_handle(ptr).unwrap();
     let fd = i32::from_le_bytes(h.0[12..16].try_into().unwrap());
     let file = std::fs::OpenOptions::new()

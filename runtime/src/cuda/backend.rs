@@ -268,4 +268,7 @@ impl Backend for CudaBackend {
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
         self.cu_ipc_close_mem_handle(ptr)
     }
+    fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        self.cu_mem_address_range(ptr)
+    }
 }

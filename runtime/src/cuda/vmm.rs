@@ -331,6 +331,18 @@ impl CudaBackend {
         Ok(DevicePtr(ptr))
     }
 
+    pub(crate) fn cu_mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        let device = self.pointer_device("mem_address_range", ptr)?;
+        self.bind_device(device)?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        drv("cuMemGetAddressRange", || {
+            // SAFETY: both out-pointers are valid and writable for the call; the address is
+            // passed by value and the driver rejects one outside every allocation.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0) }
+        })?;
+        Ok((DevicePtr(base), size as u64))
+    }
+
     pub(crate) fn cu_ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
         let device = self.pointer_device("ipc_close_mem_handle", ptr)?;
         self.bind_device(device)?;

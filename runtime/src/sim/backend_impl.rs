@@ -108,6 +108,17 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        self.enter(Op::MemAddressRange)?;
+        self.mem
+            .find_containing(ptr.0, |start, r| {
+                matches!(r.kind, RegionKind::Device | RegionKind::IpcOpened)
+                    .then_some((DevicePtr(start), r.len))
+            })
+            .flatten()
+            .ok_or_else(|| BackendError::invalid(format!("{ptr} is not in a device allocation")))
+    }
+
     fn device_synchronize(&self, device: DeviceId) -> Result<()> {
         self.enter(Op::DeviceSynchronize)?;
         self.check_device(device)?;

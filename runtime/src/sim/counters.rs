@@ -35,6 +35,7 @@ ops! {
     ProcessUsed => "process_used",
     Malloc => "malloc",
     Free => "free",
+    MemAddressRange => "mem_address_range",
     DeviceSynchronize => "device_synchronize",
     StreamCreate => "stream_create",
     StreamDestroy => "stream_destroy",
@@ -158,7 +159,7 @@ mod tests {
         assert_eq!(s.get(Op::Free), 0);
         assert_eq!(s.total(), 3);
         assert_eq!(s.nonzero(), vec![(Op::Malloc, 2), (Op::LaunchKernel, 1)]);
-        assert_eq!(Op::ALL.len(), 40);
+        assert_eq!(Op::ALL.len(), 41);
         assert_eq!(Op::IpcCloseMemHandle.name(), "ipc_close_mem_handle");
         c.reset();
         assert_eq!(c.snapshot().total(), 0);
