@@ -70,9 +70,9 @@ async fn recv(sock: &UnixStream, reader: &mut FrameReader) -> Result<Frame> {
     }
 }
 
-/// The exporter's end of a connection (async). Dropping it takes back every export still
-/// out, so keep it until the importer is done (usually by awaiting
-/// [`AsyncExportConn::serve`]).
+/// The exporter's end of a connection (async). Dropping it with exports still out hands them
+/// to a background thread that keeps them until the importer releases them or goes away
+/// (see [`crate::blocking::ExportConn`]); usually one awaits [`AsyncExportConn::serve`].
 pub struct AsyncExportConn {
     sock: UnixStream,
     reader: FrameReader,
@@ -155,6 +155,12 @@ impl AsyncExportConn {
                 return Ok(end);
             }
         }
+    }
+}
+
+impl Drop for AsyncExportConn {
+    fn drop(&mut self) {
+        self.state.hand_over(self.sock.as_fd());
     }
 }
 

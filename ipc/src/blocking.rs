@@ -49,8 +49,9 @@ fn recv(sock: BorrowedFd<'_>, reader: &mut FrameReader) -> Result<Frame> {
     }
 }
 
-/// The exporter's end of a connection (blocking). Dropping it takes back every export
-/// still out, so keep it until the importer is done.
+/// The exporter's end of a connection (blocking). Dropping it with exports still out hands
+/// them to a background thread that keeps them until the importer releases them or goes
+/// away (see `keeper.rs`): a block is never reused while the importer may still use it.
 pub struct ExportConn {
     sock: UnixStream,
     reader: FrameReader,
@@ -140,6 +141,12 @@ impl ExportConn {
                 return Ok(end);
             }
         }
+    }
+}
+
+impl Drop for ExportConn {
+    fn drop(&mut self) {
+        self.state.hand_over(self.sock.as_fd());
     }
 }
 

@@ -46,7 +46,7 @@ pub enum Returned {
 
 pub(crate) struct ExporterState {
     backend: Arc<dyn Backend>,
-    refs: RefCountFile,
+    refs: Arc<RefCountFile>,
     ledger: ExportLedger<Box<dyn ExportGuard>>,
     pub(crate) peer: PeerCred,
     pub(crate) totals: ServeEnd,
@@ -61,7 +61,7 @@ impl ExporterState {
     pub(crate) fn new(backend: Arc<dyn Backend>, peer: PeerCred, slots: usize) -> Result<Self> {
         Ok(ExporterState {
             backend,
-            refs: RefCountFile::create(slots)?,
+            refs: Arc::new(RefCountFile::create(slots)?),
             ledger: ExportLedger::new(slots),
             peer,
             totals: ServeEnd::default(),
@@ -237,16 +237,33 @@ impl ExporterState {
     pub(crate) fn outstanding(&self) -> usize {
         self.ledger.outstanding()
     }
+
+    /// The connection over `sock` is being dropped: exports still out go to a keeper thread
+    /// (`keeper.rs`) that takes them back only once the importer released them or is gone.
+    pub(crate) fn hand_over(&mut self, sock: std::os::fd::BorrowedFd<'_>) {
+        if self.outstanding() == 0 {
+            return;
+        }
+        let slots = self.refs.slots();
+        let kept = ExporterState {
+            backend: self.backend.clone(),
+            refs: self.refs.clone(),
+            ledger: std::mem::replace(&mut self.ledger, ExportLedger::new(slots)),
+            peer: self.peer,
+            totals: self.totals,
+            taken_back: std::mem::take(&mut self.taken_back),
+        };
+        tracing::debug!(
+            count = kept.outstanding(),
+            peer = self.peer.pid,
+            "ipc connection dropped with exports out: kept until the importer lets go"
+        );
+        crate::keeper::keep_until_eof(sock, kept);
+    }
 }
 
 impl Drop for ExporterState {
     fn drop(&mut self) {
-        if self.outstanding() > 0 {
-            tracing::warn!(
-                count = self.outstanding(),
-                "ipc connection dropped with exports out: taking them back"
-            );
-        }
         self.reclaim();
     }
 }

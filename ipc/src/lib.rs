@@ -25,6 +25,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod import;
 mod importer;
+mod keeper;
 pub mod ledger;
 mod link;
 pub mod map;

@@ -8,6 +8,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use gpualloc_ipc::counter::{SharedCounter, OFFERED};
 use gpualloc_ipc::fdpass::send_step;
@@ -282,7 +283,19 @@ fn a_hostile_importer_still_gets_its_exports_taken_back() {
     b.write_all(b"\x00garbage from a hostile importer\x00")
         .unwrap();
     assert!(matches!(conn.serve(), Err(IpcError::Malformed(_))));
-    assert!(released.load(Ordering::SeqCst));
+    // The connection is gone, but the importer still holds its socket (and may still hold
+    // the memory): its export is kept until EOF, then taken back.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        !released.load(Ordering::SeqCst),
+        "freed under a live importer"
+    );
+    drop(b);
+    let t = Instant::now();
+    while !released.load(Ordering::SeqCst) {
+        assert!(t.elapsed() < Duration::from_secs(5), "never taken back");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     backend.free(DEV, ptr).unwrap();
 }
 
