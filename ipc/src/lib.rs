@@ -12,6 +12,47 @@
 //! - [`blocking`] and [`asynchronous`]: connections for plain threads and for tokio.
 //!
 //! `unsafe` lives only in [`map`] and [`refcount`].
+//!
+//! # Threat model
+//!
+//! A peer is admitted by [`PeerPolicy`] (by default: the same user, checked with
+//! `SO_PEERCRED`). An admitted peer is trusted with the memory it is given and nothing else.
+//!
+//! **What an importer can do to the exporter:** read and write the buffers it was sent (that
+//! is the point), keep them as long as it likes (the exporter's blocks stay allocated until
+//! it releases them, closes its connection and every buffer, or dies: memory it was given is
+//! all it can waste), and send anything at all on its socket.
+//!
+//! **What it cannot do:**
+//! - crash the exporter: every memory object it receives (the reference-count file, host
+//!   memory) is a memfd sealed at its size before it is sent ([`shm::SIZE_SEALS`]), so it
+//!   cannot truncate what the exporter has mapped (no SIGBUS); objects that cannot be sealed
+//!   (POSIX shared memory, files) are never sent ([`IpcError::Unsealable`]); malformed,
+//!   truncated or oversized frames and stray fds are typed errors (frames are capped at
+//!   [`frame::MAX_BODY`] bytes and [`frame::MAX_FDS`] fds);
+//! - make the exporter reuse a block it may still use: a block is freed only when its
+//!   reference count (in the shared file) reaches zero, or at the importer's EOF; an importer
+//!   that writes garbage or closes its connection but keeps a buffer keeps the block (the
+//!   buffer holds the socket; a dropped exporter connection hands its exports to a keeper
+//!   thread until EOF);
+//! - free another importer's blocks: each connection has its own reference-count file and
+//!   ledger;
+//! - name memory it was not sent: it only ever sends `Released` frames, which carry no
+//!   pointers, only export ids the exporter checks against its ledger.
+//!
+//! It *can* lie in the shared counters of its own exports (release early, release twice):
+//! the counter never goes below zero, and an early release only makes the exporter reuse a
+//! block the importer itself claims to be done with.
+//!
+//! **What the importer trusts the exporter for:** the contents of what it is sent, and that
+//! the exporter keeps it alive (the exporter process is the owner of that memory). It does
+//! not trust the exporter's sizes and fds: host memory must be sealed
+//! ([`IpcError::NotSealed`]) and no longer than the object; a device offer must name an armed
+//! slot ([`IpcError::Withdrawn`]) and lie inside the allocation actually opened
+//! ([`Backend::mem_address_range`](gpualloc_runtime::Backend::mem_address_range)), and VMM
+//! chunks inside their span and their physical handles (sealed memfds on the sim).
+//!
+//! `tests/fuzz.rs` feeds both ends hostile input (seeded, `GPUALLOC_FUZZ_ITERS` for more).
 
 // tokio's own `cfg(loom)` build has no `net`: the async connections sit out loom runs.
 #[cfg(not(loom))]
