@@ -8,6 +8,7 @@
 //!   memory of wrong sizes or unsealed, device offers with unarmed slots, foreign or bogus
 //!   handles, windows past their allocation, VMM chunk lists that do not add up): each is a
 //!   typed error or a buffer that lies inside what was opened.
+//!
 //! Both end with the fds and memfd mappings they started with.
 //!
 //! `GPUALLOC_FUZZ_ITERS` (default 1500 per end) and `GPUALLOC_FUZZ_SEED` (default 1) tune it.
@@ -388,11 +389,11 @@ fn fuzz_importer(rng: &mut StdRng, iters: u64) {
             drop(attached);
             match conn.recv() {
                 Ok(Received::Host { mapping, .. }) => {
-                    assert!(mapping.len() > 0);
+                    assert!(!mapping.is_empty());
                     accepted += 1;
                 }
                 Ok(Received::Device(buf)) => {
-                    assert!(buf.len() > 0, "iteration {i}");
+                    assert!(!buf.is_empty(), "iteration {i}");
                     if !buf.is_vmm() {
                         // Both ends of the window lie in the one allocation opened.
                         let first = importer.mem_address_range(buf.ptr());

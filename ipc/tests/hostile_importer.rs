@@ -12,8 +12,7 @@ use gpualloc_ipc::fdpass::recv_step;
 use gpualloc_ipc::frame::{Frame, FrameReader};
 use gpualloc_ipc::message::Message;
 use gpualloc_ipc::{
-    shm, Backing, DeviceRegion, ExportConn, MapOptions, OnRelease, PeerPolicy, Returned,
-    SegmentMemory,
+    shm, Backing, DeviceRegion, ExportConn, MapOptions, OnRelease, PeerPolicy, SegmentMemory,
 };
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
