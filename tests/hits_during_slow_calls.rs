@@ -158,3 +158,53 @@ async fn hits_flow_while_empty_cache_waits_for_a_busy_stream() {
     alloc.shutdown().await.unwrap();
     assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_flow_while_a_miss_over_the_memory_fraction_frees_the_cache() {
+    for conf in [
+        "per_process_memory_fraction:0.5",
+        "per_process_memory_fraction:0.5,thread_cache:False",
+    ] {
+        // 1 GiB device, 512 MiB allowed; 400 MiB cached in two segments.
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        drop(alloc.malloc(512 << 10, &s).await.unwrap());
+        let (a, b) = (
+            alloc.malloc(200 * MIB, &s).await.unwrap(),
+            alloc.malloc(200 * MIB, &s).await.unwrap(),
+        );
+        drop((a, b));
+        sim.set_latency(LatencyModel {
+            free: SLOW,
+            ..LatencyModel::zero()
+        });
+        sim.reset_counts();
+        // 300 MiB more would pass the cap: the cache must be freed first.
+        let big = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            tokio::spawn(async move { alloc.malloc(300 * MIB, &s).await })
+        };
+        until_started(&sim, Op::Free, 1).await;
+        let actor = alloc.device_actor(DeviceId(0)).unwrap();
+        let hit = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
+                .join()
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            (sim.counts().get(Op::Free), actor.misses_in_flight()),
+            (1, 1),
+            "{conf:?}: the hit waited for the frees of the cache"
+        );
+        drop(hit);
+        let big = big.await.unwrap().unwrap();
+        assert_eq!(big.len(), 300 * MIB);
+        sim.set_latency(LatencyModel::zero());
+        drop(big);
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+    }
+}

@@ -10,11 +10,16 @@
 //! - the out-of-memory chain's event synchronization and segment frees, `empty_cache` and
 //!   shutdown.
 //!
+//! - a miss over `per_process_memory_fraction`: the cache is released off the gate before the
+//!   segment is claimed again.
+//!
 //! The gate is taken only for the short bookkeeping steps in between. What still runs under
 //! the gate is the last resort of an out-of-memory request, after all of the above failed to
-//! make room: the core's own chain (`malloc_after_miss`), which produces PyTorch's report; by
-//! then the cache has been released off the gate, so it has little left to do. Shutdown runs
-//! the core's own release under the gate too (nothing is served after it).
+//! make room: the core's own chain (`malloc_after_miss`), which produces PyTorch's report. By
+//! then the cache has been released off the gate, so it frees only what was cached in the
+//! meantime; over the fraction cap it makes no device call at all, and on a full device it
+//! retries the device malloc (which fails fast). Shutdown runs the core's own release under
+//! the gate too (nothing is served after it).
 
 use std::sync::Arc;
 
@@ -74,7 +79,7 @@ impl DeviceActor {
             alloc_size = req.alloc_size()
         )
         .entered();
-        let (in_place, collected) = {
+        let (expandable, claimed, collected) = {
             let mut held = self.mailbox.hold_blocking();
             // A miss may leave a segment of this stream in the cache: keep the stream alive
             // while the core names it (`streams.rs`).
@@ -85,10 +90,10 @@ impl DeviceActor {
             let collected = core.detach_gc_victims()?;
             // Expandable segments map pages instead of allocating a segment (below). A
             // segment allocated off the gate is claimed against `per_process_memory_fraction`
-            // first, so concurrent misses cannot overshoot it together; one that does not fit
-            // goes to the core's own chain.
-            let in_place = core.config().expandable_segments || !req.claim_fraction(core);
-            (in_place, collected)
+            // first, so concurrent misses cannot overshoot it together.
+            let expandable = core.config().expandable_segments;
+            let claimed = !expandable && req.claim_fraction(core);
+            (expandable, claimed, collected)
         };
         if !collected.is_empty() {
             let _gc = tracing::debug_span!("garbage_collect", device = self.device.0).entered();
@@ -97,10 +102,16 @@ impl DeviceActor {
             }
             self.signals.waiters.wake_head();
         }
-        let req = if in_place {
+        let req = if expandable {
             req
-        } else {
+        } else if claimed {
             match self.malloc_claimed(req, &stream)? {
+                Ok(buf) => return Ok(buf),
+                Err(req) => req,
+            }
+        } else {
+            // Over the memory-fraction cap: free the cache off the gate, then claim again.
+            match self.release_then_claim(req, &stream)? {
                 Ok(buf) => return Ok(buf),
                 Err(req) => req,
             }
@@ -141,6 +152,38 @@ impl DeviceActor {
                 Err(e.into())
             }
         }
+    }
+
+    /// A request whose segment does not fit under `per_process_memory_fraction`: releases the
+    /// cache off the gate (PyTorch frees cached blocks before giving up on the cap), then
+    /// looks in the cache again and claims again. `Err(req)`: still over the cap (nothing
+    /// was released, or not enough): the core's own chain continues, which then has nothing
+    /// to free and no device call to make (the cap fails before any malloc).
+    fn release_then_claim(
+        self: &Arc<Self>,
+        req: SegmentRequest,
+        stream: &Stream,
+    ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
+        if self.release_cache_blocking() == 0 {
+            return Ok(Err(req));
+        }
+        let retry = {
+            let mut held = self.mailbox.hold_blocking();
+            let core = &mut held.state().core;
+            match core.try_cached(req.requested(), stream.handle())? {
+                CachedOutcome::Hit(a) => {
+                    drop(held);
+                    return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
+                }
+                CachedOutcome::Miss(retry) => {
+                    if !retry.claim_fraction(core) {
+                        return Ok(Err(retry));
+                    }
+                    retry
+                }
+            }
+        };
+        self.malloc_claimed(retry, stream)
     }
 
     /// A device malloc off the gate for a request whose segment was claimed against the
