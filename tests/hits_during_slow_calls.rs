@@ -208,3 +208,35 @@ async fn hits_flow_while_a_miss_over_the_memory_fraction_frees_the_cache() {
         assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oom_on_a_full_device_makes_no_device_call_under_the_gate() {
+    // The device calls the miss makes off the gate: one segment malloc; or one growth that
+    // creates two 20 MiB pages of the 56 MiB left and fails on the third (then rolls back).
+    // Before the core's last step stopped calling the device, these were 3 and 9.
+    for (conf, op, calls) in [
+        ("", Op::Malloc, 1),
+        ("thread_cache:False", Op::Malloc, 1),
+        ("expandable_segments:True", Op::PhysCreate, 3),
+    ] {
+        let sim = sim(256 * MIB);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let held = alloc.malloc(200 * MIB, &s).await.unwrap();
+        sim.reset_counts();
+        // Nothing is cached: the device is simply full. The miss tries the device off the
+        // gate; the core's last step then only writes the report.
+        let err = alloc.malloc(100 * MIB, &s).await.unwrap_err();
+        assert!(err.is_oom(), "{conf:?}: {err}");
+        assert_eq!(
+            sim.counts().get(op),
+            calls,
+            "{conf:?}: the device was tried again under the gate"
+        );
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 200 * MIB, "{conf:?}");
+        let stats = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(stats.num_ooms, 1, "{conf:?}");
+        drop(held);
+        alloc.shutdown().await.unwrap();
+    }
+}

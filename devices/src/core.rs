@@ -425,6 +425,22 @@ impl DeviceCore {
         self.malloc_miss(size, &mut params)
     }
 
+    /// The last step of a miss whose owner already tried the device off the core (and
+    /// released the cache there) and found no room: serves the request from blocks freed in
+    /// the meantime (or from a private pool, as the chain does on OOM), else reports the
+    /// out-of-memory error. Unlike [`DeviceCore::malloc_after_miss`] it neither allocates nor
+    /// frees device memory, so an owner can call it under its lock without stalling others.
+    pub fn malloc_without_device(
+        &mut self,
+        request: SegmentRequest,
+    ) -> Result<Allocation, AllocError> {
+        let SegmentRequest { mut params, size } = request;
+        if self.get_free_block(&mut params) || self.use_private_pool_on_oom(&mut params) {
+            return self.finish(&params, size);
+        }
+        Err(self.out_of_memory(size, &params))
+    }
+
     /// Finishes a miss with a segment the caller allocated from the backend itself (`ptr`,
     /// `request.alloc_size()` bytes), claimed beforehand with
     /// [`SegmentRequest::claim_fraction`] (the claim ends here). The segment is adopted even

@@ -152,3 +152,34 @@ fn a_non_oom_driver_error_is_returned_as_is() {
     assert_eq!(core.reserved_bytes(), 0);
     core.check_invariants().unwrap();
 }
+
+#[test]
+fn the_last_step_without_device_serves_from_blocks_freed_meanwhile_or_reports() {
+    let (sim, mut core, s0, _s1) = rig(64 * MIB, "");
+    let a = core.malloc(40 * MIB, s0).unwrap();
+    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(30 * MIB, s0).unwrap()
+    else {
+        panic!("nothing is cached yet");
+    };
+    // The owner tried the device off the core meanwhile; then `a` was freed.
+    core.free(a.ptr).unwrap();
+    sim.reset_counts();
+    let b = core.malloc_without_device(req).unwrap();
+    assert_eq!(b.ptr, a.ptr, "served from the block freed meanwhile");
+    assert_eq!(sim.counts().total(), 0, "no backend call at all");
+    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(40 * MIB, s0).unwrap()
+    else {
+        panic!("the cache cannot hold 40 MiB more");
+    };
+    let err = core.malloc_without_device(req).unwrap_err();
+    let AllocError::OutOfMemory(report) = err else {
+        panic!("{err:?}");
+    };
+    assert_eq!(report.requested, 40 * MIB);
+    assert_eq!(report.reserved, 40 * MIB);
+    assert_eq!(core.stats().num_ooms, 1);
+    assert_eq!(sim.counts().get(Op::Malloc), 0);
+    assert_eq!(sim.counts().get(Op::Free), 0);
+    assert_eq!(*actions(&core).last().unwrap(), TraceAction::Oom);
+    core.free(b.ptr).unwrap();
+}

@@ -13,13 +13,12 @@
 //! - a miss over `per_process_memory_fraction`: the cache is released off the gate before the
 //!   segment is claimed again.
 //!
-//! The gate is taken only for the short bookkeeping steps in between. What still runs under
-//! the gate is the last resort of an out-of-memory request, after all of the above failed to
-//! make room: the core's own chain (`malloc_after_miss`), which produces PyTorch's report. By
-//! then the cache has been released off the gate, so it frees only what was cached in the
-//! meantime; over the fraction cap it makes no device call at all, and on a full device it
-//! retries the device malloc (which fails fast). Shutdown runs the core's own release under
-//! the gate too (nothing is served after it).
+//! The gate is taken only for the short bookkeeping steps in between. When all of the above
+//! found no room, the last step under the gate (`DeviceCore::malloc_without_device`) only
+//! looks for blocks freed meanwhile and writes PyTorch's report: no device call. Two things
+//! still run the core's own chain under the gate: a request for a private pool of expandable
+//! segments (graph capture; its pages are mapped in place), and shutdown (nothing is served
+//! after it).
 
 use std::sync::Arc;
 
@@ -102,47 +101,53 @@ impl DeviceActor {
             }
             self.signals.waiters.wake_head();
         }
-        let req = if expandable {
-            req
-        } else if claimed {
-            match self.malloc_claimed(req, &stream)? {
-                Ok(buf) => return Ok(buf),
-                Err(req) => req,
-            }
-        } else {
-            // Over the memory-fraction cap: free the cache off the gate, then claim again.
-            match self.release_then_claim(req, &stream)? {
-                Ok(buf) => return Ok(buf),
-                Err(req) => req,
-            }
-        };
-        let req = match self.grow_off_gate(req, &stream)? {
-            Grown::Buffer(buf) => return Ok(buf),
-            Grown::InPlace(req) => req,
-            Grown::Full(req) => {
-                // The device is full: release the cache (pages unmapped off the gate too)
-                // and try once more before the core's chain.
-                tracing::info!(
-                    device = self.device.0,
-                    size,
-                    "device full: releasing cached memory"
-                );
-                if self.release_cache_blocking() > 0 {
-                    match self.grow_off_gate(req, &stream)? {
-                        Grown::Buffer(buf) => return Ok(buf),
-                        Grown::InPlace(req) | Grown::Full(req) => req,
+        // `device_tried`: the device was tried off the gate and had no room, with the cache
+        // released there too; the core's last step then makes no device call.
+        let (req, device_tried) = if expandable {
+            match self.grow_off_gate(req, &stream)? {
+                Grown::Buffer(buf) => return Ok(buf),
+                Grown::InPlace(req) => (req, false),
+                Grown::Full(req) => {
+                    // The device is full: release the cache (pages unmapped off the gate
+                    // too) and try once more.
+                    tracing::info!(
+                        device = self.device.0,
+                        size,
+                        "device full: releasing cached memory"
+                    );
+                    if self.release_cache_blocking() > 0 {
+                        match self.grow_off_gate(req, &stream)? {
+                            Grown::Buffer(buf) => return Ok(buf),
+                            Grown::InPlace(req) => (req, false),
+                            Grown::Full(req) => (req, true),
+                        }
+                    } else {
+                        (req, true)
                     }
-                } else {
-                    req
                 }
             }
+        } else {
+            let outcome = if claimed {
+                self.malloc_claimed(req, &stream)?
+            } else {
+                // Over the memory-fraction cap: free the cache off the gate, claim again.
+                self.release_then_claim(req, &stream)?
+            };
+            match outcome {
+                Ok(buf) => return Ok(buf),
+                Err(req) => (req, true),
+            }
         };
-        let result = self
-            .mailbox
-            .hold_blocking()
-            .state()
-            .core
-            .malloc_after_miss(req);
+        let result = {
+            let mut held = self.mailbox.hold_blocking();
+            let core = &mut held.state().core;
+            if device_tried {
+                core.malloc_without_device(req)
+            } else {
+                // Private pools of expandable segments: the core's own chain, in place.
+                core.malloc_after_miss(req)
+            }
+        };
         match result {
             Ok(a) => Ok(DeviceBuffer::new(a, self.clone(), stream)),
             Err(e) => {
