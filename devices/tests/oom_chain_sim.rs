@@ -157,8 +157,7 @@ fn a_non_oom_driver_error_is_returned_as_is() {
 fn the_last_step_without_device_serves_from_blocks_freed_meanwhile_or_reports() {
     let (sim, mut core, s0, _s1) = rig(64 * MIB, "");
     let a = core.malloc(40 * MIB, s0).unwrap();
-    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(30 * MIB, s0).unwrap()
-    else {
+    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(30 * MIB, s0).unwrap() else {
         panic!("nothing is cached yet");
     };
     // The owner tried the device off the core meanwhile; then `a` was freed.
@@ -167,8 +166,7 @@ fn the_last_step_without_device_serves_from_blocks_freed_meanwhile_or_reports() 
     let b = core.malloc_without_device(req).unwrap();
     assert_eq!(b.ptr, a.ptr, "served from the block freed meanwhile");
     assert_eq!(sim.counts().total(), 0, "no backend call at all");
-    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(40 * MIB, s0).unwrap()
-    else {
+    let gpualloc_devices::CachedOutcome::Miss(req) = core.try_cached(40 * MIB, s0).unwrap() else {
         panic!("the cache cannot hold 40 MiB more");
     };
     let err = core.malloc_without_device(req).unwrap_err();

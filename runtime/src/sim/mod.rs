@@ -199,6 +199,13 @@ impl SimBackend {
         lock(&self.streams).len()
     }
 
+    /// The device of the allocation, mapped range or opened IPC handle that contains `ptr`
+    /// (`None` for host memory or an unknown address): `cuPointerGetAttribute`'s device
+    /// ordinal, for the emulated driver.
+    pub fn pointer_device(&self, ptr: DevicePtr) -> Option<DeviceId> {
+        self.mem.find_containing(ptr.0, |_, r| r.device).flatten()
+    }
+
     /// Live device allocations from `malloc` on all devices.
     pub fn live_allocations(&self) -> usize {
         self.mem.count(RegionKind::Device)

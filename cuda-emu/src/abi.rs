@@ -1,0 +1,106 @@
+//! The driver API's C types and result codes, as plain integers and `repr(C)` structs.
+//!
+//! Enums arrive as `c_uint`/`c_int`, never as Rust enums: a value the emulator does not
+//! know must be an error, not undefined behaviour.
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_int, c_uint, c_void};
+
+/// `CUresult`.
+pub type CUresult = c_uint;
+/// `CUdevice`.
+pub type CUdevice = c_int;
+/// `CUdeviceptr`.
+pub type CUdeviceptr = u64;
+/// `CUcontext` (opaque).
+pub type CUcontext = *mut c_void;
+/// `CUstream` (opaque; null is the default stream).
+pub type CUstream = *mut c_void;
+/// `CUevent` (opaque).
+pub type CUevent = *mut c_void;
+/// `CUmemGenericAllocationHandle`.
+pub type CUmemGenericAllocationHandle = u64;
+/// `CUhostFn`.
+pub type CUhostFn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
+
+/// `CUmemLocation` (CUDA 12: a type and an id).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUmemLocation {
+    /// `CUmemLocationType`; 1 is a device.
+    pub type_: c_uint,
+    /// The device ordinal.
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUmemAllocationProp {
+    /// `CUmemAllocationType`; 1 is pinned device memory.
+    pub type_: c_uint,
+    /// `CUmemAllocationHandleType` bits; 1 is a POSIX fd.
+    pub requested_handle_types: c_uint,
+    /// Where the memory lives.
+    pub location: CUmemLocation,
+    /// Windows only.
+    pub win32_handle_meta_data: *mut c_void,
+    /// Compression, RDMA, usage, reserved.
+    pub alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUmemAccessDesc {
+    /// Who gets access.
+    pub location: CUmemLocation,
+    /// `CUmemAccess_flags`; 3 is read/write.
+    pub flags: c_uint,
+}
+
+/// `CUipcMemHandle`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct CUipcMemHandle {
+    /// The handle's bytes.
+    pub reserved: [u8; 64],
+}
+
+macro_rules! codes {
+    ($($name:ident = $value:literal, $text:literal;)*) => {
+        $(
+            #[doc = $text]
+            pub const $name: CUresult = $value;
+        )*
+
+        /// The code's name and the driver's description, for `cuGetErrorName`/`String`.
+        pub(crate) fn describe(code: CUresult) -> Option<(&'static [u8], &'static [u8])> {
+            match code {
+                $($value => Some((concat!(stringify!($name), "\0").as_bytes(), concat!($text, "\0").as_bytes())),)*
+                _ => None,
+            }
+        }
+    };
+}
+
+codes! {
+    CUDA_SUCCESS = 0, "no error";
+    CUDA_ERROR_INVALID_VALUE = 1, "invalid argument";
+    CUDA_ERROR_OUT_OF_MEMORY = 2, "out of memory";
+    CUDA_ERROR_NOT_INITIALIZED = 3, "initialization error";
+    CUDA_ERROR_NO_DEVICE = 100, "no CUDA-capable device is detected";
+    CUDA_ERROR_INVALID_DEVICE = 101, "invalid device ordinal";
+    CUDA_ERROR_INVALID_CONTEXT = 201, "invalid device context";
+    CUDA_ERROR_INVALID_HANDLE = 400, "invalid resource handle";
+    CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
+    CUDA_ERROR_NOT_READY = 600, "device not ready";
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712, "part or all of the requested memory range is already mapped";
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713, "pointer does not correspond to a registered memory region";
+    CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
+    CUDA_ERROR_NOT_PERMITTED = 800, "operation not permitted";
+    CUDA_ERROR_NOT_SUPPORTED = 801, "operation not supported";
+    CUDA_ERROR_UNKNOWN = 999, "unknown error";
+}

@@ -1,0 +1,62 @@
+//! **A test double of NVIDIA's CUDA driver, for CI only. It is never a substitute for a GPU:
+//! nothing runs on a device, and no user should put it on their library path.**
+//!
+//! Built as `libgpualloc_cuda_emu.so` (a `cdylib`), it exports the driver API functions
+//! gpualloc's CUDA backend and the parts of cudarc it uses reach, with the driver's C
+//! signatures and `CUresult` codes. Linked as `libcuda.so` into a folder of its own and put
+//! first on `LD_LIBRARY_PATH` (see [`emulator_dir`]), it is what cudarc's dynamic loading
+//! opens, so the real CUDA backend runs, unchanged, without a GPU. It is never built under
+//! the driver's name, so it cannot shadow a real driver by accident. Behind the symbols is
+//! gpualloc's simulated GPU (`gpualloc_runtime::sim`): memfd-backed device memory, real
+//! virtual-memory reservations and mappings, worker-thread streams.
+//!
+//! It is strict where the driver documents a rule, because strictness is what finds bugs:
+//! every call before `cuInit` is `CUDA_ERROR_NOT_INITIALIZED`; calls that need a context on
+//! a thread without a current one are `CUDA_ERROR_INVALID_CONTEXT`; a host function may not
+//! call the driver (`CUDA_ERROR_NOT_PERMITTED`); unknown or freed pointers and handles are
+//! errors; `cuEventQuery` is `CUDA_ERROR_NOT_READY` until the stream passes the event. A
+//! function it does not implement returns `CUDA_ERROR_NOT_SUPPORTED` and logs its name once:
+//! never a silent success. There are no kernels (`cuModuleLoad*`, `cuLaunchKernel`).
+//!
+//! Configuration (read at `cuInit`): `GPUALLOC_EMU_DEVICES` (default 1),
+//! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384).
+//!
+//! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
+
+mod abi;
+mod device;
+mod errors;
+mod memory;
+mod state;
+mod streams;
+mod unsupported;
+mod vmm;
+
+pub use abi::*;
+pub use device::*;
+pub use errors::*;
+pub use memory::*;
+pub use streams::*;
+pub use unsupported::*;
+pub use vmm::*;
+
+/// The name every emulated device reports (`cuDeviceGetName`).
+pub const DEVICE_NAME: &str = "gpualloc emulated device";
+
+/// Makes `<target>/cuda-emu/libcuda.so`, a link to the emulator built next to the running
+/// test binary (`<target>/<profile>/deps/`), and returns the folder, to put first on
+/// `LD_LIBRARY_PATH` of a child process. `None` when the emulator library is not there.
+pub fn emulator_dir() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    let lib = [deps.to_path_buf(), deps.parent()?.to_path_buf()]
+        .into_iter()
+        .map(|d| d.join("libgpualloc_cuda_emu.so"))
+        .find(|p| p.exists())?;
+    let dir = deps.parent()?.join("cuda-emu");
+    std::fs::create_dir_all(&dir).ok()?;
+    let link = dir.join("libcuda.so");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&lib, &link).ok()?;
+    Some(dir)
+}

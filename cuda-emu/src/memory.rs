@@ -1,0 +1,271 @@
+//! Device memory, copies and memsets, pointer attributes, pinned and registered host memory.
+
+use std::ffi::{c_int, c_uint, c_void};
+
+use gpualloc_runtime::{Backend, DevicePtr, HostRegisterFlags};
+
+use crate::abi::*;
+use crate::errors::code;
+use crate::state::{call, out, Needs};
+
+fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
+    code(&e)
+}
+
+/// `cuMemAlloc_v2`.
+///
+/// # Safety
+/// `dptr` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    call("cuMemAlloc_v2", Needs::Context, |emu, d| {
+        if dptr.is_null() || bytesize == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = emu.sim.malloc(d, bytesize as u64).map_err(sim_err)?;
+        out(dptr, p.0)
+    })
+}
+
+/// `cuMemFree_v2`: synchronizes the device first; an unknown or freed pointer is
+/// `CUDA_ERROR_INVALID_VALUE`.
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    call("cuMemFree_v2", Needs::Context, |emu, d| {
+        let owner = emu
+            .sim
+            .pointer_device(DevicePtr(dptr))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        emu.sim.free(owner, DevicePtr(dptr)).map_err(sim_err)?;
+        let _ = d;
+        Ok(())
+    })
+}
+
+/// `cuMemGetInfo_v2` of the current context's device.
+///
+/// # Safety
+/// `free` and `total` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    call("cuMemGetInfo_v2", Needs::Context, |emu, d| {
+        let info = emu.sim.mem_info(d).map_err(sim_err)?;
+        out(free, info.free as usize)?;
+        out(total, info.total as usize)
+    })
+}
+
+/// `cuMemGetAddressRange_v2`.
+///
+/// # Safety
+/// `pbase` and `psize` must each be null (not wanted) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    pbase: *mut CUdeviceptr,
+    psize: *mut usize,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    call("cuMemGetAddressRange_v2", Needs::Context, |emu, _| {
+        let (base, size) = emu
+            .sim
+            .mem_address_range(DevicePtr(dptr))
+            .map_err(|_| CUDA_ERROR_NOT_FOUND)?;
+        if !pbase.is_null() {
+            out(pbase, base.0)?;
+        }
+        if !psize.is_null() {
+            out(psize, size as usize)?;
+        }
+        Ok(())
+    })
+}
+
+/// `cuMemsetD8Async`.
+#[no_mangle]
+pub extern "C" fn cuMemsetD8Async(
+    dst: CUdeviceptr,
+    value: u8,
+    n: usize,
+    stream: CUstream,
+) -> CUresult {
+    call("cuMemsetD8Async", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        emu.sim
+            .memset_async(s, DevicePtr(dst), value, n as u64)
+            .map_err(sim_err)
+    })
+}
+
+/// `cuMemcpyAsync` (unified addressing: device or page-locked host on either side).
+#[no_mangle]
+pub extern "C" fn cuMemcpyAsync(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    stream: CUstream,
+) -> CUresult {
+    call("cuMemcpyAsync", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)
+    })
+}
+
+/// `cuMemcpyDtoDAsync_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    stream: CUstream,
+) -> CUresult {
+    cuMemcpyAsync(dst, src, n, stream)
+}
+
+/// `cuMemcpyHtoDAsync_v2`: asynchronous from page-locked memory; from pageable memory the
+/// driver stages the bytes before returning, and so does the emulator.
+///
+/// # Safety
+/// `src` must be readable for `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    n: usize,
+    stream: CUstream,
+) -> CUresult {
+    call("cuMemcpyHtoDAsync_v2", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if src.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if emu.sim.memcpy_async(s, dst, src as u64, n as u64).is_ok() {
+            return Ok(());
+        }
+        // SAFETY: non-null, and the caller guarantees `n` readable bytes at `src`.
+        let bytes = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
+        emu.sim
+            .copy_to_device(s, DevicePtr(dst), bytes)
+            .map_err(sim_err)
+    })
+}
+
+/// `cuMemcpyDtoHAsync_v2`: asynchronous into page-locked memory; into pageable memory it
+/// completes before returning.
+///
+/// # Safety
+/// `dst` must be writable for `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    n: usize,
+    stream: CUstream,
+) -> CUresult {
+    call("cuMemcpyDtoHAsync_v2", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if dst.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if emu.sim.memcpy_async(s, dst as u64, src, n as u64).is_ok() {
+            return Ok(());
+        }
+        // SAFETY: non-null, and the caller guarantees `n` writable bytes at `dst`.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
+        emu.sim
+            .copy_from_device(s, bytes, DevicePtr(src))
+            .map_err(sim_err)
+    })
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
+const POINTER_DEVICE_ORDINAL: c_int = 9;
+
+/// `cuPointerGetAttribute`: the device ordinal of device memory; other attributes are not
+/// emulated.
+///
+/// # Safety
+/// `data` must be null or writable for the attribute's type (an `int` for the ordinal).
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_int,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    call("cuPointerGetAttribute", Needs::Init, |emu, _| {
+        if attribute != POINTER_DEVICE_ORDINAL {
+            crate::unsupported::once("cuPointerGetAttribute (this attribute)");
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let d = emu
+            .sim
+            .pointer_device(DevicePtr(ptr))
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        out(data.cast::<c_int>(), d.0 as c_int)
+    })
+}
+
+/// `cuMemHostAlloc` (flags: portable, device map, write-combined are accepted).
+///
+/// # Safety
+/// `pp` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    bytesize: usize,
+    flags: c_uint,
+) -> CUresult {
+    call("cuMemHostAlloc", Needs::Context, |emu, _| {
+        if flags & !0x7 != 0 || bytesize == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = emu.sim.host_alloc(bytesize as u64).map_err(sim_err)?;
+        out(pp, p.cast::<c_void>())
+    })
+}
+
+/// `cuMemFreeHost`.
+#[no_mangle]
+pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    call("cuMemFreeHost", Needs::Context, |emu, _| {
+        emu.sim.host_free(p.cast::<u8>()).map_err(sim_err)
+    })
+}
+
+/// `cuMemHostRegister_v2`.
+#[no_mangle]
+pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult {
+    call("cuMemHostRegister_v2", Needs::Context, |emu, _| {
+        if flags & !0xf != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let flags = HostRegisterFlags {
+            portable: flags & 1 != 0,
+            device_map: flags & 2 != 0,
+            read_only: flags & 8 != 0,
+        };
+        emu.sim
+            .host_register(p.cast::<u8>(), bytesize as u64, flags)
+            .map_err(|e| match e {
+                gpualloc_runtime::BackendError::InvalidValue(m) if m.contains("already") => {
+                    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+                }
+                e => sim_err(e),
+            })
+    })
+}
+
+/// `cuMemHostUnregister`.
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
+    call("cuMemHostUnregister", Needs::Context, |emu, _| {
+        emu.sim
+            .host_unregister(p.cast::<u8>())
+            .map_err(|_| CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+    })
+}

@@ -1,0 +1,197 @@
+//! The emulator's state: the simulated GPU behind it, the handles it gave out, the current
+//! context of each thread, and [`call`], the prologue every driver entry point runs.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use gpualloc_runtime::sim::{LatencyModel, SimBackend, SimConfig};
+use gpualloc_runtime::{DeviceId, EventHandle, PhysHandle, StreamHandle};
+
+use crate::abi::*;
+
+/// Everything `cuInit` set up.
+pub(crate) struct Emu {
+    pub(crate) sim: Arc<SimBackend>,
+    pub(crate) devices: u32,
+    /// Primary-context retain counts per device.
+    pub(crate) retained: Mutex<Vec<u32>>,
+    /// Each device's default (null) stream, made on first use.
+    pub(crate) default_streams: Mutex<HashMap<u32, StreamHandle>>,
+    pub(crate) streams: Mutex<HashMap<u64, StreamHandle>>,
+    pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
+    pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
+}
+
+static EMU: OnceLock<Emu> = OnceLock::new();
+
+thread_local! {
+    /// The device whose primary context is current on this thread.
+    static CURRENT: Cell<Option<u32>> = const { Cell::new(None) };
+    /// True while this thread runs a host function (which may not call the driver).
+    static IN_HOST_FN: Cell<bool> = const { Cell::new(false) };
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `cuInit`: builds the simulated GPU once.
+pub(crate) fn init() -> Result<(), CUresult> {
+    if EMU.get().is_some() {
+        return Ok(());
+    }
+    let devices = u32::try_from(env_u64("GPUALLOC_EMU_DEVICES", 1)).unwrap_or(1);
+    if devices == 0 {
+        return Err(CUDA_ERROR_NO_DEVICE);
+    }
+    let config = SimConfig {
+        devices,
+        capacity_per_device: env_u64("GPUALLOC_EMU_MEMORY_MIB", 16 << 10) << 20,
+        latency: LatencyModel::zero(),
+        ..SimConfig::default()
+    };
+    let sim = SimBackend::new(config).map_err(|e| crate::errors::code(&e))?;
+    let _ = EMU.set(Emu {
+        sim,
+        devices,
+        retained: Mutex::new(vec![0; devices as usize]),
+        default_streams: Mutex::new(HashMap::new()),
+        streams: Mutex::new(HashMap::new()),
+        events: Mutex::new(HashMap::new()),
+        phys: Mutex::new(HashMap::new()),
+    });
+    Ok(())
+}
+
+/// What an entry point needs: just the emulator, or also the thread's current context.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Needs {
+    Init,
+    Context,
+}
+
+/// Runs the body of driver entry point `name`: refuses calls from a host function
+/// (`CUDA_ERROR_NOT_PERMITTED`), before `cuInit` (`CUDA_ERROR_NOT_INITIALIZED`), and, where
+/// a context is needed, without a current one (`CUDA_ERROR_INVALID_CONTEXT`); a panic is
+/// `CUDA_ERROR_UNKNOWN`, never an unwind into C.
+pub(crate) fn call(
+    name: &'static str,
+    needs: Needs,
+    body: impl FnOnce(&Emu, DeviceId) -> Result<(), CUresult>,
+) -> CUresult {
+    let run = || {
+        if IN_HOST_FN.with(Cell::get) {
+            return Err(CUDA_ERROR_NOT_PERMITTED);
+        }
+        let emu = EMU.get().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+        let device = match needs {
+            Needs::Init => DeviceId(0),
+            Needs::Context => {
+                // The current context must still be retained (a released primary context
+                // is destroyed under the thread that had it current).
+                let d = current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+                if lock(&emu.retained).get(d as usize).copied().unwrap_or(0) == 0 {
+                    return Err(CUDA_ERROR_INVALID_CONTEXT);
+                }
+                DeviceId(d)
+            }
+        };
+        body(emu, device)
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(code)) => {
+            tracing::debug!(function = name, code, "emulated driver call failed");
+            code
+        }
+        Err(_) => {
+            tracing::error!(function = name, "emulated driver call panicked");
+            CUDA_ERROR_UNKNOWN
+        }
+    }
+}
+
+/// True once `cuInit` succeeded.
+pub(crate) fn initialized() -> bool {
+    EMU.get().is_some()
+}
+
+pub(crate) fn current() -> Option<u32> {
+    CURRENT.with(Cell::get)
+}
+
+pub(crate) fn set_current(device: Option<u32>) {
+    CURRENT.with(|c| c.set(device));
+}
+
+/// Marks this thread as running a host function while `f` runs.
+pub(crate) fn in_host_fn<R>(f: impl FnOnce() -> R) -> R {
+    IN_HOST_FN.with(|c| c.set(true));
+    let r = f();
+    IN_HOST_FN.with(|c| c.set(false));
+    r
+}
+
+/// Writes `value` through an out-pointer, or `CUDA_ERROR_INVALID_VALUE` for null.
+pub(crate) fn out<T>(ptr: *mut T, value: T) -> Result<(), CUresult> {
+    if ptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null, and the driver API's contract is that an out-pointer points to
+    // writable storage of its type.
+    unsafe { ptr.write(value) };
+    Ok(())
+}
+
+/// The context value of `device`'s primary context: an opaque, non-null tag.
+pub(crate) fn context_of(device: u32) -> CUcontext {
+    (0x1000 + device as usize * 0x10) as CUcontext
+}
+
+/// The device of a context value, if it is one of ours.
+pub(crate) fn device_of_context(ctx: CUcontext, devices: u32) -> Option<u32> {
+    let v = (ctx as usize).checked_sub(0x1000)?;
+    (v % 0x10 == 0 && v / 0x10 < devices as usize).then_some((v / 0x10) as u32)
+}
+
+impl Emu {
+    /// The sim stream behind a `CUstream` (null: `device`'s default stream).
+    pub(crate) fn stream(&self, s: CUstream, device: DeviceId) -> Result<StreamHandle, CUresult> {
+        if s.is_null() {
+            let mut defaults = lock(&self.default_streams);
+            if let Some(h) = defaults.get(&device.0) {
+                return Ok(*h);
+            }
+            let h = self.sim_stream_create(device)?;
+            defaults.insert(device.0, h);
+            return Ok(h);
+        }
+        lock(&self.streams)
+            .get(&(s as u64))
+            .copied()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+
+    fn sim_stream_create(&self, device: DeviceId) -> Result<StreamHandle, CUresult> {
+        use gpualloc_runtime::Backend;
+        self.sim
+            .stream_create(device)
+            .map_err(|e| crate::errors::code(&e))
+    }
+
+    pub(crate) fn event(&self, e: CUevent) -> Result<EventHandle, CUresult> {
+        lock(&self.events)
+            .get(&(e as u64))
+            .copied()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+}

@@ -1,0 +1,188 @@
+//! Streams, events and host functions.
+
+use std::ffi::{c_int, c_uint, c_void};
+
+use gpualloc_runtime::Backend;
+
+use crate::abi::*;
+use crate::errors::code;
+use crate::state::{call, in_host_fn, lock, out, Needs};
+
+fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
+    code(&e)
+}
+
+/// `cuStreamCreate` (flags: default or non-blocking; the emulator has no legacy-stream
+/// implicit synchronization).
+///
+/// # Safety
+/// `ph_stream` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut CUstream, flags: c_uint) -> CUresult {
+    call("cuStreamCreate", Needs::Context, |emu, d| {
+        if flags & !1 != 0 || ph_stream.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = emu.sim.stream_create(d).map_err(sim_err)?;
+        lock(&emu.streams).insert(h.raw, h);
+        out(ph_stream, h.raw as CUstream)
+    })
+}
+
+/// `cuStreamCreateWithPriority` (the priority is accepted and ignored).
+///
+/// # Safety
+/// `ph_stream` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    ph_stream: *mut CUstream,
+    flags: c_uint,
+    _priority: c_int,
+) -> CUresult {
+    // SAFETY: forwarded with the caller's guarantee.
+    unsafe { cuStreamCreate(ph_stream, flags) }
+}
+
+/// `cuStreamDestroy_v2`: legal with work pending (it completes first).
+#[no_mangle]
+pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
+    call("cuStreamDestroy_v2", Needs::Context, |emu, _| {
+        if stream.is_null() {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let h = lock(&emu.streams)
+            .remove(&(stream as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        emu.sim.stream_destroy(h).map_err(sim_err)
+    })
+}
+
+/// `cuStreamSynchronize`.
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
+    call("cuStreamSynchronize", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        emu.sim.stream_synchronize(s).map_err(sim_err)
+    })
+}
+
+/// `cuStreamQuery`: `CUDA_ERROR_NOT_READY` while work is queued.
+#[no_mangle]
+pub extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
+    call("cuStreamQuery", Needs::Context, |emu, d| {
+        let s = emu.stream(stream, d)?;
+        let e = emu.sim.event_create(d).map_err(sim_err)?;
+        let done = emu
+            .sim
+            .event_record(e, s)
+            .and_then(|()| emu.sim.event_query(e));
+        let _ = emu.sim.event_destroy(e);
+        match done.map_err(sim_err)? {
+            true => Ok(()),
+            false => Err(CUDA_ERROR_NOT_READY),
+        }
+    })
+}
+
+/// `cuStreamWaitEvent`.
+#[no_mangle]
+pub extern "C" fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_uint) -> CUresult {
+    call("cuStreamWaitEvent", Needs::Context, |emu, d| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let s = emu.stream(stream, d)?;
+        let e = emu.event(event)?;
+        emu.sim.stream_wait_event(s, e).map_err(sim_err)
+    })
+}
+
+/// A host function's user data, handed to the stream's thread as the driver does.
+struct UserData(*mut c_void);
+// SAFETY: the driver API passes `userData` to another thread by contract; what it points to
+// is the caller's to make safe to use from there.
+unsafe impl Send for UserData {}
+
+/// `cuLaunchHostFunc`: `f` runs on the stream's thread after the work before it, and may
+/// not call the driver (such calls return `CUDA_ERROR_NOT_PERMITTED`).
+#[no_mangle]
+pub extern "C" fn cuLaunchHostFunc(
+    stream: CUstream,
+    f: CUhostFn,
+    user_data: *mut c_void,
+) -> CUresult {
+    call("cuLaunchHostFunc", Needs::Context, |emu, d| {
+        let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let s = emu.stream(stream, d)?;
+        let data = UserData(user_data);
+        emu.sim
+            .launch_host_func(
+                s,
+                Box::new(move || {
+                    let data = data;
+                    // SAFETY: calling the user's host function with its own data, as the
+                    // driver does; its safety is the caller's contract.
+                    in_host_fn(|| unsafe { f(data.0) });
+                }),
+            )
+            .map_err(sim_err)
+    })
+}
+
+/// `cuEventCreate` (timing flags accepted; the emulator keeps no timestamps).
+///
+/// # Safety
+/// `ph_event` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(ph_event: *mut CUevent, flags: c_uint) -> CUresult {
+    call("cuEventCreate", Needs::Context, |emu, d| {
+        if flags & !0x7 != 0 || ph_event.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = emu.sim.event_create(d).map_err(sim_err)?;
+        lock(&emu.events).insert(h.raw, h);
+        out(ph_event, h.raw as CUevent)
+    })
+}
+
+/// `cuEventRecord`.
+#[no_mangle]
+pub extern "C" fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult {
+    call("cuEventRecord", Needs::Context, |emu, d| {
+        let e = emu.event(event)?;
+        let s = emu.stream(stream, d)?;
+        emu.sim.event_record(e, s).map_err(sim_err)
+    })
+}
+
+/// `cuEventQuery`: `CUDA_ERROR_NOT_READY` until the stream has passed the event.
+#[no_mangle]
+pub extern "C" fn cuEventQuery(event: CUevent) -> CUresult {
+    call("cuEventQuery", Needs::Context, |emu, _| {
+        let e = emu.event(event)?;
+        match emu.sim.event_query(e).map_err(sim_err)? {
+            true => Ok(()),
+            false => Err(CUDA_ERROR_NOT_READY),
+        }
+    })
+}
+
+/// `cuEventSynchronize`.
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(event: CUevent) -> CUresult {
+    call("cuEventSynchronize", Needs::Context, |emu, _| {
+        let e = emu.event(event)?;
+        emu.sim.event_synchronize(e).map_err(sim_err)
+    })
+}
+
+/// `cuEventDestroy_v2`.
+#[no_mangle]
+pub extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
+    call("cuEventDestroy_v2", Needs::Context, |emu, _| {
+        let e = lock(&emu.events)
+            .remove(&(event as u64))
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        emu.sim.event_destroy(e).map_err(sim_err)
+    })
+}

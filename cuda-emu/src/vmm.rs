@@ -1,0 +1,323 @@
+//! Virtual memory management (reserve, create, map, set access, export/import as POSIX fds)
+//! and legacy IPC handles, on the sim's real reservations and memfds.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::os::fd::{BorrowedFd, IntoRawFd, OwnedFd};
+
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle};
+
+use crate::abi::*;
+use crate::errors::code;
+use crate::state::{call, lock, out, Needs};
+
+fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
+    code(&e)
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: c_uint = 1;
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`.
+const ALLOCATION_PINNED: c_uint = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_POSIX_FD: c_uint = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+const ACCESS_READWRITE: c_uint = 3;
+
+/// The device a `CUmemAllocationProp` names, checked.
+///
+/// # Safety
+/// `prop` must be null or point to a readable `CUmemAllocationProp`.
+unsafe fn prop_device(
+    prop: *const CUmemAllocationProp,
+    devices: u32,
+) -> Result<DeviceId, CUresult> {
+    if prop.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null and readable by the caller's contract; all fields are plain integers
+    // or a pointer we do not follow.
+    let prop = unsafe { prop.read() };
+    let id = u32::try_from(prop.location.id).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+    if prop.type_ != ALLOCATION_PINNED || prop.location.type_ != LOCATION_DEVICE {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if prop.requested_handle_types & !HANDLE_POSIX_FD != 0 {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    }
+    if id >= devices {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    Ok(DeviceId(id))
+}
+
+/// `cuMemGetAllocationGranularity` (minimum and recommended are the same).
+///
+/// # Safety
+/// `granularity` must be null or writable; `prop` null or readable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: c_uint,
+) -> CUresult {
+    call("cuMemGetAllocationGranularity", Needs::Init, |emu, _| {
+        // SAFETY: forwarded with the caller's guarantee.
+        let d = unsafe { prop_device(prop, emu.devices) }?;
+        if option > 1 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = emu.sim.vmm_granularity(d).map_err(sim_err)?;
+        out(granularity, g as usize)
+    })
+}
+
+/// `cuMemAddressReserve` (no fixed address requests; `flags` must be 0).
+///
+/// # Safety
+/// `ptr` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    addr: CUdeviceptr,
+    flags: u64,
+) -> CUresult {
+    call("cuMemAddressReserve", Needs::Context, |emu, d| {
+        if flags != 0 || ptr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if addr != 0 {
+            crate::unsupported::once("cuMemAddressReserve (fixed address)");
+        }
+        let p = emu
+            .sim
+            .va_reserve(d, size as u64, alignment as u64)
+            .map_err(sim_err)?;
+        out(ptr, p.0)
+    })
+}
+
+/// `cuMemAddressFree`: the whole reservation, exactly.
+#[no_mangle]
+pub extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    call("cuMemAddressFree", Needs::Context, |emu, d| {
+        emu.sim
+            .va_free(d, DevicePtr(ptr), size as u64)
+            .map_err(sim_err)
+    })
+}
+
+/// `cuMemCreate` (counts against the device's memory, as `cuMemAlloc` does).
+///
+/// # Safety
+/// `handle` must be null or writable; `prop` null or readable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    call("cuMemCreate", Needs::Context, |emu, _| {
+        // SAFETY: forwarded with the caller's guarantee.
+        let d = unsafe { prop_device(prop, emu.devices) }?;
+        if flags != 0 || handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = emu.sim.phys_create(d, size as u64).map_err(sim_err)?;
+        lock(&emu.phys).insert(h.raw, h);
+        out(handle, h.raw)
+    })
+}
+
+/// `cuMemRelease`: a handle still mapped is released when its last mapping goes (the sim
+/// defers it, as the driver does).
+#[no_mangle]
+pub extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    call("cuMemRelease", Needs::Context, |emu, _| {
+        let h = lock(&emu.phys)
+            .remove(&handle)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        emu.sim.phys_release(h).map_err(sim_err)
+    })
+}
+
+/// `cuMemMap`.
+#[no_mangle]
+pub extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    call("cuMemMap", Needs::Context, |emu, _| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = *lock(&emu.phys)
+            .get(&handle)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        emu.sim
+            .map(DevicePtr(ptr), size as u64, offset as u64, h)
+            .map_err(sim_err)
+    })
+}
+
+/// `cuMemUnmap`: exactly whole mappings.
+#[no_mangle]
+pub extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    call("cuMemUnmap", Needs::Context, |emu, _| {
+        emu.sim.unmap(DevicePtr(ptr), size as u64).map_err(sim_err)
+    })
+}
+
+/// `cuMemSetAccess`: read/write for devices; until it is called the range is not
+/// accessible.
+///
+/// # Safety
+/// `desc` must be null or readable for `count` descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    call("cuMemSetAccess", Needs::Context, |emu, _| {
+        if desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null and readable for `count` descriptors by the caller's contract.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        for dsc in descs {
+            let id = u32::try_from(dsc.location.id).map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+            if dsc.location.type_ != LOCATION_DEVICE || dsc.flags != ACCESS_READWRITE {
+                crate::unsupported::once("cuMemSetAccess (other than device read/write)");
+                return Err(CUDA_ERROR_NOT_SUPPORTED);
+            }
+            if id >= emu.devices {
+                return Err(CUDA_ERROR_INVALID_DEVICE);
+            }
+            emu.sim
+                .set_access(DeviceId(id), DevicePtr(ptr), size as u64)
+                .map_err(sim_err)?;
+        }
+        Ok(())
+    })
+}
+
+/// `cuMemExportToShareableHandle` (POSIX fds only; the caller owns the new fd).
+///
+/// # Safety
+/// `shareable` must be null or writable for an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareable: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: c_uint,
+    flags: u64,
+) -> CUresult {
+    call("cuMemExportToShareableHandle", Needs::Context, |emu, _| {
+        if handle_type != HANDLE_POSIX_FD {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        if flags != 0 || shareable.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = *lock(&emu.phys)
+            .get(&handle)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let fd = emu.sim.phys_export_fd(h).map_err(sim_err)?;
+        out(shareable.cast::<c_int>(), fd.into_raw_fd())
+    })
+}
+
+/// `cuMemImportFromShareableHandle` (POSIX fds, passed as the pointer's value; the fd stays
+/// the caller's).
+///
+/// # Safety
+/// `handle` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: c_uint,
+) -> CUresult {
+    call(
+        "cuMemImportFromShareableHandle",
+        Needs::Context,
+        |emu, d| {
+            if handle_type != HANDLE_POSIX_FD {
+                return Err(CUDA_ERROR_NOT_SUPPORTED);
+            }
+            if handle.is_null() {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let raw = c_int::try_from(os_handle as isize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+            if raw < 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            // SAFETY: the caller passes an open fd it keeps owning; we only borrow it to
+            // duplicate it, and the duplicate is ours.
+            let fd: OwnedFd = unsafe { BorrowedFd::borrow_raw(raw) }
+                .try_clone_to_owned()
+                .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+            let h = emu.sim.phys_import_fd(d, fd).map_err(sim_err)?;
+            lock(&emu.phys).insert(h.raw, h);
+            out(handle, h.raw)
+        },
+    )
+}
+
+/// `cuIpcGetMemHandle` (of a `cuMemAlloc` allocation).
+///
+/// # Safety
+/// `handle` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(
+    handle: *mut CUipcMemHandle,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    call("cuIpcGetMemHandle", Needs::Context, |emu, _| {
+        let h = emu
+            .sim
+            .ipc_get_mem_handle(DevicePtr(dptr))
+            .map_err(sim_err)?;
+        out(handle, CUipcMemHandle { reserved: h.0 })
+    })
+}
+
+/// `cuIpcOpenMemHandle_v2`. (The driver refuses a handle of the same process; the sim
+/// opens it, which the two-process tests do not rely on.)
+///
+/// # Safety
+/// `pdptr` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
+    pdptr: *mut CUdeviceptr,
+    handle: CUipcMemHandle,
+    flags: c_uint,
+) -> CUresult {
+    call("cuIpcOpenMemHandle_v2", Needs::Context, |emu, d| {
+        if flags & !1 != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = emu
+            .sim
+            .ipc_open_mem_handle(d, &IpcMemHandle(handle.reserved))
+            .map_err(sim_err)?;
+        out(pdptr, p.0)
+    })
+}
+
+/// `cuIpcCloseMemHandle`.
+#[no_mangle]
+pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
+    call("cuIpcCloseMemHandle", Needs::Context, |emu, _| {
+        emu.sim
+            .ipc_close_mem_handle(DevicePtr(dptr))
+            .map_err(sim_err)
+    })
+}

@@ -1,0 +1,62 @@
+//! The real CUDA backend, unchanged, on the emulated driver: this test binary re-executes
+//! itself with the emulator first on `LD_LIBRARY_PATH` (as `libcuda.so`), and the child runs
+//! the backend conformance suite on `CudaBackend` through cudarc's dynamic loading.
+
+use std::process::Command;
+use std::sync::Arc;
+
+use gpualloc_runtime::conformance::checks;
+use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_runtime::{Backend, DeviceId};
+
+const ROLE: &str = "GPUALLOC_CUDA_EMU_CHILD";
+
+/// The child: runs every conformance check on the CUDA backend, printing each.
+#[test]
+fn child_entry() {
+    if std::env::var_os(ROLE).is_none() {
+        return;
+    }
+    let backend: Arc<dyn Backend> = CudaBackend::new().expect("the emulated driver loads");
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for check in checks() {
+        let result = (check.run)(&backend, DeviceId(0));
+        ran += 1;
+        println!(
+            "{:<45} {}",
+            check.name,
+            if result.is_ok() { "ok" } else { "FAILED" }
+        );
+        if let Err(e) = result {
+            failures.push(format!("{}: {e}", check.name));
+        }
+    }
+    println!("conformance on CudaBackend (emulated driver): {ran} checks run");
+    assert!(failures.is_empty(), "failures:\n{}", failures.join("\n"));
+}
+
+#[test]
+fn cuda_backend_passes_conformance_on_the_emulated_driver() {
+    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
+    let path = match std::env::var_os("LD_LIBRARY_PATH") {
+        Some(old) => {
+            let mut p = dir.clone().into_os_string();
+            p.push(":");
+            p.push(old);
+            p
+        }
+        None => dir.clone().into_os_string(),
+    };
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "1")
+        .env("LD_LIBRARY_PATH", path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("checks run"), "{stdout}");
+}

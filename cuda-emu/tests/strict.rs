@@ -1,0 +1,276 @@
+//! The emulator refuses what the driver refuses: one test per rule. Each test binds the
+//! device's primary context on its own thread (tests run in parallel threads).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+
+use gpualloc_cuda_emu::*;
+
+const MIB: usize = 1 << 20;
+
+/// Initializes, retains device 0's primary context and makes it current on this thread.
+fn bind() -> CUcontext {
+    assert_eq!(cuInit(0), CUDA_SUCCESS);
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { cuDevicePrimaryCtxRetain(&mut ctx, 0) },
+        CUDA_SUCCESS
+    );
+    assert_eq!(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
+    ctx
+}
+
+fn alloc(bytes: usize) -> (CUresult, CUdeviceptr) {
+    let mut p = 0;
+    // SAFETY: a valid out-pointer.
+    let r = unsafe { cuMemAlloc_v2(&mut p, bytes) };
+    (r, p)
+}
+
+fn stream() -> CUstream {
+    let mut s: CUstream = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { cuStreamCreate(&mut s, 1) }, CUDA_SUCCESS);
+    s
+}
+
+/// Blocks `s` until the returned sender is dropped (a host function waiting on a channel).
+fn hold(s: CUstream) -> mpsc::Sender<()> {
+    let (tx, rx) = mpsc::channel::<()>();
+    unsafe extern "C" fn wait(data: *mut c_void) {
+        // SAFETY: `data` is the boxed receiver leaked below, used exactly once.
+        let rx = unsafe { Box::from_raw(data.cast::<mpsc::Receiver<()>>()) };
+        let _ = rx.recv();
+    }
+    let data = Box::into_raw(Box::new(rx)).cast::<c_void>();
+    assert_eq!(cuLaunchHostFunc(s, Some(wait), data), CUDA_SUCCESS);
+    tx
+}
+
+#[test]
+fn a_thread_without_a_current_context_gets_invalid_context() {
+    assert_eq!(cuInit(0), CUDA_SUCCESS);
+    std::thread::spawn(|| {
+        assert_eq!(alloc(4096).0, CUDA_ERROR_INVALID_CONTEXT);
+        assert_eq!(cuCtxSynchronize(), CUDA_ERROR_INVALID_CONTEXT);
+        // A context value that is not one of ours.
+        assert_eq!(
+            cuCtxSetCurrent(0x42 as CUcontext),
+            CUDA_ERROR_INVALID_CONTEXT
+        );
+        let ctx = bind();
+        let (r, p) = alloc(4096);
+        assert_eq!(r, CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
+        // Unbound again (null), the thread has no context.
+        assert_eq!(cuCtxSetCurrent(std::ptr::null_mut()), CUDA_SUCCESS);
+        assert_eq!(alloc(4096).0, CUDA_ERROR_INVALID_CONTEXT);
+        assert_eq!(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn freeing_an_unknown_pointer_or_twice_is_invalid_value() {
+    std::thread::spawn(|| {
+        bind();
+        let (r, p) = alloc(MIB);
+        assert_eq!(r, CUDA_SUCCESS);
+        assert_eq!(
+            cuMemFree_v2(p + 4096),
+            CUDA_ERROR_INVALID_VALUE,
+            "not a base"
+        );
+        assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(p), CUDA_ERROR_INVALID_VALUE, "twice");
+        assert_eq!(cuMemFree_v2(0xdead_0000), CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(alloc(0).0, CUDA_ERROR_INVALID_VALUE);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn event_query_is_not_ready_until_the_stream_passes_it() {
+    std::thread::spawn(|| {
+        bind();
+        let s = stream();
+        let mut e: CUevent = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { cuEventCreate(&mut e, 2) }, CUDA_SUCCESS);
+        assert_eq!(cuEventQuery(e), CUDA_SUCCESS, "never recorded: complete");
+        let gate = hold(s);
+        assert_eq!(cuEventRecord(e, s), CUDA_SUCCESS);
+        assert_eq!(cuEventQuery(e), CUDA_ERROR_NOT_READY);
+        assert_eq!(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+        drop(gate);
+        assert_eq!(cuEventSynchronize(e), CUDA_SUCCESS);
+        assert_eq!(cuEventQuery(e), CUDA_SUCCESS);
+        assert_eq!(cuEventDestroy_v2(e), CUDA_SUCCESS);
+        assert_eq!(cuEventQuery(e), CUDA_ERROR_INVALID_HANDLE);
+        assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_host_function_may_not_call_the_driver() {
+    static SEEN: AtomicU32 = AtomicU32::new(u32::MAX);
+    unsafe extern "C" fn calls_cuda(_: *mut c_void) {
+        let mut p = 0;
+        // SAFETY: a valid out-pointer.
+        SEEN.store(unsafe { cuMemAlloc_v2(&mut p, 4096) }, Ordering::SeqCst);
+    }
+    std::thread::spawn(|| {
+        bind();
+        let s = stream();
+        assert_eq!(
+            cuLaunchHostFunc(s, Some(calls_cuda), std::ptr::null_mut()),
+            CUDA_SUCCESS
+        );
+        assert_eq!(cuStreamSynchronize(s), CUDA_SUCCESS);
+        assert_eq!(SEEN.load(Ordering::SeqCst), CUDA_ERROR_NOT_PERMITTED);
+        assert_eq!(
+            cuLaunchHostFunc(s, None, std::ptr::null_mut()),
+            CUDA_ERROR_INVALID_VALUE
+        );
+        assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn destroying_a_stream_with_pending_work_lets_it_complete() {
+    static RAN: AtomicU32 = AtomicU32::new(0);
+    unsafe extern "C" fn mark(_: *mut c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        RAN.fetch_add(1, Ordering::SeqCst);
+    }
+    std::thread::spawn(|| {
+        bind();
+        let s = stream();
+        assert_eq!(
+            cuLaunchHostFunc(s, Some(mark), std::ptr::null_mut()),
+            CUDA_SUCCESS
+        );
+        assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        assert_eq!(RAN.load(Ordering::SeqCst), 1);
+        assert_eq!(cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE, "gone");
+    })
+    .join()
+    .unwrap();
+}
+
+fn prop() -> CUmemAllocationProp {
+    CUmemAllocationProp {
+        type_: 1,
+        requested_handle_types: 1,
+        location: CUmemLocation { type_: 1, id: 0 },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
+    }
+}
+
+#[test]
+fn vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver() {
+    std::thread::spawn(|| {
+        bind();
+        let p = prop();
+        let mut gran = 0usize;
+        // SAFETY: valid pointers for every call below.
+        unsafe {
+            assert_eq!(
+                cuMemGetAllocationGranularity(&mut gran, &p, 0),
+                CUDA_SUCCESS
+            );
+            let mut h = 0u64;
+            assert_eq!(
+                cuMemCreate(&mut h, gran / 2, &p, 0),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            assert_eq!(cuMemCreate(&mut h, 2 * gran, &p, 0), CUDA_SUCCESS);
+            let mut va = 0u64;
+            assert_eq!(
+                cuMemAddressReserve(&mut va, 4 * gran, 0, 0, 0),
+                CUDA_SUCCESS
+            );
+            assert_eq!(
+                cuMemMap(va + 4096, 2 * gran, 0, h, 0),
+                CUDA_ERROR_INVALID_VALUE,
+                "unaligned"
+            );
+            assert_eq!(cuMemMap(va, 2 * gran, 0, h, 0), CUDA_SUCCESS);
+            // Not accessible before cuMemSetAccess: a copy from it fails, it does not fault.
+            let mut host = vec![0u8; 16];
+            assert_ne!(
+                cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), va, 16, std::ptr::null_mut()),
+                CUDA_SUCCESS
+            );
+            let desc = CUmemAccessDesc {
+                location: CUmemLocation { type_: 1, id: 0 },
+                flags: 3,
+            };
+            assert_eq!(cuMemSetAccess(va, 2 * gran, &desc, 1), CUDA_SUCCESS);
+            assert_eq!(
+                cuMemsetD8Async(va, 0x5a, 16, std::ptr::null_mut()),
+                CUDA_SUCCESS
+            );
+            // Released while mapped: deferred until the unmap, the memory stays usable.
+            assert_eq!(cuMemRelease(h), CUDA_SUCCESS);
+            assert_eq!(
+                cuMemcpyDtoHAsync_v2(host.as_mut_ptr().cast(), va, 16, std::ptr::null_mut()),
+                CUDA_SUCCESS
+            );
+            assert_eq!(host, vec![0x5a; 16]);
+            assert_eq!(cuMemRelease(h), CUDA_ERROR_INVALID_VALUE, "released twice");
+            // Unmapping only part of a mapping is refused.
+            assert_ne!(cuMemUnmap(va, gran), CUDA_SUCCESS);
+            assert_eq!(cuMemUnmap(va, 2 * gran), CUDA_SUCCESS);
+            assert_eq!(cuMemAddressFree(va, 4 * gran), CUDA_SUCCESS);
+        }
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn capacity_is_shared_by_mem_alloc_and_mem_create() {
+    std::thread::spawn(|| {
+        bind();
+        let (mut free0, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        unsafe {
+            assert_eq!(cuMemGetInfo_v2(&mut free0, &mut total), CUDA_SUCCESS);
+        }
+        assert_eq!(alloc(total + 1).0, CUDA_ERROR_OUT_OF_MEMORY);
+        let (r, p) = alloc(64 * MIB);
+        assert_eq!(r, CUDA_SUCCESS);
+        let mut h = 0u64;
+        let prop = prop();
+        // SAFETY: valid pointers.
+        unsafe {
+            assert_eq!(cuMemCreate(&mut h, 64 * MIB, &prop, 0), CUDA_SUCCESS);
+            let (mut free1, mut t) = (0usize, 0usize);
+            assert_eq!(cuMemGetInfo_v2(&mut free1, &mut t), CUDA_SUCCESS);
+            // Other tests allocate concurrently: at least our 128 MiB are gone.
+            assert!(free0 - free1 >= 128 * MIB || free1 + 128 * MIB <= free0);
+        }
+        assert_eq!(cuMemRelease(h), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn unimplemented_functions_are_not_supported_never_silent() {
+    assert_eq!(cuInit(0), CUDA_SUCCESS);
+    assert_eq!(cuLaunchKernel(), CUDA_ERROR_NOT_SUPPORTED);
+    assert_eq!(cuModuleLoadData(), CUDA_ERROR_NOT_SUPPORTED);
+    assert_eq!(cuMemAllocAsync(), CUDA_ERROR_NOT_SUPPORTED);
+}
