@@ -289,8 +289,8 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
     })
 }
 
-/// `cuIpcOpenMemHandle_v2`. (The driver refuses a handle of the same process; the sim
-/// opens it, which the two-process tests do not rely on.)
+/// `cuIpcOpenMemHandle_v2`: a handle made by this same process is refused with
+/// `CUDA_ERROR_INVALID_CONTEXT`, as by the driver.
 ///
 /// # Safety
 /// `pdptr` must be null or writable.
@@ -303,6 +303,10 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
     call("cuIpcOpenMemHandle_v2", Needs::Context, |emu, d| {
         if flags & !1 != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let handle_of = IpcMemHandle(handle.reserved);
+        if emu.sim.ipc_handle_pid(&handle_of) == Some(std::process::id()) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         let p = emu
             .sim

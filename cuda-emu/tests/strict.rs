@@ -274,3 +274,29 @@ fn unimplemented_functions_are_not_supported_never_silent() {
     assert_eq!(cuModuleLoadData(), CUDA_ERROR_NOT_SUPPORTED);
     assert_eq!(cuMemAllocAsync(), CUDA_ERROR_NOT_SUPPORTED);
 }
+
+#[test]
+fn an_ipc_handle_cannot_be_opened_by_the_process_that_made_it() {
+    std::thread::spawn(|| {
+        bind();
+        let (r, p) = alloc(2 * MIB);
+        assert_eq!(r, CUDA_SUCCESS);
+        let mut h = CUipcMemHandle { reserved: [0; 64] };
+        let mut opened = 0u64;
+        // SAFETY: valid out-pointers.
+        unsafe {
+            assert_eq!(cuIpcGetMemHandle(&mut h, p), CUDA_SUCCESS);
+            assert_eq!(
+                cuIpcOpenMemHandle_v2(&mut opened, h, 1),
+                CUDA_ERROR_INVALID_CONTEXT
+            );
+            assert_eq!(
+                cuIpcGetMemHandle(&mut h, p + 4096 * 1024 * 1024),
+                CUDA_ERROR_INVALID_VALUE
+            );
+        }
+        assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+}

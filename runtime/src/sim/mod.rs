@@ -206,6 +206,12 @@ impl SimBackend {
         self.mem.find_containing(ptr.0, |_, r| r.device).flatten()
     }
 
+    /// The process a sim IPC handle comes from (`None`: not a sim handle). The emulated
+    /// driver refuses, as the real one does, to open a handle in the process that made it.
+    pub fn ipc_handle_pid(&self, handle: &crate::types::IpcMemHandle) -> Option<u32> {
+        ipc::IpcInfo::decode(handle).ok().map(|i| i.pid)
+    }
+
     /// Live device allocations from `malloc` on all devices.
     pub fn live_allocations(&self) -> usize {
         self.mem.count(RegionKind::Device)
