@@ -240,3 +240,56 @@ async fn an_oom_on_a_full_device_makes_no_device_call_under_the_gate() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_flow_while_an_expandable_miss_over_the_fraction_unmaps_the_cache() {
+    for conf in [
+        "expandable_segments:True,per_process_memory_fraction:0.5",
+        "expandable_segments:True,per_process_memory_fraction:0.5,thread_cache:False",
+    ] {
+        // 1 GiB device, 512 MiB allowed; 400 MiB of pages cached for another stream, one
+        // small block in use beside a cached one to hit.
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        let small = alloc.malloc(512 << 10, &s).await.unwrap();
+        drop(alloc.malloc(512 << 10, &s).await.unwrap());
+        let (a, b) = (
+            alloc.malloc(200 * MIB, &other).await.unwrap(),
+            alloc.malloc(200 * MIB, &other).await.unwrap(),
+        );
+        drop((a, b));
+        sim.set_latency(LatencyModel {
+            map: SLOW,
+            ..LatencyModel::zero()
+        });
+        sim.reset_counts();
+        // 300 MiB more would pass the cap: cached pages must be unmapped first.
+        let big = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            tokio::spawn(async move { alloc.malloc(300 * MIB, &s).await })
+        };
+        until_started(&sim, Op::Unmap, 1).await;
+        let actor = alloc.device_actor(DeviceId(0)).unwrap();
+        let hit = {
+            let (alloc, s) = (alloc.clone(), s.clone());
+            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
+                .join()
+                .unwrap()
+                .unwrap()
+        };
+        assert_eq!(
+            (sim.counts().get(Op::Unmap), actor.misses_in_flight()),
+            (1, 1),
+            "{conf:?}: the hit waited for the unmapping of the cache"
+        );
+        drop(hit);
+        sim.set_latency(LatencyModel::zero());
+        let big = big.await.unwrap().unwrap();
+        assert_eq!(big.len(), 300 * MIB);
+        drop((big, small));
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
+    }
+}

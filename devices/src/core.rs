@@ -904,6 +904,14 @@ impl SegmentRequest {
         })
     }
 
+    /// True when the request is served by mapping pages of an expandable segment (the
+    /// default pool with `expandable_segments`); false when it needs a whole segment from
+    /// the device's malloc (ordinary segments, and private pools, which never expand).
+    pub fn maps_pages(&self, core: &DeviceCore) -> bool {
+        core.config.expandable_segments
+            && matches!(core.pools[self.params.pool].owner, PoolOwner::Default)
+    }
+
     /// [`SegmentRequest::fits_fraction`], and if it fits, counts the segment as being
     /// allocated off the core until [`DeviceCore::malloc_with_segment`] adopts it or
     /// [`DeviceCore::segment_not_obtained`] says it failed: every check (this one, the core's

@@ -15,8 +15,12 @@
 //!
 //! A core shut down between plan and commit keeps the reservation of a segment with growth in
 //! flight (`release_all_expandable`); the commit then refuses, and the owner unmaps, releases
-//! and frees the reservation with [`Refused::release`]. The in-place chain (`malloc_after_miss`)
-//! remains for everything else: the memory-fraction cap, private pools, and out of memory.
+//! and frees the reservation with [`Refused::release`]. When no growth is planned (over the
+//! memory-fraction cap) or it fails for lack of memory, such an owner releases the cache off
+//! the core and plans again, and ends with [`DeviceCore::malloc_without_device`]; private
+//! pools never expand (they take whole segments, see [`SegmentRequest::maps_pages`]). The
+//! in-place chain (`malloc_after_miss`) does all of it at once, for owners without such a
+//! constraint.
 
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, PhysHandle};
 
@@ -179,7 +183,7 @@ impl DeviceCore {
     }
 
     /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment. Refused
-    /// when the core shut down meanwhile: give the result to [`release_refused`].
+    /// when the core shut down meanwhile: give the result to [`Refused::release`].
     pub fn commit_growth(
         &mut self,
         plan: GrowthPlan,

@@ -13,12 +13,15 @@
 //! - a miss over `per_process_memory_fraction`: the cache is released off the gate before the
 //!   segment is claimed again.
 //!
+//! - a miss over `per_process_memory_fraction` with expandable segments: cached pages are
+//!   unmapped off the gate before the growth is planned again.
+//!
 //! The gate is taken only for the short bookkeeping steps in between. When all of the above
 //! found no room, the last step under the gate (`DeviceCore::malloc_without_device`) only
-//! looks for blocks freed meanwhile and writes PyTorch's report: no device call. Two things
-//! still run the core's own chain under the gate: a request for a private pool of expandable
-//! segments (graph capture; its pages are mapped in place), and shutdown (nothing is served
-//! after it).
+//! looks for blocks freed meanwhile and writes PyTorch's report: no device call. Only
+//! shutdown runs the core's own release under the gate (nothing is served after it); the
+//! core's in-place chain (`malloc_after_miss`) is for owners without a gate (`malloc`,
+//! replay).
 
 use std::sync::Arc;
 
@@ -36,8 +39,8 @@ use crate::error::Error;
 enum Grown {
     /// The request is served.
     Buffer(DeviceBuffer),
-    /// Nothing to map off the gate (not expandable, the fraction cap, private pools): the
-    /// core's own chain continues.
+    /// Nothing to map: over the fraction cap, or the free blocks already suffice (freed
+    /// meanwhile).
     InPlace(SegmentRequest),
     /// The device had no memory for the pages.
     Full(SegmentRequest),
@@ -90,7 +93,7 @@ impl DeviceActor {
             // Expandable segments map pages instead of allocating a segment (below). A
             // segment allocated off the gate is claimed against `per_process_memory_fraction`
             // first, so concurrent misses cannot overshoot it together.
-            let expandable = core.config().expandable_segments;
+            let expandable = req.maps_pages(core);
             let claimed = !expandable && req.claim_fraction(core);
             (expandable, claimed, collected)
         };
@@ -101,28 +104,26 @@ impl DeviceActor {
             }
             self.signals.waiters.wake_head();
         }
-        // `device_tried`: the device was tried off the gate and had no room, with the cache
-        // released there too; the core's last step then makes no device call.
-        let (req, device_tried) = if expandable {
+        // When the device (or the fraction cap) had no room, the cache is released off the
+        // gate and the device tried again; the core's last step then makes no device call.
+        let req = if expandable {
             match self.grow_off_gate(req, &stream)? {
                 Grown::Buffer(buf) => return Ok(buf),
-                Grown::InPlace(req) => (req, false),
-                Grown::Full(req) => {
-                    // The device is full: release the cache (pages unmapped off the gate
-                    // too) and try once more.
+                // Full: the device had no memory for the pages. Nothing to map: over the
+                // fraction cap (or blocks were freed meanwhile, which the last step finds).
+                Grown::Full(req) | Grown::InPlace(req) => {
                     tracing::info!(
                         device = self.device.0,
                         size,
-                        "device full: releasing cached memory"
+                        "no room for the pages: releasing cached memory"
                     );
                     if self.release_cache_blocking() > 0 {
                         match self.grow_off_gate(req, &stream)? {
                             Grown::Buffer(buf) => return Ok(buf),
-                            Grown::InPlace(req) => (req, false),
-                            Grown::Full(req) => (req, true),
+                            Grown::InPlace(req) | Grown::Full(req) => req,
                         }
                     } else {
-                        (req, true)
+                        req
                     }
                 }
             }
@@ -135,19 +136,15 @@ impl DeviceActor {
             };
             match outcome {
                 Ok(buf) => return Ok(buf),
-                Err(req) => (req, true),
+                Err(req) => req,
             }
         };
-        let result = {
-            let mut held = self.mailbox.hold_blocking();
-            let core = &mut held.state().core;
-            if device_tried {
-                core.malloc_without_device(req)
-            } else {
-                // Private pools of expandable segments: the core's own chain, in place.
-                core.malloc_after_miss(req)
-            }
-        };
+        let result = self
+            .mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .malloc_without_device(req);
         match result {
             Ok(a) => Ok(DeviceBuffer::new(a, self.clone(), stream)),
             Err(e) => {
