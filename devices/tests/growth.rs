@@ -387,3 +387,25 @@ fn plans_respect_the_memory_fraction_with_growths_in_flight() {
     c.free(x.ptr).unwrap();
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn only_default_pool_requests_of_expandable_segments_map_pages() {
+    for (conf, default_pool) in [("expandable_segments:True", true), ("", false)] {
+        let backend: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+        let s = backend.stream_create(DeviceId(0)).unwrap();
+        let p = backend.stream_create(DeviceId(0)).unwrap();
+        let mut core =
+            DeviceCore::new(backend, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+        let CachedOutcome::Miss(req) = core.try_cached(4 << 20, s).unwrap() else {
+            panic!("empty cache");
+        };
+        assert_eq!(req.maps_pages(&core), default_pool, "{conf:?}");
+        // A private pool never expands: it takes whole segments.
+        let pool = core.create_pool(false);
+        core.begin_allocate_to_pool(pool, p).unwrap();
+        let CachedOutcome::Miss(req) = core.try_cached(4 << 20, p).unwrap() else {
+            panic!("empty pool");
+        };
+        assert!(!req.maps_pages(&core), "{conf:?}: private pool");
+    }
+}
