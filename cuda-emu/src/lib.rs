@@ -19,13 +19,17 @@
 //! never a silent success. There are no kernels (`cuModuleLoad*`, `cuLaunchKernel`).
 //!
 //! Configuration (read at `cuInit`): `GPUALLOC_EMU_DEVICES` (default 1),
-//! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384).
+//! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384), `GPUALLOC_EMU_LATENCY=hardware` for
+//! the sim's model of real call costs (`cuMemFree` synchronizes the device, a malloc costs
+//! what it costs on a GPU; default: no delays), and `GPUALLOC_EMU_FAULTS` to fail chosen
+//! calls of named functions (see `faults.rs`: `function:nth[+count]:code,...`).
 //!
 //! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
 
 mod abi;
 mod device;
 mod errors;
+mod faults;
 mod memory;
 mod state;
 mod streams;

@@ -10,6 +10,7 @@ use gpualloc_runtime::sim::{LatencyModel, SimBackend, SimConfig};
 use gpualloc_runtime::{DeviceId, EventHandle, PhysHandle, StreamHandle};
 
 use crate::abi::*;
+use crate::faults::Faults;
 
 /// Everything `cuInit` set up.
 pub(crate) struct Emu {
@@ -22,6 +23,7 @@ pub(crate) struct Emu {
     pub(crate) streams: Mutex<HashMap<u64, StreamHandle>>,
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
     pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
+    pub(crate) faults: Faults,
 }
 
 static EMU: OnceLock<Emu> = OnceLock::new();
@@ -53,10 +55,23 @@ pub(crate) fn init() -> Result<(), CUresult> {
     if devices == 0 {
         return Err(CUDA_ERROR_NO_DEVICE);
     }
+    let faults =
+        Faults::parse(&std::env::var("GPUALLOC_EMU_FAULTS").unwrap_or_default()).map_err(|e| {
+            eprintln!("gpualloc emulated CUDA driver: GPUALLOC_EMU_FAULTS: {e}");
+            CUDA_ERROR_INVALID_VALUE
+        })?;
+    let latency = match std::env::var("GPUALLOC_EMU_LATENCY").as_deref() {
+        Ok("hardware") => LatencyModel::default(),
+        Ok("zero") | Err(_) => LatencyModel::zero(),
+        Ok(other) => {
+            eprintln!("gpualloc emulated CUDA driver: GPUALLOC_EMU_LATENCY={other}: expected hardware or zero");
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+    };
     let config = SimConfig {
         devices,
         capacity_per_device: env_u64("GPUALLOC_EMU_MEMORY_MIB", 16 << 10) << 20,
-        latency: LatencyModel::zero(),
+        latency,
         ..SimConfig::default()
     };
     let sim = SimBackend::new(config).map_err(|e| crate::errors::code(&e))?;
@@ -68,6 +83,7 @@ pub(crate) fn init() -> Result<(), CUresult> {
         streams: Mutex::new(HashMap::new()),
         events: Mutex::new(HashMap::new()),
         phys: Mutex::new(HashMap::new()),
+        faults,
     });
     Ok(())
 }
@@ -105,6 +121,7 @@ pub(crate) fn call(
                 DeviceId(d)
             }
         };
+        emu.faults.check(name)?;
         body(emu, device)
     };
     match catch_unwind(AssertUnwindSafe(run)) {

@@ -24,7 +24,15 @@ impl DeviceCore {
                 }
                 None => self.backend.event_create(stream.device),
             };
-            let recorded = event.and_then(|e| self.backend.event_record(e, stream).map(|()| e));
+            // An event whose record failed goes back to the pool (it is still a valid event).
+            let recorded = event.and_then(|e| {
+                self.backend
+                    .event_record(e, stream)
+                    .map(|()| e)
+                    .inspect_err(|_| {
+                        self.event_pool.push(e);
+                    })
+            });
             match recorded {
                 Ok(event) => {
                     self.blocks.get_mut(id).event_count += 1;

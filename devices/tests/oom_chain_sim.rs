@@ -181,3 +181,35 @@ fn the_last_step_without_device_serves_from_blocks_freed_meanwhile_or_reports() 
     assert_eq!(*actions(&core).last().unwrap(), TraceAction::Oom);
     core.free(b.ptr).unwrap();
 }
+
+#[test]
+fn a_failed_event_record_synchronizes_and_keeps_its_event_for_reuse() {
+    let (sim, mut core, s0, s1) = rig(64 * MIB, "");
+    let a = core.malloc(MIB, s0).unwrap();
+    core.record_stream(a.ptr, s1).unwrap();
+    sim.inject(
+        Op::EventRecord,
+        Fault::FailNext {
+            skip: 0,
+            count: 1,
+            error: BackendError::Driver {
+                code: 719,
+                name: "injected".into(),
+            },
+        },
+    );
+    sim.reset_counts();
+    core.free(a.ptr).unwrap();
+    // The record failed: the device was synchronized instead, and the block is free.
+    assert_eq!(sim.counts().get(Op::DeviceSynchronize), 1);
+    let b = core.malloc(MIB, s0).unwrap();
+    assert_eq!(b.ptr, a.ptr);
+    // The event made for the failed record is pooled, not lost: the next cross-stream free
+    // reuses it.
+    core.record_stream(b.ptr, s1).unwrap();
+    core.free(b.ptr).unwrap();
+    assert_eq!(sim.counts().get(Op::EventCreate), 1, "an event leaked");
+    assert_eq!(sim.counts().get(Op::EventRecord), 2);
+    core.empty_cache().unwrap();
+    core.shutdown().unwrap();
+}
