@@ -60,7 +60,16 @@ pub fn emulator_dir() -> Option<std::path::PathBuf> {
     let dir = deps.parent()?.join("cuda-emu");
     std::fs::create_dir_all(&dir).ok()?;
     let link = dir.join("libcuda.so");
-    let _ = std::fs::remove_file(&link);
-    std::os::unix::fs::symlink(&lib, &link).ok()?;
+    if std::fs::read_link(&link).ok().as_deref() == Some(lib.as_path()) {
+        return Some(dir);
+    }
+    // Several tests may ask at once: make the link under a name of our own, then rename it
+    // over the old one (atomic).
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".libcuda.so.{}.{n}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&lib, &tmp).ok()?;
+    std::fs::rename(&tmp, &link).ok()?;
     Some(dir)
 }
