@@ -25,6 +25,8 @@
 //! calls of named functions (see `faults.rs`: `function:nth[+count]:code,...`).
 //!
 //! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
+//! With `GPUALLOC_FORBID_EMULATOR` set (as `scripts/gpu-check.sh` does on a real GPU),
+//! `cuInit` fails with `CUDA_ERROR_NOT_PERMITTED`: the double cannot pass for the driver.
 
 mod abi;
 mod device;

@@ -51,6 +51,11 @@ pub(crate) fn init() -> Result<(), CUresult> {
     if EMU.get().is_some() {
         return Ok(());
     }
+    if std::env::var_os("GPUALLOC_FORBID_EMULATOR").is_some() {
+        // A run on a real GPU (scripts/gpu-check.sh) must never load the test double.
+        eprintln!("gpualloc emulated CUDA driver loaded although GPUALLOC_FORBID_EMULATOR is set");
+        return Err(CUDA_ERROR_NOT_PERMITTED);
+    }
     let devices = u32::try_from(env_u64("GPUALLOC_EMU_DEVICES", 1)).unwrap_or(1);
     if devices == 0 {
         return Err(CUDA_ERROR_NO_DEVICE);

@@ -145,3 +145,36 @@ fn an_oom_from_cu_mem_alloc_runs_the_oom_chain() {
 fn a_failing_event_record_keeps_the_block_until_synchronized() {
     run("event", "cuEventRecord:1:CUDA_ERROR_LAUNCH_FAILED");
 }
+
+#[test]
+fn the_emulator_refuses_to_start_where_it_is_forbidden() {
+    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "oom")
+        .env("GPUALLOC_FORBID_EMULATOR", "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the CUDA backend started on the emulator"
+    );
+    assert!(stderr.contains("GPUALLOC_FORBID_EMULATOR"), "{stderr}");
+}
+
+#[test]
+fn a_malformed_fault_spec_stops_the_run() {
+    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(ROLE, "oom")
+        .env("GPUALLOC_EMU_FAULTS", "cuMemAlloc_v2:0:2")
+        .env("LD_LIBRARY_PATH", &dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("GPUALLOC_EMU_FAULTS"), "{stderr}");
+}
