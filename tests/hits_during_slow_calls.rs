@@ -24,6 +24,19 @@ async fn until_started(sim: &SimBackend, op: Op, n: u64) {
     panic!("{op} never started");
 }
 
+/// A 512 KiB cache hit asked from a plain thread of its own (so no thread cache of a tokio
+/// worker can answer it): it must come back while the slow call is still in flight.
+fn hit_from_another_thread(
+    alloc: &gpualloc::Allocator,
+    s: &gpualloc::Stream,
+) -> gpualloc::DeviceBuffer {
+    let (alloc, s) = (alloc.clone(), s.clone());
+    std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
+        .join()
+        .unwrap()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_flow_while_an_expandable_segment_grows() {
     for conf in [
@@ -47,14 +60,7 @@ async fn hits_flow_while_an_expandable_segment_grows() {
         };
         until_started(&sim, Op::Map, 1).await;
         let actor = alloc.device_actor(DeviceId(0)).unwrap();
-        // From another thread, so the thread cache (if on) cannot answer it.
-        let hit = {
-            let (alloc, s) = (alloc.clone(), s.clone());
-            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
-                .join()
-                .unwrap()
-                .unwrap()
-        };
+        let hit = hit_from_another_thread(&alloc, &s);
         // Five 20 MiB pages are mapped one after another, 300 ms each: the hit comes back
         // while the first is being mapped.
         assert_eq!(
@@ -137,13 +143,7 @@ async fn hits_flow_while_empty_cache_waits_for_a_busy_stream() {
         tokio::spawn(async move { alloc.empty_cache().await })
     };
     until_started(&sim, Op::StreamSynchronize, 1).await;
-    let hit = {
-        let (alloc, h) = (alloc.clone(), h.clone());
-        std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &h)))
-            .join()
-            .unwrap()
-            .unwrap()
-    };
+    let hit = hit_from_another_thread(&alloc, &h);
     assert!(
         !emptier.is_finished(),
         "the hit waited for empty_cache's stream synchronization (under the gate)"
@@ -187,13 +187,7 @@ async fn hits_flow_while_a_miss_over_the_memory_fraction_frees_the_cache() {
         };
         until_started(&sim, Op::Free, 1).await;
         let actor = alloc.device_actor(DeviceId(0)).unwrap();
-        let hit = {
-            let (alloc, s) = (alloc.clone(), s.clone());
-            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
-                .join()
-                .unwrap()
-                .unwrap()
-        };
+        let hit = hit_from_another_thread(&alloc, &s);
         assert_eq!(
             (sim.counts().get(Op::Free), actor.misses_in_flight()),
             (1, 1),
@@ -272,13 +266,7 @@ async fn hits_flow_while_an_expandable_miss_over_the_fraction_unmaps_the_cache()
         };
         until_started(&sim, Op::Unmap, 1).await;
         let actor = alloc.device_actor(DeviceId(0)).unwrap();
-        let hit = {
-            let (alloc, s) = (alloc.clone(), s.clone());
-            std::thread::spawn(move || futures::executor::block_on(alloc.malloc(512 << 10, &s)))
-                .join()
-                .unwrap()
-                .unwrap()
-        };
+        let hit = hit_from_another_thread(&alloc, &s);
         assert_eq!(
             (sim.counts().get(Op::Unmap), actor.misses_in_flight()),
             (1, 1),

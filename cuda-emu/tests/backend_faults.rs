@@ -114,15 +114,21 @@ fn child_entry() {
     println!("scenario {role}: ok");
 }
 
-fn run(role: &str, faults: &str) {
+/// Runs scenario `role` in a child with the emulator on its library path and `env` set.
+fn child(role: &str, env: &[(&str, &str)]) -> std::process::Output {
     let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
-    let out = Command::new(std::env::current_exe().unwrap())
+    Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
-        .env("GPUALLOC_EMU_FAULTS", faults)
+        .envs(env.iter().copied())
         .env("LD_LIBRARY_PATH", &dir)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs scenario `role` with the faults `faults`; it must pass.
+fn run(role: &str, faults: &str) {
+    let out = child(role, &[("GPUALLOC_EMU_FAULTS", faults)]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -148,14 +154,7 @@ fn a_failing_event_record_keeps_the_block_until_synchronized() {
 
 #[test]
 fn the_emulator_refuses_to_start_where_it_is_forbidden() {
-    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env(ROLE, "oom")
-        .env("GPUALLOC_FORBID_EMULATOR", "1")
-        .env("LD_LIBRARY_PATH", &dir)
-        .output()
-        .unwrap();
+    let out = child("oom", &[("GPUALLOC_FORBID_EMULATOR", "1")]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -166,14 +165,7 @@ fn the_emulator_refuses_to_start_where_it_is_forbidden() {
 
 #[test]
 fn a_malformed_fault_spec_stops_the_run() {
-    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-        .env(ROLE, "oom")
-        .env("GPUALLOC_EMU_FAULTS", "cuMemAlloc_v2:0:2")
-        .env("LD_LIBRARY_PATH", &dir)
-        .output()
-        .unwrap();
+    let out = child("oom", &[("GPUALLOC_EMU_FAULTS", "cuMemAlloc_v2:0:2")]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("GPUALLOC_EMU_FAULTS"), "{stderr}");

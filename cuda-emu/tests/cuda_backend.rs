@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use gpualloc_runtime::conformance::checks;
+use gpualloc_runtime::conformance::run_all;
 use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
@@ -18,18 +18,16 @@ fn child_entry() {
         return;
     }
     let backend: Arc<dyn Backend> = CudaBackend::new().expect("the emulated driver loads");
+    let results = run_all(&backend, DeviceId(0));
+    let ran = results.len();
     let mut failures = Vec::new();
-    let mut ran = 0;
-    for check in checks() {
-        let result = (check.run)(&backend, DeviceId(0));
-        ran += 1;
+    for (name, result) in results {
         println!(
-            "{:<45} {}",
-            check.name,
+            "{name:<45} {}",
             if result.is_ok() { "ok" } else { "FAILED" }
         );
         if let Err(e) = result {
-            failures.push(format!("{}: {e}", check.name));
+            failures.push(format!("{name}: {e}"));
         }
     }
     println!("conformance on CudaBackend (emulated driver): {ran} checks run");
