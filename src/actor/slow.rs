@@ -11,10 +11,8 @@
 //!   shutdown.
 //!
 //! - a miss over `per_process_memory_fraction`: the cache is released off the gate before the
-//!   segment is claimed again.
-//!
-//! - a miss over `per_process_memory_fraction` with expandable segments: cached pages are
-//!   unmapped off the gate before the growth is planned again.
+//!   segment is claimed again (with expandable segments: cached pages are unmapped off the
+//!   gate before the growth is planned again).
 //!
 //! The gate is taken only for the short bookkeeping steps in between. When all of the above
 //! found no room, the last step under the gate (`DeviceCore::malloc_without_device`) only
@@ -159,8 +157,8 @@ impl DeviceActor {
     /// A request whose segment does not fit under `per_process_memory_fraction`: releases the
     /// cache off the gate (PyTorch frees cached blocks before giving up on the cap), then
     /// looks in the cache again and claims again. `Err(req)`: still over the cap (nothing
-    /// was released, or not enough): the core's own chain continues, which then has nothing
-    /// to free and no device call to make (the cap fails before any malloc).
+    /// was released, or not enough): the miss ends in the core's last step, which makes no
+    /// device call.
     fn release_then_claim(
         self: &Arc<Self>,
         req: SegmentRequest,
