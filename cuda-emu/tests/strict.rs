@@ -271,3 +271,50 @@ fn an_ipc_handle_cannot_be_opened_by_the_process_that_made_it() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn vmm_reservations_and_access_need_granular_mapped_ranges() {
+    std::thread::spawn(|| {
+        bind();
+        let p = prop();
+        let mut gran = 0usize;
+        // SAFETY: valid pointers for every call below.
+        unsafe {
+            assert_eq!(
+                cuMemGetAllocationGranularity(&mut gran, &p, 0),
+                CUDA_SUCCESS
+            );
+            let mut va = 0u64;
+            assert_eq!(
+                cuMemAddressReserve(&mut va, gran + 4096, 0, 0, 0),
+                CUDA_ERROR_INVALID_VALUE,
+                "size not a multiple of the granularity"
+            );
+            assert_eq!(
+                cuMemAddressReserve(&mut va, 2 * gran, 0, 0, 0),
+                CUDA_SUCCESS
+            );
+            let desc = CUmemAccessDesc {
+                location: CUmemLocation { type_: 1, id: 0 },
+                flags: 3,
+            };
+            assert_ne!(
+                cuMemSetAccess(va, gran, &desc, 1),
+                CUDA_SUCCESS,
+                "access to a range with nothing mapped"
+            );
+            assert_eq!(
+                cuMemAddressFree(va + 4096, 2 * gran),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            assert_eq!(cuMemAddressFree(va, 2 * gran), CUDA_SUCCESS);
+            assert_eq!(
+                cuMemAddressFree(va, 2 * gran),
+                CUDA_ERROR_INVALID_VALUE,
+                "twice"
+            );
+        }
+    })
+    .join()
+    .unwrap();
+}
