@@ -128,7 +128,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
         let info = emu
             .sim
             .mem_info(gpualloc_runtime::DeviceId(d))
-            .map_err(|e| crate::errors::code(&e))?;
+            .map_err(crate::errors::sim_err)?;
         out(bytes, info.total as usize)
     })
 }
@@ -210,6 +210,6 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
     call("cuCtxSynchronize", Needs::Context, |emu, d| {
         emu.sim
             .device_synchronize(d)
-            .map_err(|e| crate::errors::code(&e))
+            .map_err(crate::errors::sim_err)
     })
 }

@@ -20,6 +20,11 @@ pub(crate) fn code(e: &BackendError) -> CUresult {
     }
 }
 
+/// [`code`] for `map_err`.
+pub(crate) fn sim_err(e: BackendError) -> CUresult {
+    code(&e)
+}
+
 fn describe_into(error: CUresult, out: *mut *const c_char, pick: usize) -> CUresult {
     if out.is_null() {
         return CUDA_ERROR_INVALID_VALUE;

@@ -5,12 +5,8 @@ use std::ffi::{c_int, c_uint, c_void};
 use gpualloc_runtime::{Backend, DevicePtr, HostRegisterFlags};
 
 use crate::abi::*;
-use crate::errors::code;
+use crate::errors::sim_err;
 use crate::state::{call, out, Needs};
-
-fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
-    code(&e)
-}
 
 /// `cuMemAlloc_v2`.
 ///
@@ -31,14 +27,12 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 /// `CUDA_ERROR_INVALID_VALUE`.
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
-    call("cuMemFree_v2", Needs::Context, |emu, d| {
+    call("cuMemFree_v2", Needs::Context, |emu, _| {
         let owner = emu
             .sim
             .pointer_device(DevicePtr(dptr))
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        emu.sim.free(owner, DevicePtr(dptr)).map_err(sim_err)?;
-        let _ = d;
-        Ok(())
+        emu.sim.free(owner, DevicePtr(dptr)).map_err(sim_err)
     })
 }
 

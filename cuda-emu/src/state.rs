@@ -79,7 +79,7 @@ pub(crate) fn init() -> Result<(), CUresult> {
         latency,
         ..SimConfig::default()
     };
-    let sim = SimBackend::new(config).map_err(|e| crate::errors::code(&e))?;
+    let sim = SimBackend::new(config).map_err(crate::errors::sim_err)?;
     let _ = EMU.set(Emu {
         sim,
         devices,
@@ -207,7 +207,7 @@ impl Emu {
         use gpualloc_runtime::Backend;
         self.sim
             .stream_create(device)
-            .map_err(|e| crate::errors::code(&e))
+            .map_err(crate::errors::sim_err)
     }
 
     pub(crate) fn event(&self, e: CUevent) -> Result<EventHandle, CUresult> {

@@ -5,12 +5,8 @@ use std::ffi::{c_int, c_uint, c_void};
 use gpualloc_runtime::Backend;
 
 use crate::abi::*;
-use crate::errors::code;
+use crate::errors::sim_err;
 use crate::state::{call, in_host_fn, lock, out, Needs};
-
-fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
-    code(&e)
-}
 
 /// `cuStreamCreate` (flags: default or non-blocking; the emulator has no legacy-stream
 /// implicit synchronization).

@@ -7,12 +7,8 @@ use std::os::fd::{BorrowedFd, IntoRawFd, OwnedFd};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle};
 
 use crate::abi::*;
-use crate::errors::code;
+use crate::errors::sim_err;
 use crate::state::{call, lock, out, Needs};
-
-fn sim_err(e: gpualloc_runtime::BackendError) -> CUresult {
-    code(&e)
-}
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: c_uint = 1;

@@ -176,18 +176,23 @@ fn prop() -> CUmemAllocationProp {
     }
 }
 
+/// The VMM granularity for `p`.
+fn granularity(p: &CUmemAllocationProp) -> usize {
+    let mut gran = 0usize;
+    // SAFETY: valid pointers.
+    let r = unsafe { cuMemGetAllocationGranularity(&mut gran, p, 0) };
+    assert_eq!(r, CUDA_SUCCESS);
+    gran
+}
+
 #[test]
 fn vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver() {
     std::thread::spawn(|| {
         bind();
         let p = prop();
-        let mut gran = 0usize;
+        let gran = granularity(&p);
         // SAFETY: valid pointers for every call below.
         unsafe {
-            assert_eq!(
-                cuMemGetAllocationGranularity(&mut gran, &p, 0),
-                CUDA_SUCCESS
-            );
             let mut h = 0u64;
             assert_eq!(
                 cuMemCreate(&mut h, gran / 2, &p, 0),
@@ -277,13 +282,9 @@ fn vmm_reservations_and_access_need_granular_mapped_ranges() {
     std::thread::spawn(|| {
         bind();
         let p = prop();
-        let mut gran = 0usize;
+        let gran = granularity(&p);
         // SAFETY: valid pointers for every call below.
         unsafe {
-            assert_eq!(
-                cuMemGetAllocationGranularity(&mut gran, &p, 0),
-                CUDA_SUCCESS
-            );
             let mut va = 0u64;
             assert_eq!(
                 cuMemAddressReserve(&mut va, gran + 4096, 0, 0, 0),

@@ -178,6 +178,29 @@ impl Exporter {
         v
     }
 
+    /// Allocates a second block of the exported size, fills it, lets the importer write
+    /// 0xee through its buffer (`g`, then `w` back), and checks that the write landed in the
+    /// exported block, not in the second one.
+    fn second_allocation_survives_the_importers_writes(&mut self, exported: DevicePtr) {
+        let second = self.malloc();
+        assert_ne!(second, exported, "the exported block was handed out again");
+        self.backend
+            .copy_to_device(self.stream, second, &[0x11; 4096])
+            .unwrap();
+        self.ctrl.write_all(b"g").unwrap();
+        assert_eq!(byte(&mut self.ctrl), b'w');
+        assert_eq!(
+            self.read(second),
+            vec![0x11; 4096],
+            "the second allocation was corrupted"
+        );
+        assert_eq!(
+            self.read(exported),
+            vec![0xee; 4096],
+            "the importer's writes"
+        );
+    }
+
     fn finish(mut self) {
         assert!(self.child.wait().unwrap().success(), "the importer failed");
         for p in &self.paths {
@@ -204,19 +227,7 @@ fn a_buffer_kept_after_its_connection_is_dropped_still_holds_the_block() {
         "the exporter read EOF while the buffer lives"
     );
     // A second allocation of the same size, filled, while the importer still writes.
-    let second = ex.malloc();
-    assert_ne!(second, exported, "the exported block was handed out again");
-    ex.backend
-        .copy_to_device(ex.stream, second, &[0x11; 4096])
-        .unwrap();
-    ex.ctrl.write_all(b"g").unwrap();
-    assert_eq!(byte(&mut ex.ctrl), b'w');
-    assert_eq!(
-        ex.read(second),
-        vec![0x11; 4096],
-        "the second allocation was corrupted"
-    );
-    assert_eq!(ex.read(exported), vec![0xee; 4096], "the importer's writes");
+    ex.second_allocation_survives_the_importers_writes(exported);
     let end = serving.join().unwrap();
     assert_eq!((end.released, end.reclaimed), (1, 0));
     assert!(ex.core.lock().unwrap().allocation(exported).is_none());
@@ -252,19 +263,7 @@ fn an_offer_unread_when_the_exporter_drops_its_connection_is_kept_for_the_import
     // while the importer may still accept the offer.
     drop(ex.conn.take());
     assert!(ex.core.lock().unwrap().allocation(exported).is_some());
-    let second = ex.malloc();
-    assert_ne!(second, exported, "the offered block was handed out again");
-    ex.backend
-        .copy_to_device(ex.stream, second, &[0x11; 4096])
-        .unwrap();
-    ex.ctrl.write_all(b"g").unwrap();
-    assert_eq!(byte(&mut ex.ctrl), b'w');
-    assert_eq!(
-        ex.read(second),
-        vec![0x11; 4096],
-        "the new owner's bytes were overwritten"
-    );
-    assert_eq!(ex.read(exported), vec![0xee; 4096], "the importer's writes");
+    ex.second_allocation_survives_the_importers_writes(exported);
     assert!(ex.core.lock().unwrap().allocation(exported).is_some());
     // The importer lets go: the keeper frees the block.
     ex.ctrl.write_all(b"q").unwrap();
