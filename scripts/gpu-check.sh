@@ -9,6 +9,8 @@
 #      (and GPUALLOC_REQUIRE_GPU=1: tests that would skip without a GPU must fail instead;
 #      the facade's tests/backend_env.rs, cuda_interop.rs and cuda_request.rs run on CUDA),
 #   3. the bench binary (binaries named bench*) with GPUALLOC_BACKEND=cuda,
+#   4. a check that the driver those runs loaded is NVIDIA's (libcuda.so.<driver version>,
+#      as the CUDA smoke test reports it),
 # and writes one log per step plus summary.txt to $OUT (or target/gpu-check-logs).
 # The whole run stays under 8 minutes (GPU_CHECK_BUDGET_S, default 450 s).
 #
@@ -215,6 +217,21 @@ for b in "${benches[@]}"; do
     # shellcheck disable=SC2086
     step "$(basename "$b")" 150 "$b" $BENCH_ARGS
 done
+
+# ---- the driver that ran: NVIDIA's, checked positively ----
+# The CUDA smoke test prints the file the driver library was loaded from (the mapping that
+# holds cuInit). NVIDIA's driver is libcuda.so.<driver version>, the version nvidia-smi shows;
+# anything else (a test double, a stale copy) fails the run.
+driver_version="$(timeout 30 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null |
+    head -n1 | tr -d ' ' || true)"
+loaded="$(sed -n 's/.*driver library: //p' "$OUT/cuda_gpu_smoke.log" 2>/dev/null | head -n1 || true)"
+if [[ -n "$driver_version" && -n "$loaded" && "$(basename "$loaded")" == "libcuda.so.$driver_version" ]]; then
+    echo "PASS     driver is NVIDIA's ($loaded)" >>"$OUT/summary.txt"
+else
+    echo "FAIL     driver: loaded '${loaded:-nothing reported}', expected libcuda.so.${driver_version:-?}" \
+        >>"$OUT/summary.txt"
+    FAILED=1
+fi
 
 log "finished in $(($(date +%s) - START_S))s; summary:"
 cat "$OUT/summary.txt" >&2

@@ -1,20 +1,23 @@
-//! Exporting a `DeviceBuffer` of an `Allocator` (on the sim) to another process: this test
-//! binary spawns itself as the consumer (an env var says so), which maps the buffer,
-//! verifies the producer's pattern, writes back and releases (or is killed). The producer's
-//! block stays allocated and unused until then: a malloc of the same size gets another
-//! address before the release and the same block after it.
+//! Exporting a `DeviceBuffer` of an `Allocator` to another process: this test binary spawns
+//! itself as the consumer (an env var says so), which maps the buffer, verifies the
+//! producer's pattern, writes back and releases (or is killed). The producer's block stays
+//! allocated and unused until then: a malloc of the same size gets another address before the
+//! release and the same block after it. Both processes run on the sim, or on the CUDA backend
+//! with `GPUALLOC_BACKEND=cuda` (the IPC crate's test helper, shared).
+
+#[path = "../ipc/tests/common/mod.rs"]
+mod backend_choice;
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use backend_choice::TestBackend;
 use gpualloc::ipc::{
     AsyncExportConn, ImportConn, PeerPolicy, Received, Returned, SegmentMemory, ServeEnd,
 };
-use gpualloc::runtime::sim::{SimBackend, SimConfig};
-use gpualloc::{Allocator, AllocatorConfig, Backend, DeviceBuffer, DeviceId, Error, Stream};
+use gpualloc::{Allocator, AllocatorConfig, DeviceBuffer, DeviceId, Error, Stream};
 
 const ROLE: &str = "GPUALLOC_EXPORT_TEST_ROLE";
 const SOCK: &str = "GPUALLOC_EXPORT_TEST_SOCK";
@@ -29,10 +32,6 @@ fn pattern(len: usize) -> Vec<u8> {
 
 fn writeback() -> Vec<u8> {
     (0..BACK).map(|i| (i % 253) as u8 ^ 0xA5).collect()
-}
-
-fn sim() -> Arc<SimBackend> {
-    SimBackend::new(SimConfig::fast(1)).unwrap()
 }
 
 fn sock_path(name: &str) -> PathBuf {
@@ -67,8 +66,8 @@ fn consumer_entry() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let sim = sim();
-    let backend: Arc<dyn Backend> = sim.clone();
+    let tb = TestBackend::from_env(DEV);
+    let backend = tb.backend.clone();
     let stream = backend.stream_create(DEV).unwrap();
     let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
     let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
@@ -100,21 +99,25 @@ fn consumer_entry() {
 // ---------------------------------------------------------------- the parent process
 
 struct Producer {
-    sim: Arc<SimBackend>,
+    tb: TestBackend,
     alloc: Allocator,
     stream: Stream,
 }
 
 impl Producer {
+    /// On the backend `GPUALLOC_BACKEND` names.
     fn new(expandable: bool) -> Producer {
-        let sim = sim();
+        Producer::on(TestBackend::from_env(DEV), expandable)
+    }
+
+    fn on(tb: TestBackend, expandable: bool) -> Producer {
         let alloc = Allocator::builder()
             .config(AllocatorConfig::default().with_expandable_segments(expandable))
-            .backend_instance(sim.clone())
+            .backend_instance(tb.backend.clone())
             .build()
             .unwrap();
         let stream = alloc.new_stream(DEV).unwrap();
-        Producer { sim, alloc, stream }
+        Producer { tb, alloc, stream }
     }
 
     async fn filled(&self) -> DeviceBuffer {
@@ -165,9 +168,9 @@ impl Producer {
         self.alloc.empty_cache().await.unwrap();
         let st = self.alloc.stats(DEV).await.unwrap();
         assert_eq!(st.reserved_bytes[0].current, 0);
+        drop(self.stream);
         self.alloc.shutdown().await.unwrap();
-        assert_eq!(self.sim.live_allocations(), 0);
-        assert_eq!(self.sim.live_phys(), 0);
+        self.tb.assert_nothing_leaked();
     }
 }
 
@@ -275,7 +278,8 @@ async fn export_region_rejects_empty_and_foreign_buffers() {
         p.alloc.export_region(&empty).await,
         Err(Error::Export(m)) if m.contains("empty")
     ));
-    let q = Producer::new(false);
+    // The other allocator is on a sim of its own.
+    let q = Producer::on(TestBackend::sim(DEV), false);
     let theirs = q.alloc.malloc(4096, &q.stream).await.unwrap();
     assert!(matches!(
         p.alloc.export_region(&theirs).await,

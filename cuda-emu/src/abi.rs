@@ -21,6 +21,9 @@ pub type CUstream = *mut c_void;
 pub type CUevent = *mut c_void;
 /// `CUmemGenericAllocationHandle`.
 pub type CUmemGenericAllocationHandle = u64;
+/// `CU_STREAM_NON_BLOCKING`: a stream not ordered with the legacy default stream.
+pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+
 /// `CUhostFn`.
 pub type CUhostFn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
 

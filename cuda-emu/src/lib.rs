@@ -14,7 +14,9 @@
 //! every call before `cuInit` is `CUDA_ERROR_NOT_INITIALIZED`; calls that need a context on
 //! a thread without a current one are `CUDA_ERROR_INVALID_CONTEXT`; a host function may not
 //! call the driver (`CUDA_ERROR_NOT_PERMITTED`); unknown or freed pointers and handles are
-//! errors; `cuEventQuery` is `CUDA_ERROR_NOT_READY` until the stream passes the event. A
+//! errors; `cuEventQuery` is `CUDA_ERROR_NOT_READY` until the stream passes the event; the
+//! legacy default (null) stream is ordered with blocking streams (created without
+//! `CU_STREAM_NON_BLOCKING`) both ways, and not with non-blocking ones. A
 //! function it does not implement returns `CUDA_ERROR_NOT_SUPPORTED` and logs its name once:
 //! never a silent success. There are no kernels (`cuModuleLoad*`, `cuLaunchKernel`).
 //!

@@ -83,7 +83,7 @@ pub extern "C" fn cuMemsetD8Async(
     stream: CUstream,
 ) -> CUresult {
     call("cuMemsetD8Async", Needs::Context, |emu, d| {
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         emu.sim
             .memset_async(s, DevicePtr(dst), value, n as u64)
             .map_err(sim_err)
@@ -99,7 +99,7 @@ pub extern "C" fn cuMemcpyAsync(
     stream: CUstream,
 ) -> CUresult {
     call("cuMemcpyAsync", Needs::Context, |emu, d| {
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)
     })
 }
@@ -128,7 +128,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     stream: CUstream,
 ) -> CUresult {
     call("cuMemcpyHtoDAsync_v2", Needs::Context, |emu, d| {
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         if n == 0 {
             return Ok(());
         }
@@ -159,7 +159,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     stream: CUstream,
 ) -> CUresult {
     call("cuMemcpyDtoHAsync_v2", Needs::Context, |emu, d| {
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         if n == 0 {
             return Ok(());
         }

@@ -12,6 +12,14 @@ use gpualloc_runtime::{DeviceId, EventHandle, PhysHandle, StreamHandle};
 use crate::abi::*;
 use crate::faults::Faults;
 
+/// A stream made by `cuStreamCreate`.
+#[derive(Clone, Copy)]
+pub(crate) struct EmuStream {
+    pub(crate) handle: StreamHandle,
+    /// Created without `CU_STREAM_NON_BLOCKING`: ordered with the legacy default stream.
+    pub(crate) blocking: bool,
+}
+
 /// Everything `cuInit` set up.
 pub(crate) struct Emu {
     pub(crate) sim: Arc<SimBackend>,
@@ -20,7 +28,7 @@ pub(crate) struct Emu {
     pub(crate) retained: Mutex<Vec<u32>>,
     /// Each device's default (null) stream, made on first use.
     pub(crate) default_streams: Mutex<HashMap<u32, StreamHandle>>,
-    pub(crate) streams: Mutex<HashMap<u64, StreamHandle>>,
+    pub(crate) streams: Mutex<HashMap<u64, EmuStream>>,
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
     pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
     pub(crate) faults: Faults,
@@ -199,8 +207,57 @@ impl Emu {
         }
         lock(&self.streams)
             .get(&(s as u64))
-            .copied()
+            .map(|e| e.handle)
             .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+
+    /// The sim stream for new work on `s`, ordered as the legacy default stream is: work on
+    /// the null stream first waits for all work queued on the device's blocking streams, and
+    /// work on a blocking stream first waits for the work queued on the null stream.
+    /// Non-blocking streams (`CU_STREAM_NON_BLOCKING`, as every stream cudarc and the CUDA
+    /// backend create) are not ordered with it. Synchronize and query use [`Emu::stream`]:
+    /// they add no work.
+    pub(crate) fn work_stream(
+        &self,
+        s: CUstream,
+        device: DeviceId,
+    ) -> Result<StreamHandle, CUresult> {
+        let h = self.stream(s, device)?;
+        if s.is_null() {
+            let blocking: Vec<StreamHandle> = lock(&self.streams)
+                .values()
+                .filter(|e| e.blocking && e.handle.device == device)
+                .map(|e| e.handle)
+                .collect();
+            for earlier in blocking {
+                self.order_after(h, earlier)?;
+            }
+        } else if lock(&self.streams)
+            .get(&(s as u64))
+            .is_some_and(|e| e.blocking)
+        {
+            let legacy = lock(&self.default_streams).get(&h.device.0).copied();
+            if let Some(legacy) = legacy {
+                self.order_after(h, legacy)?;
+            }
+        }
+        Ok(h)
+    }
+
+    /// Work queued on `later` from now on waits for the work queued on `earlier` so far.
+    fn order_after(&self, later: StreamHandle, earlier: StreamHandle) -> Result<(), CUresult> {
+        use gpualloc_runtime::Backend;
+        let e = self
+            .sim
+            .event_create(earlier.device)
+            .map_err(crate::errors::sim_err)?;
+        let ordered = self
+            .sim
+            .event_record(e, earlier)
+            .and_then(|()| self.sim.stream_wait_event(later, e));
+        // The wait holds what it needs of the event; destroying it now is legal.
+        let _ = self.sim.event_destroy(e);
+        ordered.map_err(crate::errors::sim_err)
     }
 
     fn sim_stream_create(&self, device: DeviceId) -> Result<StreamHandle, CUresult> {

@@ -6,21 +6,28 @@ use gpualloc_runtime::Backend;
 
 use crate::abi::*;
 use crate::errors::sim_err;
-use crate::state::{call, in_host_fn, lock, out, Needs};
+use crate::state::{call, in_host_fn, lock, out, EmuStream, Needs};
 
-/// `cuStreamCreate` (flags: default or non-blocking; the emulator has no legacy-stream
-/// implicit synchronization).
+/// `cuStreamCreate` (flags: default, which orders the stream with the legacy default stream
+/// as the driver does, or `CU_STREAM_NON_BLOCKING`; see `Emu::work_stream`).
 ///
 /// # Safety
 /// `ph_stream` must be null or writable.
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut CUstream, flags: c_uint) -> CUresult {
     call("cuStreamCreate", Needs::Context, |emu, d| {
-        if flags & !1 != 0 || ph_stream.is_null() {
+        if flags & !CU_STREAM_NON_BLOCKING != 0 || ph_stream.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let h = emu.sim.stream_create(d).map_err(sim_err)?;
-        lock(&emu.streams).insert(h.raw, h);
+        let blocking = flags & CU_STREAM_NON_BLOCKING == 0;
+        lock(&emu.streams).insert(
+            h.raw,
+            EmuStream {
+                handle: h,
+                blocking,
+            },
+        );
         out(ph_stream, h.raw as CUstream)
     })
 }
@@ -49,7 +56,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
         let h = lock(&emu.streams)
             .remove(&(stream as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        emu.sim.stream_destroy(h).map_err(sim_err)
+        emu.sim.stream_destroy(h.handle).map_err(sim_err)
     })
 }
 
@@ -87,7 +94,7 @@ pub extern "C" fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_u
         if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         let e = emu.event(event)?;
         emu.sim.stream_wait_event(s, e).map_err(sim_err)
     })
@@ -109,7 +116,7 @@ pub extern "C" fn cuLaunchHostFunc(
 ) -> CUresult {
     call("cuLaunchHostFunc", Needs::Context, |emu, d| {
         let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         let data = UserData(user_data);
         emu.sim
             .launch_host_func(
@@ -146,7 +153,7 @@ pub unsafe extern "C" fn cuEventCreate(ph_event: *mut CUevent, flags: c_uint) ->
 pub extern "C" fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult {
     call("cuEventRecord", Needs::Context, |emu, d| {
         let e = emu.event(event)?;
-        let s = emu.stream(stream, d)?;
+        let s = emu.work_stream(stream, d)?;
         emu.sim.event_record(e, s).map_err(sim_err)
     })
 }

@@ -18,6 +18,13 @@ fn child_entry() {
         return;
     }
     let backend: Arc<dyn Backend> = CudaBackend::new().expect("the emulated driver loads");
+    // What cudarc loaded as `libcuda.so` is the emulator's own file (the link resolved).
+    let lib = CudaBackend::driver_library().expect("the driver library's file");
+    assert!(
+        lib.ends_with("libgpualloc_cuda_emu.so"),
+        "loaded {}",
+        lib.display()
+    );
     let results = run_all(&backend, DeviceId(0));
     let ran = results.len();
     let mut failures = Vec::new();

@@ -1,6 +1,9 @@
 //! A hostile importer in a real second process (this test binary re-executed in a role named
 //! by an environment variable) attacks the exporter through what the protocol hands it. The
-//! exporter must survive with its memory intact.
+//! exporter must survive with its memory intact. The two-process test runs on the sim, or on
+//! the CUDA backend with `GPUALLOC_BACKEND=cuda` (see common/).
+
+mod common;
 
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -8,6 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+use common::TestBackend;
 use gpualloc_ipc::fdpass::recv_step;
 use gpualloc_ipc::frame::{Frame, FrameReader};
 use gpualloc_ipc::message::Message;
@@ -85,7 +89,8 @@ fn an_importer_cannot_truncate_what_it_was_sent() {
         .spawn()
         .unwrap();
     let (sock, _) = listener.accept().unwrap();
-    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let tb = TestBackend::from_env(DEV);
+    let backend = tb.backend.clone();
     let mut conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
     let host = shm::create(HOST_LEN, Backing::Memfd, MapOptions::shared_rw()).unwrap();
     host.write_at(0, &[0x5a; 4096]).unwrap();
@@ -113,6 +118,7 @@ fn an_importer_cannot_truncate_what_it_was_sent() {
     assert_eq!(host.len(), HOST_LEN);
     drop(conn);
     backend.free(DEV, ptr).unwrap();
+    tb.assert_nothing_leaked();
 }
 
 #[test]

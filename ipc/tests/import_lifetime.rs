@@ -6,6 +6,12 @@
 //!   later writes);
 //! - a buffer dropped on a live connection wakes an exporter waiting for it at once;
 //! - `wait_returned` answers at once for ids it does not know or that already came back.
+//!
+//! The two-process tests run on the sim, or on the CUDA backend with `GPUALLOC_BACKEND=cuda`
+//! (see common/); the in-process one stays on the sim, since a CUDA process cannot open its own
+//! legacy IPC handle.
+
+mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -14,6 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::TestBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
     CoreGuard, DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received,
@@ -49,8 +56,8 @@ fn importer_entry() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
-    let backend: Arc<dyn Backend> = sim.clone();
+    let tb = TestBackend::from_env(DEV);
+    let backend = tb.backend.clone();
     let stream = backend.stream_create(DEV).unwrap();
     let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
     let mut ctrl = UnixStream::connect(std::env::var(CTRL).unwrap()).unwrap();
@@ -100,6 +107,7 @@ fn importer_entry() {
 // ---------------------------------------------------------------- the parent process
 
 struct Exporter {
+    tb: TestBackend,
     backend: Arc<dyn Backend>,
     core: Arc<Mutex<DeviceCore>>,
     stream: StreamHandle,
@@ -112,7 +120,8 @@ struct Exporter {
 
 impl Exporter {
     fn start(role: &str) -> Exporter {
-        let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let tb = TestBackend::from_env(DEV);
+        let backend = tb.backend.clone();
         let core = DeviceCore::new(backend.clone(), DEV, AllocatorConfig::default()).unwrap();
         let stream = backend.stream_create(DEV).unwrap();
         let paths = [path(&format!("{role}-data")), path(&format!("{role}-ctrl"))];
@@ -138,6 +147,7 @@ impl Exporter {
         let (ctrl, _) = ctrl.accept().unwrap();
         let conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
         Exporter {
+            tb,
             backend,
             core: Arc::new(Mutex::new(core)),
             stream,
@@ -199,13 +209,22 @@ impl Exporter {
             vec![0xee; 4096],
             "the importer's writes"
         );
+        self.core.lock().unwrap().free(second).unwrap();
     }
 
+    /// The importer succeeded, and once the cache is emptied this process holds no device
+    /// memory.
     fn finish(mut self) {
         assert!(self.child.wait().unwrap().success(), "the importer failed");
         for p in &self.paths {
             let _ = std::fs::remove_file(p);
         }
+        let mut core = self.core.lock().unwrap();
+        core.empty_cache().unwrap();
+        assert_eq!(core.reserved_bytes(), 0);
+        drop(core);
+        self.backend.stream_destroy(self.stream).unwrap();
+        self.tb.assert_nothing_leaked();
     }
 }
 

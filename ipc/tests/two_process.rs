@@ -1,7 +1,10 @@
 //! Real two-process tests: this test binary spawns itself as the consumer (an env var says
-//! which role), the parent exports shared host memory and sim device buffers to it over a
+//! which role), the parent exports shared host memory and device buffers to it over a
 //! Unix socket, and checks what comes back: the consumer's writes, the block reused only
 //! after release, and everything reclaimed when the consumer is killed mid-use.
+//! They run on the sim, or on the CUDA backend with `GPUALLOC_BACKEND=cuda` (see common/).
+
+mod common;
 
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -10,12 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::TestBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
     shm, AsyncExportConn, Backing, CoreGuard, DeviceRegion, ExportConn, ImportConn, MapOptions,
     OnRelease, PeerPolicy, Received, Returned, SegmentMemory, VmmChunk,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const ROLE: &str = "GPUALLOC_IPC_TEST_ROLE";
@@ -35,10 +38,10 @@ fn writeback() -> Vec<u8> {
     (0..BACK_LEN).map(|i| (i % 253) as u8 ^ 0xA5).collect()
 }
 
-fn sim() -> (Arc<SimBackend>, Arc<dyn Backend>) {
-    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
-    let dyn_backend: Arc<dyn Backend> = sim.clone();
-    (sim, dyn_backend)
+fn test_backend() -> (TestBackend, Arc<dyn Backend>) {
+    let tb = TestBackend::from_env(DEV);
+    let backend = tb.backend.clone();
+    (tb, backend)
 }
 
 fn sock_path(name: &str) -> PathBuf {
@@ -83,7 +86,7 @@ fn consumer_entry() {
         return;
     };
     let path = std::env::var(SOCK).unwrap();
-    let (_sim, backend) = sim();
+    let (_tb, backend) = test_backend();
     let stream = backend.stream_create(DEV).unwrap();
     let sock = UnixStream::connect(path).unwrap();
     let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
@@ -123,7 +126,7 @@ fn consumer_entry() {
 // ---------------------------------------------------------------- the parent process
 
 struct Producer {
-    sim: Arc<SimBackend>,
+    tb: TestBackend,
     backend: Arc<dyn Backend>,
     core: Arc<Mutex<DeviceCore>>,
     stream: StreamHandle,
@@ -135,11 +138,11 @@ impl Producer {
     }
 
     fn with(config: AllocatorConfig) -> Producer {
-        let (sim, backend) = sim();
+        let (tb, backend) = test_backend();
         let core = DeviceCore::new(backend.clone(), DEV, config).unwrap();
         let stream = backend.stream_create(DEV).unwrap();
         Producer {
-            sim,
+            tb,
             backend,
             core: Arc::new(Mutex::new(core)),
             stream,
@@ -244,8 +247,9 @@ async fn round_trip(expandable: bool) {
     let mut core = p.core.lock().unwrap();
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), 0);
-    assert_eq!(p.sim.live_allocations(), 0);
-    assert_eq!(p.sim.live_phys(), 0);
+    drop(core);
+    p.backend.stream_destroy(p.stream).unwrap();
+    p.tb.assert_nothing_leaked();
     let _ = std::fs::remove_file(&path);
 }
 
@@ -297,8 +301,8 @@ async fn killed_importer_is_reclaimed_and_nothing_leaks() {
     assert!(core.reserved_bytes() > reserved_before);
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), reserved_before);
-    assert_eq!(p.sim.live_allocations(), 0);
     drop(core);
+    p.tb.assert_nothing_leaked();
     drop(host);
     assert!(shm_names(std::process::id()).is_empty());
     assert!(shm_names(child_pid).is_empty());
@@ -307,7 +311,7 @@ async fn killed_importer_is_reclaimed_and_nothing_leaks() {
 
 #[test]
 fn vmm_buffer_round_trip_blocking() {
-    let (sim, backend) = sim();
+    let (tb, backend) = test_backend();
     let stream = backend.stream_create(DEV).unwrap();
     let gran = backend.vmm_granularity(DEV).unwrap();
     // An expandable-style segment: two physical chunks mapped back to back; the buffer
@@ -372,6 +376,6 @@ fn vmm_buffer_round_trip_blocking() {
         backend.phys_release(c.handle).unwrap();
     }
     backend.va_free(DEV, base, 2 * gran).unwrap();
-    assert_eq!(sim.live_phys(), 0);
+    tb.assert_nothing_leaked();
     let _ = std::fs::remove_file(&path);
 }

@@ -30,6 +30,16 @@ fn stream(b: &Arc<CudaBackend>) -> Stream {
     Stream::new(&dynb, D0).expect("stream")
 }
 
+/// Prints the file the driver was loaded from: scripts/gpu-check.sh reads this line to check
+/// that a GPU run used NVIDIA's driver (`libcuda.so.<driver version>`), not a test double.
+#[test]
+fn the_loaded_driver_library_is_named() {
+    let Some(_b) = gpu() else { return };
+    let lib = CudaBackend::driver_library().expect("the driver library's file");
+    assert!(lib.is_file(), "{} is not a file", lib.display());
+    println!("driver library: {}", lib.display());
+}
+
 #[test]
 fn vmm_map_write_export_import_read() {
     let Some(b) = gpu() else { return };

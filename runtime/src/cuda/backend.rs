@@ -1,8 +1,9 @@
 //! [`CudaBackend`]: construction (driver and device discovery, never a panic) and the
 //! [`Backend`] impl, which delegates to the per-concern files (`memory`, `streams`, `vmm`).
 
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::os::fd::OwnedFd;
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::safe::CudaStream;
@@ -101,6 +102,28 @@ impl CudaBackend {
             unsafe { sys::is_culib_present() }
         })
         .unwrap_or(false)
+    }
+
+    /// The file the driver library was loaded from: the mapping of this process that holds
+    /// `cuInit`, as `/proc/self/maps` names it (links resolved). For NVIDIA's driver it is
+    /// `libcuda.so.<driver version>`; `None` when no driver library can be loaded or the map
+    /// cannot be read. For diagnostics ("which driver did this process load?"), and for
+    /// `scripts/gpu-check.sh`'s proof that a GPU run used NVIDIA's driver.
+    pub fn driver_library() -> Option<PathBuf> {
+        if !Self::driver_present() {
+            return None;
+        }
+        let addr = catch("dlsym(cuInit)", || {
+            // SAFETY: `culib` returns the library cudarc loaded (present: checked above) and
+            // lives for the program; the symbol is only read as an address, never called or
+            // dereferenced.
+            unsafe { sys::culib().get::<*const c_void>(b"cuInit\0") }
+                .ok()
+                .map(|sym| *sym as usize)
+        })
+        .ok()??;
+        let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+        mapping_file_of(&maps, addr)
     }
 
     /// A backend for `count` devices that has not touched the driver yet.
@@ -270,5 +293,57 @@ impl Backend for CudaBackend {
     }
     fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
         self.cu_mem_address_range(ptr)
+    }
+}
+
+/// The file of the mapping in `maps` (the format of `/proc/<pid>/maps`) that contains `addr`.
+fn mapping_file_of(maps: &str, addr: usize) -> Option<PathBuf> {
+    maps.lines().find_map(|line| {
+        let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+        let start = usize::from_str_radix(start, 16).ok()?;
+        let end = usize::from_str_radix(end, 16).ok()?;
+        // The path is the rest of the line from its first '/' (it may hold spaces; the
+        // fields before it never hold a '/').
+        let path = &line[line.find('/')?..];
+        (start <= addr && addr < end).then(|| PathBuf::from(path))
+    })
+}
+
+#[cfg(test)]
+mod maps_tests {
+    use super::*;
+
+    const MAPS: &str = "\
+5581c000-5581d000 r--p 00000000 fd:01 1234      /usr/bin/app
+7f00a000-7f00c000 r-xp 00002000 fd:01 99        /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15
+7f00c000-7f00d000 rw-p 00000000 00:00 0
+7f00d000-7f00e000 r-xp 00000000 fd:01 77        /opt/my libs/libcuda.so.1
+7ffd0000-7ffd1000 rw-p 00000000 00:00 0         [stack]
+";
+
+    #[test]
+    fn the_mapping_that_holds_an_address_names_its_file() {
+        let at = |a: usize| mapping_file_of(MAPS, a);
+        assert_eq!(
+            at(0x7f00a000),
+            Some(PathBuf::from(
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"
+            ))
+        );
+        assert_eq!(
+            at(0x7f00bfff),
+            Some(PathBuf::from(
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"
+            ))
+        );
+        assert_eq!(
+            at(0x7f00d800),
+            Some(PathBuf::from("/opt/my libs/libcuda.so.1"))
+        );
+        // Anonymous memory, the stack, and addresses outside every mapping have no file.
+        assert_eq!(at(0x7f00c000), None);
+        assert_eq!(at(0x7ffd0000), None);
+        assert_eq!(at(0x1000), None);
+        assert_eq!(at(0x7f00e000), None);
     }
 }
