@@ -15,6 +15,7 @@
 //! | `release_lock_on_cudamalloc` | `True`/`False`: let the actor serve other requests during a driver malloc | `True` |
 //! | `thread_cache` | `True`/`False`: each thread keeps a few blocks it freed and hands them straight back to a same-size request on the same stream, without the actor's gate (gpualloc's own key; see the facade's `actor::thread_cache`) | `True` |
 //! | `debug_cross_stream_frees` | `True`/`False`: on each free, ask the backend whether another stream that was not `record_stream`ed still has queued work touching the block, and report it (gpualloc's own key; the sim can tell, a real driver cannot; every free then goes through the actor) | `False` |
+//! | `policy` | `pytorch`/`gpualloc`: whose rules answer where the two differ (gpualloc's own key; see [`crate::policy`] and the deviations below) | `gpualloc` |
 //! | `backend` | only `native` is supported | `native` |
 //! | `pinned_*` | pinned-host allocator keys, validated by the host allocator | — |
 //!
@@ -24,9 +25,17 @@
 //! - Bands between two named bands keep 0 (no power-of-two rounding), as in PyTorch.
 //! - `per_process_memory_fraction` is a config key here (PyTorch only has an API call).
 //! - Unknown keys and malformed values are errors that name the key and what was expected.
+//!
+//! Where the `gpualloc` policy (the default) departs from PyTorch's rules; `policy:pytorch`
+//! follows PyTorch in each ([`crate::policy::DEVIATIONS`] holds the same table):
+//!
+//! | rule | PyTorch | gpualloc | why | effect |
+//! |---|---|---|---|---|
+//! | `max_split_size` with expandable segments | limits expandable blocks as any other: a free block of at least `max_split_size` is not given to a smaller request, nor to a larger one it exceeds by more than `max_non_split_rounding` | limits only blocks of ordinary segments (the proposal of PyTorch PR #193400, not merged) | in an expandable segment a freed oversize block cannot be released while a live block follows it, so refusing it maps new pages for every such request: reserved memory grows without bound in a plain alloc/free cycle | `max_split_size_mb:128,expandable_segments:True`, peak reserved: llama-lora-finetune 5.74 GiB (PyTorch) vs 5.51 GiB, transformer-lm-train 13.26 GiB vs 12.98 GiB (`gpualloc replay --policy both`); 100 cycles of two 40 MiB buffers and a kept 2 MiB one, `max_split_size_mb:64`: 8,200 MiB vs 280 MiB (`devices/tests/expandable.rs`) |
 
 use std::fmt;
 
+use crate::policy::Policy;
 use crate::sizes::{roundup_band, LARGE_BUFFER, ROUNDUP_BANDS};
 
 const MIB: u64 = 1 << 20;
@@ -79,6 +88,8 @@ pub struct AllocatorConfig {
     /// Check every free for other streams' pending work on the block (a debugging aid; see
     /// `DeviceCore::cross_stream_frees`).
     pub debug_cross_stream_frees: bool,
+    /// Whose rules answer where gpualloc's and PyTorch's differ (see [`crate::policy`]).
+    pub policy: Policy,
     /// `pinned_*` entries, passed unparsed to the pinned-host allocator.
     pub pinned: Vec<(String, String)>,
 }
@@ -96,6 +107,7 @@ impl Default for AllocatorConfig {
             release_lock_on_device_malloc: true,
             thread_cache: true,
             debug_cross_stream_frees: false,
+            policy: Policy::default(),
             pinned: Vec::new(),
         }
     }
@@ -156,6 +168,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if self.debug_cross_stream_frees {
             parts.push("debug_cross_stream_frees:True".into());
+        }
+        if self.policy != d.policy {
+            parts.push(format!("policy:{}", self.policy));
         }
         for (k, v) in &self.pinned {
             parts.push(format!("{k}:{v}"));
@@ -296,6 +311,10 @@ impl AllocatorConfig {
             "debug_cross_stream_frees" => {
                 self.debug_cross_stream_frees = parse_bool(key, value)?;
             }
+            "policy" => {
+                self.policy = Policy::from_name(value)
+                    .ok_or_else(|| invalid(key, value, "pytorch or gpualloc"))?;
+            }
             "backend" => {
                 if value != "native" {
                     return Err(invalid(
@@ -391,6 +410,12 @@ impl AllocatorConfig {
         self.set("garbage_collection_threshold", &threshold.to_string())?;
         self.set("per_process_memory_fraction", &fraction.to_string())?;
         Ok(self)
+    }
+
+    /// Builder: `policy`.
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// Builder: `thread_cache`.
@@ -554,6 +579,33 @@ mod tests {
         assert_eq!(off, AllocatorConfig::default().with_thread_cache(false));
         assert_eq!(off.to_string(), "thread_cache:False");
         assert_eq!(AllocatorConfig::parse(&off.to_string()).unwrap(), off);
+    }
+
+    #[test]
+    fn policy_key() {
+        assert_eq!(AllocatorConfig::default().policy, Policy::Gpualloc);
+        let torch = AllocatorConfig::parse("policy:pytorch").unwrap();
+        assert_eq!(torch.policy, Policy::Pytorch);
+        assert_eq!(
+            torch,
+            AllocatorConfig::default().with_policy(Policy::Pytorch)
+        );
+        assert_eq!(torch.to_string(), "policy:pytorch");
+        assert_eq!(AllocatorConfig::parse(&torch.to_string()).unwrap(), torch);
+        // The default policy is not written back, like every default.
+        assert_eq!(
+            AllocatorConfig::parse("policy:gpualloc")
+                .unwrap()
+                .to_string(),
+            ""
+        );
+        match AllocatorConfig::parse("policy:tensorflow") {
+            Err(ConfigError::InvalidValue { key, expected, .. }) => {
+                assert_eq!(key, "policy");
+                assert_eq!(expected, "pytorch or gpualloc");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -129,9 +129,6 @@ pub struct DeviceCore {
 pub struct RuleKnobs {
     /// Break ties between equal-size free blocks towards the higher address.
     pub tie_break_high_address: bool,
-    /// Apply `max_split_size` to expandable blocks too, as PyTorch does (reserved memory then
-    /// grows without bound in some alloc/free cycles; see `expandable.rs`).
-    pub max_split_applies_to_expandable: bool,
 }
 
 /// What the core remembers of a segment.
@@ -569,12 +566,8 @@ impl DeviceCore {
             }
         }
         let block_size = k.1;
-        #[cfg(feature = "rule-knobs")]
-        let limits_apply =
-            !self.blocks.get(id).expandable || self.knobs.max_split_applies_to_expandable;
-        #[cfg(not(feature = "rule-knobs"))]
-        let limits_apply = !self.blocks.get(id).expandable;
-        if limits_apply {
+        // `max_split_size` limits expandable blocks only under PyTorch's policy.
+        if !self.blocks.get(id).expandable || self.config.policy.max_split_limits_expandable() {
             // Never hand an oversize block to a small request.
             if params.size < max_split && block_size >= max_split {
                 return false;

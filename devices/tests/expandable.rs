@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{AllocatorConfig, DeviceCore, RuleKnobs, StatType, TraceAction};
+use gpualloc_devices::{AllocatorConfig, DeviceCore, Policy, StatType, TraceAction};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
@@ -221,9 +221,11 @@ fn batch_growth_stays_within_5_percent_with_expandable_segments() {
 /// to each other merge into an 80 MiB free block, which PyTorch's rule then refuses to give to
 /// the next 40 MiB requests, so they map fresh pages; a small buffer kept each cycle stops the
 /// merged block from joining the unmapped tail. Returns (final reserved, peak allocated).
-fn max_split_cycle(knobs: RuleKnobs) -> (u64, u64) {
-    let (_, mut core, s) = rig(1 << 40, "expandable_segments:True,max_split_size_mb:64");
-    core.set_rule_knobs(knobs);
+fn max_split_cycle(policy: Policy) -> (u64, u64) {
+    let (_, mut core, s) = rig(
+        1 << 40,
+        &format!("expandable_segments:True,max_split_size_mb:64,policy:{policy}"),
+    );
     let mut kept = Vec::new();
     for _cycle in 0..100 {
         let a = core.malloc(40 * MIB, s).unwrap();
@@ -241,11 +243,8 @@ fn max_split_cycle(knobs: RuleKnobs) -> (u64, u64) {
 
 #[test]
 fn max_split_size_with_expandable_segments_does_not_grow_without_bound() {
-    let (ours, ours_alloc) = max_split_cycle(RuleKnobs::default());
-    let (torch, torch_alloc) = max_split_cycle(RuleKnobs {
-        max_split_applies_to_expandable: true,
-        ..RuleKnobs::default()
-    });
+    let (ours, ours_alloc) = max_split_cycle(Policy::Gpualloc);
+    let (torch, torch_alloc) = max_split_cycle(Policy::Pytorch);
     eprintln!(
         "after 100 cycles: reserved {} MiB (allocated peak {} MiB); with PyTorch's rule {} MiB (allocated peak {} MiB)",
         ours / MIB,
@@ -261,4 +260,32 @@ fn max_split_size_with_expandable_segments_does_not_grow_without_bound() {
         torch >= 5 * ours,
         "the cycle reproduces the growth under PyTorch's rule: {torch} vs {ours}"
     );
+}
+
+/// The rule itself, once: a freed 80 MiB expandable block with a live block after it (so it
+/// cannot serve as the start of the segment's growth, PyTorch's `find_expandable_block`), and
+/// a 40 MiB request under `max_split_size_mb:64`. PyTorch's policy refuses the oversize block
+/// and maps 40 MiB more (large-pool pages are 20 MiB: 80 + 20 + 40); gpualloc's splits it.
+#[test]
+fn max_split_size_limits_expandable_blocks_only_under_pytorch_policy() {
+    for (policy, reserved, same_address) in [
+        (Policy::Pytorch, 140 * MIB, false),
+        (Policy::Gpualloc, 100 * MIB, true),
+    ] {
+        let (_, mut core, s) = rig(
+            1 << 40,
+            &format!("expandable_segments:True,max_split_size_mb:64,policy:{policy}"),
+        );
+        let big = core.malloc(80 * MIB, s).unwrap();
+        let _kept = core.malloc(2 * MIB, s).unwrap();
+        core.free(big.ptr).unwrap();
+        let small = core.malloc(40 * MIB, s).unwrap();
+        assert_eq!(small.ptr == big.ptr, same_address, "{policy}");
+        assert_eq!(
+            core.stats().reserved_bytes[ALL].current,
+            reserved,
+            "{policy}"
+        );
+        core.check_invariants().unwrap();
+    }
 }

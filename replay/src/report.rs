@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use gpualloc_devices::format_size;
+use gpualloc_devices::{format_size, Policy};
 use serde_json::{json, Value};
 
 use crate::analysis::TorchFigures;
@@ -75,8 +75,10 @@ impl Mismatch {
 pub struct ReplayReport {
     /// Trace name.
     pub trace: String,
-    /// Config in PyTorch's syntax ("" = default).
+    /// Config in PyTorch's syntax ("" = default), without the policy.
     pub config: String,
+    /// Whose rules answered (see `gpualloc_devices::policy`).
+    pub policy: Policy,
     /// Warm replay.
     pub warm: bool,
     /// Events replayed.
@@ -112,7 +114,12 @@ impl ReplayReport {
     pub fn new(trace: &Trace, options: &ReplayOptions, torch: TorchFigures) -> Self {
         ReplayReport {
             trace: trace.name.clone(),
-            config: options.config.to_string(),
+            config: options
+                .config
+                .clone()
+                .with_policy(Policy::default())
+                .to_string(),
+            policy: options.config.policy,
             warm: options.warm,
             events: trace.events.len() as u64,
             peak_reserved: 0,
@@ -150,6 +157,7 @@ impl ReplayReport {
         let mut v = json!({
             "trace": self.trace,
             "config": self.config,
+            "policy": self.policy.name(),
             "warm": self.warm,
             "events": self.events,
             "peak_reserved_bytes": self.peak_reserved,
@@ -179,14 +187,17 @@ impl ReplayReport {
     }
 }
 
-/// A text table comparing reports (one row per trace and config).
+/// A text table comparing reports (one row per trace, config and policy). A `gpualloc` row
+/// right after the `pytorch` row of the same trace and config (`--policy both`) is followed
+/// by the difference, gpualloc - pytorch.
 pub fn table(reports: &[ReplayReport]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<34} {:<36} {:>12} {:>12} {:>7} {:>8} {:>6} {:>12} {:>9} {:>10}",
+        "{:<34} {:<36} {:<8} {:>12} {:>12} {:>7} {:>8} {:>6} {:>12} {:>9} {:>10}",
         "trace",
         "config",
+        "policy",
         "peak resv",
         "peak alloc",
         "frag",
@@ -196,7 +207,7 @@ pub fn table(reports: &[ReplayReport]) -> String {
         "addr ok",
         "events/s"
     );
-    for r in reports {
+    for (i, r) in reports.iter().enumerate() {
         let config = if r.config.is_empty() {
             "(default)".to_string()
         } else {
@@ -211,9 +222,10 @@ pub fn table(reports: &[ReplayReport]) -> String {
             .map_or_else(|| "-".to_string(), |f| format!("{:.2}%", f * 100.0));
         let _ = writeln!(
             out,
-            "{:<34} {:<36} {:>12} {:>12} {:>6.2}% {:>8} {:>6} {:>12} {:>9} {:>10.2e}",
+            "{:<34} {:<36} {:<8} {:>12} {:>12} {:>6.2}% {:>8} {:>6} {:>12} {:>9} {:>10.2e}",
             truncate(&r.trace, 34),
             truncate(&config, 36),
+            r.policy.name(),
             format_size(r.peak_reserved),
             format_size(r.peak_allocated),
             r.fragmentation() * 100.0,
@@ -237,8 +249,72 @@ pub fn table(reports: &[ReplayReport]) -> String {
                 r.warnings
             );
         }
+        if let Some(torch_row) = i.checked_sub(1).map(|j| &reports[j]) {
+            if let Some(d) = PolicyDifference::between(torch_row, r) {
+                let _ = writeln!(out, "{:<71} {}", "", d.describe());
+            }
+        }
     }
     out
+}
+
+/// How the `gpualloc` policy's replay of a trace and config differs from the `pytorch` one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyDifference {
+    /// Peak reserved bytes, gpualloc - pytorch.
+    pub peak_reserved: i64,
+    /// Device mallocs, gpualloc - pytorch.
+    pub device_mallocs: i64,
+    /// Failed allocations, gpualloc - pytorch.
+    pub ooms: i64,
+    /// PyTorch's policy's peak reserved, for the relative figure.
+    pub pytorch_peak_reserved: u64,
+}
+
+impl PolicyDifference {
+    /// The difference when `torch` and `ours` are the two policies' replays of the same
+    /// trace, config and mode; `None` otherwise.
+    pub fn between(torch: &ReplayReport, ours: &ReplayReport) -> Option<Self> {
+        let same_run = torch.trace == ours.trace && torch.config == ours.config;
+        let pair = torch.policy == Policy::Pytorch && ours.policy == Policy::Gpualloc;
+        (same_run && pair && torch.warm == ours.warm).then(|| PolicyDifference {
+            peak_reserved: ours.peak_reserved as i64 - torch.peak_reserved as i64,
+            device_mallocs: ours.device_mallocs as i64 - torch.device_mallocs as i64,
+            ooms: ours.ooms as i64 - torch.ooms as i64,
+            pytorch_peak_reserved: torch.peak_reserved,
+        })
+    }
+
+    /// One line: "gpualloc - pytorch: peak resv -27.50 GiB (-34.6%), mallocs -120, ooms +0".
+    pub fn describe(&self) -> String {
+        let signed = |v: i64| {
+            if v < 0 {
+                format!("-{}", format_size(v.unsigned_abs()))
+            } else {
+                format!("+{}", format_size(v as u64))
+            }
+        };
+        let percent = if self.pytorch_peak_reserved == 0 {
+            0.0
+        } else {
+            self.peak_reserved as f64 / self.pytorch_peak_reserved as f64 * 100.0
+        };
+        format!(
+            "gpualloc - pytorch: peak resv {} ({percent:+.1}%), mallocs {:+}, ooms {:+}",
+            signed(self.peak_reserved),
+            self.device_mallocs,
+            self.ooms
+        )
+    }
+
+    /// The difference as JSON (the `vs_pytorch` object of a gpualloc row).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "peak_reserved_bytes": self.peak_reserved,
+            "device_mallocs": self.device_mallocs,
+            "ooms": self.ooms,
+        })
+    }
 }
 
 fn truncate(s: &str, n: usize) -> String {

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gpualloc_devices::sizes::{allocation_size, round_size};
-use gpualloc_devices::{AllocatorConfig, DeviceCore, RestoredBlock};
+use gpualloc_devices::{AllocatorConfig, DeviceCore, Policy, RestoredBlock};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -55,9 +55,11 @@ pub enum ReplayError {
 }
 
 /// How to replay.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ReplayOptions {
-    /// The allocator config under test.
+    /// The allocator config under test; its `policy` says whose rules answer.
+    /// [`ReplayOptions::default`] sets PyTorch's (the question the tool answers is "what would
+    /// PyTorch do?"), while `AllocatorConfig::default()` alone is gpualloc's.
     pub config: AllocatorConfig,
     /// Start from PyTorch's recorded state and compare addresses.
     pub warm: bool,
@@ -69,6 +71,19 @@ pub struct ReplayOptions {
     pub progress: Option<fn(u64, u64)>,
     /// Called on the core before the replay starts (tests use it to break a rule on purpose).
     pub core_hook: Option<fn(&mut DeviceCore)>,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            config: AllocatorConfig::default().with_policy(Policy::Pytorch),
+            warm: false,
+            capacity: None,
+            sample_every: 0,
+            progress: None,
+            core_hook: None,
+        }
+    }
 }
 
 const PRIVATE_STREAM_BASE: u64 = 0xFFFF_0000_0000_0000;

@@ -134,3 +134,90 @@ fn summary_of_a_real_snapshot() {
         .unwrap();
     assert!(segs.contains("|     43     |"), "{segs}");
 }
+
+/// An 80 MiB buffer freed with a 2 MiB one live after it, then a 40 MiB request: the rule
+/// where the two policies differ under `max_split_size_mb:64,expandable_segments:True`.
+fn max_split_trace(dir: &std::path::Path) -> std::path::PathBuf {
+    let event = |action: &str, addr: u64, mib: u64| {
+        format!(
+            "{{\"action\":\"{action}\",\"addr\":{addr},\"size\":{},\"stream\":0}}\n",
+            mib << 20
+        )
+    };
+    let text = [
+        event("alloc", 0x1000_0000, 80),
+        event("alloc", 0x2000_0000, 2),
+        event("free_requested", 0x1000_0000, 80),
+        event("alloc", 0x3000_0000, 40),
+    ]
+    .concat();
+    let path = dir.join("max_split.jsonl");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn the_policy_is_pytorch_unless_asked_and_both_shows_the_difference() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-cli-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = max_split_trace(&dir);
+    let trace = trace.to_str().unwrap();
+    let config = "max_split_size_mb:64,expandable_segments:True";
+    let rows = |args: &[&str]| -> Vec<serde_json::Value> {
+        let (ok, stdout, stderr) = gpualloc(args);
+        assert!(ok, "{stderr}");
+        stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    // Default: PyTorch's rules, which refuse the oversize expandable block (80 + 20 + 40 MiB).
+    let torch = rows(&["replay", trace, "--config", config, "--json"]);
+    assert_eq!(torch.len(), 1);
+    assert_eq!(torch[0]["policy"], "pytorch");
+    assert_eq!(torch[0]["config"], config);
+    assert_eq!(torch[0]["peak_reserved_bytes"], 140u64 << 20);
+    let ours = rows(&[
+        "replay", trace, "--config", config, "--policy", "gpualloc", "--json",
+    ]);
+    assert_eq!(ours[0]["policy"], "gpualloc");
+    assert_eq!(ours[0]["peak_reserved_bytes"], 100u64 << 20);
+    assert!(
+        ours[0].get("vs_pytorch").is_none(),
+        "no pytorch row to compare with"
+    );
+    let both = rows(&[
+        "replay", trace, "--config", config, "--policy", "both", "--json",
+    ]);
+    assert_eq!(both.len(), 2);
+    assert_eq!(
+        (&both[0]["policy"], &both[1]["policy"]),
+        (&"pytorch".into(), &"gpualloc".into())
+    );
+    assert_eq!(both[1]["vs_pytorch"]["peak_reserved_bytes"], -(40i64 << 20));
+    assert_eq!(
+        both[1]["vs_pytorch"]["device_mallocs"],
+        both[1]["device_mallocs"].as_i64().unwrap() - both[0]["device_mallocs"].as_i64().unwrap()
+    );
+    // The table says it too, in a row of its own under the pair.
+    let (ok, table, stderr) = gpualloc(&["replay", trace, "--config", config, "--policy", "both"]);
+    assert!(ok, "{stderr}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].contains("policy"), "{table}");
+    assert!(
+        lines[1].contains(" pytorch ") && lines[2].contains(" gpualloc "),
+        "{table}"
+    );
+    assert!(
+        lines[3].contains("gpualloc - pytorch: peak resv -40.00 MiB (-28.6%)"),
+        "{table}"
+    );
+    // `default` names the default config, as the table labels it.
+    let default = rows(&["replay", trace, "--config", "default", "--json"]);
+    assert_eq!(default[0]["config"], "");
+    // The policy is --policy's to set, never a --config key.
+    let (ok, _, stderr) = gpualloc(&["replay", trace, "--config", "policy:gpualloc"]);
+    assert!(!ok);
+    assert!(stderr.contains("set the policy with --policy"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,17 +1,17 @@
 //! `gpualloc`: replay recorded GPU memory traces under any allocator config, without a GPU.
 //!
 //! ```text
-//! gpualloc replay FILE... [--config "max_split_size_mb:512"]... [--warm] [--json]
-//!                 [--capacity 80GiB] [--plot memory.svg]
+//! gpualloc replay FILE... [--config "max_split_size_mb:512"]... [--policy pytorch|gpualloc|both]
+//!                 [--warm] [--json] [--capacity 80GiB] [--plot memory.svg]
 //! gpualloc summary FILE
 //! ```
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-use gpualloc_devices::AllocatorConfig;
-use gpualloc_replay::report::{svg_plot, table};
+use clap::{Parser, Subcommand, ValueEnum};
+use gpualloc_devices::{AllocatorConfig, Policy};
+use gpualloc_replay::report::{svg_plot, table, PolicyDifference};
 use gpualloc_replay::{load, replay, ReplayOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -32,9 +32,15 @@ enum Command {
         /// Trace files.
         #[arg(required = true)]
         files: Vec<PathBuf>,
-        /// Allocator config in PyTorch's syntax; repeat to compare configs (default: PyTorch's defaults).
+        /// Allocator config in PyTorch's syntax; repeat to compare configs (default: PyTorch's
+        /// defaults; `default` names them too).
         #[arg(long = "config")]
         configs: Vec<String>,
+        /// Whose rules answer: `pytorch` (PyTorch's, rule for rule: what your job would need
+        /// under PyTorch), `gpualloc` (ours: PyTorch's except the deviations the README lists),
+        /// or `both`, side by side with the difference.
+        #[arg(long, value_enum, default_value_t = PolicyChoice::Pytorch)]
+        policy: PolicyChoice,
         /// Start from PyTorch's recorded state and compare every address with PyTorch's.
         #[arg(long)]
         warm: bool,
@@ -53,6 +59,39 @@ enum Command {
         /// Snapshot pickle.
         file: PathBuf,
     },
+}
+
+/// The `--policy` choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PolicyChoice {
+    /// PyTorch's rules.
+    Pytorch,
+    /// gpualloc's rules.
+    Gpualloc,
+    /// Both, side by side.
+    Both,
+}
+
+impl PolicyChoice {
+    fn policies(self) -> &'static [Policy] {
+        match self {
+            PolicyChoice::Pytorch => &[Policy::Pytorch],
+            PolicyChoice::Gpualloc => &[Policy::Gpualloc],
+            PolicyChoice::Both => &Policy::ALL,
+        }
+    }
+}
+
+/// A `--config` value: PyTorch's syntax, or `default`. The policy is `--policy`'s to set.
+fn parse_config(s: &str) -> Result<AllocatorConfig, String> {
+    let text = if s.trim() == "default" { "" } else { s };
+    let config = AllocatorConfig::parse(text).map_err(|e| format!("--config {s:?}: {e}"))?;
+    if config.policy != AllocatorConfig::default().policy || text.contains("policy:") {
+        return Err(format!(
+            "--config {s:?}: set the policy with --policy, not in the config"
+        ));
+    }
+    Ok(config)
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -108,6 +147,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         Command::Replay {
             files,
             configs,
+            policy,
             warm,
             json,
             capacity,
@@ -120,8 +160,16 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             };
             let parsed: Vec<AllocatorConfig> = configs
                 .iter()
-                .map(|c| AllocatorConfig::parse(c))
-                .collect::<Result<_, _>>()?;
+                .map(|c| parse_config(c))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .flat_map(|c| {
+                    policy
+                        .policies()
+                        .iter()
+                        .map(move |p| c.clone().with_policy(*p))
+                })
+                .collect();
             let bar = ProgressBar::new(0);
             bar.set_style(
                 ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} events")
@@ -155,8 +203,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             bar.finish_and_clear();
             if json {
-                for r in &reports {
-                    println!("{}", r.to_json());
+                for (i, r) in reports.iter().enumerate() {
+                    let mut v = r.to_json();
+                    if let Some(d) = i
+                        .checked_sub(1)
+                        .and_then(|j| PolicyDifference::between(&reports[j], r))
+                    {
+                        v["vs_pytorch"] = d.to_json();
+                    }
+                    println!("{v}");
                 }
             } else {
                 print!("{}", table(&reports));

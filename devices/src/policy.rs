@@ -1,0 +1,84 @@
+//! Whose rules answer where gpualloc's caching allocator and PyTorch's differ.
+//!
+//! A [`Policy`] is a named set of rule choices. `pytorch` is PyTorch's main branch, every rule
+//! as it is, including the ones gpualloc considers mistakes: the replay tool answers with it by
+//! default, because "what would PyTorch do with my job under this config?" is the question its
+//! users ask. `gpualloc` is ours: each of its departures is listed in [`DEVIATIONS`] (and in
+//! the README's replay section), with why and the figure that shows its effect. The allocator
+//! itself defaults to `gpualloc`; the config key `policy:pytorch` makes it behave as PyTorch.
+
+use std::fmt;
+
+/// A named set of rule choices (config key `policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// PyTorch's `CUDACachingAllocator`, rule for rule.
+    Pytorch,
+    /// gpualloc's rules: PyTorch's, except the [`DEVIATIONS`].
+    #[default]
+    Gpualloc,
+}
+
+impl Policy {
+    /// Both policies, PyTorch's first.
+    pub const ALL: [Policy; 2] = [Policy::Pytorch, Policy::Gpualloc];
+
+    /// The name the config key and the replay tool use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Pytorch => "pytorch",
+            Policy::Gpualloc => "gpualloc",
+        }
+    }
+
+    /// The policy called `name` (`pytorch` or `gpualloc`).
+    pub fn from_name(name: &str) -> Option<Policy> {
+        Policy::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether `max_split_size` limits blocks of expandable segments too. PyTorch: yes (an
+    /// oversize free block is not handed to a small request, nor to a large one it exceeds by
+    /// more than `max_non_split_rounding`). gpualloc: no; see [`DEVIATIONS`].
+    pub fn max_split_limits_expandable(self) -> bool {
+        self == Policy::Pytorch
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One rule where the `gpualloc` policy departs from PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deviation {
+    /// The rule.
+    pub rule: &'static str,
+    /// What PyTorch does.
+    pub pytorch: &'static str,
+    /// What gpualloc does.
+    pub gpualloc: &'static str,
+    /// Why.
+    pub why: &'static str,
+    /// The figure that shows the effect, and where it comes from.
+    pub evidence: &'static str,
+}
+
+/// Every departure of the `gpualloc` policy from PyTorch's rules.
+pub const DEVIATIONS: &[Deviation] = &[Deviation {
+    rule: "max_split_size with expandable segments",
+    pytorch: "applies to expandable blocks as to any other: a free block of at least \
+              max_split_size is not given to a smaller request, nor to a larger one it \
+              exceeds by more than max_non_split_rounding",
+    gpualloc: "applies only to blocks of ordinary segments; an expandable block is split \
+               like any other (the proposal of PyTorch PR #193400, not merged)",
+    why: "in an expandable segment a freed oversize block cannot be released while a live \
+          block follows it, so refusing it makes the segment map new pages for every such \
+          request: reserved memory grows without bound in a plain alloc/free cycle",
+    evidence: "max_split_size_mb:128,expandable_segments:True, peak reserved (gpualloc \
+               replay --policy both): llama-lora-finetune 5.74 GiB under pytorch vs 5.51 GiB, \
+               transformer-lm-train 13.26 GiB vs 12.98 GiB; devices/tests/expandable.rs, 100 \
+               cycles of two 40 MiB buffers and a kept 2 MiB one under max_split_size_mb:64: \
+               8,200 MiB vs 280 MiB (peak allocated 280 MiB)",
+}];
