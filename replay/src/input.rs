@@ -1,6 +1,5 @@
-//! Loading traces: PyTorch snapshot pickles, RMM `logging_resource_adaptor` CSV, and the JSON
-//! Lines format of `gpualloc_trace::jsonl`, chosen by content (a pickle starts with the PROTO
-//! opcode; a CSV with RMM's header; anything else is read as JSON Lines).
+//! Loading traces: PyTorch snapshot pickles (any protocol), RMM `logging_resource_adaptor` CSV,
+//! and the JSON Lines format of `gpualloc_trace::jsonl`, chosen by content (see `detect`).
 
 use std::path::Path;
 
@@ -62,21 +61,62 @@ pub fn load(path: &Path) -> Result<Vec<Trace>, ReplayError> {
     from_bytes(&name, &bytes)
 }
 
-/// Loads traces from bytes (see the module docs for the format detection).
-pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
+/// The formats a trace file can be in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Pickle,
+    RmmCsv,
+    JsonLines,
+}
+
+/// Which format `bytes` are in, by content: a pickle of protocol 2 or later starts with the
+/// PROTO opcode; one of protocol 0 or 1 (text-like) starts with the opcode that makes its top
+/// value (`(` MARK, `}` or `d` a dict, `]` or `l` a list) and ends with STOP (`.`); an RMM log
+/// starts with its CSV header; JSON Lines starts with `{` or a `#` comment. Anything else is
+/// read as JSON Lines, whose parser says which line is wrong.
+fn detect(bytes: &[u8]) -> Format {
     if bytes.first() == Some(&0x80) {
-        return Ok(from_snapshot(name, &Snapshot::from_pickle(bytes)?));
+        return Format::Pickle;
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|_| ReplayError::Format(format!("{name}: not a pickle, and not UTF-8 text")))?;
+    let start = bytes.iter().position(|b| !b.is_ascii_whitespace());
+    let end = bytes.iter().rposition(|b| !b.is_ascii_whitespace());
+    let (Some(start), Some(end)) = (start, end) else {
+        return Format::JsonLines;
+    };
+    let (first, last) = (bytes[start], bytes[end]);
+    if start == 0 && matches!(first, b'(' | b'}' | b'd' | b']' | b'l') && last == b'.' {
+        Format::Pickle
+    } else if bytes[start..].starts_with(b"Thread,") {
+        Format::RmmCsv
+    } else {
+        Format::JsonLines
+    }
+}
+
+/// Loads traces from bytes (the format is chosen by content: see `detect`). Errors name `name`.
+pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
+    let parse = |source| ReplayError::Parse {
+        file: name.to_string(),
+        source,
+    };
+    let format = detect(bytes);
+    if format == Format::Pickle {
+        let snapshot = Snapshot::from_pickle(bytes).map_err(parse)?;
+        return Ok(from_snapshot(name, &snapshot));
+    }
+    let text = std::str::from_utf8(bytes).map_err(|_| {
+        ReplayError::Format(format!(
+            "{name}: not a PyTorch snapshot pickle, and not text (an RMM CSV log or JSON Lines)"
+        ))
+    })?;
     if text.trim().is_empty() {
         return Err(ReplayError::Format(format!("{name}: empty file")));
     }
-    let events = if text.trim_start().starts_with("Thread,") {
-        gpualloc_trace::rmm_csv::parse(text)?
-    } else {
-        gpualloc_trace::jsonl::parse(text)?
-    };
+    let events = match format {
+        Format::RmmCsv => gpualloc_trace::rmm_csv::parse(text),
+        _ => gpualloc_trace::jsonl::parse(text),
+    }
+    .map_err(parse)?;
     Ok(vec![Trace {
         name: name.to_string(),
         device: 0,
@@ -85,10 +125,18 @@ pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
     }])
 }
 
-/// One trace per device that has events.
+/// One trace per device that has events or segments (a device with segments but no events
+/// has a final state to summarize, and nothing to replay).
 pub fn from_snapshot(name: &str, snap: &Snapshot) -> Vec<Trace> {
     let with_events: Vec<usize> = (0..snap.device_traces.len())
         .filter(|&d| !snap.device_traces[d].is_empty())
+        .chain(
+            snap.segments
+                .iter()
+                .filter_map(|s| usize::try_from(s.device).ok()),
+        )
+        .collect::<std::collections::BTreeSet<usize>>()
+        .into_iter()
         .collect();
     with_events
         .iter()
@@ -122,7 +170,7 @@ pub fn from_snapshot(name: &str, snap: &Snapshot) -> Vec<Trace> {
                     name.to_string()
                 },
                 device: d as i64,
-                events: snap.device_traces[d].clone(),
+                events: snap.device_traces.get(d).cloned().unwrap_or_default(),
                 final_segments: Some(segments),
             }
         })

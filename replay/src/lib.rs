@@ -20,4 +20,4 @@ pub mod summary;
 
 pub use input::{load, Trace};
 pub use report::ReplayReport;
-pub use run::{replay, ReplayError, ReplayOptions};
+pub use run::{replay, replay_core, ReplayError, ReplayOptions};

@@ -8,8 +8,11 @@
 //! - a run of `segment_free` events is the program calling `empty_cache()`: the replay does too;
 //! - `free_completed` of a still-live address (RMM logs have no `free_requested`) frees it.
 //!
-//! Cold replay starts from nothing but the allocations alive at the start (allocated first, in
-//! address order). Warm replay (`ReplayOptions::warm`) rebuilds PyTorch's state when recording
+//! Cold replay starts from nothing but the allocations alive at the start, allocated first,
+//! largest first (ties by address). The order they were really made in is not in the trace;
+//! largest first is best fit's tightest packing of them, so the cold figures never blame the
+//! config for a layout the recording does not show. (Address order, tried on the three
+//! snapshots in shared/traces, gives the same peaks.) Warm replay (`ReplayOptions::warm`) rebuilds PyTorch's state when recording
 //! began — its segments at their real addresses, live blocks in them, the rest free — places
 //! each new segment at the address of PyTorch's pending `segment_alloc` of the same size, and
 //! compares every allocation's address with PyTorch's.
@@ -38,9 +41,15 @@ pub enum ReplayError {
     /// The file is not a trace we can read.
     #[error("{0}")]
     Format(String),
-    /// The trace parser refused it.
-    #[error(transparent)]
-    Trace(#[from] gpualloc_trace::TraceError),
+    /// The trace parser refused the file.
+    #[error("{file}: {source}")]
+    Parse {
+        /// The file (its name).
+        file: String,
+        /// What the parser said.
+        #[source]
+        source: gpualloc_trace::TraceError,
+    },
     /// The allocator failed with something other than out-of-memory.
     #[error("allocator error at event {index}: {source}")]
     Alloc {
@@ -138,6 +147,15 @@ impl Replayer {
 
 /// Replays `trace` under `options`.
 pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+    replay_core(trace, options).map(|(report, _)| report)
+}
+
+/// Replays `trace` under `options` and hands back the core in its final state too (its
+/// statistics cover the whole replay: `summary` prints them).
+pub fn replay_core(
+    trace: &Trace,
+    options: &ReplayOptions,
+) -> Result<(ReplayReport, DeviceCore), ReplayError> {
     let capacity = options.capacity.unwrap_or(1 << 40);
     let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
     let dynb: Arc<dyn Backend> = backend.clone();
@@ -160,8 +178,18 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
     let torch = torch_figures(trace, &initial);
 
     if options.warm {
-        let segments =
-            start_segments(trace).ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
+        // A snapshot that records no segment at all (none at the end, no segment events: a
+        // CPU profiler's recording) cannot say where anything was, like a log without
+        // segments.
+        let segments = start_segments(trace)
+            .filter(|s| {
+                !s.is_empty()
+                    || trace
+                        .events
+                        .iter()
+                        .any(|e| matches!(e.action, Action::SegmentAlloc | Action::SegmentFree))
+            })
+            .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
         let mut placed = 0usize;
         for seg in &segments {
             let blocks: Vec<RestoredBlock> = start_blocks(seg, &initial)
@@ -219,6 +247,12 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
                 }
             }
             Action::Alloc => {
+                if r.addrs.contains_key(&e.addr) {
+                    // An address allocated twice without a free between: PyTorch's viewer
+                    // takes the first as freed; so does the replay, and counts a warning.
+                    r.warnings += 1;
+                    r.free(e.addr, false);
+                }
                 let stream = r.stream(e.stream);
                 // Warm: place a new segment where PyTorch's pending segment_alloc of the same
                 // size put it. Cold replays skip this bookkeeping (and its backend locks).
@@ -339,5 +373,5 @@ pub fn replay(trace: &Trace, options: &ReplayOptions) -> Result<ReplayReport, Re
     if options.warm {
         report.address_match = Some((matched, compared));
     }
-    Ok(report)
+    Ok((report, r.core))
 }

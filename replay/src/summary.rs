@@ -1,6 +1,12 @@
-//! `gpualloc summary FILE`: a PyTorch-style memory summary of a snapshot's final state. The
-//! final segments and blocks are restored into a device core, whose statistics then give the
-//! table `torch.cuda.memory_summary()` prints.
+//! `gpualloc summary FILE`: a PyTorch-style memory summary (the table
+//! `torch.cuda.memory_summary()` prints) of a snapshot.
+//!
+//! When the snapshot has a recorded history, the summary is of a warm replay of it under
+//! PyTorch's rules (which places every allocation of the shared traces at PyTorch's address):
+//! "Cur Usage" is the state at the end, and "Peak Usage", "Tot Alloc" and "Tot Freed" cover
+//! the whole recording, counting the allocations alive when it began as allocated then (what
+//! happened before recording began is not in the file). Without a history it is the final
+//! state alone, restored into a device core, and the header says so.
 
 use std::sync::Arc;
 
@@ -8,15 +14,46 @@ use gpualloc_devices::{memory_summary, AllocatorConfig, DeviceCore, RestoredBloc
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
-use crate::input::Trace;
-use crate::run::ReplayError;
+use crate::input::{FinalSegment, Trace};
+use crate::run::{replay_core, ReplayError, ReplayOptions};
 
-/// The summary of `trace`'s final state.
+/// The summary of `trace`: of its whole history where it has one, else of its final state.
 pub fn summarize(trace: &Trace) -> Result<String, ReplayError> {
-    let segments = trace
-        .final_segments
-        .as_ref()
-        .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
+    let (what, core) = summary_core(trace)?;
+    Ok(format!(
+        "{} ({what})\n{}",
+        trace.name,
+        memory_summary(DeviceId(trace.device as u32), core.stats())
+    ))
+}
+
+/// The core whose statistics the summary prints, and what they cover.
+pub fn summary_core(trace: &Trace) -> Result<(String, DeviceCore), ReplayError> {
+    let Some(segments) = trace.final_segments.as_ref() else {
+        return Err(ReplayError::Format(format!(
+            "{}: a summary needs a PyTorch snapshot (its segments); this trace has none",
+            trace.name
+        )));
+    };
+    if trace.events.is_empty() {
+        return Ok((
+            "final state only: no recorded history".to_string(),
+            final_state(segments)?,
+        ));
+    }
+    let options = ReplayOptions {
+        warm: true,
+        ..ReplayOptions::default()
+    };
+    let (_, core) = replay_core(trace, &options)?;
+    Ok((
+        format!("over the recorded history of {} events", trace.events.len()),
+        core,
+    ))
+}
+
+/// A core holding `segments` and their live blocks.
+fn final_state(segments: &[FinalSegment]) -> Result<DeviceCore, ReplayError> {
     let backend = Arc::new(AccountingBackend::new(1, 1 << 40));
     let dynb: Arc<dyn Backend> = backend.clone();
     let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default())
@@ -39,9 +76,5 @@ pub fn summarize(trace: &Trace) -> Result<String, ReplayError> {
         core.restore_segment(seg.addr, seg.size, stream, seg.small, &live)
             .map_err(|source| ReplayError::Alloc { index: 0, source })?;
     }
-    Ok(format!(
-        "{}\n{}",
-        trace.name,
-        memory_summary(DeviceId(trace.device as u32), core.stats())
-    ))
+    Ok(core)
 }

@@ -221,3 +221,68 @@ fn the_policy_is_pytorch_unless_asked_and_both_shows_the_difference() {
     assert!(stderr.contains("set the policy with --policy"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `pickle.dumps({'segments': [], 'device_traces': [[]]}, protocol=0)`: nothing recorded.
+const NO_EVENTS: &str = "(dp0\nVsegments\np1\n(lp2\nsVdevice_traces\np3\n(lp4\n(lp5\nas.";
+/// The same with two allocs at one address and one free, and no segments anywhere (what a
+/// CPU profiler's recording looks like).
+const NO_SEGMENTS: &str = "(dp0\nVsegments\np1\n(lp2\nsVdevice_traces\np3\n(lp4\n(lp5\n(dp6\nVaction\np7\nValloc\np8\nsVaddr\np9\nI4096\nsVsize\np10\nI512\nsVstream\np11\nI0\nsa(dp12\ng7\ng8\nsg9\nI4096\nsg10\nI512\nsg11\nI0\nsa(dp13\ng7\nVfree_requested\np14\nsg9\nI4096\nsg10\nI512\nsg11\nI0\nsaas.";
+
+#[test]
+fn each_file_is_reported_on_its_own_and_failures_say_why() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-cli-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = jsonl_trace(&dir);
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(&bad, "{\"action\":\"alloc\"\n").unwrap();
+    let empty = dir.join("empty.pickle");
+    std::fs::write(&empty, NO_EVENTS).unwrap();
+    let cpu = dir.join("cpu.pickle");
+    std::fs::write(&cpu, NO_SEGMENTS).unwrap();
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+
+    // A bad file and an empty one among good ones: the good ones are reported, each failure
+    // is named, and the exit status says something failed.
+    let (ok, stdout, stderr) =
+        gpualloc(&["replay", &path(&bad), &path(&good), &path(&empty), "--json"]);
+    assert!(!ok, "a failed file fails the run");
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "the good file is reported: {stdout}"
+    );
+    assert!(stderr.contains("bad.jsonl: JSON Lines line 1"), "{stderr}");
+    assert!(
+        stderr.contains("empty.pickle: no events on any device"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("2 files or replays failed"), "{stderr}");
+
+    // Warm replay of a snapshot that records no segments: the same refusal as for a log.
+    for file in [&cpu, &good] {
+        let (ok, _, stderr) = gpualloc(&["replay", &path(file), "--warm"]);
+        assert!(!ok);
+        assert!(
+            stderr.contains("warm replay needs a snapshot with segments"),
+            "{stderr}"
+        );
+    }
+    // Cold, the same snapshot replays; its second alloc at a live address is a warning.
+    let (ok, stdout, stderr) = gpualloc(&["replay", &path(&cpu), "--json"]);
+    assert!(ok, "{stderr}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(row["warnings"], 1);
+    assert_eq!(row["peak_allocated_bytes"], 512);
+
+    // A summary needs a snapshot; of a log it says so (not "warm replay needs ...").
+    let (ok, _, stderr) = gpualloc(&["summary", &path(&good)]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("a summary needs a PyTorch snapshot"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = gpualloc(&["summary", &path(&empty)]);
+    assert!(!ok);
+    assert!(stderr.contains("no events on any device"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}

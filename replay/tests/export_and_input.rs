@@ -105,8 +105,10 @@ fn bad_input_is_a_typed_error_or_a_counted_warning() {
     // A pickle that would run code.
     let evil = b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.";
     match from_bytes("evil", evil) {
-        Err(ReplayError::Trace(e)) => {
-            assert!(e.to_string().to_lowercase().contains("global"), "{e}")
+        Err(e @ ReplayError::Parse { .. }) => {
+            let text = e.to_string();
+            assert!(text.starts_with("evil: "), "names the file: {text}");
+            assert!(text.to_lowercase().contains("global"), "{text}")
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -161,4 +163,36 @@ fn rmm_csv_logs_replay() {
         "all three fit in one 2 MiB small segment"
     );
     assert_eq!(r.peak_reserved, 2 * MIB);
+}
+
+/// Python's `pickle.dumps(snapshot, protocol=0)` and `protocol=1` of a one-segment snapshot
+/// with two events: read as pickles by their content, not as JSON Lines.
+#[test]
+fn protocol_0_and_1_pickles_are_read_as_pickles() {
+    let p0 = "(dp0\nVsegments\np1\n(lp2\n(dp3\nVdevice\np4\nI0\nsVaddress\np5\nI4096\nsVtotal_size\np6\nI2097152\nsVstream\np7\nI0\nsVsegment_type\np8\nVsmall\np9\nsVblocks\np10\n(lp11\n(dp12\ng5\nI4096\nsVsize\np13\nI512\nsVrequested_size\np14\nI500\nsVstate\np15\nVactive_allocated\np16\nsa(dp17\ng5\nI4608\nsg13\nI2096640\nsg14\nI0\nsg15\nVinactive\np18\nsasasVdevice_traces\np19\n(lp20\n(lp21\n(dp22\nVaction\np23\nVsegment_alloc\np24\nsVaddr\np25\nI4096\nsg13\nI2097152\nsg7\nI0\nsa(dp26\ng23\nValloc\np27\nsg25\nI4096\nsg13\nI500\nsg7\nI0\nsaas.";
+    let p1: &[u8] = b"}q\x00(X\x08\x00\x00\x00segmentsq\x01]q\x02}q\x03(X\x06\x00\x00\x00deviceq\x04K\x00X\x07\x00\x00\x00addressq\x05M\x00\x10X\n\x00\x00\x00total_sizeq\x06J\x00\x00 \x00X\x06\x00\x00\x00streamq\x07K\x00X\x0c\x00\x00\x00segment_typeq\x08X\x05\x00\x00\x00smallq\tX\x06\x00\x00\x00blocksq\n]q\x0b(}q\x0c(h\x05M\x00\x10X\x04\x00\x00\x00sizeq\rM\x00\x02X\x0e\x00\x00\x00requested_sizeq\x0eM\xf4\x01X\x05\x00\x00\x00stateq\x0fX\x10\x00\x00\x00active_allocatedq\x10u}q\x11(h\x05M\x00\x12h\rJ\x00\xfe\x1f\x00h\x0eK\x00h\x0fX\x08\x00\x00\x00inactiveq\x12ueuaX\r\x00\x00\x00device_tracesq\x13]q\x14]q\x15(}q\x16(X\x06\x00\x00\x00actionq\x17X\r\x00\x00\x00segment_allocq\x18X\x04\x00\x00\x00addrq\x19M\x00\x10h\rJ\x00\x00 \x00h\x07K\x00u}q\x1a(h\x17X\x05\x00\x00\x00allocq\x1bh\x19M\x00\x10h\rM\xf4\x01h\x07K\x00ueau.";
+    for (name, bytes) in [("p0", p0.as_bytes()), ("p1", p1)] {
+        let traces = from_bytes(name, bytes).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(traces.len(), 1, "{name}");
+        assert_eq!(traces[0].events.len(), 2, "{name}");
+        assert_eq!(
+            traces[0].final_segments.as_ref().unwrap().len(),
+            1,
+            "{name}"
+        );
+        let warm = ReplayOptions {
+            warm: true,
+            ..ReplayOptions::default()
+        };
+        let r = replay(&traces[0], &warm).unwrap();
+        assert_eq!(r.address_match, Some((1, 1)), "{name}");
+    }
+    // JSON Lines and comments stay JSON Lines; a text that only looks like protocol 0 at one
+    // end is not taken for a pickle.
+    let jsonl = b"# a comment\n{\"action\":\"alloc\",\"addr\":4096,\"size\":512,\"stream\":0}\n";
+    assert_eq!(from_bytes("j", jsonl).unwrap()[0].events.len(), 1);
+    match from_bytes("almost", b"(not a pickle") {
+        Err(e) => assert!(e.to_string().starts_with("almost: "), "{e}"),
+        Ok(_) => panic!("accepted"),
+    }
 }

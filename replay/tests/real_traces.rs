@@ -210,3 +210,47 @@ fn trace_capacity(trace: &Trace) -> u64 {
     let r = replay(trace, &ReplayOptions::default()).unwrap();
     r.torch.peak_reserved.map_or(1 << 40, |p| p + p / 5)
 }
+
+/// `summary` covers the whole recording: totals count every allocation of the trace (and
+/// those alive when it began), the peak is the replay's, the current state is the snapshot's.
+#[test]
+fn summary_totals_cover_the_whole_trace() {
+    use gpualloc_devices::StatType;
+    use gpualloc_replay::analysis::live_at_start;
+    use gpualloc_replay::summary::summary_core;
+    use gpualloc_trace::Action;
+    const ALL: usize = StatType::All as usize;
+    for trace in all_traces() {
+        let (what, core) = summary_core(&trace).unwrap();
+        assert!(what.contains("recorded history"), "{what}");
+        let st = core.stats();
+        let (initial, _) = live_at_start(&trace);
+        let allocs = trace.count(Action::Alloc) as u64 + initial.len() as u64;
+        assert_eq!(st.allocation[ALL].allocated, allocs, "{}", trace.name);
+        assert!(st.allocation[ALL].freed > 0, "{}", trace.name);
+        let final_live: u64 = trace
+            .final_segments
+            .as_ref()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s.blocks.iter())
+            .filter(|b| b.active)
+            .map(|b| b.size)
+            .sum();
+        assert_eq!(
+            st.allocated_bytes[ALL].current, final_live,
+            "{}",
+            trace.name
+        );
+        let warm = replay(
+            &trace,
+            &ReplayOptions {
+                warm: true,
+                ..ReplayOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(st.allocated_bytes[ALL].peak, warm.peak_allocated);
+        assert!(warm.peak_allocated > final_live, "{}", trace.name);
+    }
+}

@@ -136,10 +136,33 @@ fn main() -> ExitCode {
     }
 }
 
+/// An error message that names `name` once.
+fn named(name: &str, e: &dyn std::fmt::Display) -> String {
+    let text = e.to_string();
+    if text.starts_with(name) {
+        text
+    } else {
+        format!("{name}: {text}")
+    }
+}
+
+/// What to say of a file whose devices recorded no events.
+fn no_events(file: &std::path::Path) -> String {
+    format!(
+        "{}: no events on any device: nothing was recorded (call \
+         torch.cuda.memory._record_memory_history() before dumping the snapshot)",
+        file.display()
+    )
+}
+
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     match cli.command {
         Command::Summary { file } => {
-            for trace in load(&file)? {
+            let traces = load(&file)?;
+            if traces.is_empty() {
+                return Err(no_events(&file).into());
+            }
+            for trace in traces {
                 println!("{}", gpualloc_replay::summary::summarize(&trace)?);
             }
             Ok(())
@@ -177,8 +200,22 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             let _ = BAR.set(bar.clone());
             let mut reports = Vec::new();
+            // Each file on its own: one that fails is reported and the rest still run.
+            let mut failures = Vec::new();
             for file in &files {
-                for trace in load(file)? {
+                let traces = match load(file) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // Load errors name the file already.
+                        failures.push(e.to_string());
+                        continue;
+                    }
+                };
+                if traces.iter().all(|t| t.events.is_empty()) {
+                    failures.push(no_events(file));
+                    continue;
+                }
+                for trace in traces.iter().filter(|t| !t.events.is_empty()) {
                     for config in &parsed {
                         bar.set_message(trace.name.clone());
                         let options = ReplayOptions {
@@ -197,7 +234,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                             },
                             core_hook: None,
                         };
-                        reports.push(replay(&trace, &options)?);
+                        match replay(trace, &options) {
+                            Ok(r) => reports.push(r),
+                            Err(e) => failures.push(named(&trace.name, &e)),
+                        }
                     }
                 }
             }
@@ -213,14 +253,30 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     }
                     println!("{v}");
                 }
-            } else {
+            } else if !reports.is_empty() {
                 print!("{}", table(&reports));
             }
             if let Some(path) = plot {
                 std::fs::write(&path, svg_plot(&reports))?;
                 eprintln!("plot written to {}", path.display());
             }
-            Ok(())
+            for f in &failures {
+                eprintln!("gpualloc: {f}");
+            }
+            if failures.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} failed (above); {} results reported",
+                    if failures.len() == 1 {
+                        "1 file or replay".to_string()
+                    } else {
+                        format!("{} files or replays", failures.len())
+                    },
+                    reports.len()
+                )
+                .into())
+            }
         }
     }
 }
