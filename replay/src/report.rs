@@ -87,6 +87,8 @@ pub struct ReplayReport {
     pub peak_reserved: u64,
     /// Peak allocated bytes (block sizes).
     pub peak_allocated: u64,
+    /// Peak requested bytes (what the program asked for, before rounding).
+    pub peak_requested: u64,
     /// Device mallocs (segments allocated).
     pub device_mallocs: u64,
     /// Device frees (segments released).
@@ -124,6 +126,7 @@ impl ReplayReport {
             events: trace.events.len() as u64,
             peak_reserved: 0,
             peak_allocated: 0,
+            peak_requested: 0,
             device_mallocs: 0,
             device_frees: 0,
             retries: 0,
@@ -152,8 +155,10 @@ impl ReplayReport {
             .map(|(m, n)| if n == 0 { 1.0 } else { m as f64 / n as f64 })
     }
 
-    /// The report as one JSON object.
-    pub fn to_json(&self) -> Value {
+    /// The report as one JSON object (the fields are listed in the README's replay section).
+    /// `timing` adds `events_per_second`, which changes from run to run; without it two runs
+    /// of the same replay print the same bytes.
+    pub fn to_json(&self, timing: bool) -> Value {
         let mut v = json!({
             "trace": self.trace,
             "config": self.config,
@@ -162,19 +167,25 @@ impl ReplayReport {
             "events": self.events,
             "peak_reserved_bytes": self.peak_reserved,
             "peak_allocated_bytes": self.peak_allocated,
+            "peak_requested_bytes": self.peak_requested,
             "fragmentation": self.fragmentation(),
             "device_mallocs": self.device_mallocs,
             "device_frees": self.device_frees,
             "retries": self.retries,
             "ooms": self.ooms,
             "warnings": self.warnings,
-            "events_per_second": self.events_per_second,
             "torch_peak_reserved_bytes": self.torch.peak_reserved,
             "torch_peak_requested_bytes": self.torch.peak_requested,
             "torch_segment_allocs": self.torch.segment_allocs,
             "torch_segment_frees": self.torch.segment_frees,
         });
+        if timing {
+            v["events_per_second"] = json!(self.events_per_second);
+        }
         if self.warm {
+            let (matched, compared) = self.address_match.unwrap_or((0, 0));
+            v["addresses_matched"] = json!(matched);
+            v["addresses_compared"] = json!(compared);
             v["address_match_fraction"] = json!(self.address_match_fraction());
             v["first_mismatch"] = match &self.first_mismatch {
                 None => Value::Null,
@@ -190,11 +201,12 @@ impl ReplayReport {
 /// A text table comparing reports (one row per trace, config and policy). A `gpualloc` row
 /// right after the `pytorch` row of the same trace and config (`--policy both`) is followed
 /// by the difference, gpualloc - pytorch.
-pub fn table(reports: &[ReplayReport]) -> String {
+/// `timing` adds the events/s column (it changes from run to run).
+pub fn table(reports: &[ReplayReport], timing: bool) -> String {
     let mut out = String::new();
-    let _ = writeln!(
+    let _ = write!(
         out,
-        "{:<34} {:<36} {:<8} {:>12} {:>12} {:>7} {:>8} {:>6} {:>12} {:>9} {:>10}",
+        "{:<34} {:<36} {:<8} {:>12} {:>12} {:>7} {:>8} {:>6} {:>12} {:>9}",
         "trace",
         "config",
         "policy",
@@ -205,8 +217,11 @@ pub fn table(reports: &[ReplayReport]) -> String {
         "ooms",
         "torch resv",
         "addr ok",
-        "events/s"
     );
+    if timing {
+        let _ = write!(out, " {:>10}", "events/s");
+    }
+    out.push('\n');
     for (i, r) in reports.iter().enumerate() {
         let config = if r.config.is_empty() {
             "(default)".to_string()
@@ -220,9 +235,9 @@ pub fn table(reports: &[ReplayReport]) -> String {
         let matched = r
             .address_match_fraction()
             .map_or_else(|| "-".to_string(), |f| format!("{:.2}%", f * 100.0));
-        let _ = writeln!(
+        let _ = write!(
             out,
-            "{:<34} {:<36} {:<8} {:>12} {:>12} {:>6.2}% {:>8} {:>6} {:>12} {:>9} {:>10.2e}",
+            "{:<34} {:<36} {:<8} {:>12} {:>12} {:>6.2}% {:>8} {:>6} {:>12} {:>9}",
             truncate(&r.trace, 34),
             truncate(&config, 36),
             r.policy.name(),
@@ -233,8 +248,11 @@ pub fn table(reports: &[ReplayReport]) -> String {
             r.ooms,
             torch,
             matched,
-            r.events_per_second
         );
+        if timing {
+            let _ = write!(out, " {:>10.2e}", r.events_per_second);
+        }
+        out.push('\n');
         if let Some(m) = &r.first_mismatch {
             let _ = writeln!(
                 out,

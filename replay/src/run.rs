@@ -360,6 +360,7 @@ pub fn replay_core(
     let st = r.core.stats();
     report.peak_reserved = st.reserved_bytes[0].peak;
     report.peak_allocated = st.allocated_bytes[0].peak;
+    report.peak_requested = st.requested_bytes[0].peak;
     report.device_mallocs = st.num_device_alloc;
     report.device_frees = st.num_device_free;
     report.retries = st.num_alloc_retries;

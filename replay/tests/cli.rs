@@ -65,13 +65,23 @@ fn replay_compares_configs_and_writes_json_and_a_plot() {
     for key in [
         "peak_reserved_bytes",
         "peak_allocated_bytes",
+        "peak_requested_bytes",
         "fragmentation",
         "device_mallocs",
         "torch_peak_reserved_bytes",
-        "events_per_second",
+        "policy",
     ] {
         assert!(rows[0].get(key).is_some(), "missing {key}");
     }
+    assert_eq!(rows[0]["peak_requested_bytes"], 120u64 << 20);
+    // Run-to-run noise only when asked for: two runs print the same bytes.
+    assert!(rows[0].get("events_per_second").is_none());
+    let again = gpualloc(&["replay", trace.to_str().unwrap(), "--json"]);
+    let once = gpualloc(&["replay", trace.to_str().unwrap(), "--json"]);
+    assert_eq!(again.1, once.1);
+    let timed = gpualloc(&["replay", trace.to_str().unwrap(), "--json", "--timing"]);
+    let timed: serde_json::Value = serde_json::from_str(timed.1.trim()).unwrap();
+    assert!(timed["events_per_second"].as_f64().unwrap() > 0.0);
     assert!(
         rows[0]["torch_peak_reserved_bytes"].is_null(),
         "a JSON Lines trace does not tell"
@@ -133,6 +143,17 @@ fn summary_of_a_real_snapshot() {
         .find(|l| l.starts_with("| GPU reserved segments"))
         .unwrap();
     assert!(segs.contains("|     43     |"), "{segs}");
+    // Warm JSON carries the counts behind the fraction.
+    let (ok, stdout, stderr) = gpualloc(&["replay", path, "--warm", "--json"]);
+    assert!(ok, "{stderr}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(row["addresses_matched"], 937);
+    assert_eq!(row["addresses_compared"], 937);
+    assert_eq!(row["address_match_fraction"], 1.0);
+    assert_eq!(
+        row["peak_requested_bytes"],
+        row["torch_peak_requested_bytes"]
+    );
 }
 
 /// An 80 MiB buffer freed with a 2 MiB one live after it, then a 40 MiB request: the rule

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! gpualloc replay FILE... [--config "max_split_size_mb:512"]... [--policy pytorch|gpualloc|both]
-//!                 [--warm] [--json] [--capacity 80GiB] [--plot memory.svg]
+//!                 [--warm] [--json] [--timing] [--capacity 80GiB] [--plot memory.svg]
 //! gpualloc summary FILE
 //! ```
 
@@ -44,9 +44,13 @@ enum Command {
         /// Start from PyTorch's recorded state and compare every address with PyTorch's.
         #[arg(long)]
         warm: bool,
-        /// Print one JSON object per (trace, config).
+        /// Print one JSON object per (trace, config, policy); the README lists the fields.
         #[arg(long)]
         json: bool,
+        /// Add the replay speed (events per second) to the table and the JSON; it changes from
+        /// run to run, so it is left out unless asked for.
+        #[arg(long)]
+        timing: bool,
         /// Device capacity, e.g. 80GiB (default: unlimited).
         #[arg(long, value_parser = parse_bytes)]
         capacity: Option<u64>,
@@ -173,6 +177,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             policy,
             warm,
             json,
+            timing,
             capacity,
             plot,
         } => {
@@ -244,7 +249,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             bar.finish_and_clear();
             if json {
                 for (i, r) in reports.iter().enumerate() {
-                    let mut v = r.to_json();
+                    let mut v = r.to_json(timing);
                     if let Some(d) = i
                         .checked_sub(1)
                         .and_then(|j| PolicyDifference::between(&reports[j], r))
@@ -254,7 +259,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     println!("{v}");
                 }
             } else if !reports.is_empty() {
-                print!("{}", table(&reports));
+                print!("{}", table(&reports, timing));
             }
             if let Some(path) = plot {
                 std::fs::write(&path, svg_plot(&reports))?;
