@@ -80,6 +80,10 @@ pub struct ReplayOptions {
     pub progress: Option<fn(u64, u64)>,
     /// Called on the core before the replay starts (tests use it to break a rule on purpose).
     pub core_hook: Option<fn(&mut DeviceCore)>,
+    /// Record the replay's own history in the core (from the first event on, stamped with
+    /// the trace's `time_us`, or the event index where it has none), for an export that
+    /// PyTorch's memory viewer opens (`replay --export-viz`).
+    pub record_history: bool,
 }
 
 impl Default for ReplayOptions {
@@ -91,6 +95,7 @@ impl Default for ReplayOptions {
             sample_every: 0,
             progress: None,
             core_hook: None,
+            record_history: false,
         }
     }
 }
@@ -233,10 +238,19 @@ pub fn replay_core(
     // Warm: PyTorch's segment_alloc addresses not yet used, per size.
     let mut pending_segments: HashMap<u64, VecDeque<u64>> = HashMap::new();
     let mut report = ReplayReport::new(trace, options, torch);
+    if options.record_history {
+        // Every event the replay makes: at most one per trace event, plus the segment
+        // events of a release.
+        r.core.record_history(Some(2 * trace.events.len() + 1024));
+    }
     let (mut matched, mut compared) = (0u64, 0u64);
     let started = Instant::now();
     let total = trace.events.len() as u64;
     for (i, e) in trace.events.iter().enumerate() {
+        if options.record_history {
+            let at = e.time_us.and_then(|t| u64::try_from(t).ok());
+            r.core.set_time_us(at.unwrap_or(i as u64));
+        }
         match e.action {
             Action::SegmentAlloc => {
                 if options.warm {

@@ -307,3 +307,56 @@ fn each_file_is_reported_on_its_own_and_failures_say_why() {
     assert!(stderr.contains("no events on any device"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--export-viz` writes the replay as a snapshot: read back and replayed warm, it matches the
+/// replay address for address, with the same peaks.
+#[test]
+fn export_viz_writes_the_replay_as_a_snapshot_that_replays_exactly() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-cli-viz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = jsonl_trace(&dir);
+    let viz = dir.join("replay.pickle");
+    let (ok, stdout, stderr) = gpualloc(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--config",
+        "expandable_segments:True",
+        "--json",
+        "--export-viz",
+        viz.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("memory viewer"), "{stderr}");
+    let first: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let (ok, stdout, stderr) = gpualloc(&[
+        "replay",
+        viz.to_str().unwrap(),
+        "--config",
+        "expandable_segments:True",
+        "--warm",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let again: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(again["addresses_compared"], 80);
+    assert_eq!(again["address_match_fraction"], 1.0);
+    for key in [
+        "peak_reserved_bytes",
+        "peak_allocated_bytes",
+        "peak_requested_bytes",
+    ] {
+        assert_eq!(again[key], first[key], "{key}");
+    }
+    // Several replays: one file each, numbered.
+    let (ok, _, stderr) = gpualloc(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--policy",
+        "both",
+        "--export-viz",
+        viz.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(dir.join("replay-1.pickle").exists() && dir.join("replay-2.pickle").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

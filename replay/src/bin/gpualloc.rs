@@ -10,9 +10,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use gpualloc_devices::DeviceSnapshot;
 use gpualloc_devices::{AllocatorConfig, Policy};
 use gpualloc_replay::report::{svg_plot, table, PolicyDifference};
-use gpualloc_replay::{load, replay, ReplayOptions};
+use gpualloc_replay::{load, replay_core, ReplayOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser)]
@@ -57,6 +58,11 @@ enum Command {
         /// Write an SVG plot of reserved and allocated memory over time.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Write the replay as a memory snapshot PyTorch's viewer opens (drag it into
+        /// pytorch.org/memory_viz): its segments at the end and the history the replay made.
+        /// Several replays are written as PATH-1.pickle, PATH-2.pickle, ...
+        #[arg(long, value_name = "PATH")]
+        export_viz: Option<PathBuf>,
     },
     /// Print a PyTorch-style memory summary of a snapshot's final state.
     Summary {
@@ -140,6 +146,33 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes each replay's snapshot for PyTorch's memory viewer: to `path` when there is one,
+/// else to `path` with `-1`, `-2`, ... before its extension.
+fn write_exports(
+    path: &std::path::Path,
+    exports: &[(DeviceSnapshot, AllocatorConfig)],
+) -> Result<(), Box<dyn std::error::Error>> {
+    for (i, (snapshot, config)) in exports.iter().enumerate() {
+        let target = if exports.len() == 1 {
+            path.to_path_buf()
+        } else {
+            let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+            let ext = path
+                .extension()
+                .map_or_else(String::new, |e| format!(".{}", e.to_string_lossy()));
+            path.with_file_name(format!("{stem}-{}{ext}", i + 1))
+        };
+        let bytes = gpualloc_replay::export::to_pickle(std::slice::from_ref(snapshot), config)?;
+        std::fs::write(&target, bytes)
+            .map_err(|e| format!("cannot write {}: {e}", target.display()))?;
+        eprintln!(
+            "replay written for PyTorch's memory viewer to {}",
+            target.display()
+        );
+    }
+    Ok(())
+}
+
 /// An error message that names `name` once.
 fn named(name: &str, e: &dyn std::fmt::Display) -> String {
     let text = e.to_string();
@@ -180,6 +213,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             timing,
             capacity,
             plot,
+            export_viz,
         } => {
             let configs = if configs.is_empty() {
                 vec![String::new()]
@@ -198,17 +232,26 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                         .map(move |p| c.clone().with_policy(*p))
                 })
                 .collect();
+            // Drawn on a terminal only (indicatif hides it when stderr is not one): a spinner
+            // while a file loads, then a bar per replay, labelled with what runs.
             let bar = ProgressBar::new(0);
-            bar.set_style(
-                ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} events")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-            );
             let _ = BAR.set(bar.clone());
+            let loading = ProgressStyle::with_template("{spinner} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner());
+            let replaying = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} events")
+                .unwrap_or_else(|_| ProgressStyle::default_bar());
             let mut reports = Vec::new();
+            let mut exports = Vec::new();
             // Each file on its own: one that fails is reported and the rest still run.
             let mut failures = Vec::new();
             for file in &files {
-                let traces = match load(file) {
+                bar.set_style(loading.clone());
+                bar.set_message(format!("loading {}", file.display()));
+                bar.enable_steady_tick(std::time::Duration::from_millis(100));
+                let loaded = load(file);
+                bar.disable_steady_tick();
+                bar.set_style(replaying.clone());
+                let traces = match loaded {
                     Ok(t) => t,
                     Err(e) => {
                         // Load errors name the file already.
@@ -222,7 +265,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
                 for trace in traces.iter().filter(|t| !t.events.is_empty()) {
                     for config in &parsed {
-                        bar.set_message(trace.name.clone());
+                        let shown = config.clone().with_policy(Policy::default()).to_string();
+                        let label = if shown.is_empty() { "default" } else { &shown };
+                        bar.set_message(format!("{} [{label}; {}]", trace.name, config.policy));
+                        bar.set_length(trace.events.len() as u64);
+                        bar.set_position(0);
                         let options = ReplayOptions {
                             config: config.clone(),
                             warm,
@@ -232,15 +279,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                             } else {
                                 0
                             },
-                            progress: if trace.events.len() > 100_000 {
-                                Some(progress)
-                            } else {
-                                None
-                            },
+                            progress: Some(progress),
                             core_hook: None,
+                            record_history: export_viz.is_some(),
                         };
-                        match replay(trace, &options) {
-                            Ok(r) => reports.push(r),
+                        match replay_core(trace, &options) {
+                            Ok((r, core)) => {
+                                if export_viz.is_some() {
+                                    exports.push((core.snapshot(), config.clone()));
+                                }
+                                reports.push(r);
+                            }
                             Err(e) => failures.push(named(&trace.name, &e)),
                         }
                     }
@@ -264,6 +313,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             if let Some(path) = plot {
                 std::fs::write(&path, svg_plot(&reports))?;
                 eprintln!("plot written to {}", path.display());
+            }
+            if let Some(path) = export_viz {
+                write_exports(&path, &exports)?;
             }
             for f in &failures {
                 eprintln!("gpualloc: {f}");
