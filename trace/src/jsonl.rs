@@ -23,6 +23,11 @@
 //! Blank lines and lines starting with `#` are skipped. [`write()`] produces this format
 //! (addresses as integers) and [`parse`] reads it back unchanged.
 
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
 use serde_json::{Map, Value as Json};
 
 use crate::error::TraceError;
@@ -31,8 +36,12 @@ use crate::event::{Action, Frame, TraceEntry};
 const FORMAT: &str = "JSON Lines";
 
 /// Parses a JSON Lines trace (see the module documentation for the format).
+///
+/// Each line is read straight into its fields (strings borrowed from the text, unknown keys
+/// skipped without building them), not into a generic JSON value first: loading is most of
+/// the time a replay takes.
 pub fn parse(text: &str) -> Result<Vec<TraceEntry>, TraceError> {
-    let mut out = Vec::new();
+    let mut out = Vec::with_capacity(text.len() / 64);
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -43,52 +52,198 @@ pub fn parse(text: &str) -> Result<Vec<TraceEntry>, TraceError> {
             line: i + 1,
             message,
         };
-        let json: Json =
-            serde_json::from_str(line).map_err(|e| err(format!("invalid JSON: {e}")))?;
-        let Json::Object(obj) = json else {
-            return Err(err("expected a JSON object".to_owned()));
-        };
-        out.push(entry(&obj).map_err(err)?);
+        let fields: Fields<'_> = serde_json::from_str(line).map_err(|e| {
+            err(if e.is_data() {
+                e.to_string()
+            } else {
+                format!("invalid JSON: {e}")
+            })
+        })?;
+        out.push(entry(fields).map_err(err)?);
     }
     Ok(out)
 }
 
-fn entry(obj: &Map<String, Json>) -> Result<TraceEntry, String> {
-    let action = match obj.get("action") {
+/// A JSON value where the format expects a scalar; anything else is `Other`.
+#[derive(Debug)]
+enum Scalar<'a> {
+    Unsigned(u64),
+    Signed(i64),
+    Float(f64),
+    Str(Cow<'a, str>),
+    Null,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Scalar<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Scalar<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Scalar::Unsigned(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+                Ok(Scalar::Signed(v))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+                Ok(Scalar::Float(v))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Scalar::Other)
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Scalar::Str(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Scalar::Str(Cow::Owned(v.to_owned())))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Scalar::Null)
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Scalar::Null)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Scalar::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The keys the format knows.
+enum Key {
+    Action,
+    Addr,
+    Size,
+    Stream,
+    TimeUs,
+    DeviceFree,
+    Frames,
+    Unknown,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Key, E> {
+                Ok(match v {
+                    "action" => Key::Action,
+                    "addr" => Key::Addr,
+                    "size" => Key::Size,
+                    "stream" => Key::Stream,
+                    "time_us" => Key::TimeUs,
+                    "device_free" => Key::DeviceFree,
+                    "frames" => Key::Frames,
+                    _ => Key::Unknown,
+                })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// One line's fields, as given (a later duplicate key wins, as in a JSON object).
+#[derive(Default)]
+struct Fields<'a> {
+    action: Option<Scalar<'a>>,
+    addr: Option<Scalar<'a>>,
+    size: Option<Scalar<'a>>,
+    stream: Option<Scalar<'a>>,
+    time_us: Option<Scalar<'a>>,
+    device_free: Option<Scalar<'a>>,
+    /// Rare and nested: kept as a generic value, checked by [`frame`].
+    frames: Option<Json>,
+}
+
+impl<'de> Deserialize<'de> for Fields<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Fields<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut f = Fields::default();
+                while let Some(key) = map.next_key::<Key>()? {
+                    let slot = match key {
+                        Key::Action => &mut f.action,
+                        Key::Addr => &mut f.addr,
+                        Key::Size => &mut f.size,
+                        Key::Stream => &mut f.stream,
+                        Key::TimeUs => &mut f.time_us,
+                        Key::DeviceFree => &mut f.device_free,
+                        Key::Frames => {
+                            f.frames = Some(map.next_value()?);
+                            continue;
+                        }
+                        Key::Unknown => {
+                            map.next_value::<IgnoredAny>()?;
+                            continue;
+                        }
+                    };
+                    *slot = Some(map.next_value()?);
+                }
+                Ok(f)
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
+    let action = match &f.action {
         None => return Err("`action` is missing".to_owned()),
-        Some(Json::String(s)) if s == "free" => Action::FreeCompleted,
-        Some(Json::String(s)) => {
+        Some(Scalar::Str(s)) if s == "free" => Action::FreeCompleted,
+        Some(Scalar::Str(s)) => {
             Action::from_name(s).ok_or_else(|| format!("`action`: unknown action {s:?}"))?
         }
         Some(_) => return Err("`action` must be a string".to_owned()),
     };
-    let addr = match obj.get("addr") {
+    let addr = match &f.addr {
         Some(v) => unsigned(v, "addr", true)?,
         None if matches!(action, Action::Oom | Action::Snapshot) => 0,
         None => return Err("`addr` is missing".to_owned()),
     };
-    let size = match obj.get("size") {
+    let size = match &f.size {
         Some(v) => unsigned(v, "size", false)?,
         None if action == Action::Snapshot => 0,
         None => return Err("`size` is missing".to_owned()),
     };
-    let stream = obj
-        .get("stream")
+    let stream = f
+        .stream
+        .as_ref()
         .map(|v| unsigned(v, "stream", true))
         .transpose()?
         .unwrap_or(0);
-    let time_us = match obj.get("time_us") {
-        None | Some(Json::Null) => None,
-        Some(v) => Some(
-            v.as_i64()
-                .ok_or_else(|| "`time_us` must be an integer".to_owned())?,
-        ),
+    let time_us = match &f.time_us {
+        None | Some(Scalar::Null) => None,
+        Some(Scalar::Signed(t)) => Some(*t),
+        Some(Scalar::Unsigned(t)) => {
+            Some(i64::try_from(*t).map_err(|_| "`time_us` must be an integer".to_owned())?)
+        }
+        Some(_) => return Err("`time_us` must be an integer".to_owned()),
     };
-    let device_free = match obj.get("device_free") {
-        None | Some(Json::Null) => None,
+    let device_free = match &f.device_free {
+        None | Some(Scalar::Null) => None,
         Some(v) => Some(unsigned(v, "device_free", false)?),
     };
-    let frames = match obj.get("frames") {
+    let frames = match f.frames {
         None | Some(Json::Null) => Vec::new(),
         Some(Json::Array(items)) => items
             .iter()
@@ -108,18 +263,13 @@ fn entry(obj: &Map<String, Json>) -> Result<TraceEntry, String> {
     })
 }
 
-fn unsigned(v: &Json, key: &str, hex_ok: bool) -> Result<u64, String> {
+fn unsigned(v: &Scalar<'_>, key: &str, hex_ok: bool) -> Result<u64, String> {
     match v {
-        Json::Number(n) => {
-            if let Some(u) = n.as_u64() {
-                Ok(u)
-            } else if n.as_i64().is_some_and(|i| i < 0) {
-                Err(format!("`{key}` is negative ({n})"))
-            } else {
-                Err(format!("`{key}` must be a non-negative integer, found {n}"))
-            }
-        }
-        Json::String(s) if hex_ok => s
+        Scalar::Unsigned(u) => Ok(*u),
+        Scalar::Signed(i) if *i < 0 => Err(format!("`{key}` is negative ({i})")),
+        Scalar::Signed(i) => Ok(*i as u64),
+        Scalar::Float(x) => Err(format!("`{key}` must be a non-negative integer, found {x}")),
+        Scalar::Str(s) if hex_ok => s
             .strip_prefix("0x")
             .and_then(|h| u64::from_str_radix(h, 16).ok())
             .ok_or_else(|| format!("`{key}`: {s:?} is not a hex string like \"0x7f00\"")),

@@ -179,6 +179,32 @@ fn reads_opcodes_cpython_rarely_writes() {
     );
 }
 
+/// The memo as Python's: overwrites win, MEMOIZE takes the count of distinct indices, and a
+/// huge or out-of-order index works (and costs one entry, not a table up to it).
+#[test]
+fn memo_indices_in_and_out_of_order() {
+    let mut body = vec![op::MARK];
+    // 0 and 1 in order, then 0 overwritten.
+    body.extend_from_slice(&[op::BININT1, 1, op::BINPUT, 0, op::POP]);
+    body.extend_from_slice(&[op::BININT1, 2, op::BINPUT, 1, op::POP]);
+    body.extend_from_slice(&[op::BININT1, 3, op::BINPUT, 0, op::POP]);
+    // A far index (the third distinct one), then MEMOIZE, which takes len(memo) = 3.
+    body.extend_from_slice(&[op::BININT1, 4, op::LONG_BINPUT]);
+    body.extend_from_slice(&4_000_000_000u32.to_le_bytes());
+    body.extend_from_slice(&[op::POP, op::BININT1, 5, op::MEMOIZE, op::POP]);
+    body.extend_from_slice(&[op::BINGET, 0, op::BINGET, 1, op::BINGET, 3]);
+    body.push(op::LONG_BINGET);
+    body.extend_from_slice(&4_000_000_000u32.to_le_bytes());
+    body.push(op::LIST);
+    let v = pickle::read(&p2(&body)).unwrap();
+    assert_eq!(v, ints(&[3, 2, 5, 4]));
+    let missing = p2(&[op::BININT1, 1, op::BINPUT, 0, op::BINGET, 2]);
+    assert!(matches!(
+        pickle::read(&missing),
+        Err(PickleError::BadMemo { index: 2, .. })
+    ));
+}
+
 #[test]
 fn memo_keeps_identity_so_later_appends_are_seen() {
     // l = []; memo it; d = {"x": l}; then append 1 to l via the memo: d["x"] == [1].

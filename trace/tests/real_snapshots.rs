@@ -152,3 +152,36 @@ fn real_snapshots_use_only_data_opcodes() {
         assert!(used.contains(&pickle::opcodes::MEMOIZE), "{name}");
     }
 }
+
+/// Without call stacks, a snapshot reads the same except that every `frames` list is empty.
+#[test]
+fn reading_without_frames_drops_only_the_frames() {
+    for name in [
+        "llama-lora-finetune.pickle",
+        "transformer-lm-forward-bf16.pickle",
+        "transformer-lm-train.pickle",
+    ] {
+        let Some(bytes) = common::trace_bytes(name) else {
+            return;
+        };
+        let mut full = Snapshot::from_pickle(&bytes).unwrap();
+        let lean = Snapshot::from_pickle_without_frames(&bytes).unwrap();
+        let stacks: usize = full
+            .device_traces
+            .iter()
+            .flatten()
+            .map(|e| e.frames.len())
+            .sum();
+        assert!(stacks > 0, "{name} has call stacks to drop");
+        for e in full.device_traces.iter_mut().flatten() {
+            e.frames.clear();
+        }
+        for s in &mut full.segments {
+            s.frames.clear();
+            for b in &mut s.blocks {
+                b.frames.clear();
+            }
+        }
+        assert_eq!(full, lean, "{name}");
+    }
+}

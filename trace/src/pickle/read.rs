@@ -37,9 +37,45 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<(Arena, Id), PickleError> {
         arena: Arena::default(),
         stack: Vec::new(),
         marks: Vec::new(),
-        memo: HashMap::new(),
+        memo: Memo::default(),
     }
     .run()
+}
+
+/// The pickle memo. Writers number entries 0, 1, 2, ... in order (Python's pickler uses the
+/// memo's length), so those live in a vector: no hashing, and PUT and GET are most of a
+/// snapshot's opcodes. Any other index (only a hand-made pickle writes one) goes to a map, so
+/// a large index cannot make the vector large.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Id>,
+    sparse: HashMap<u64, Id>,
+}
+
+impl Memo {
+    /// Distinct indices, as Python's `len(memo)` (MEMOIZE's index).
+    fn len(&self) -> usize {
+        self.dense.len() + self.sparse.len()
+    }
+
+    fn get(&self, index: u64) -> Option<Id> {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.dense.get(i).copied())
+            .or_else(|| self.sparse.get(&index).copied())
+    }
+
+    fn insert(&mut self, index: u64, id: Id) {
+        match usize::try_from(index) {
+            Ok(i) if i < self.dense.len() => self.dense[i] = id,
+            Ok(i) if i == self.dense.len() && !self.sparse.contains_key(&index) => {
+                self.dense.push(id)
+            }
+            _ => {
+                self.sparse.insert(index, id);
+            }
+        }
+    }
 }
 
 struct Machine<'a> {
@@ -48,7 +84,7 @@ struct Machine<'a> {
     arena: Arena,
     stack: Vec<Id>,
     marks: Vec<usize>,
-    memo: HashMap<u64, Id>,
+    memo: Memo,
 }
 
 /// Where the current opcode started and what it is, for errors.
@@ -446,7 +482,7 @@ impl<'a> Machine<'a> {
     }
 
     fn get(&mut self, index: u64, at: At) -> Result<(), PickleError> {
-        let id = *self.memo.get(&index).ok_or(PickleError::BadMemo {
+        let id = self.memo.get(index).ok_or(PickleError::BadMemo {
             index,
             offset: at.offset,
         })?;

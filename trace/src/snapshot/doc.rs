@@ -41,6 +41,8 @@ pub(crate) struct Doc<'a> {
     pub(crate) budget: Budget,
     strings: HashMap<Id, Arc<str>>,
     frames: HashMap<Id, Frame>,
+    /// Read `frames` lists (else every one reads as empty, unexamined).
+    pub(crate) keep_frames: bool,
 }
 
 impl<'a> Doc<'a> {
@@ -50,6 +52,7 @@ impl<'a> Doc<'a> {
             budget,
             strings: HashMap::new(),
             frames: HashMap::new(),
+            keep_frames: true,
         }
     }
 
@@ -171,6 +174,9 @@ impl<'a> Doc<'a> {
         items: &[(Id, Id)],
         path: &Path<'_>,
     ) -> Result<Vec<Frame>, TraceError> {
+        if !self.keep_frames {
+            return Ok(Vec::new());
+        }
         let Some(list) = self.field(items, "frames") else {
             return Ok(Vec::new());
         };

@@ -17,8 +17,20 @@ impl Snapshot {
     /// [`TraceError::NoTrace`]. Wrong types, missing fields and negative sizes or addresses
     /// fail with an error naming the field.
     pub fn from_pickle(bytes: &[u8]) -> Result<Snapshot, TraceError> {
+        Snapshot::read(bytes, true)
+    }
+
+    /// [`Snapshot::from_pickle`] without the call stacks: every `frames` list reads as empty,
+    /// unexamined. Stacks are most of a real snapshot's size and of the time to read it, and
+    /// a replay does not need them.
+    pub fn from_pickle_without_frames(bytes: &[u8]) -> Result<Snapshot, TraceError> {
+        Snapshot::read(bytes, false)
+    }
+
+    fn read(bytes: &[u8], keep_frames: bool) -> Result<Snapshot, TraceError> {
         let (arena, root) = pickle::parse(bytes)?;
         let mut doc = Doc::new(&arena, Budget::for_snapshot(bytes.len()));
+        doc.keep_frames = keep_frames;
         read_snapshot(&mut doc, root)
     }
 }
