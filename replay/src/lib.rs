@@ -8,12 +8,13 @@
 //! - [`run`]: replays a trace through a `DeviceCore` on the accounting backend (addresses and
 //!   byte counts only, so a 60 GiB trace replays on a laptop), cold or warm (PyTorch's exact
 //!   start state, comparing every address PyTorch chose).
-//! - [`report`]: results as a table, JSON, and an SVG plot of memory over time.
+//! - [`report`]: results as a table and JSON; [`plot`]: memory over time as an SVG or PNG.
 //! - [`summary`]: a PyTorch-style memory summary of a snapshot's final state.
 
 pub mod analysis;
 pub mod export;
 pub mod input;
+pub mod plot;
 pub mod report;
 pub mod run;
 pub mod summary;

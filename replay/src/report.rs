@@ -1,5 +1,5 @@
-//! Replay results: the figures, a side-by-side table of configs, JSON for scripts, and an SVG
-//! plot of reserved and allocated memory over the trace.
+//! Replay results: the figures, a side-by-side table of configs and policies, and JSON for
+//! scripts (the picture is `plot.rs`).
 
 use std::fmt::Write as _;
 
@@ -15,10 +15,15 @@ use crate::run::ReplayOptions;
 pub struct Sample {
     /// Event index.
     pub event: u64,
+    /// The event's time stamp in the trace (µs), where it has one.
+    pub time_us: Option<i64>,
     /// Reserved bytes.
     pub reserved: u64,
     /// Allocated bytes.
     pub allocated: u64,
+    /// PyTorch's reserved bytes at this event, from the trace's segment events (None when the
+    /// trace has no segment list).
+    pub torch_reserved: Option<u64>,
 }
 
 /// The first allocation placed elsewhere than PyTorch placed it.
@@ -342,106 +347,4 @@ fn truncate(s: &str, n: usize) -> String {
         let cut: String = s.chars().take(n.saturating_sub(1)).collect();
         format!("{cut}…")
     }
-}
-
-/// An SVG plot of reserved (solid) and allocated (dashed) memory over the events, one colour
-/// per report.
-pub fn svg_plot(reports: &[ReplayReport]) -> String {
-    const W: f64 = 960.0;
-    const H: f64 = 480.0;
-    const PAD: f64 = 60.0;
-    const COLORS: [&str; 6] = [
-        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf",
-    ];
-    let max_x = reports
-        .iter()
-        .flat_map(|r| r.samples.last())
-        .map(|s| s.event)
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let max_y = reports
-        .iter()
-        .flat_map(|r| r.samples.iter())
-        .map(|s| s.reserved.max(s.allocated))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let x = |e: u64| PAD + (e as f64 / max_x) * (W - 2.0 * PAD);
-    let y = |b: u64| H - PAD - (b as f64 / max_y) * (H - 2.0 * PAD);
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        s,
-        r#"<line x1="{PAD}" y1="{}" x2="{}" y2="{}" stroke="black"/>"#,
-        H - PAD,
-        W - PAD,
-        H - PAD
-    );
-    let _ = writeln!(
-        s,
-        r#"<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{}" stroke="black"/>"#,
-        H - PAD
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="{PAD}" y="{}">0</text><text x="4" y="{}">{}</text>"#,
-        H - PAD + 16.0,
-        PAD,
-        format_size(max_y as u64)
-    );
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" text-anchor="end">event {}</text>"#,
-        W - PAD,
-        H - PAD + 16.0,
-        max_x as u64
-    );
-    for (i, r) in reports.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        for (dash, pick) in [("", true), (r#" stroke-dasharray="6,3""#, false)] {
-            let points: Vec<String> = r
-                .samples
-                .iter()
-                .map(|p| {
-                    format!(
-                        "{:.1},{:.1}",
-                        x(p.event),
-                        y(if pick { p.reserved } else { p.allocated })
-                    )
-                })
-                .collect();
-            let _ = writeln!(
-                s,
-                r#"<polyline fill="none" stroke="{color}" stroke-width="1.5"{dash} points="{}"/>"#,
-                points.join(" ")
-            );
-        }
-        let label = if r.config.is_empty() {
-            "(default)"
-        } else {
-            &r.config
-        };
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" fill="{color}">{}: {} — reserved (solid), allocated (dashed)</text>"#,
-            PAD + 10.0,
-            PAD - 30.0 + 14.0 * i as f64,
-            xml_escape(&r.trace),
-            xml_escape(label)
-        );
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }

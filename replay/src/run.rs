@@ -244,6 +244,8 @@ pub fn replay_core(
         r.core.record_history(Some(2 * trace.events.len() + 1024));
     }
     let (mut matched, mut compared) = (0u64, 0u64);
+    // PyTorch's own reserved bytes as the trace goes, for the plot's reference line.
+    let mut torch_reserved = report.torch.start_reserved;
     let started = Instant::now();
     let total = trace.events.len() as u64;
     for (i, e) in trace.events.iter().enumerate() {
@@ -354,14 +356,23 @@ pub fn replay_core(
             }
             Action::SegmentMap | Action::SegmentUnmap | Action::Oom | Action::Snapshot => {}
         }
+        if let Some(t) = torch_reserved.as_mut() {
+            match e.action {
+                Action::SegmentAlloc | Action::SegmentMap => *t += e.size,
+                Action::SegmentFree | Action::SegmentUnmap => *t = t.saturating_sub(e.size),
+                _ => {}
+            }
+        }
         if options.sample_every > 0
             && (i % options.sample_every == 0 || i + 1 == trace.events.len())
         {
             let st = r.core.stats();
             report.samples.push(Sample {
                 event: i as u64,
+                time_us: e.time_us,
                 reserved: st.reserved_bytes[0].current,
                 allocated: st.allocated_bytes[0].current,
+                torch_reserved,
             });
         }
         if let Some(progress) = options.progress {

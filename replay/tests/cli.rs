@@ -94,8 +94,46 @@ fn replay_compares_configs_and_writes_json_and_a_plot() {
         120u64 << 20,
         "expandable: six 20 MiB pages"
     );
+    // The picture: one panel with labelled axes, a legend naming each replay and its peak.
     let svg = std::fs::read_to_string(&plot).unwrap();
-    assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 4);
+    assert!(svg.starts_with("<svg"), "{}", &svg[..100]);
+    for text in [
+        "layers.jsonl",
+        "memory (MiB)",
+        "event",
+        "default · pytorch: reserved (peak 1: 140.00 MiB)",
+        "expandable_segments:True · pytorch: reserved (peak 2: 120.00 MiB)",
+        "default · pytorch: allocated",
+    ] {
+        assert!(svg.contains(text), "the plot lacks {text:?}");
+    }
+    assert!(
+        !svg.contains("PyTorch reserved"),
+        "a JSON Lines trace has no recorded reserved memory to show"
+    );
+    // PNG too; any other extension is refused before the replay runs.
+    let png = dir.join("mem.png");
+    let (ok, _, stderr) = gpualloc(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--plot",
+        png.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(
+        u32::from_be_bytes(bytes[16..20].try_into().unwrap()),
+        1280,
+        "width"
+    );
+    let (ok, stdout, stderr) = gpualloc(&["replay", trace.to_str().unwrap(), "--plot", "mem.jpg"]);
+    assert!(!ok);
+    assert!(stdout.is_empty(), "refused before replaying");
+    assert!(
+        stderr.contains("a plot is written as .svg or .png"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

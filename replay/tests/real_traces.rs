@@ -254,3 +254,41 @@ fn summary_totals_cover_the_whole_trace() {
         assert!(warm.peak_allocated > final_live, "{}", trace.name);
     }
 }
+
+/// The plot's reference line: PyTorch's reserved memory, sampled along the replay, peaks at
+/// PyTorch's recorded peak; its time axis is the trace's own where it has time stamps.
+#[test]
+fn samples_carry_pytorchs_reserved_curve_and_time() {
+    for trace in all_traces() {
+        let options = ReplayOptions {
+            sample_every: 1,
+            ..ReplayOptions::default()
+        };
+        let r = replay(&trace, &options).unwrap();
+        assert_eq!(r.samples.len(), trace.events.len());
+        let torch_peak = r.samples.iter().filter_map(|s| s.torch_reserved).max();
+        assert_eq!(torch_peak, r.torch.peak_reserved, "{}", trace.name);
+        let stamped = r.samples.iter().all(|s| s.time_us.is_some());
+        let trace_stamped = trace.events.iter().all(|e| e.time_us.is_some());
+        assert_eq!(stamped, trace_stamped, "{}", trace.name);
+        let svg = std::env::temp_dir().join(format!("gpualloc-plot-{}.svg", std::process::id()));
+        gpualloc_replay::plot::write_plot(&svg, &[r]).unwrap();
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            text.contains("PyTorch reserved (recorded)"),
+            "{}",
+            trace.name
+        );
+        let axis = if trace_stamped {
+            "time since the first event (s)"
+        } else {
+            ">event<"
+        };
+        assert!(
+            text.contains(axis) || text.contains(&axis.replace(['<', '>'], "\n")),
+            "{}: {axis}",
+            trace.name
+        );
+        std::fs::remove_file(&svg).ok();
+    }
+}

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! gpualloc replay FILE... [--config "max_split_size_mb:512"]... [--policy pytorch|gpualloc|both]
-//!                 [--warm] [--json] [--timing] [--capacity 80GiB] [--plot memory.svg]
+//!                 [--warm] [--json] [--timing] [--capacity 80GiB] [--plot memory.svg|.png]
 //! gpualloc summary FILE
 //! ```
 
@@ -12,7 +12,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpualloc_devices::DeviceSnapshot;
 use gpualloc_devices::{AllocatorConfig, Policy};
-use gpualloc_replay::report::{svg_plot, table, PolicyDifference};
+use gpualloc_replay::plot::{write_plot, PlotFormat};
+use gpualloc_replay::report::{table, PolicyDifference};
 use gpualloc_replay::{load, replay_core, ReplayOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -55,8 +56,9 @@ enum Command {
         /// Device capacity, e.g. 80GiB (default: unlimited).
         #[arg(long, value_parser = parse_bytes)]
         capacity: Option<u64>,
-        /// Write an SVG plot of reserved and allocated memory over time.
-        #[arg(long)]
+        /// Draw memory over time into FILE.svg or FILE.png: one panel per trace, reserved
+        /// and allocated of each replay, PyTorch's recorded reserved memory for reference.
+        #[arg(long, value_name = "FILE")]
         plot: Option<PathBuf>,
         /// Write the replay as a memory snapshot PyTorch's viewer opens (drag it into
         /// pytorch.org/memory_viz): its segments at the end and the history the replay made.
@@ -215,6 +217,9 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             plot,
             export_viz,
         } => {
+            if let Some(path) = &plot {
+                PlotFormat::of(path)?;
+            }
             let configs = if configs.is_empty() {
                 vec![String::new()]
             } else {
@@ -311,7 +316,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 print!("{}", table(&reports, timing));
             }
             if let Some(path) = plot {
-                std::fs::write(&path, svg_plot(&reports))?;
+                write_plot(&path, &reports)?;
                 eprintln!("plot written to {}", path.display());
             }
             if let Some(path) = export_viz {
