@@ -54,6 +54,13 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
+    /// An arena with room for `n` nodes.
+    pub(crate) fn with_capacity(n: usize) -> Arena {
+        Arena {
+            nodes: Vec::with_capacity(n),
+        }
+    }
+
     /// Adds a node and returns its id.
     pub(crate) fn push(&mut self, node: Node) -> Id {
         self.nodes.push(node);

@@ -151,7 +151,23 @@ pub enum Arg {
 }
 
 /// The name and argument layout of a known opcode, `None` for a byte that is no opcode.
+/// (A table lookup: the reader asks once per opcode.)
 pub fn info(op: u8) -> Option<(&'static str, Arg)> {
+    INFO[usize::from(op)]
+}
+
+/// [`info`] of every byte, computed at compile time.
+static INFO: [Option<(&str, Arg)>; 256] = {
+    let mut table = [Option::None; 256];
+    let mut i = 0;
+    while i < 256 {
+        table[i] = describe(i as u8);
+        i += 1;
+    }
+    table
+};
+
+const fn describe(op: u8) -> Option<(&'static str, Arg)> {
     use Arg::*;
     Some(match op {
         MARK => ("MARK", None),

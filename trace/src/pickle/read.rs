@@ -34,7 +34,8 @@ pub(crate) fn parse(bytes: &[u8]) -> Result<(Arena, Id), PickleError> {
     Machine {
         data: bytes,
         pos: 0,
-        arena: Arena::default(),
+        // About one node per 8 bytes in real snapshots (short opcodes, memoized strings).
+        arena: Arena::with_capacity(bytes.len() / 8),
         stack: Vec::new(),
         marks: Vec::new(),
         memo: Memo::default(),
