@@ -149,6 +149,25 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
     })
 }
 
+/// `cuDevicePrimaryCtxGetState`: `active` is 1 while the primary context is retained (flags
+/// are always 0).
+///
+/// # Safety
+/// `flags` and `active` must be null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: CUdevice,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CUresult {
+    call("cuDevicePrimaryCtxGetState", Needs::Init, |emu, _| {
+        let d = check_device(emu.devices, dev)?;
+        let retained = lock(&emu.retained)[d as usize] > 0;
+        out(flags, 0)?;
+        out(active, c_int::from(retained))
+    })
+}
+
 /// `cuDevicePrimaryCtxRelease_v2`: releasing more often than retained is an error.
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {

@@ -24,7 +24,9 @@
 //! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384), `GPUALLOC_EMU_LATENCY=hardware` for
 //! the sim's model of real call costs (`cuMemFree` synchronizes the device, a malloc costs
 //! what it costs on a GPU; default: no delays), and `GPUALLOC_EMU_FAULTS` to fail chosen
-//! calls of named functions (see `faults.rs`: `function:nth[+count]:code,...`).
+//! calls of named functions (see `faults.rs`: `function:nth[+count]:code,...`), and
+//! `GPUALLOC_EMU_FREE_NO_SYNC` for a `cuMemFree` that does not synchronize (the driver says it
+//! *may*; work still queued on freed memory then fails with a sticky error).
 //!
 //! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
 //! With `GPUALLOC_FORBID_EMULATOR` set (as `scripts/gpu-check.sh` does on a real GPU),

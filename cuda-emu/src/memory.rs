@@ -32,7 +32,12 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
             .sim
             .pointer_device(DevicePtr(dptr))
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        emu.sim.free(owner, DevicePtr(dptr)).map_err(sim_err)
+        if emu.free_without_sync {
+            emu.sim.free_without_sync(owner, DevicePtr(dptr))
+        } else {
+            emu.sim.free(owner, DevicePtr(dptr))
+        }
+        .map_err(sim_err)
     })
 }
 

@@ -32,11 +32,25 @@ pub(crate) struct Emu {
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
     pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
     pub(crate) faults: Faults,
+    /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
+    /// *may*), so a caller relying on it frees memory queued work still uses.
+    pub(crate) free_without_sync: bool,
 }
 
 static EMU: OnceLock<Emu> = OnceLock::new();
 
+/// Where the emulator's `CUstream` values start (a stream's is this plus its sim id).
+pub(crate) const STREAM_HANDLE_BASE: u64 = 0x5_0000_0000;
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
+pub(crate) const CU_STREAM_LEGACY: usize = 0x1;
+/// `CU_STREAM_PER_THREAD`: the calling thread's own default stream.
+pub(crate) const CU_STREAM_PER_THREAD: usize = 0x2;
+
 thread_local! {
+    /// This thread's per-thread default streams (`CU_STREAM_PER_THREAD`), by device.
+    static PER_THREAD: std::cell::RefCell<HashMap<u32, StreamHandle>> =
+        std::cell::RefCell::new(HashMap::new());
     /// The device whose primary context is current on this thread.
     static CURRENT: Cell<Option<u32>> = const { Cell::new(None) };
     /// True while this thread runs a host function (which may not call the driver).
@@ -88,7 +102,9 @@ pub(crate) fn init() -> Result<(), CUresult> {
         ..SimConfig::default()
     };
     let sim = SimBackend::new(config).map_err(crate::errors::sim_err)?;
+    let free_without_sync = std::env::var_os("GPUALLOC_EMU_FREE_NO_SYNC").is_some();
     let _ = EMU.set(Emu {
+        free_without_sync,
         sim,
         devices,
         retained: Mutex::new(vec![0; devices as usize]),
@@ -196,7 +212,17 @@ pub(crate) fn device_of_context(ctx: CUcontext, devices: u32) -> Option<u32> {
 impl Emu {
     /// The sim stream behind a `CUstream` (null: `device`'s default stream).
     pub(crate) fn stream(&self, s: CUstream, device: DeviceId) -> Result<StreamHandle, CUresult> {
-        if s.is_null() {
+        if s as usize == CU_STREAM_PER_THREAD {
+            // Each thread's own default stream of the device, made on the thread's first use.
+            let known = PER_THREAD.with(|m| m.borrow().get(&device.0).copied());
+            if let Some(h) = known {
+                return Ok(h);
+            }
+            let h = self.sim_stream_create(device)?;
+            PER_THREAD.with(|m| m.borrow_mut().insert(device.0, h));
+            return Ok(h);
+        }
+        if s.is_null() || s as usize == CU_STREAM_LEGACY {
             let mut defaults = lock(&self.default_streams);
             if let Some(h) = defaults.get(&device.0) {
                 return Ok(*h);
@@ -223,7 +249,7 @@ impl Emu {
         device: DeviceId,
     ) -> Result<StreamHandle, CUresult> {
         let h = self.stream(s, device)?;
-        if s.is_null() {
+        if s.is_null() || s as usize == CU_STREAM_LEGACY {
             let blocking: Vec<StreamHandle> = lock(&self.streams)
                 .values()
                 .filter(|e| e.blocking && e.handle.device == device)
@@ -232,10 +258,14 @@ impl Emu {
             for earlier in blocking {
                 self.order_after(h, earlier)?;
             }
-        } else if lock(&self.streams)
-            .get(&(s as u64))
-            .is_some_and(|e| e.blocking)
+        } else if s as usize == CU_STREAM_PER_THREAD
+            || lock(&self.streams)
+                .get(&(s as u64))
+                .is_some_and(|e| e.blocking)
         {
+            // A per-thread default stream is ordered after the legacy one as a blocking stream
+            // is (the legacy stream does not wait for per-thread ones here: a simplification
+            // no test relies on).
             let legacy = lock(&self.default_streams).get(&h.device.0).copied();
             if let Some(legacy) = legacy {
                 self.order_after(h, legacy)?;

@@ -6,7 +6,7 @@ use gpualloc_runtime::Backend;
 
 use crate::abi::*;
 use crate::errors::sim_err;
-use crate::state::{call, in_host_fn, lock, out, EmuStream, Needs};
+use crate::state::{call, in_host_fn, lock, out, EmuStream, Needs, STREAM_HANDLE_BASE};
 
 /// `cuStreamCreate` (flags: default, which orders the stream with the legacy default stream
 /// as the driver does, or `CU_STREAM_NON_BLOCKING`; see `Emu::work_stream`).
@@ -21,14 +21,17 @@ pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut CUstream, flags: c_uint)
         }
         let h = emu.sim.stream_create(d).map_err(sim_err)?;
         let blocking = flags & CU_STREAM_NON_BLOCKING == 0;
+        // Like a driver's pointer, the handle is never null, CU_STREAM_LEGACY (0x1) or
+        // CU_STREAM_PER_THREAD (0x2).
+        let cu = STREAM_HANDLE_BASE + h.raw;
         lock(&emu.streams).insert(
-            h.raw,
+            cu,
             EmuStream {
                 handle: h,
                 blocking,
             },
         );
-        out(ph_stream, h.raw as CUstream)
+        out(ph_stream, cu as CUstream)
     })
 }
 
@@ -74,13 +77,7 @@ pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
 pub extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
     call("cuStreamQuery", Needs::Context, |emu, d| {
         let s = emu.stream(stream, d)?;
-        let e = emu.sim.event_create(d).map_err(sim_err)?;
-        let done = emu
-            .sim
-            .event_record(e, s)
-            .and_then(|()| emu.sim.event_query(e));
-        let _ = emu.sim.event_destroy(e);
-        match done.map_err(sim_err)? {
+        match emu.sim.stream_idle(s).map_err(sim_err)? {
             true => Ok(()),
             false => Err(CUDA_ERROR_NOT_READY),
         }

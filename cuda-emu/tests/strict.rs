@@ -319,3 +319,32 @@ fn vmm_reservations_and_access_need_granular_mapped_ranges() {
     .join()
     .unwrap();
 }
+
+/// `CU_STREAM_PER_THREAD` names each thread's own stream: work held on one thread's does not
+/// hold another thread's.
+#[test]
+fn per_thread_default_streams_are_per_thread() {
+    // `CU_STREAM_PER_THREAD`, made on each thread (a raw pointer is not `Send`).
+    let per_thread = || 0x2 as CUstream;
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        bind();
+        let gate = hold(per_thread());
+        ready_tx.send(()).unwrap();
+        let _ = done_rx.recv();
+        drop(gate);
+        assert_eq!(cuStreamSynchronize(per_thread()), CUDA_SUCCESS);
+    });
+    ready_rx.recv().unwrap();
+    std::thread::spawn(move || {
+        bind();
+        // This thread's per-thread stream is idle: synchronizing it returns at once.
+        assert_eq!(cuStreamSynchronize(per_thread()), CUDA_SUCCESS);
+        assert_eq!(cuStreamQuery(per_thread()), CUDA_SUCCESS);
+    })
+    .join()
+    .unwrap();
+    done_tx.send(()).unwrap();
+    holder.join().unwrap();
+}

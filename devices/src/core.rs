@@ -151,10 +151,12 @@ impl DeviceCore {
         config: AllocatorConfig,
     ) -> Result<Self, AllocError> {
         config.validate()?;
-        let info = backend.mem_info(device)?;
+        // The total alone: on CUDA, free memory would need the device's context, and a core
+        // is made for every device whether the process uses it or not.
+        let total = backend.total_memory(device)?;
         let allowed_max = config
             .per_process_memory_fraction
-            .map(|f| (info.total as f64 * f) as u64);
+            .map(|f| (total as f64 * f) as u64);
         // PyTorch reports its `size_t` maximum as `int64`: -1.
         let max_split_size = i64::try_from(config.max_split_size).unwrap_or(-1);
         Ok(DeviceCore {
@@ -183,7 +185,7 @@ impl DeviceCore {
             },
             total_reserved: 0,
             allowed_max,
-            device_total: info.total,
+            device_total: total,
             trace: None,
             now_us: 0,
             callbacks: Vec::new(),

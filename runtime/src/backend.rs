@@ -39,6 +39,12 @@ pub trait Backend: Send + Sync + 'static {
     fn device_count(&self) -> Result<u32>;
     /// Free and total memory of `device`.
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo>;
+    /// Total memory of `device`, without making the device ready for work: on CUDA it needs no
+    /// context (`cuDeviceTotalMem`), so asking it of every device costs none of them a context
+    /// (building an allocator does). Defaults to `mem_info`'s total.
+    fn total_memory(&self, device: DeviceId) -> Result<u64> {
+        self.mem_info(device).map(|m| m.total)
+    }
     /// Device memory this process has in use on `device` (allocated through this backend and
     /// otherwise), where the backend can tell; `None` where it cannot (the driver API alone
     /// does not say per process: PyTorch asks NVML). For out-of-memory reports.
@@ -58,7 +64,10 @@ pub trait Backend: Send + Sync + 'static {
             "mem_address_range".into(),
         ))
     }
-    /// Frees memory from [`Backend::malloc`]; synchronizes the device first (`cuMemFree`).
+    /// Frees memory from [`Backend::malloc`], after synchronizing the device: when it
+    /// returns, no work queued before it on any stream of `device` still uses the memory. The
+    /// cache's release path relies on this. (CUDA documents only that `cuMemFree` *may*
+    /// synchronize; the CUDA backend synchronizes the context itself first.)
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()>;
     /// Blocks until all work on all streams of `device` is done.
     fn device_synchronize(&self, device: DeviceId) -> Result<()>;

@@ -163,3 +163,30 @@ fn unordered_users_names_streams_with_pending_work_on_a_range_until_waited_for()
     }
     sim.free(D0, buf).unwrap();
 }
+
+/// `stream_idle` answers without queueing anything: false while work is queued, true once it
+/// has run (the emulated driver's `cuStreamQuery`).
+#[test]
+fn stream_idle_says_whether_queued_work_has_run() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let s = sim.stream_create(DeviceId(0)).unwrap();
+    assert!(sim.stream_idle(s).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    sim.launch_host_func(
+        s,
+        Box::new(move || {
+            let _ = rx.recv();
+        }),
+    )
+    .unwrap();
+    assert!(!sim.stream_idle(s).unwrap());
+    assert!(!sim.stream_idle(s).unwrap(), "asking queued nothing");
+    drop(tx);
+    sim.stream_synchronize(s).unwrap();
+    assert!(sim.stream_idle(s).unwrap());
+    sim.stream_destroy(s).unwrap();
+    assert!(
+        sim.stream_idle(s).is_err(),
+        "a destroyed stream is an error"
+    );
+}

@@ -178,6 +178,9 @@ impl Backend for CudaBackend {
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
         self.cu_mem_info(device)
     }
+    fn total_memory(&self, device: DeviceId) -> Result<u64> {
+        self.cu_total_memory(device)
+    }
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
         self.cu_malloc(device, size)
     }

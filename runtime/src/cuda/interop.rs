@@ -15,6 +15,9 @@ use crate::error::{BackendError, Result};
 use crate::stream::Stream;
 use crate::types::{DeviceId, StreamHandle};
 
+/// The driver's `CU_STREAM_PER_THREAD` handle value.
+const CU_STREAM_PER_THREAD: usize = 0x2;
+
 impl CudaBackend {
     /// The primary context of `device` as cudarc's [`CudaContext`] (retained on first use):
     /// the context this backend works in, so cudarc code using it shares memory and streams
@@ -28,7 +31,22 @@ impl CudaBackend {
     /// or `CudaContext::new`). The backend keeps the stream alive until the handle is passed
     /// to [`Backend::stream_destroy`] (once per adoption), which never destroys a stream
     /// that cudarc does not own.
+    ///
+    /// cudarc's per-thread default stream (`CU_STREAM_PER_THREAD`, from
+    /// `CudaContext::per_thread_stream`) is refused with [`BackendError::InvalidValue`]: it names
+    /// a different stream on each thread, and the allocator records and queries events from
+    /// its own threads, where it would name their idle streams (a `record_stream` would then
+    /// complete at once and the block be reused under the user's work). The legacy default
+    /// stream (`CudaContext::default_stream`, null or `CU_STREAM_LEGACY`) is one stream per
+    /// context, from any thread, and is accepted.
     pub fn adopt_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamHandle> {
+        if stream.cu_stream() as usize == CU_STREAM_PER_THREAD {
+            return Err(BackendError::invalid(
+                "adopt_stream: the per-thread default stream (CU_STREAM_PER_THREAD) names another \
+                 stream on each thread, and the allocator works from its own threads; adopt a \
+                 stream of your own (CudaContext::new_stream) or the legacy default stream",
+            ));
+        }
         let ordinal = stream.context().ordinal();
         let device =
             DeviceId(u32::try_from(ordinal).map_err(|_| BackendError::InvalidDevice(u32::MAX))?);

@@ -4,7 +4,7 @@
 //! Allocation is synchronous on purpose: the caching allocator above owns reuse, so the
 //! stream-ordered `cuMemAllocAsync` pool would only duplicate it.
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 
 use cudarc::driver::sys;
 
@@ -29,6 +29,20 @@ impl CudaBackend {
         })
     }
 
+    /// `cuDeviceTotalMem`: needs no context, so it retains none.
+    pub(crate) fn cu_total_memory(&self, device: DeviceId) -> Result<u64> {
+        self.contexts.check(device)?;
+        let ordinal = c_int::try_from(device.0)
+            .map_err(|_| BackendError::invalid(format!("no such device {device}")))?;
+        let mut total = 0usize;
+        drv("cuDeviceTotalMem", || {
+            // SAFETY: `total` is a valid out-pointer for the call; the driver is initialized
+            // (the backend exists) and `ordinal` was checked against the device count.
+            unsafe { sys::cuDeviceTotalMem_v2(&mut total, ordinal) }
+        })?;
+        Ok(total as u64)
+    }
+
     pub(crate) fn cu_malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
         self.contexts.check(device)?;
         let bytes = alloc_size("malloc", size)?;
@@ -47,10 +61,17 @@ impl CudaBackend {
         self.contexts.check(device)?;
         non_null("free", ptr.0)?;
         self.bind_device(device)?;
+        // The driver documents only that cuMemFree *may* synchronize: wait for the device's
+        // queued work ourselves, so none of it still uses the memory when it goes (the rule
+        // `Backend::free` states, and the cache's release path relies on).
+        drv("cuCtxSynchronize", || {
+            // SAFETY: no arguments; synchronizes the context current on this thread.
+            unsafe { sys::cuCtxSynchronize() }
+        })?;
         drv("cuMemFree", || {
             // SAFETY: cuMemFree takes the address by value and validates it (an address that
-            // is not a live allocation is CUDA_ERROR_INVALID_VALUE); it synchronizes first,
-            // so no queued work still uses the memory when it is released.
+            // is not a live allocation is CUDA_ERROR_INVALID_VALUE); the device was
+            // synchronized just above, so no queued work still uses the memory.
             unsafe { sys::cuMemFree_v2(ptr.0) }
         })
     }

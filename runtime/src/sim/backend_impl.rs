@@ -100,12 +100,7 @@ impl Backend for SimBackend {
         }
         // cuMemFree semantics: the device is synchronized first.
         self.drain_device(device);
-        let region = self.mem.remove(ptr.0, RegionKind::Device)?;
-        let len = region.len;
-        drop(region); // munmap + close, outside the table lock
-        self.give_capacity(device, len);
-        latency::pay(self.latency().free);
-        Ok(())
+        self.free_region(device, ptr)
     }
 
     fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {

@@ -212,6 +212,39 @@ impl SimBackend {
         ipc::IpcInfo::decode(handle).ok().map(|i| i.pid)
     }
 
+    /// Frees an allocation of `device` without synchronizing the device first: work still
+    /// queued that touches it then fails with the stream's sticky error. The driver documents
+    /// only that `cuMemFree` *may* synchronize; the emulated driver frees this way in its
+    /// no-sync mode, so a caller that relies on the synchronization is caught.
+    pub fn free_without_sync(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.check_device(device)?;
+        let owner = self
+            .mem
+            .with_region(ptr.0, RegionKind::Device, |r| r.device)?;
+        if owner != Some(device) {
+            return Err(BackendError::invalid(format!(
+                "{ptr} is not an allocation of {device}"
+            )));
+        }
+        self.free_region(device, ptr)
+    }
+
+    /// Removes allocation `ptr` of `device` and gives its capacity back (no synchronization).
+    pub(crate) fn free_region(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        let region = self.mem.remove(ptr.0, RegionKind::Device)?;
+        let len = region.len;
+        drop(region); // munmap + close, outside the table lock
+        self.give_capacity(device, len);
+        latency::pay(self.latency().free);
+        Ok(())
+    }
+
+    /// True when all work queued on `stream` so far has run (as `cuStreamQuery` answers; the
+    /// `Backend` trait asks through events instead).
+    pub fn stream_idle(&self, stream: StreamHandle) -> Result<bool> {
+        Ok(self.stream(stream)?.0.idle())
+    }
+
     /// Live device allocations from `malloc` on all devices.
     pub fn live_allocations(&self) -> usize {
         self.mem.count(RegionKind::Device)

@@ -128,6 +128,13 @@ impl StreamShared {
         }
     }
 
+    /// True when every task queued so far has run (`cuStreamQuery`'s question, asked without
+    /// queueing anything).
+    pub(crate) fn idle(&self) -> bool {
+        let p = lock(&self.progress);
+        p.done == p.submitted
+    }
+
     /// The sticky error, if any, without clearing it.
     pub(crate) fn peek_error(&self) -> Option<BackendError> {
         lock(&self.progress).error.clone()

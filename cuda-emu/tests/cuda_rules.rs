@@ -1,0 +1,157 @@
+//! The CUDA backend's rules of use, on the emulated driver with four devices
+//! (`GPUALLOC_EMU_DEVICES=4`). Each scenario runs in a child process (this binary re-executed
+//! with the emulator first on `LD_LIBRARY_PATH`):
+//! - a process retains a primary context only on the devices it allocates on;
+//! - cudarc's per-thread default stream cannot be adopted (it names another stream on each
+//!   thread, and the allocator records events from its own threads); the legacy default
+//!   stream can;
+//! - `Backend::free` waits for the device's queued work even where `cuMemFree` does not
+//!   synchronize (`GPUALLOC_EMU_FREE_NO_SYNC`).
+
+use std::process::Command;
+use std::sync::Arc;
+
+use gpualloc::{Allocator, DeviceId};
+use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_runtime::{Backend, BackendError};
+
+const ROLE: &str = "GPUALLOC_CUDA_EMU_MULTI_ROLE";
+const DEVICES: u32 = 4;
+
+/// Which devices' primary contexts this process holds, as the driver reports them.
+fn active_contexts(devices: u32) -> Vec<bool> {
+    (0..devices as i32)
+        .map(|d| {
+            let (mut flags, mut active) = (0u32, 0i32);
+            // SAFETY: both out-pointers are valid for the call; the driver is initialized
+            // (the backend was built).
+            let r = unsafe {
+                cudarc::driver::sys::cuDevicePrimaryCtxGetState(d, &mut flags, &mut active)
+            };
+            assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+            active != 0
+        })
+        .collect()
+}
+
+/// The scenarios, when this binary runs as a child.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let cuda = CudaBackend::new().expect("the emulated driver loads");
+    let backend: Arc<dyn Backend> = cuda;
+    assert_eq!(backend.device_count().unwrap(), DEVICES);
+    match role.as_str() {
+        // Building the allocator touches no context; allocating on device 2 retains device
+        // 2's only.
+        "only-device-2" => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let alloc = Allocator::builder()
+                    .backend_instance(backend.clone())
+                    .build()
+                    .unwrap();
+                assert_eq!(
+                    active_contexts(DEVICES),
+                    [false; 4],
+                    "building the allocator retained contexts"
+                );
+                let stream = alloc.new_stream(DeviceId(2)).unwrap();
+                let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
+                assert_eq!(active_contexts(DEVICES), [false, false, true, false]);
+                drop(buf);
+                alloc.shutdown().await.unwrap();
+            });
+        }
+        "per-thread-stream" => {
+            let cuda = CudaBackend::new().unwrap();
+            let ctx = cuda.cudarc_context(DeviceId(0)).unwrap();
+            match cuda.adopt_stream(&ctx.per_thread_stream()) {
+                Err(BackendError::InvalidValue(m)) => assert!(m.contains("per-thread"), "{m}"),
+                other => panic!("the per-thread default stream was adopted: {other:?}"),
+            }
+            let legacy = cuda.adopt_stream(&ctx.default_stream()).unwrap();
+            cuda.stream_synchronize(legacy).unwrap();
+            cuda.stream_destroy(legacy).unwrap();
+        }
+        "free-waits" => {
+            let d = DeviceId(0);
+            let ptr = backend.malloc(d, 1 << 20).unwrap();
+            let s = backend.stream_create(d).unwrap();
+            // Queued work on the block, behind a gate: a host function waiting on a channel,
+            // then a memset of the block.
+            let (gate, rx) = std::sync::mpsc::channel::<()>();
+            backend
+                .launch_host_func(
+                    s,
+                    Box::new(move || {
+                        let _ = rx.recv();
+                    }),
+                )
+                .unwrap();
+            backend.memset_async(s, ptr, 0xab, 1 << 20).unwrap();
+            let freed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let (b, f) = (backend.clone(), freed.clone());
+            let freeing = std::thread::spawn(move || {
+                b.free(d, ptr).unwrap();
+                f.store(true, std::sync::atomic::Ordering::SeqCst);
+            });
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            assert!(
+                !freed.load(std::sync::atomic::Ordering::SeqCst),
+                "free returned while queued work still used the memory"
+            );
+            drop(gate);
+            freeing.join().unwrap();
+            backend
+                .stream_synchronize(s)
+                .expect("the queued memset ran on live memory");
+            backend.stream_destroy(s).unwrap();
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn run_child(role: &str) {
+    run_child_with(role, &[]);
+}
+
+fn run_child_with(role: &str, env: &[(&str, &str)]) {
+    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
+    let mut path = dir.into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env("GPUALLOC_EMU_DEVICES", DEVICES.to_string())
+        .env("LD_LIBRARY_PATH", path)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{role}:\n{stdout}\n{stderr}");
+}
+
+#[test]
+fn a_process_retains_a_context_only_on_the_devices_it_allocates_on() {
+    run_child("only-device-2");
+}
+
+#[test]
+fn the_per_thread_default_stream_is_refused_and_the_legacy_one_adopted() {
+    run_child("per-thread-stream");
+}
+
+#[test]
+fn free_waits_for_queued_work_where_cumemfree_does_not_synchronize() {
+    run_child_with("free-waits", &[("GPUALLOC_EMU_FREE_NO_SYNC", "1")]);
+}
