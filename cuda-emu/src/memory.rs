@@ -6,7 +6,7 @@ use gpualloc_runtime::{Backend, DevicePtr, HostRegisterFlags};
 
 use crate::abi::*;
 use crate::errors::sim_err;
-use crate::state::{call, out, Needs};
+use crate::state::{call, lock, out, Needs, PinnedRange};
 
 /// `cuMemAlloc_v2`.
 ///
@@ -140,6 +140,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
         if src.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        emu.note_host_side(src as usize, n, d);
         if emu.sim.memcpy_async(s, dst, src as u64, n as u64).is_ok() {
             return Ok(());
         }
@@ -171,6 +172,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
         if dst.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        emu.note_host_side(dst as usize, n, d);
         if emu.sim.memcpy_async(s, dst as u64, src, n as u64).is_ok() {
             return Ok(());
         }
@@ -219,11 +221,17 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     bytesize: usize,
     flags: c_uint,
 ) -> CUresult {
-    call("cuMemHostAlloc", Needs::Context, |emu, _| {
+    call("cuMemHostAlloc", Needs::Context, |emu, d| {
         if flags & !0x7 != 0 || bytesize == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let p = emu.sim.host_alloc(bytesize as u64).map_err(sim_err)?;
+        lock(&emu.pinned).push(PinnedRange {
+            start: p as usize,
+            len: bytesize,
+            portable: flags & 1 != 0,
+            device: d.0,
+        });
         out(pp, p.cast::<c_void>())
     })
 }
@@ -232,17 +240,25 @@ pub unsafe extern "C" fn cuMemHostAlloc(
 #[no_mangle]
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     call("cuMemFreeHost", Needs::Context, |emu, _| {
-        emu.sim.host_free(p.cast::<u8>()).map_err(sim_err)
+        emu.sim.host_free(p.cast::<u8>()).map_err(sim_err)?;
+        lock(&emu.pinned).retain(|r| r.start != p as usize);
+        Ok(())
     })
 }
 
 /// `cuMemHostRegister_v2`.
 #[no_mangle]
 pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult {
-    call("cuMemHostRegister_v2", Needs::Context, |emu, _| {
+    call("cuMemHostRegister_v2", Needs::Context, |emu, d| {
         if flags & !0xf != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let range = PinnedRange {
+            start: p as usize,
+            len: bytesize,
+            portable: flags & 1 != 0,
+            device: d.0,
+        };
         let flags = HostRegisterFlags {
             portable: flags & 1 != 0,
             device_map: flags & 2 != 0,
@@ -255,7 +271,9 @@ pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, flags: c
                     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
                 }
                 e => sim_err(e),
-            })
+            })?;
+        lock(&emu.pinned).push(range);
+        Ok(())
     })
 }
 
@@ -265,6 +283,18 @@ pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
     call("cuMemHostUnregister", Needs::Context, |emu, _| {
         emu.sim
             .host_unregister(p.cast::<u8>())
-            .map_err(|_| CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)
+            .map_err(|_| CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)?;
+        lock(&emu.pinned).retain(|r| r.start != p as usize);
+        Ok(())
+    })
+}
+
+/// Not a driver function: how many async copies so far had a host side that was not pinned
+/// for the copying context (pageable, or registered without `PORTABLE` in another context).
+/// The driver stages such copies synchronously; tests read this to catch it.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_pageable_copies() -> u64 {
+    crate::state::emu().map_or(0, |e| {
+        e.pageable_copies.load(std::sync::atomic::Ordering::Relaxed)
     })
 }

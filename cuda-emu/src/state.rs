@@ -12,6 +12,16 @@ use gpualloc_runtime::{DeviceId, EventHandle, PhysHandle, StreamHandle};
 use crate::abi::*;
 use crate::faults::Faults;
 
+/// A page-locked host range: pinned for every context when `portable`, else only for the
+/// context (device) it was allocated or registered in.
+#[derive(Clone, Copy)]
+pub(crate) struct PinnedRange {
+    pub(crate) start: usize,
+    pub(crate) len: usize,
+    pub(crate) portable: bool,
+    pub(crate) device: u32,
+}
+
 /// A stream made by `cuStreamCreate`.
 #[derive(Clone, Copy)]
 pub(crate) struct EmuStream {
@@ -32,6 +42,11 @@ pub(crate) struct Emu {
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
     pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
     pub(crate) faults: Faults,
+    /// Page-locked host ranges (allocated or registered), with who may treat them as pinned.
+    pub(crate) pinned: Mutex<Vec<PinnedRange>>,
+    /// Async copies whose host side was not pinned for the copying context (the driver stages
+    /// them through a bounce buffer, synchronously); read by `gpualloc_emu_pageable_copies`.
+    pub(crate) pageable_copies: std::sync::atomic::AtomicU64,
     /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
     /// *may*), so a caller relying on it frees memory queued work still uses.
     pub(crate) free_without_sync: bool,
@@ -104,6 +119,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
     let sim = SimBackend::new(config).map_err(crate::errors::sim_err)?;
     let free_without_sync = std::env::var_os("GPUALLOC_EMU_FREE_NO_SYNC").is_some();
     let _ = EMU.set(Emu {
+        pinned: Mutex::new(Vec::new()),
+        pageable_copies: std::sync::atomic::AtomicU64::new(0),
         free_without_sync,
         sim,
         devices,
@@ -164,6 +181,11 @@ pub(crate) fn call(
             CUDA_ERROR_UNKNOWN
         }
     }
+}
+
+/// The emulator, once `cuInit` succeeded.
+pub(crate) fn emu() -> Option<&'static Emu> {
+    EMU.get()
 }
 
 /// True once `cuInit` succeeded.
@@ -272,6 +294,17 @@ impl Emu {
             }
         }
         Ok(h)
+    }
+
+    /// Counts an async copy whose host side `[p, p + n)` is not pinned for `device`'s context.
+    pub(crate) fn note_host_side(&self, p: usize, n: usize, device: DeviceId) {
+        let pinned = lock(&self.pinned).iter().any(|r| {
+            p >= r.start && p + n <= r.start + r.len && (r.portable || r.device == device.0)
+        });
+        if !pinned {
+            self.pageable_copies
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Work queued on `later` from now on waits for the work queued on `earlier` so far.

@@ -6,14 +6,17 @@
 //!   thread, and the allocator records events from its own threads); the legacy default
 //!   stream can;
 //! - `Backend::free` waits for the device's queued work even where `cuMemFree` does not
-//!   synchronize (`GPUALLOC_EMU_FREE_NO_SYNC`).
+//!   synchronize (`GPUALLOC_EMU_FREE_NO_SYNC`);
+//! - registered host memory is pinned for every device's context, not only the one current
+//!   when it was registered (the emulator counts copies whose host side is not pinned for the
+//!   copying context: the driver stages those, synchronously).
 
 use std::process::Command;
 use std::sync::Arc;
 
 use gpualloc::{Allocator, DeviceId};
 use gpualloc_runtime::cuda::CudaBackend;
-use gpualloc_runtime::{Backend, BackendError};
+use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_MULTI_ROLE";
 const DEVICES: u32 = 4;
@@ -32,6 +35,19 @@ fn active_contexts(devices: u32) -> Vec<bool> {
             active != 0
         })
         .collect()
+}
+
+/// The emulator's count of copies whose host side was not pinned for the copying context.
+fn pageable_copies() -> u64 {
+    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
+    // exports this function with exactly this signature; it takes nothing and reads a counter.
+    unsafe {
+        let lib = cudarc::driver::sys::culib();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_pageable_copies\0")
+            .expect("the emulator's counter");
+        f()
+    }
 }
 
 /// The scenarios, when this binary runs as a child.
@@ -113,6 +129,37 @@ fn child_entry() {
                 .expect("the queued memset ran on live memory");
             backend.stream_destroy(s).unwrap();
         }
+        "portable-registration" => {
+            const LEN: usize = 1 << 20;
+            let layout = std::alloc::Layout::from_size_align(LEN, 4096).unwrap();
+            // SAFETY: a non-zero size; freed below with the same layout.
+            let host = unsafe { std::alloc::alloc_zeroed(layout) };
+            assert!(!host.is_null());
+            backend
+                .host_register(host, LEN as u64, HostRegisterFlags::default())
+                .unwrap();
+            let d1 = DeviceId(1);
+            let s = backend.stream_create(d1).unwrap();
+            let dst = backend.malloc(d1, LEN as u64).unwrap();
+            // SAFETY: `host` holds LEN initialized (zeroed) bytes, alive until freed below.
+            let bytes = unsafe { std::slice::from_raw_parts(host, LEN) };
+            let before = pageable_copies();
+            backend.copy_to_device(s, dst, bytes).unwrap();
+            assert_eq!(
+                pageable_copies() - before,
+                0,
+                "registered memory was not pinned for device 1's context"
+            );
+            // The count does see a copy from memory that was never registered.
+            let pageable = vec![1u8; 4096];
+            backend.copy_to_device(s, dst, &pageable).unwrap();
+            assert_eq!(pageable_copies() - before, 1);
+            backend.host_unregister(host).unwrap();
+            // SAFETY: allocated above with this layout, unregistered, no longer used.
+            unsafe { std::alloc::dealloc(host, layout) };
+            backend.free(d1, dst).unwrap();
+            backend.stream_destroy(s).unwrap();
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -154,4 +201,9 @@ fn the_per_thread_default_stream_is_refused_and_the_legacy_one_adopted() {
 #[test]
 fn free_waits_for_queued_work_where_cumemfree_does_not_synchronize() {
     run_child_with("free-waits", &[("GPUALLOC_EMU_FREE_NO_SYNC", "1")]);
+}
+
+#[test]
+fn registered_host_memory_is_pinned_for_every_device() {
+    run_child("portable-registration");
 }

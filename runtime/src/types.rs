@@ -90,7 +90,9 @@ pub struct MemInfo {
 /// Flags for registering existing host memory (`cuMemHostRegister`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct HostRegisterFlags {
-    /// Pinned for every context (`CU_MEMHOSTREGISTER_PORTABLE`).
+    /// Pinned for every context (`CU_MEMHOSTREGISTER_PORTABLE`). The CUDA backend registers
+    /// portable whatever this says: memory pinned for one GPU's context only would be staged
+    /// (synchronously) on every other GPU.
     pub portable: bool,
     /// Also mapped into the device address space (`CU_MEMHOSTREGISTER_DEVICEMAP`).
     pub device_map: bool,

@@ -74,11 +74,11 @@ pub(crate) fn inside_phys(op: &'static str, offset: u64, size: u64, phys_size: u
 }
 
 /// The driver's flag word for [`HostRegisterFlags`].
+/// The driver's flags for `flags`, always with `PORTABLE`: without it the range counts as
+/// pinned only in the context current at registration, and copies on other devices' streams
+/// are staged synchronously (as `host_alloc` already allocates portable).
 pub(crate) fn host_register_flags(flags: HostRegisterFlags) -> u32 {
-    let mut bits = 0;
-    if flags.portable {
-        bits |= sys::CU_MEMHOSTREGISTER_PORTABLE;
-    }
+    let mut bits = sys::CU_MEMHOSTREGISTER_PORTABLE;
     if flags.device_map {
         bits |= sys::CU_MEMHOSTREGISTER_DEVICEMAP;
     }
@@ -143,7 +143,8 @@ mod tests {
 
     #[test]
     fn register_flags() {
-        assert_eq!(host_register_flags(HostRegisterFlags::default()), 0);
+        // Always portable (see `host_register_flags`).
+        assert_eq!(host_register_flags(HostRegisterFlags::default()), 1);
         let all = HostRegisterFlags {
             portable: true,
             device_map: true,
@@ -154,7 +155,7 @@ mod tests {
             device_map: true,
             ..Default::default()
         };
-        assert_eq!(host_register_flags(dm), 2);
+        assert_eq!(host_register_flags(dm), 1 | 2);
     }
 
     #[test]
