@@ -1,7 +1,8 @@
 //! The CUDA backend's rules of use, on the emulated driver with four devices
 //! (`GPUALLOC_EMU_DEVICES=4`). Each scenario runs in a child process (this binary re-executed
 //! with the emulator first on `LD_LIBRARY_PATH`):
-//! - a process retains a primary context only on the devices it allocates on;
+//! - a process retains a primary context only on the devices it allocates on, and pinned
+//!   host memory, unmaps and pointer queries use a context it already holds;
 //! - cudarc's per-thread default stream cannot be adopted (it names another stream on each
 //!   thread, and the allocator records events from its own threads); the legacy default
 //!   stream can;
@@ -160,6 +161,40 @@ fn child_entry() {
             backend.free(d1, dst).unwrap();
             backend.stream_destroy(s).unwrap();
         }
+        "host-on-device-3" => {
+            let d3 = DeviceId(3);
+            let s = backend.stream_create(d3).unwrap();
+            // Pinned host memory, registered host memory, a pointer query (IPC handle) and a
+            // VMM map/unmap, all by a process that works on device 3 only.
+            let pinned = backend.host_alloc(1 << 20).unwrap();
+            let layout = std::alloc::Layout::from_size_align(1 << 16, 4096).unwrap();
+            // SAFETY: a non-zero size; freed below with the same layout.
+            let host = unsafe { std::alloc::alloc_zeroed(layout) };
+            backend
+                .host_register(host, 1 << 16, HostRegisterFlags::default())
+                .unwrap();
+            let p = backend.malloc(d3, 1 << 20).unwrap();
+            backend.ipc_get_mem_handle(p).unwrap();
+            let g = backend.vmm_granularity(d3).unwrap();
+            let va = backend.va_reserve(d3, g, g).unwrap();
+            let phys = backend.phys_create(d3, g).unwrap();
+            backend.map(va, g, 0, phys).unwrap();
+            backend.set_access(d3, va, g).unwrap();
+            backend.unmap(va, g).unwrap();
+            backend.phys_release(phys).unwrap();
+            backend.va_free(d3, va, g).unwrap();
+            backend.host_unregister(host).unwrap();
+            // SAFETY: allocated above with this layout, unregistered, no longer used.
+            unsafe { std::alloc::dealloc(host, layout) };
+            backend.host_free(pinned).unwrap();
+            backend.free(d3, p).unwrap();
+            backend.stream_destroy(s).unwrap();
+            assert_eq!(
+                active_contexts(DEVICES),
+                [false, false, false, true],
+                "a context other than device 3's was retained"
+            );
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -206,4 +241,9 @@ fn free_waits_for_queued_work_where_cumemfree_does_not_synchronize() {
 #[test]
 fn registered_host_memory_is_pinned_for_every_device() {
     run_child("portable-registration");
+}
+
+#[test]
+fn host_memory_unmaps_and_pointer_queries_use_a_context_the_process_holds() {
+    run_child("host-on-device-3");
 }

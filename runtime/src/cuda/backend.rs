@@ -147,10 +147,15 @@ impl CudaBackend {
         Ok(ctx)
     }
 
-    /// Binds device 0's context: for calls that need *a* context but no particular device
-    /// (pinned host memory is allocated portable, so any context will do).
+    /// Binds a context for calls that need *a* context but no particular device (pinned host
+    /// memory, allocated and registered portable, works in every context; unmaps and pointer
+    /// queries name their memory by address): one the process already holds, so a process
+    /// that works only on GPU k never makes one on GPU 0. Device 0's when it holds none yet.
     pub(crate) fn bind_any(&self) -> Result<()> {
-        self.bind_device(DeviceId(0)).map(|_| ())
+        match self.contexts.any_retained() {
+            Some(ctx) => bind(ctx),
+            None => self.bind_device(DeviceId(0)).map(|_| ()),
+        }
     }
 }
 

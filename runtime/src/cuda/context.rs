@@ -47,6 +47,11 @@ impl Contexts {
         self.slot(device).map(|_| ())
     }
 
+    /// A context this process already holds (the lowest device's), if any.
+    pub(crate) fn any_retained(&self) -> Option<&Arc<CudaContext>> {
+        self.slots.iter().find_map(OnceLock::get)
+    }
+
     /// The primary context of `device`, retained on first use.
     pub(crate) fn get(&self, device: DeviceId) -> Result<&Arc<CudaContext>> {
         let slot = self.slot(device)?;
