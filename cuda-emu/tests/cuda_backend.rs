@@ -1,6 +1,7 @@
 //! The real CUDA backend, unchanged, on the emulated driver: this test binary re-executes
 //! itself with the emulator first on `LD_LIBRARY_PATH` (as `libcuda.so`), and the child runs
-//! the backend conformance suite on `CudaBackend` through cudarc's dynamic loading.
+//! the backend conformance suite on `CudaBackend` through cudarc's dynamic loading: on device
+//! 0 of one device, and on device 3 of four.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -10,6 +11,8 @@ use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_CHILD";
+/// The device the child checks (its ordinal).
+const DEVICE: &str = "GPUALLOC_CUDA_EMU_CHECK_DEVICE";
 
 /// The child: runs every conformance check on the CUDA backend, printing each.
 #[test]
@@ -25,7 +28,8 @@ fn child_entry() {
         "loaded {}",
         lib.display()
     );
-    let results = run_all(&backend, DeviceId(0));
+    let device = DeviceId(std::env::var(DEVICE).map_or(0, |d| d.parse().unwrap()));
+    let results = run_all(&backend, device);
     let ran = results.len();
     let mut failures = Vec::new();
     for (name, result) in results {
@@ -37,12 +41,11 @@ fn child_entry() {
             failures.push(format!("{name}: {e}"));
         }
     }
-    println!("conformance on CudaBackend (emulated driver): {ran} checks run");
+    println!("conformance on CudaBackend (emulated driver, {device}): {ran} checks run");
     assert!(failures.is_empty(), "failures:\n{}", failures.join("\n"));
 }
 
-#[test]
-fn cuda_backend_passes_conformance_on_the_emulated_driver() {
+fn conformance_in_child(devices: u32, device: u32) {
     let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
     let path = match std::env::var_os("LD_LIBRARY_PATH") {
         Some(old) => {
@@ -56,6 +59,8 @@ fn cuda_backend_passes_conformance_on_the_emulated_driver() {
     let out = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, "1")
+        .env(DEVICE, device.to_string())
+        .env("GPUALLOC_EMU_DEVICES", devices.to_string())
         .env("LD_LIBRARY_PATH", path)
         .output()
         .unwrap();
@@ -64,4 +69,14 @@ fn cuda_backend_passes_conformance_on_the_emulated_driver() {
     println!("{stdout}");
     assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("checks run"), "{stdout}");
+}
+
+#[test]
+fn cuda_backend_passes_conformance_on_the_emulated_driver() {
+    conformance_in_child(1, 0);
+}
+
+#[test]
+fn cuda_backend_passes_conformance_on_device_3_of_4() {
+    conformance_in_child(4, 3);
 }
