@@ -47,6 +47,10 @@ pub(crate) struct Emu {
     /// Async copies whose host side was not pinned for the copying context (the driver stages
     /// them through a bounce buffer, synchronously); read by `gpualloc_emu_pageable_copies`.
     pub(crate) pageable_copies: std::sync::atomic::AtomicU64,
+    /// Mappings opened by `cuIpcOpenMemHandle`, by address: the device whose context opened
+    /// it (only that context may close it) and the device whose memory it is (what
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` reports).
+    pub(crate) ipc_opened: Mutex<HashMap<u64, (u32, u32)>>,
     /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
     /// *may*), so a caller relying on it frees memory queued work still uses.
     pub(crate) free_without_sync: bool,
@@ -120,6 +124,7 @@ pub(crate) fn init() -> Result<(), CUresult> {
     let free_without_sync = std::env::var_os("GPUALLOC_EMU_FREE_NO_SYNC").is_some();
     let _ = EMU.set(Emu {
         pinned: Mutex::new(Vec::new()),
+        ipc_opened: Mutex::new(HashMap::new()),
         pageable_copies: std::sync::atomic::AtomicU64::new(0),
         free_without_sync,
         sim,

@@ -304,20 +304,29 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
         if emu.sim.ipc_handle_pid(&handle_of) == Some(std::process::id()) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
+        let owner = emu.sim.ipc_handle_device(&handle_of).map_or(d.0, |o| o.0);
         let p = emu
             .sim
-            .ipc_open_mem_handle(d, &IpcMemHandle(handle.reserved))
+            .ipc_open_mem_handle(d, &handle_of)
             .map_err(sim_err)?;
+        lock(&emu.ipc_opened).insert(p.0, (d.0, owner));
         out(pdptr, p.0)
     })
 }
 
-/// `cuIpcCloseMemHandle`.
+/// `cuIpcCloseMemHandle`: only in the context that opened the handle
+/// (`CUDA_ERROR_INVALID_CONTEXT` in another).
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
-    call("cuIpcCloseMemHandle", Needs::Context, |emu, _| {
+    call("cuIpcCloseMemHandle", Needs::Context, |emu, d| {
+        let opener = lock(&emu.ipc_opened).get(&dptr).map(|(o, _)| *o);
+        if opener.is_some_and(|o| o != d.0) {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
         emu.sim
             .ipc_close_mem_handle(DevicePtr(dptr))
-            .map_err(sim_err)
+            .map_err(sim_err)?;
+        lock(&emu.ipc_opened).remove(&dptr);
+        Ok(())
     })
 }

@@ -10,7 +10,9 @@
 //!   synchronize (`GPUALLOC_EMU_FREE_NO_SYNC`);
 //! - registered host memory is pinned for every device's context, not only the one current
 //!   when it was registered (the emulator counts copies whose host side is not pinned for the
-//!   copying context: the driver stages those, synchronously).
+//!   copying context: the driver stages those, synchronously);
+//! - a legacy IPC handle opened on another device than the memory's is closed in the context
+//!   that opened it.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -195,6 +197,45 @@ fn child_entry() {
                 "a context other than device 3's was retained"
             );
         }
+        // Exports an allocation of device 1: prints its IPC handle, holds it until stdin ends.
+        "ipc-export" => {
+            let p = backend.malloc(DeviceId(1), 1 << 20).unwrap();
+            let h = backend.ipc_get_mem_handle(p).unwrap();
+            let hex: String = h.0.iter().map(|b| format!("{b:02x}")).collect();
+            println!("HANDLE {hex}");
+            let mut rest = String::new();
+            let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
+            backend.free(DeviceId(1), p).unwrap();
+        }
+        // Opens that handle in device 2's context and closes it again.
+        "ipc-open-elsewhere" => {
+            let mut exporter = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+                .env(ROLE, "ipc-export")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut out = std::io::BufReader::new(exporter.stdout.take().unwrap());
+            let hex = loop {
+                let mut line = String::new();
+                assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
+                if let Some(i) = line.find("HANDLE ") {
+                    break line[i + 7..].trim().to_string();
+                }
+            };
+            let mut bytes = [0u8; 64];
+            for (i, b) in bytes.iter_mut().enumerate() {
+                *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+            }
+            let handle = gpualloc_runtime::IpcMemHandle(bytes);
+            let p = backend.ipc_open_mem_handle(DeviceId(2), &handle).unwrap();
+            backend
+                .ipc_close_mem_handle(p)
+                .expect("closed in the context that opened it");
+            drop(exporter.stdin.take());
+            assert!(exporter.wait().unwrap().success());
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -246,4 +287,9 @@ fn registered_host_memory_is_pinned_for_every_device() {
 #[test]
 fn host_memory_unmaps_and_pointer_queries_use_a_context_the_process_holds() {
     run_child("host-on-device-3");
+}
+
+#[test]
+fn an_ipc_handle_is_closed_in_the_context_that_opened_it() {
+    run_child("ipc-open-elsewhere");
 }

@@ -130,7 +130,8 @@ impl ImportedBuffer {
                 match legacy_window(&**backend, base, *offset, offer.len) {
                     Ok(ptr) => Ok((opened, ptr)),
                     Err(e) => {
-                        close(&**backend, opened);
+                        // The import fails as a whole; a failed close is logged by `close`.
+                        let _ = close(&**backend, opened);
                         Err(e)
                     }
                 }
@@ -162,7 +163,8 @@ impl ImportedBuffer {
                 match mapped {
                     Ok(ptr) => Ok((opened, ptr)),
                     Err(e) => {
-                        close(&**backend, opened);
+                        // The import fails as a whole; a failed close is logged by `close`.
+                        let _ = close(&**backend, opened);
                         Err(e)
                     }
                 }
@@ -223,12 +225,20 @@ impl ImportedBuffer {
         self.id
     }
 
-    /// Closes and drops the reference; true if this call did (not an earlier one).
+    /// Closes and drops the reference; true if this call did (not an earlier one). When the
+    /// close fails the memory may still be mapped here, so the reference is kept: the
+    /// exporter gets the block back only when this process is gone (its connection's end).
     fn release_now(&mut self) -> bool {
         let Some(opened) = self.opened.take() else {
             return false;
         };
-        close(&*self.backend, opened);
+        if !close(&*self.backend, opened) {
+            tracing::error!(
+                id = self.id,
+                "an imported buffer could not be closed: its reference is kept"
+            );
+            return false;
+        }
         if let Some(c) = self.refs.counters().get(self.slot as usize) {
             c.release_one();
         }
@@ -299,15 +309,21 @@ fn map_chunks(
     Ok(())
 }
 
-/// Undoes an open, logging (not failing on) errors: it runs from `Drop`.
-fn close(backend: &dyn Backend, opened: Opened) {
-    let warn = |what: &str, r: gpualloc_runtime::Result<()>| {
-        if let Err(e) = r {
+/// Undoes an open, logging (not failing on) errors: it runs from `Drop`. Returns whether the
+/// memory is no longer mapped in this process: false when the close (legacy) or an unmap
+/// (VMM) failed, and then the caller must keep its reference, or the exporter would hand the
+/// block out again while this process can still read and write it. (A failed `phys_release`
+/// or `va_free` leaks this process's handle or address range, not the exporter's memory.)
+fn close(backend: &dyn Backend, opened: Opened) -> bool {
+    let ok = |what: &str, r: gpualloc_runtime::Result<()>| match r {
+        Ok(()) => true,
+        Err(e) => {
             tracing::warn!(error = %e, "{what} of an imported buffer failed");
+            false
         }
     };
     match opened {
-        Opened::Legacy { base } => warn("ipc_close_mem_handle", backend.ipc_close_mem_handle(base)),
+        Opened::Legacy { base } => ok("ipc_close_mem_handle", backend.ipc_close_mem_handle(base)),
         Opened::Vmm {
             device,
             base,
@@ -315,13 +331,18 @@ fn close(backend: &dyn Backend, opened: Opened) {
             maps,
             handles,
         } => {
+            let mut unmapped = true;
             for (at, size) in maps {
-                warn("unmap", backend.unmap(at, size));
+                unmapped &= ok("unmap", backend.unmap(at, size));
             }
-            for h in handles {
-                warn("phys_release", backend.phys_release(h));
+            if unmapped {
+                // A page still mapped keeps its handle too.
+                for h in handles {
+                    ok("phys_release", backend.phys_release(h));
+                }
+                ok("va_free", backend.va_free(device, base, span));
             }
-            warn("va_free", backend.va_free(device, base, span));
+            unmapped
         }
     }
 }

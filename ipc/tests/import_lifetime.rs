@@ -346,3 +346,56 @@ fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
     drop(conn);
     backend.free(DEV, ptr).unwrap();
 }
+
+/// A close that fails keeps the reference: the importer may still have the memory mapped, so
+/// the exporter must not get the block back (it would hand it out under the importer's
+/// mapping). In one process on the sim, with the close failed by fault injection.
+#[test]
+fn a_failed_close_does_not_release_the_block() {
+    use gpualloc_runtime::sim::{Fault, Op};
+    use gpualloc_runtime::BackendError;
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
+    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let ptr = backend.malloc(DEV, LEN).unwrap();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr,
+        len: 4096,
+        segment: SegmentMemory::Allocation { base: ptr },
+    };
+    let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = released.clone();
+    conn.send_device(
+        &region,
+        None,
+        Box::new(OnRelease::new(move || {
+            flag.store(true, std::sync::atomic::Ordering::SeqCst)
+        })),
+    )
+    .unwrap();
+    let Received::Device(buf) = imp.recv().unwrap() else {
+        panic!("expected a device buffer");
+    };
+    sim.inject(
+        Op::IpcCloseMemHandle,
+        Fault::FailNext {
+            skip: 0,
+            count: 1,
+            error: BackendError::Injected("ipc_close_mem_handle"),
+        },
+    );
+    drop(buf);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        conn.collect().is_empty(),
+        "a failed close released the block"
+    );
+    assert_eq!(conn.outstanding(), 1);
+    assert!(!released.load(std::sync::atomic::Ordering::SeqCst));
+    drop(imp);
+    drop(conn);
+    backend.free(DEV, ptr).unwrap();
+}

@@ -39,6 +39,9 @@ pub struct CudaBackend {
     pub(crate) events: Registry<CuEvent>,
     pub(crate) granularity: Vec<OnceLock<u64>>,
     pub(crate) page_size: u64,
+    /// Legacy IPC mappings this backend opened, by address: the device whose context opened
+    /// each (only that context may close it; the pointer's own device is the exporter's).
+    pub(crate) ipc_opened: std::sync::Mutex<std::collections::HashMap<u64, DeviceId>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -134,6 +137,7 @@ impl CudaBackend {
             events: Registry::new("event"),
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
             page_size: rustix::param::page_size() as u64,
+            ipc_opened: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 

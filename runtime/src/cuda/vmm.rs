@@ -328,6 +328,10 @@ impl CudaBackend {
                 )
             }
         })?;
+        self.ipc_opened
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ptr, device);
         Ok(DevicePtr(ptr))
     }
 
@@ -343,12 +347,32 @@ impl CudaBackend {
         Ok((DevicePtr(base), size as u64))
     }
 
+    /// Closes in the context that opened the handle (the pointer's device is the exporter's,
+    /// which differs when it was opened on another GPU); the record is dropped only when the
+    /// close succeeded, so a failed close can be retried.
     pub(crate) fn cu_ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
-        let device = self.pointer_device("ipc_close_mem_handle", ptr)?;
-        self.bind_device(device)?;
+        non_null("ipc_close_mem_handle", ptr.0)?;
+        let opener = self
+            .ipc_opened
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&ptr.0)
+            .copied()
+            .ok_or_else(|| {
+                BackendError::invalid(format!(
+                    "ipc_close_mem_handle: {ptr} was not opened by ipc_open_mem_handle"
+                ))
+            })?;
+        self.bind_device(opener)?;
         drv("cuIpcCloseMemHandle", || {
-            // SAFETY: by-value address; the driver checks it was opened by cuIpcOpenMemHandle.
+            // SAFETY: by-value address; the driver checks it was opened by cuIpcOpenMemHandle,
+            // and the context current here is the one that opened it.
             unsafe { sys::cuIpcCloseMemHandle(ptr.0) }
-        })
+        })?;
+        self.ipc_opened
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&ptr.0);
+        Ok(())
     }
 }

@@ -212,6 +212,14 @@ impl SimBackend {
         ipc::IpcInfo::decode(handle).ok().map(|i| i.pid)
     }
 
+    /// The device whose memory a legacy IPC handle names (as `ipc_handle_pid`, for the
+    /// emulated driver).
+    pub fn ipc_handle_device(&self, handle: &crate::types::IpcMemHandle) -> Option<DeviceId> {
+        ipc::IpcInfo::decode(handle)
+            .ok()
+            .map(|i| DeviceId(i.device))
+    }
+
     /// Frees an allocation of `device` without synchronizing the device first: work still
     /// queued that touches it then fails with the stream's sticky error. The driver documents
     /// only that `cuMemFree` *may* synchronize; the emulated driver frees this way in its
