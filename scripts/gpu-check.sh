@@ -9,7 +9,9 @@
 #      (and GPUALLOC_REQUIRE_GPU=1: tests that would skip without a GPU must fail instead;
 #      the facade's tests/backend_env.rs, cuda_interop.rs and cuda_request.rs run on CUDA),
 #   3. the bench binary (binaries named bench*) with GPUALLOC_BACKEND=cuda,
-#   4. a check that the driver those runs loaded is NVIDIA's (libcuda.so.<driver version>,
+#   4. the conformance suite and tests/backend_env.rs again on every other GPU found
+#      (GPUALLOC_TEST_DEVICE=k),
+#   5. a check that the driver those runs loaded is NVIDIA's (libcuda.so.<driver version>,
 #      as the CUDA smoke test reports it),
 # and writes one log per step plus summary.txt to $OUT (or target/gpu-check-logs).
 # The whole run stays under 8 minutes (GPU_CHECK_BUDGET_S, default 450 s).
@@ -207,6 +209,15 @@ done
 for t in "$BIN_DIR"/tests/*; do
     case "$(basename "$t")" in conformance_cuda*) continue ;; esac
     step "$(basename "$t")" 120 "$t" --nocapture
+done
+# Every other GPU the machine has: the conformance suite and the generic allocator tests on
+# it (GPUALLOC_TEST_DEVICE), since nothing may assume device 0.
+gpus="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+for ((k = 1; k < ${gpus:-1}; k++)); do
+    for t in "$BIN_DIR"/tests/conformance_cuda* "$BIN_DIR"/tests/backend_env*; do
+        [[ -e "$t" ]] || continue
+        step "$(basename "$t")-gpu$k" 60 env GPUALLOC_TEST_DEVICE="$k" "$t" --nocapture
+    done
 done
 benches=("$BIN_DIR"/bins/bench*)
 if ((${#benches[@]} == 0)); then

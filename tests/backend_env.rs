@@ -4,13 +4,22 @@
 //! data survives, concurrent buffers never overlap, hits reuse blocks, out of memory is
 //! typed, expandable segments grow and give memory back, empty_cache and shutdown return
 //! everything.
+//!
+//! `GPUALLOC_TEST_DEVICE=N` runs them on device N (default 0; the sim then has N + 1 devices):
+//! CI runs them on device 3 of 4 emulated GPUs too, and scripts/gpu-check.sh on every GPU.
 
 use gpualloc::runtime::sim::{SimBackend, SimConfig};
 use gpualloc::{Allocator, AllocatorConfig, BackendKind, DeviceBuffer, DeviceId, Stream};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-const DEV: DeviceId = DeviceId(0);
+/// The device under test (`GPUALLOC_TEST_DEVICE`, default 0).
+fn dev() -> DeviceId {
+    DeviceId(std::env::var("GPUALLOC_TEST_DEVICE").map_or(0, |d| {
+        d.parse()
+            .unwrap_or_else(|_| panic!("GPUALLOC_TEST_DEVICE={d}: not a device ordinal"))
+    }))
+}
 
 /// The allocator on the backend the environment names (the fast sim by default).
 fn alloc_from_env(config: AllocatorConfig) -> Allocator {
@@ -18,7 +27,7 @@ fn alloc_from_env(config: AllocatorConfig) -> Allocator {
     let builder = Allocator::builder().config(config);
     let builder = match kind {
         BackendKind::Cuda => builder.backend(BackendKind::Cuda),
-        _ => builder.backend_instance(SimBackend::new(SimConfig::fast(1)).expect("sim")),
+        _ => builder.backend_instance(SimBackend::new(SimConfig::fast(dev().0 + 1)).expect("sim")),
     };
     let alloc = builder
         .build()
@@ -57,7 +66,7 @@ fn read(alloc: &Allocator, s: &Stream, buf: &DeviceBuffer) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_reuse_blocks_and_data_survives() {
     let alloc = alloc_from_env(AllocatorConfig::default());
-    let s = alloc.new_stream(DEV).unwrap();
+    let s = alloc.new_stream(dev()).unwrap();
     let a = alloc.malloc(3000, &s).await.unwrap();
     write(&alloc, &s, &a, &pattern(3000, 1));
     assert_eq!(read(&alloc, &s, &a), pattern(3000, 1));
@@ -65,7 +74,7 @@ async fn hits_reuse_blocks_and_data_survives() {
     drop(a);
     let b = alloc.malloc(3000, &s).await.unwrap();
     assert_eq!(b.ptr(), p, "a hit reuses the cached block");
-    let st = alloc.stats(DEV).await.unwrap();
+    let st = alloc.stats(dev()).await.unwrap();
     assert_eq!(st.allocated_bytes[0].current, 3072);
     assert_eq!(st.reserved_bytes[0].current, 2 * MIB);
     assert_eq!(st.num_device_alloc, 1);
@@ -80,7 +89,7 @@ async fn concurrent_buffers_never_overlap() {
         .map(|t| {
             let alloc = alloc.clone();
             tokio::spawn(async move {
-                let s = alloc.new_stream(DEV).unwrap();
+                let s = alloc.new_stream(dev()).unwrap();
                 let mut kept: Vec<(DeviceBuffer, u64)> = Vec::new();
                 for i in 0..40u64 {
                     let size = [KIB, 7 * KIB, 300 * KIB, MIB + 5, 3 * MIB][(i % 5) as usize];
@@ -103,17 +112,20 @@ async fn concurrent_buffers_never_overlap() {
     for t in tasks {
         t.await.unwrap();
     }
-    let st = alloc.stats(DEV).await.unwrap();
+    let st = alloc.stats(dev()).await.unwrap();
     assert_eq!(st.allocation[0].current, 0, "every buffer came back");
     alloc.empty_cache().await.unwrap();
-    assert_eq!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current, 0);
+    assert_eq!(
+        alloc.stats(dev()).await.unwrap().reserved_bytes[0].current,
+        0
+    );
     alloc.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_is_a_typed_error() {
     let alloc = alloc_from_env(AllocatorConfig::default());
-    let s = alloc.new_stream(DEV).unwrap();
+    let s = alloc.new_stream(dev()).unwrap();
     let keep = alloc.malloc(MIB, &s).await.unwrap();
     let err = alloc.malloc(1 << 50, &s).await.unwrap_err();
     assert!(err.is_oom(), "{err}");
@@ -127,7 +139,7 @@ async fn out_of_memory_is_a_typed_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expandable_segments_grow_and_give_memory_back() {
     let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
-    let s = alloc.new_stream(DEV).unwrap();
+    let s = alloc.new_stream(dev()).unwrap();
     let mut bufs = Vec::new();
     for i in 0..4u64 {
         let size = 5 * MIB + i * 333;
@@ -138,24 +150,27 @@ async fn expandable_segments_grow_and_give_memory_back() {
     for (b, seed) in &bufs {
         assert_eq!(read(&alloc, &s, b), pattern(b.len(), *seed));
     }
-    let reserved = alloc.stats(DEV).await.unwrap().reserved_bytes[0].current;
+    let reserved = alloc.stats(dev()).await.unwrap().reserved_bytes[0].current;
     assert!(reserved >= 20 * MIB, "{reserved}");
     drop(bufs);
     alloc.empty_cache().await.unwrap();
-    assert_eq!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current, 0);
+    assert_eq!(
+        alloc.stats(dev()).await.unwrap().reserved_bytes[0].current,
+        0
+    );
     alloc.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_live_buffers_returns_everything() {
     let alloc = alloc_from_env(AllocatorConfig::default());
-    let s = alloc.new_stream(DEV).unwrap();
+    let s = alloc.new_stream(dev()).unwrap();
     let bufs: Vec<DeviceBuffer> = futures::future::join_all((1..=16).map(|i| {
         let (alloc, s) = (alloc.clone(), s.clone());
         async move { alloc.malloc(i * 100 * KIB, &s).await.unwrap() }
     }))
     .await;
-    assert!(alloc.stats(DEV).await.unwrap().reserved_bytes[0].current > 0);
+    assert!(alloc.stats(dev()).await.unwrap().reserved_bytes[0].current > 0);
     alloc.shutdown().await.unwrap();
     let err = alloc.malloc(10, &s).await.unwrap_err();
     assert!(err.is_shutdown(), "{err}");

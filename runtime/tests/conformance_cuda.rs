@@ -22,9 +22,12 @@ fn cuda_passes_every_conformance_check() {
             return;
         }
     };
+    // `GPUALLOC_TEST_DEVICE=N` checks device N (default 0): scripts/gpu-check.sh runs every GPU.
+    let device = DeviceId(std::env::var("GPUALLOC_TEST_DEVICE").map_or(0, |d| d.parse().unwrap()));
+    println!("conformance on {device}");
     let mut failures = Vec::new();
     for check in checks() {
-        let result = (check.run)(&backend, DeviceId(0));
+        let result = (check.run)(&backend, device);
         println!(
             "{:<45} {}",
             check.name,
