@@ -93,6 +93,7 @@ codes! {
     CUDA_ERROR_INVALID_VALUE = 1, "invalid argument";
     CUDA_ERROR_OUT_OF_MEMORY = 2, "out of memory";
     CUDA_ERROR_NOT_INITIALIZED = 3, "initialization error";
+    CUDA_ERROR_DEVICE_UNAVAILABLE = 46, "CUDA-capable device(s) is/are busy or unavailable";
     CUDA_ERROR_NO_DEVICE = 100, "no CUDA-capable device is detected";
     CUDA_ERROR_INVALID_DEVICE = 101, "invalid device ordinal";
     CUDA_ERROR_INVALID_CONTEXT = 201, "invalid device context";

@@ -144,7 +144,12 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
         if pctx.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        lock(&emu.retained)[d as usize] += 1;
+        let mut retained = lock(&emu.retained);
+        if retained[d as usize] == 0 {
+            emu.claim_exclusive(d)?;
+        }
+        retained[d as usize] += 1;
+        drop(retained);
         out(pctx, context_of(d))
     })
 }
@@ -179,6 +184,9 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
         *slot -= 1;
+        if *slot == 0 {
+            emu.release_exclusive(d);
+        }
         Ok(())
     })
 }

@@ -25,6 +25,8 @@
 //! the sim's model of real call costs (`cuMemFree` synchronizes the device, a malloc costs
 //! what it costs on a GPU; default: no delays), and `GPUALLOC_EMU_FAULTS` to fail chosen
 //! calls of named functions (see `faults.rs`: `function:nth[+count]:code,...`), and
+//! `GPUALLOC_EMU_EXCLUSIVE_PROCESS=DIR` for devices in `EXCLUSIVE_PROCESS` mode (one process's
+//! context per device, among processes given the same folder), and
 //! `GPUALLOC_EMU_FREE_NO_SYNC` for a `cuMemFree` that does not synchronize (the driver says it
 //! *may*; work still queued on freed memory then fails with a sticky error).
 //!

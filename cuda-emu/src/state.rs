@@ -51,6 +51,13 @@ pub(crate) struct Emu {
     /// it (only that context may close it) and the device whose memory it is (what
     /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` reports).
     pub(crate) ipc_opened: Mutex<HashMap<u64, (u32, u32)>>,
+    /// `GPUALLOC_EMU_EXCLUSIVE_PROCESS=DIR`: every device is in `EXCLUSIVE_PROCESS` compute
+    /// mode, shared by the processes given the same folder: a primary context holds an
+    /// exclusive lock on `DIR/device-N.lock` while retained, and a second process's retain
+    /// fails with `CUDA_ERROR_DEVICE_UNAVAILABLE`.
+    pub(crate) exclusive_dir: Option<std::path::PathBuf>,
+    /// The lock files held, per device (while its primary context is retained).
+    pub(crate) exclusive_locks: Mutex<HashMap<u32, std::fs::File>>,
     /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
     /// *may*), so a caller relying on it frees memory queued work still uses.
     pub(crate) free_without_sync: bool,
@@ -124,6 +131,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
     let free_without_sync = std::env::var_os("GPUALLOC_EMU_FREE_NO_SYNC").is_some();
     let _ = EMU.set(Emu {
         pinned: Mutex::new(Vec::new()),
+        exclusive_dir: std::env::var_os("GPUALLOC_EMU_EXCLUSIVE_PROCESS").map(Into::into),
+        exclusive_locks: Mutex::new(HashMap::new()),
         ipc_opened: Mutex::new(HashMap::new()),
         pageable_copies: std::sync::atomic::AtomicU64::new(0),
         free_without_sync,
@@ -299,6 +308,33 @@ impl Emu {
             }
         }
         Ok(h)
+    }
+
+    /// In exclusive-process mode, takes device `d`'s lock for this process (a no-op when it
+    /// already holds it, or outside that mode).
+    pub(crate) fn claim_exclusive(&self, d: u32) -> Result<(), CUresult> {
+        let Some(dir) = &self.exclusive_dir else {
+            return Ok(());
+        };
+        let mut locks = lock(&self.exclusive_locks);
+        if locks.contains_key(&d) {
+            return Ok(());
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join(format!("device-{d}.lock")))
+            .map_err(|_| CUDA_ERROR_UNKNOWN)?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            .map_err(|_| CUDA_ERROR_DEVICE_UNAVAILABLE)?;
+        locks.insert(d, file);
+        Ok(())
+    }
+
+    /// Gives device `d`'s exclusive-process lock back (its primary context is gone).
+    pub(crate) fn release_exclusive(&self, d: u32) {
+        lock(&self.exclusive_locks).remove(&d);
     }
 
     /// Counts an async copy whose host side `[p, p + n)` is not pinned for `device`'s context.

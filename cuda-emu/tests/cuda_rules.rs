@@ -12,7 +12,9 @@
 //!   when it was registered (the emulator counts copies whose host side is not pinned for the
 //!   copying context: the driver stages those, synchronously);
 //! - a legacy IPC handle opened on another device than the memory's is closed in the context
-//!   that opened it.
+//!   that opened it;
+//! - with every device in `EXCLUSIVE_PROCESS` mode, a second process builds its allocator and
+//!   works on the devices the first does not use (building touches no device).
 
 use std::process::Command;
 use std::sync::Arc;
@@ -236,6 +238,50 @@ fn child_entry() {
             drop(exporter.stdin.take());
             assert!(exporter.wait().unwrap().success());
         }
+        // Exclusive mode: hold device 2 until stdin ends.
+        "exclusive-hold" => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let alloc = Allocator::builder()
+                    .backend_instance(backend.clone())
+                    .build()
+                    .unwrap();
+                let stream = alloc.new_stream(DeviceId(2)).unwrap();
+                let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
+                println!("READY");
+                let mut rest = String::new();
+                let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
+                drop(buf);
+                drop(stream);
+                alloc.shutdown().await.unwrap();
+            });
+        }
+        // Exclusive mode, while another process holds device 2: build, work on device 1, and
+        // get a typed error (not a hang or a crash) on device 2.
+        "exclusive-other" => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let alloc = Allocator::builder()
+                    .backend_instance(backend.clone())
+                    .build()
+                    .expect("building touches no device");
+                let s1 = alloc.new_stream(DeviceId(1)).unwrap();
+                let buf = alloc.malloc(1 << 20, &s1).await.unwrap();
+                drop(buf);
+                let busy = alloc.new_stream(DeviceId(2));
+                assert!(busy.is_err(), "device 2 belongs to the other process");
+                let msg = busy.err().unwrap().to_string();
+                assert!(msg.contains("CUDA_ERROR_DEVICE_UNAVAILABLE"), "{msg}");
+                drop(s1);
+                alloc.shutdown().await.unwrap();
+            });
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -244,18 +290,24 @@ fn run_child(role: &str) {
     run_child_with(role, &[]);
 }
 
-fn run_child_with(role: &str, env: &[(&str, &str)]) {
+/// This binary as the child in `role`, with the emulator first on the library path.
+fn child_command(role: &str) -> Command {
     let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
     let mut path = dir.into_os_string();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
         path.push(":");
         path.push(old);
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
         .env("GPUALLOC_EMU_DEVICES", DEVICES.to_string())
-        .env("LD_LIBRARY_PATH", path)
+        .env("LD_LIBRARY_PATH", path);
+    cmd
+}
+
+fn run_child_with(role: &str, env: &[(&str, &str)]) {
+    let out = child_command(role)
         .envs(env.iter().copied())
         .output()
         .unwrap();
@@ -292,4 +344,35 @@ fn host_memory_unmaps_and_pointer_queries_use_a_context_the_process_holds() {
 #[test]
 fn an_ipc_handle_is_closed_in_the_context_that_opened_it() {
     run_child("ipc-open-elsewhere");
+}
+
+#[test]
+fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-emu-exclusive-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let shared = dir.to_str().unwrap().to_string();
+    let mut holder = child_command("exclusive-hold")
+        .env("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the holder ended early"
+        );
+        if line.contains("READY") {
+            break;
+        }
+    }
+    run_child_with(
+        "exclusive-other",
+        &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],
+    );
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    std::fs::remove_dir_all(&dir).ok();
 }
