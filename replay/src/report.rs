@@ -98,6 +98,9 @@ pub struct ReplayReport {
     pub device_mallocs: u64,
     /// Device frees (segments released).
     pub device_frees: u64,
+    /// Times the replay's allocator synchronized every stream (the OOM chain's last release,
+    /// `empty_cache`): a cost a policy must not add to the steady state.
+    pub synchronizations: u64,
     /// Alloc retries after releasing the cache.
     pub retries: u64,
     /// Allocations that failed.
@@ -134,6 +137,7 @@ impl ReplayReport {
             peak_requested: 0,
             device_mallocs: 0,
             device_frees: 0,
+            synchronizations: 0,
             retries: 0,
             ooms: 0,
             warnings: 0,
@@ -176,6 +180,7 @@ impl ReplayReport {
             "fragmentation": self.fragmentation(),
             "device_mallocs": self.device_mallocs,
             "device_frees": self.device_frees,
+            "synchronizations": self.synchronizations,
             "retries": self.retries,
             "ooms": self.ooms,
             "warnings": self.warnings,

@@ -388,6 +388,7 @@ pub fn replay_core(
     report.peak_requested = st.requested_bytes[0].peak;
     report.device_mallocs = st.num_device_alloc;
     report.device_frees = st.num_device_free;
+    report.synchronizations = st.num_sync_all_streams;
     report.retries = st.num_alloc_retries;
     report.ooms = st.num_ooms;
     report.warnings = r.warnings;

@@ -398,3 +398,26 @@ fn export_viz_writes_the_replay_as_a_snapshot_that_replays_exactly() {
     assert!(dir.join("replay-1.pickle").exists() && dir.join("replay-2.pickle").exists());
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The costs columns: a trace that calls `empty_cache()` (a run of `segment_free`) costs one
+/// synchronization of every stream, and one segment freed.
+#[test]
+fn json_counts_synchronizations_and_device_frees() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-cli-sync-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("empty_cache.jsonl");
+    std::fs::write(
+        &path,
+        "{\"action\":\"alloc\",\"addr\":4096,\"size\":4096,\"stream\":0}\n\
+         {\"action\":\"free_requested\",\"addr\":4096,\"size\":4096,\"stream\":0}\n\
+         {\"action\":\"segment_free\",\"addr\":4096,\"size\":2097152,\"stream\":0}\n",
+    )
+    .unwrap();
+    let (ok, stdout, stderr) = gpualloc(&["replay", path.to_str().unwrap(), "--json"]);
+    assert!(ok, "{stderr}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(row["synchronizations"], 1);
+    assert_eq!(row["device_frees"], 1);
+    assert_eq!(row["device_mallocs"], 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
