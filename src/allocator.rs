@@ -194,6 +194,20 @@ impl Allocator {
         self.actor(device)?.stats().await
     }
 
+    /// Lets work on `device` use memory allocated on `peer` (PyTorch's peer access between two
+    /// GPUs): enables the driver's peer access, then gives `device` access to `peer`'s
+    /// expandable-segment memory, mapped now and from now on (ordinary segments need only
+    /// the driver's peer access). Without it, a buffer from an expandable segment of `peer`
+    /// used by a kernel or copy on `device` faults, while one from an ordinary segment works.
+    /// Enabling it twice is not an error; `device == peer` is.
+    pub async fn enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<(), Error> {
+        self.inner.process.check()?;
+        self.actor(device)?;
+        let owner = self.actor(peer)?;
+        self.inner.backend.enable_peer_access(device, peer)?;
+        owner.add_peer(device).await
+    }
+
     /// Resets the peaks of `device`'s statistics to their current values (PyTorch's
     /// `reset_peak_memory_stats`): later [`Allocator::stats`] report peaks from now on.
     pub async fn reset_peak_stats(&self, device: DeviceId) -> Result<(), Error> {

@@ -101,6 +101,7 @@ codes! {
     CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
     CUDA_ERROR_NOT_READY = 600, "device not ready";
     CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704, "peer access is already enabled";
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712, "part or all of the requested memory range is already mapped";
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713, "pointer does not correspond to a registered memory region";
     CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";

@@ -89,6 +89,7 @@ pub extern "C" fn cuMemsetD8Async(
 ) -> CUresult {
     call("cuMemsetD8Async", Needs::Context, |emu, d| {
         let s = emu.work_stream(stream, d)?;
+        emu.check_access(dst, n as u64, s.device)?;
         emu.sim
             .memset_async(s, DevicePtr(dst), value, n as u64)
             .map_err(sim_err)
@@ -105,6 +106,8 @@ pub extern "C" fn cuMemcpyAsync(
 ) -> CUresult {
     call("cuMemcpyAsync", Needs::Context, |emu, d| {
         let s = emu.work_stream(stream, d)?;
+        emu.check_access(dst, n as u64, s.device)?;
+        emu.check_access(src, n as u64, s.device)?;
         emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)
     })
 }
@@ -141,6 +144,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         emu.note_host_side(src as usize, n, d);
+        emu.check_access(dst, n as u64, s.device)?;
         if emu.sim.memcpy_async(s, dst, src as u64, n as u64).is_ok() {
             return Ok(());
         }
@@ -173,6 +177,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         emu.note_host_side(dst as usize, n, d);
+        emu.check_access(src, n as u64, s.device)?;
         if emu.sim.memcpy_async(s, dst as u64, src, n as u64).is_ok() {
             return Ok(());
         }

@@ -51,6 +51,11 @@ pub(crate) struct Emu {
     /// it (only that context may close it) and the device whose memory it is (what
     /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` reports).
     pub(crate) ipc_opened: Mutex<HashMap<u64, (u32, u32)>>,
+    /// Pairs (device, peer) whose peer access was enabled.
+    pub(crate) peer_access: Mutex<std::collections::HashSet<(u32, u32)>>,
+    /// Virtual-memory mappings by start: (length, bit mask of the devices given access by
+    /// `cuMemSetAccess`). Work of a device outside the mask on the range faults.
+    pub(crate) vmm_access: Mutex<std::collections::BTreeMap<u64, (u64, u64)>>,
     /// `GPUALLOC_EMU_EXCLUSIVE_PROCESS=DIR`: every device is in `EXCLUSIVE_PROCESS` compute
     /// mode, shared by the processes given the same folder: a primary context holds an
     /// exclusive lock on `DIR/device-N.lock` while retained, and a second process's retain
@@ -131,6 +136,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
     let free_without_sync = std::env::var_os("GPUALLOC_EMU_FREE_NO_SYNC").is_some();
     let _ = EMU.set(Emu {
         pinned: Mutex::new(Vec::new()),
+        vmm_access: Mutex::new(std::collections::BTreeMap::new()),
+        peer_access: Mutex::new(std::collections::HashSet::new()),
         exclusive_dir: std::env::var_os("GPUALLOC_EMU_EXCLUSIVE_PROCESS").map(Into::into),
         exclusive_locks: Mutex::new(HashMap::new()),
         ipc_opened: Mutex::new(HashMap::new()),
@@ -335,6 +342,27 @@ impl Emu {
     /// Gives device `d`'s exclusive-process lock back (its primary context is gone).
     pub(crate) fn release_exclusive(&self, d: u32) {
         lock(&self.exclusive_locks).remove(&d);
+    }
+
+    /// Whether work of `device` may touch `[addr, addr + n)`: outside virtual-memory mappings
+    /// always (ordinary allocations follow peer access, which the emulator does not limit);
+    /// inside, only where `cuMemSetAccess` named the device (`CUDA_ERROR_ILLEGAL_ADDRESS`
+    /// otherwise, as the fault of such an access).
+    pub(crate) fn check_access(&self, addr: u64, n: u64, device: DeviceId) -> Result<(), CUresult> {
+        let end = addr.saturating_add(n.max(1));
+        let maps = lock(&self.vmm_access);
+        let first = maps
+            .range(..=addr)
+            .next_back()
+            .map(|(s, _)| *s)
+            .unwrap_or(addr);
+        for (start, (len, mask)) in maps.range(first..end) {
+            let overlaps = *start < end && start + len > addr;
+            if overlaps && mask & (1u64 << device.0.min(63)) == 0 {
+                return Err(CUDA_ERROR_ILLEGAL_ADDRESS);
+            }
+        }
+        Ok(())
     }
 
     /// Counts an async copy whose host side `[p, p + n)` is not pinned for `device`'s context.

@@ -157,7 +157,9 @@ pub extern "C" fn cuMemMap(
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         emu.sim
             .map(DevicePtr(ptr), size as u64, offset as u64, h)
-            .map_err(sim_err)
+            .map_err(sim_err)?;
+        lock(&emu.vmm_access).insert(ptr, (size as u64, 0));
+        Ok(())
     })
 }
 
@@ -165,7 +167,16 @@ pub extern "C" fn cuMemMap(
 #[no_mangle]
 pub extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     call("cuMemUnmap", Needs::Context, |emu, _| {
-        emu.sim.unmap(DevicePtr(ptr), size as u64).map_err(sim_err)
+        emu.sim
+            .unmap(DevicePtr(ptr), size as u64)
+            .map_err(sim_err)?;
+        let end = ptr + size as u64;
+        let mut maps = lock(&emu.vmm_access);
+        let gone: Vec<u64> = maps.range(ptr..end).map(|(s, _)| *s).collect();
+        for s in gone {
+            maps.remove(&s);
+        }
+        Ok(())
     })
 }
 
@@ -199,6 +210,10 @@ pub unsafe extern "C" fn cuMemSetAccess(
             emu.sim
                 .set_access(DeviceId(id), DevicePtr(ptr), size as u64)
                 .map_err(sim_err)?;
+            let end = ptr + size as u64;
+            for (_, (_, mask)) in lock(&emu.vmm_access).range_mut(ptr..end) {
+                *mask |= 1u64 << id.min(63);
+            }
         }
         Ok(())
     })
@@ -327,6 +342,28 @@ pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
             .ipc_close_mem_handle(DevicePtr(dptr))
             .map_err(sim_err)?;
         lock(&emu.ipc_opened).remove(&dptr);
+        Ok(())
+    })
+}
+
+/// `cuCtxEnablePeerAccess`: the current context may reach `peer_context`'s ordinary
+/// allocations (which the emulator never limits); virtual-memory mappings still need
+/// `cuMemSetAccess` for the device. Enabling a pair twice is
+/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`, a context with itself `CUDA_ERROR_INVALID_DEVICE`.
+#[no_mangle]
+pub extern "C" fn cuCtxEnablePeerAccess(peer_context: CUcontext, flags: c_uint) -> CUresult {
+    call("cuCtxEnablePeerAccess", Needs::Context, |emu, d| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let peer = crate::state::device_of_context(peer_context, emu.devices)
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if peer == d.0 {
+            return Err(CUDA_ERROR_INVALID_DEVICE);
+        }
+        if !lock(&emu.peer_access).insert((d.0, peer)) {
+            return Err(CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+        }
         Ok(())
     })
 }

@@ -13,13 +13,16 @@
 //!   copying context: the driver stages those, synchronously);
 //! - a legacy IPC handle opened on another device than the memory's is closed in the context
 //!   that opened it;
+//! - a buffer from an expandable segment of device 0 is usable on device 1 once
+//!   `Allocator::enable_peer_access(1, 0)` ran, for pages mapped before and after (the
+//!   emulator faults work of a device the mapping's `cuMemSetAccess` did not name);
 //! - with every device in `EXCLUSIVE_PROCESS` mode, a second process builds its allocator and
 //!   works on the devices the first does not use (building touches no device).
 
 use std::process::Command;
 use std::sync::Arc;
 
-use gpualloc::{Allocator, DeviceId};
+use gpualloc::{Allocator, AllocatorConfig, DeviceId};
 use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
 
@@ -282,6 +285,56 @@ fn child_entry() {
                 alloc.shutdown().await.unwrap();
             });
         }
+        "peer-expandable" => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let alloc = Allocator::builder()
+                    .config(AllocatorConfig::default().with_expandable_segments(true))
+                    .backend_instance(backend.clone())
+                    .build()
+                    .unwrap();
+                let s0 = alloc.new_stream(DeviceId(0)).unwrap();
+                let before = alloc.malloc(4 << 20, &s0).await.unwrap();
+                let s1 = backend.stream_create(DeviceId(1)).unwrap();
+                // Not granted yet: device 1's work on device 0's mapping faults.
+                assert!(backend.memset_async(s1, before.ptr(), 1, 4096).is_err());
+                alloc
+                    .enable_peer_access(DeviceId(1), DeviceId(0))
+                    .await
+                    .unwrap();
+                alloc
+                    .enable_peer_access(DeviceId(1), DeviceId(0))
+                    .await
+                    .expect("enabling twice is not an error");
+                assert!(alloc
+                    .enable_peer_access(DeviceId(1), DeviceId(1))
+                    .await
+                    .is_err());
+                backend.memset_async(s1, before.ptr(), 1, 4096).unwrap();
+                // Pages mapped after the grant.
+                let after = alloc.malloc(64 << 20, &s0).await.unwrap();
+                backend.memset_async(s1, after.ptr(), 2, 4096).unwrap();
+                backend
+                    .memset_async(
+                        s1,
+                        gpualloc::DevicePtr(after.ptr().0 + (64 << 20) - 4096),
+                        3,
+                        4096,
+                    )
+                    .unwrap();
+                backend.stream_synchronize(s1).unwrap();
+                // Device 2 was given nothing.
+                let s2 = backend.stream_create(DeviceId(2)).unwrap();
+                assert!(backend.memset_async(s2, after.ptr(), 1, 4096).is_err());
+                backend.stream_destroy(s1).unwrap();
+                backend.stream_destroy(s2).unwrap();
+                drop((before, after, s0));
+                alloc.shutdown().await.unwrap();
+            });
+        }
         other => panic!("unknown role {other}"),
     }
 }
@@ -375,4 +428,9 @@ fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
     drop(holder.stdin.take());
     assert!(holder.wait().unwrap().success());
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled() {
+    run_child("peer-expandable");
 }

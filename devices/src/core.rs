@@ -118,6 +118,8 @@ pub struct DeviceCore {
     /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
     pub(crate) cross_stream: CrossStreamLog,
     pub(crate) shut_down: bool,
+    /// Devices given access to this device's expandable-segment memory (`add_peer`).
+    pub(crate) peers: Vec<DeviceId>,
     #[cfg(feature = "rule-knobs")]
     knobs: RuleKnobs,
 }
@@ -191,6 +193,7 @@ impl DeviceCore {
             callbacks: Vec::new(),
             cross_stream: CrossStreamLog::default(),
             shut_down: false,
+            peers: Vec::new(),
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),
         })

@@ -80,6 +80,39 @@ impl DeviceCore {
         }
     }
 
+    /// Gives `peer` access to this device's expandable-segment memory, mapped now and mapped
+    /// from now on (PyTorch's `ExpandableSegment::addPeer`, called once the user has enabled
+    /// peer access between the two devices). Ordinary segments need nothing: the driver's
+    /// peer access covers them. One driver call per run of mapped pages, made here, under the
+    /// owner's lock: a setup step, not a hot path. Adding the device itself or a peer twice
+    /// does nothing; an unknown device is an error and changes nothing.
+    pub fn add_peer(&mut self, peer: DeviceId) -> Result<(), AllocError> {
+        if peer == self.device || self.peers.contains(&peer) {
+            return Ok(());
+        }
+        if peer.0 >= self.backend.device_count()? {
+            return Err(AllocError::Backend(BackendError::InvalidDevice(peer.0)));
+        }
+        for es in self.expandable.values() {
+            let mut i = 0;
+            while i < es.handles.len() {
+                if es.handles[i].is_none() {
+                    i += 1;
+                    continue;
+                }
+                let first = i;
+                while i < es.handles.len() && es.handles[i].is_some() {
+                    i += 1;
+                }
+                let len = (i - first) as u64 * es.page;
+                self.backend
+                    .set_access(peer, DevicePtr(es.page_addr(first)), len)?;
+            }
+        }
+        self.peers.push(peer);
+        Ok(())
+    }
+
     /// Maps the pages covering `[addr, addr + len)` of segment `seg`; returns the mapped range
     /// (whole pages). On failure every page this call created is released again.
     fn es_map(&mut self, seg: u64, addr: u64, len: u64) -> Result<(u64, u64), BackendError> {
@@ -91,7 +124,14 @@ impl DeviceCore {
             .ok_or_else(|| BackendError::invalid("no such segment"))?;
         let (first, last) = (es.page_left(addr), es.page_right(addr + len));
         let start = es.page_addr(first);
-        let handles = map_pages(backend.as_ref(), device, start, last - first, es.page)?;
+        let handles = map_pages(
+            backend.as_ref(),
+            device,
+            &self.peers,
+            start,
+            last - first,
+            es.page,
+        )?;
         for (i, h) in (first..last).zip(handles) {
             es.handles[i] = Some(h);
         }
@@ -472,12 +512,13 @@ impl DeviceCore {
 }
 
 /// Creates and maps `pages` physical pages of `page` bytes from `start` on, then gives the
-/// device access to them: the slow driver calls of growing an expandable segment, with no
-/// state of the core (so an owner can run them off it). On failure every page this call
-/// created is unmapped and released again.
+/// device and its `peers` access to them: the slow driver calls of growing an expandable
+/// segment, with no state of the core (so an owner can run them off it). On failure every
+/// page this call created is unmapped and released again.
 pub(crate) fn map_pages(
     backend: &dyn Backend,
     device: DeviceId,
+    peers: &[DeviceId],
     start: u64,
     pages: usize,
     page: u64,
@@ -506,8 +547,11 @@ pub(crate) fn map_pages(
     }
     let bytes = pages as u64 * page;
     if failure.is_none() {
-        if let Err(e) = backend.set_access(device, DevicePtr(start), bytes) {
-            failure = Some(e);
+        for d in std::iter::once(device).chain(peers.iter().copied()) {
+            if let Err(e) = backend.set_access(d, DevicePtr(start), bytes) {
+                failure = Some(e);
+                break;
+            }
         }
     }
     if let Some(e) = failure {

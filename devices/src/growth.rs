@@ -40,6 +40,8 @@ pub struct GrowthPlan {
     len: u64,
     page: u64,
     device: DeviceId,
+    /// Devices given access too (`DeviceCore::add_peer`).
+    peers: Vec<DeviceId>,
 }
 
 impl GrowthPlan {
@@ -139,6 +141,7 @@ impl DeviceCore {
             len,
             page,
             device: self.device,
+            peers: self.peers.clone(),
         })
     }
 
@@ -206,6 +209,15 @@ impl DeviceCore {
                 es.handles[first + i] = Some(h);
             }
         }
+        // A peer added while these pages were being mapped off the core gets access now.
+        for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
+            if let Err(e) = self
+                .backend
+                .set_access(*peer, DevicePtr(plan.addr), plan.len)
+            {
+                tracing::warn!(peer = peer.0, addr = plan.addr, error = %e, "peer access to new pages failed");
+            }
+        }
         self.book_mapped(plan.block);
         Ok(())
     }
@@ -237,7 +249,14 @@ pub fn map_growth(
     plan: &GrowthPlan,
 ) -> Result<Vec<PhysHandle>, BackendError> {
     let pages = (plan.len / plan.page) as usize;
-    map_pages(backend, plan.device, plan.addr, pages, plan.page)
+    map_pages(
+        backend,
+        plan.device,
+        &plan.peers,
+        plan.addr,
+        pages,
+        plan.page,
+    )
 }
 
 /// Frees a reservation orphaned by a shutdown (see the module docs).

@@ -289,3 +289,65 @@ fn max_split_size_limits_expandable_blocks_only_under_pytorch_policy() {
         core.check_invariants().unwrap();
     }
 }
+
+/// `add_peer`: the pages mapped so far get one access grant per run of mapped pages, every
+/// later map grants the device and the peer, a growth planned off the core before the peer
+/// was added grants it at commit, and the device itself, a repeat or an unknown device
+/// grant nothing.
+#[test]
+fn a_peer_gets_access_to_mapped_and_later_pages() {
+    use gpualloc_devices::{map_growth, Growth, SegmentRequest};
+    use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
+    let sim = SimBackend::new(SimConfig::fast(3)).unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s = dynb.stream_create(DeviceId(0)).unwrap();
+    let mut core = DeviceCore::new(
+        dynb.clone(),
+        DeviceId(0),
+        AllocatorConfig::parse("expandable_segments:True").unwrap(),
+    )
+    .unwrap();
+    let grants = || sim.counts().get(Op::SetAccess);
+    // Two runs of mapped pages: two segments (two streams), 40 MiB each.
+    let s2 = dynb.stream_create(DeviceId(0)).unwrap();
+    let a = core.malloc(40 * MIB, s).unwrap();
+    let b = core.malloc(40 * MIB, s2).unwrap();
+    let before = grants();
+    core.add_peer(DeviceId(1)).unwrap();
+    assert_eq!(grants() - before, 2, "one grant per run of mapped pages");
+    // The device itself and a repeat: nothing.
+    core.add_peer(DeviceId(0)).unwrap();
+    core.add_peer(DeviceId(1)).unwrap();
+    assert_eq!(grants() - before, 2);
+    // An unknown device: an error, nothing granted, nothing recorded.
+    assert!(core.add_peer(DeviceId(7)).is_err());
+    assert_eq!(grants() - before, 2);
+    // A later map: the device and the peer.
+    let before = grants();
+    let c = core.malloc(40 * MIB, s).unwrap();
+    assert_eq!(grants() - before, 2, "device and peer");
+    // A growth planned before a second peer is added gets it at commit.
+    core.free(c.ptr).unwrap();
+    core.empty_cache().unwrap();
+    let Ok(gpualloc_devices::CachedOutcome::Miss(req)) = core.try_cached(40 * MIB, s) else {
+        panic!("expected a miss");
+    };
+    let req: SegmentRequest = req;
+    let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+        panic!("expected pages to map");
+    };
+    core.add_peer(DeviceId(2)).unwrap();
+    let before = grants();
+    let handles = map_growth(dynb.as_ref(), &plan).unwrap();
+    assert_eq!(
+        grants() - before,
+        2,
+        "device and the peer known at planning"
+    );
+    core.commit_growth(plan, handles).unwrap();
+    assert_eq!(grants() - before, 3, "the peer added meanwhile, at commit");
+    core.check_invariants().unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.empty_cache().unwrap();
+}

@@ -64,6 +64,15 @@ pub trait Backend: Send + Sync + 'static {
             "mem_address_range".into(),
         ))
     }
+    /// Lets work on `device` access memory allocated on `peer` (`cuCtxEnablePeerAccess` in
+    /// `device`'s context; enabling it twice is not an error). Ordinary allocations are then
+    /// reachable at once; virtual-memory mappings also need [`Backend::set_access`] for
+    /// `device`, which the allocator grants (`Allocator::enable_peer_access`). Defaults to
+    /// doing nothing (backends whose memory every device reaches).
+    fn enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<()> {
+        let _ = (device, peer);
+        Ok(())
+    }
     /// Frees memory from [`Backend::malloc`], after synchronizing the device: when it
     /// returns, no work queued before it on any stream of `device` still uses the memory. The
     /// cache's release path relies on this. (CUDA documents only that `cuMemFree` *may*

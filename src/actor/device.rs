@@ -372,6 +372,13 @@ impl DeviceActor {
         self.call(|st| st.core.stats().clone()).await
     }
 
+    /// Gives `peer` access to this device's expandable-segment memory (`DeviceCore::add_peer`).
+    pub(crate) async fn add_peer(&self, peer: DeviceId) -> Result<(), Error> {
+        self.call(move |st| st.core.add_peer(peer))
+            .await?
+            .map_err(Error::from)
+    }
+
     /// Resets every peak to its current value (after folding in the thread cache).
     pub(crate) async fn reset_peak_stats(&self) -> Result<(), Error> {
         self.call(|st| st.core.reset_peak_stats()).await

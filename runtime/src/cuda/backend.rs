@@ -190,6 +190,9 @@ impl Backend for CudaBackend {
     fn total_memory(&self, device: DeviceId) -> Result<u64> {
         self.cu_total_memory(device)
     }
+    fn enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<()> {
+        self.cu_enable_peer_access(device, peer)
+    }
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
         self.cu_malloc(device, size)
     }

@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_void};
 use cudarc::driver::sys;
 
 use super::backend::CudaBackend;
-use super::error::{drv, with_request};
+use super::error::{catch, check, drv, with_request};
 use super::validate::{alloc_size, host_range, host_register_flags, non_null};
 use crate::error::{BackendError, Result};
 use crate::types::{DeviceId, DevicePtr, HostRegisterFlags, MemInfo};
@@ -41,6 +41,26 @@ impl CudaBackend {
             unsafe { sys::cuDeviceTotalMem_v2(&mut total, ordinal) }
         })?;
         Ok(total as u64)
+    }
+
+    /// `cuCtxEnablePeerAccess` of `peer`'s context from `device`'s (already enabled: fine).
+    pub(crate) fn cu_enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<()> {
+        if device == peer {
+            return Err(BackendError::invalid(format!(
+                "enable_peer_access: {device} and its peer are the same device"
+            )));
+        }
+        let peer_ctx = self.contexts.get(peer)?.cu_ctx();
+        self.bind_device(device)?;
+        let r = catch("cuCtxEnablePeerAccess", || {
+            // SAFETY: `peer_ctx` is the retained primary context of `peer` (held by this
+            // backend for its lifetime); the flags must be 0.
+            unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) }
+        })?;
+        match r {
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
+            other => check("cuCtxEnablePeerAccess", other),
+        }
     }
 
     pub(crate) fn cu_malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
