@@ -94,17 +94,8 @@ impl DeviceCore {
             return Err(AllocError::Backend(BackendError::InvalidDevice(peer.0)));
         }
         for es in self.expandable.values() {
-            let mut i = 0;
-            while i < es.handles.len() {
-                if es.handles[i].is_none() {
-                    i += 1;
-                    continue;
-                }
-                let first = i;
-                while i < es.handles.len() && es.handles[i].is_some() {
-                    i += 1;
-                }
-                let len = (i - first) as u64 * es.page;
+            for (first, pages) in mapped_runs(&es.handles) {
+                let len = pages as u64 * es.page;
                 self.backend
                     .set_access(peer, DevicePtr(es.page_addr(first)), len)?;
             }
@@ -511,6 +502,26 @@ impl DeviceCore {
     }
 }
 
+/// The runs of mapped pages (`Some` handles) as (first page, number of pages), in order.
+pub(crate) fn mapped_runs(handles: &[Option<PhysHandle>]) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut start = None;
+    for (i, h) in handles.iter().enumerate() {
+        match (h.is_some(), start) {
+            (true, None) => start = Some(i),
+            (false, Some(s)) => {
+                runs.push((s, i - s));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(s) = start {
+        runs.push((s, handles.len() - s));
+    }
+    runs
+}
+
 /// Creates and maps `pages` physical pages of `page` bytes from `start` on, then gives the
 /// device and its `peers` access to them: the slow driver calls of growing an expandable
 /// segment, with no state of the core (so an owner can run them off it). On failure every
@@ -575,5 +586,26 @@ pub(crate) fn unmap_pages(backend: &dyn Backend, start: u64, page: u64, handles:
             }
             Err(e) => tracing::warn!(addr = at.0, error = %e, "unmapping a page failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_runs_finds_every_run_with_its_length() {
+        let h = Some(PhysHandle {
+            device: DeviceId(0),
+            raw: 1,
+            size: 0,
+        });
+        assert_eq!(mapped_runs(&[]), vec![]);
+        assert_eq!(mapped_runs(&[None, None]), vec![]);
+        assert_eq!(mapped_runs(&[h, h]), vec![(0, 2)]);
+        assert_eq!(
+            mapped_runs(&[None, h, h, None, None, h, None, h, h, h]),
+            vec![(1, 2), (5, 1), (7, 3)]
+        );
     }
 }

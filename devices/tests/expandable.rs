@@ -298,7 +298,7 @@ fn max_split_size_limits_expandable_blocks_only_under_pytorch_policy() {
 fn a_peer_gets_access_to_mapped_and_later_pages() {
     use gpualloc_devices::{map_growth, Growth, SegmentRequest};
     use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
-    let sim = SimBackend::new(SimConfig::fast(3)).unwrap();
+    let sim = SimBackend::new(SimConfig::fast(4)).unwrap();
     let dynb: Arc<dyn Backend> = sim.clone();
     let s = dynb.stream_create(DeviceId(0)).unwrap();
     let mut core = DeviceCore::new(
@@ -321,12 +321,15 @@ fn a_peer_gets_access_to_mapped_and_later_pages() {
     assert_eq!(grants() - before, 2);
     // An unknown device: an error, nothing granted, nothing recorded.
     assert!(core.add_peer(DeviceId(7)).is_err());
+    assert!(core.add_peer(DeviceId(4)).is_err(), "4 devices: 0 to 3");
     assert_eq!(grants() - before, 2);
     // A later map: the device and the peer.
     let before = grants();
     let c = core.malloc(40 * MIB, s).unwrap();
     assert_eq!(grants() - before, 2, "device and peer");
-    // A growth planned before a second peer is added gets it at commit.
+    // A growth planned before a peer is added gets it at commit (and only it: the peers
+    // known at planning were granted by the map).
+    core.add_peer(DeviceId(2)).unwrap();
     core.free(c.ptr).unwrap();
     core.empty_cache().unwrap();
     let Ok(gpualloc_devices::CachedOutcome::Miss(req)) = core.try_cached(40 * MIB, s) else {
@@ -336,16 +339,16 @@ fn a_peer_gets_access_to_mapped_and_later_pages() {
     let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
         panic!("expected pages to map");
     };
-    core.add_peer(DeviceId(2)).unwrap();
+    core.add_peer(DeviceId(3)).unwrap();
     let before = grants();
     let handles = map_growth(dynb.as_ref(), &plan).unwrap();
     assert_eq!(
         grants() - before,
-        2,
-        "device and the peer known at planning"
+        3,
+        "device and the peers known at planning"
     );
     core.commit_growth(plan, handles).unwrap();
-    assert_eq!(grants() - before, 3, "the peer added meanwhile, at commit");
+    assert_eq!(grants() - before, 4, "the peer added meanwhile, at commit");
     core.check_invariants().unwrap();
     core.free(a.ptr).unwrap();
     core.free(b.ptr).unwrap();
