@@ -58,6 +58,42 @@ fn pageable_copies() -> u64 {
     }
 }
 
+/// Builds an allocator with `config` on `backend` (building must touch no device), runs
+/// `body` with it on a current-thread runtime, then shuts it down.
+fn with_allocator<F, Fut>(backend: &Arc<dyn Backend>, config: AllocatorConfig, body: F)
+where
+    F: FnOnce(Allocator) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let alloc = Allocator::builder()
+            .config(config)
+            .backend_instance(backend.clone())
+            .build()
+            .expect("building touches no device");
+        body(alloc.clone()).await;
+        alloc.shutdown().await.unwrap();
+    });
+}
+
+/// Reads `child`'s output up to a line with `marker`; returns what follows the marker.
+fn read_until(out: &mut impl std::io::BufRead, marker: &str) -> String {
+    loop {
+        let mut line = String::new();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the child ended before saying {marker:?}"
+        );
+        if let Some(i) = line.find(marker) {
+            return line[i + marker.len()..].trim().to_string();
+        }
+    }
+}
+
 /// The scenarios, when this binary runs as a child.
 #[test]
 fn child_entry() {
@@ -65,21 +101,13 @@ fn child_entry() {
         return;
     };
     let cuda = CudaBackend::new().expect("the emulated driver loads");
-    let backend: Arc<dyn Backend> = cuda;
+    let backend: Arc<dyn Backend> = cuda.clone();
     assert_eq!(backend.device_count().unwrap(), DEVICES);
     match role.as_str() {
         // Building the allocator touches no context; allocating on device 2 retains device
         // 2's only.
         "only-device-2" => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let alloc = Allocator::builder()
-                    .backend_instance(backend.clone())
-                    .build()
-                    .unwrap();
+            with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
                 assert_eq!(
                     active_contexts(DEVICES),
                     [false; 4],
@@ -89,11 +117,9 @@ fn child_entry() {
                 let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
                 assert_eq!(active_contexts(DEVICES), [false, false, true, false]);
                 drop(buf);
-                alloc.shutdown().await.unwrap();
             });
         }
         "per-thread-stream" => {
-            let cuda = CudaBackend::new().unwrap();
             let ctx = cuda.cudarc_context(DeviceId(0)).unwrap();
             match cuda.adopt_stream(&ctx.per_thread_stream()) {
                 Err(BackendError::InvalidValue(m)) => assert!(m.contains("per-thread"), "{m}"),
@@ -214,21 +240,13 @@ fn child_entry() {
         }
         // Opens that handle in device 2's context and closes it again.
         "ipc-open-elsewhere" => {
-            let mut exporter = Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "child_entry", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "ipc-export")
+            let mut exporter = child_command("ipc-export")
                 .stdin(std::process::Stdio::piped())
                 .stdout(std::process::Stdio::piped())
                 .spawn()
                 .unwrap();
             let mut out = std::io::BufReader::new(exporter.stdout.take().unwrap());
-            let hex = loop {
-                let mut line = String::new();
-                assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
-                if let Some(i) = line.find("HANDLE ") {
-                    break line[i + 7..].trim().to_string();
-                }
-            };
+            let hex = read_until(&mut out, "HANDLE ");
             let mut bytes = [0u8; 64];
             for (i, b) in bytes.iter_mut().enumerate() {
                 *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
@@ -243,15 +261,7 @@ fn child_entry() {
         }
         // Exclusive mode: hold device 2 until stdin ends.
         "exclusive-hold" => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let alloc = Allocator::builder()
-                    .backend_instance(backend.clone())
-                    .build()
-                    .unwrap();
+            with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
                 let stream = alloc.new_stream(DeviceId(2)).unwrap();
                 let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
                 println!("READY");
@@ -259,21 +269,12 @@ fn child_entry() {
                 let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
                 drop(buf);
                 drop(stream);
-                alloc.shutdown().await.unwrap();
             });
         }
         // Exclusive mode, while another process holds device 2: build, work on device 1, and
         // get a typed error (not a hang or a crash) on device 2.
         "exclusive-other" => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let alloc = Allocator::builder()
-                    .backend_instance(backend.clone())
-                    .build()
-                    .expect("building touches no device");
+            with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
                 let s1 = alloc.new_stream(DeviceId(1)).unwrap();
                 let buf = alloc.malloc(1 << 20, &s1).await.unwrap();
                 drop(buf);
@@ -282,58 +283,52 @@ fn child_entry() {
                 let msg = busy.err().unwrap().to_string();
                 assert!(msg.contains("CUDA_ERROR_DEVICE_UNAVAILABLE"), "{msg}");
                 drop(s1);
-                alloc.shutdown().await.unwrap();
             });
         }
         "peer-expandable" => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async {
-                let alloc = Allocator::builder()
-                    .config(AllocatorConfig::default().with_expandable_segments(true))
-                    .backend_instance(backend.clone())
-                    .build()
-                    .unwrap();
-                let s0 = alloc.new_stream(DeviceId(0)).unwrap();
-                let before = alloc.malloc(4 << 20, &s0).await.unwrap();
-                let s1 = backend.stream_create(DeviceId(1)).unwrap();
-                // Not granted yet: device 1's work on device 0's mapping faults.
-                assert!(backend.memset_async(s1, before.ptr(), 1, 4096).is_err());
-                alloc
-                    .enable_peer_access(DeviceId(1), DeviceId(0))
-                    .await
-                    .unwrap();
-                alloc
-                    .enable_peer_access(DeviceId(1), DeviceId(0))
-                    .await
-                    .expect("enabling twice is not an error");
-                assert!(alloc
-                    .enable_peer_access(DeviceId(1), DeviceId(1))
-                    .await
-                    .is_err());
-                backend.memset_async(s1, before.ptr(), 1, 4096).unwrap();
-                // Pages mapped after the grant.
-                let after = alloc.malloc(64 << 20, &s0).await.unwrap();
-                backend.memset_async(s1, after.ptr(), 2, 4096).unwrap();
-                backend
-                    .memset_async(
-                        s1,
-                        gpualloc::DevicePtr(after.ptr().0 + (64 << 20) - 4096),
-                        3,
-                        4096,
-                    )
-                    .unwrap();
-                backend.stream_synchronize(s1).unwrap();
-                // Device 2 was given nothing.
-                let s2 = backend.stream_create(DeviceId(2)).unwrap();
-                assert!(backend.memset_async(s2, after.ptr(), 1, 4096).is_err());
-                backend.stream_destroy(s1).unwrap();
-                backend.stream_destroy(s2).unwrap();
-                drop((before, after, s0));
-                alloc.shutdown().await.unwrap();
-            });
+            with_allocator(
+                &backend,
+                AllocatorConfig::default().with_expandable_segments(true),
+                |alloc| async move {
+                    let backend = alloc.backend().clone();
+                    let s0 = alloc.new_stream(DeviceId(0)).unwrap();
+                    let before = alloc.malloc(4 << 20, &s0).await.unwrap();
+                    let s1 = backend.stream_create(DeviceId(1)).unwrap();
+                    // Not granted yet: device 1's work on device 0's mapping faults.
+                    assert!(backend.memset_async(s1, before.ptr(), 1, 4096).is_err());
+                    alloc
+                        .enable_peer_access(DeviceId(1), DeviceId(0))
+                        .await
+                        .unwrap();
+                    alloc
+                        .enable_peer_access(DeviceId(1), DeviceId(0))
+                        .await
+                        .expect("enabling twice is not an error");
+                    assert!(alloc
+                        .enable_peer_access(DeviceId(1), DeviceId(1))
+                        .await
+                        .is_err());
+                    backend.memset_async(s1, before.ptr(), 1, 4096).unwrap();
+                    // Pages mapped after the grant.
+                    let after = alloc.malloc(64 << 20, &s0).await.unwrap();
+                    backend.memset_async(s1, after.ptr(), 2, 4096).unwrap();
+                    backend
+                        .memset_async(
+                            s1,
+                            gpualloc::DevicePtr(after.ptr().0 + (64 << 20) - 4096),
+                            3,
+                            4096,
+                        )
+                        .unwrap();
+                    backend.stream_synchronize(s1).unwrap();
+                    // Device 2 was given nothing.
+                    let s2 = backend.stream_create(DeviceId(2)).unwrap();
+                    assert!(backend.memset_async(s2, after.ptr(), 1, 4096).is_err());
+                    backend.stream_destroy(s1).unwrap();
+                    backend.stream_destroy(s2).unwrap();
+                    drop((before, after, s0));
+                },
+            );
         }
         other => panic!("unknown role {other}"),
     }
@@ -411,16 +406,8 @@ fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
         .spawn()
         .unwrap();
     let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
-    loop {
-        let mut line = String::new();
-        assert!(
-            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
-            "the holder ended early"
-        );
-        if line.contains("READY") {
-            break;
-        }
-    }
+    read_until(&mut out, "READY");
+
     run_child_with(
         "exclusive-other",
         &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],

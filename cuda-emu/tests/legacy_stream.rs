@@ -3,49 +3,12 @@
 //! waits for it; non-blocking streams (every stream the CUDA backend creates) stay unordered.
 //! A binary of its own: the null stream is one per device and process, shared by every test.
 
-use std::ffi::c_void;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{bind, event, hold, stream_with as stream};
 use gpualloc_cuda_emu::*;
-
-fn bind() {
-    assert_eq!(cuInit(0), CUDA_SUCCESS);
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { cuDevicePrimaryCtxRetain(&mut ctx, 0) },
-        CUDA_SUCCESS
-    );
-    assert_eq!(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
-}
-
-fn stream(flags: u32) -> CUstream {
-    let mut s: CUstream = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(unsafe { cuStreamCreate(&mut s, flags) }, CUDA_SUCCESS);
-    s
-}
-
-fn event() -> CUevent {
-    let mut e: CUevent = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(unsafe { cuEventCreate(&mut e, 0) }, CUDA_SUCCESS);
-    e
-}
-
-/// Blocks `s` until the returned sender is dropped (a host function waiting on a channel).
-fn hold(s: CUstream) -> mpsc::Sender<()> {
-    let (tx, rx) = mpsc::channel::<()>();
-    unsafe extern "C" fn wait(data: *mut c_void) {
-        // SAFETY: `data` is the boxed receiver leaked below, used exactly once.
-        let rx = unsafe { Box::from_raw(data.cast::<mpsc::Receiver<()>>()) };
-        let _ = rx.recv();
-    }
-    let data = Box::into_raw(Box::new(rx)).cast::<c_void>();
-    assert_eq!(cuLaunchHostFunc(s, Some(wait), data), CUDA_SUCCESS);
-    tx
-}
 
 /// An event recorded on `s` now: whether it completes within 2 s.
 fn completes(s: CUstream) -> bool {

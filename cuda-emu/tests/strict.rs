@@ -5,22 +5,12 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 
+mod common;
+
+use common::{bind, hold, stream_with};
 use gpualloc_cuda_emu::*;
 
 const MIB: usize = 1 << 20;
-
-/// Initializes, retains device 0's primary context and makes it current on this thread.
-fn bind() -> CUcontext {
-    assert_eq!(cuInit(0), CUDA_SUCCESS);
-    let mut ctx: CUcontext = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { cuDevicePrimaryCtxRetain(&mut ctx, 0) },
-        CUDA_SUCCESS
-    );
-    assert_eq!(cuCtxSetCurrent(ctx), CUDA_SUCCESS);
-    ctx
-}
 
 fn alloc(bytes: usize) -> (CUresult, CUdeviceptr) {
     let mut p = 0;
@@ -29,24 +19,9 @@ fn alloc(bytes: usize) -> (CUresult, CUdeviceptr) {
     (r, p)
 }
 
+/// A non-blocking stream of the current context.
 fn stream() -> CUstream {
-    let mut s: CUstream = std::ptr::null_mut();
-    // SAFETY: a valid out-pointer.
-    assert_eq!(unsafe { cuStreamCreate(&mut s, 1) }, CUDA_SUCCESS);
-    s
-}
-
-/// Blocks `s` until the returned sender is dropped (a host function waiting on a channel).
-fn hold(s: CUstream) -> mpsc::Sender<()> {
-    let (tx, rx) = mpsc::channel::<()>();
-    unsafe extern "C" fn wait(data: *mut c_void) {
-        // SAFETY: `data` is the boxed receiver leaked below, used exactly once.
-        let rx = unsafe { Box::from_raw(data.cast::<mpsc::Receiver<()>>()) };
-        let _ = rx.recv();
-    }
-    let data = Box::into_raw(Box::new(rx)).cast::<c_void>();
-    assert_eq!(cuLaunchHostFunc(s, Some(wait), data), CUDA_SUCCESS);
-    tx
+    stream_with(CU_STREAM_NON_BLOCKING)
 }
 
 #[test]

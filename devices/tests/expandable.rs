@@ -122,19 +122,33 @@ fn a_map_that_fails_half_way_rolls_back() {
     core.free(a.ptr).unwrap();
 }
 
-#[test]
-fn a_failed_map_on_the_sim_rolls_back_too() {
-    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
-    use gpualloc_runtime::BackendError;
-    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+/// A core with expandable segments on device 0 of a sim with `devices` devices, and a stream.
+fn sim_rig(
+    devices: u32,
+) -> (
+    Arc<gpualloc_runtime::sim::SimBackend>,
+    Arc<dyn Backend>,
+    DeviceCore,
+    StreamHandle,
+) {
+    use gpualloc_runtime::sim::{SimBackend, SimConfig};
+    let sim = SimBackend::new(SimConfig::fast(devices)).unwrap();
     let dynb: Arc<dyn Backend> = sim.clone();
     let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core = DeviceCore::new(
+    let core = DeviceCore::new(
         dynb.clone(),
         DeviceId(0),
         AllocatorConfig::parse("expandable_segments:True").unwrap(),
     )
     .unwrap();
+    (sim, dynb, core, s)
+}
+
+#[test]
+fn a_failed_map_on_the_sim_rolls_back_too() {
+    use gpualloc_runtime::sim::{Fault, Op};
+    use gpualloc_runtime::BackendError;
+    let (sim, dynb, mut core, s) = sim_rig(1);
     let oom = BackendError::OutOfMemory {
         requested: 20 * MIB,
         what: "injected".into(),
@@ -297,16 +311,8 @@ fn max_split_size_limits_expandable_blocks_only_under_pytorch_policy() {
 #[test]
 fn a_peer_gets_access_to_mapped_and_later_pages() {
     use gpualloc_devices::{map_growth, Growth, SegmentRequest};
-    use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
-    let sim = SimBackend::new(SimConfig::fast(4)).unwrap();
-    let dynb: Arc<dyn Backend> = sim.clone();
-    let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core = DeviceCore::new(
-        dynb.clone(),
-        DeviceId(0),
-        AllocatorConfig::parse("expandable_segments:True").unwrap(),
-    )
-    .unwrap();
+    use gpualloc_runtime::sim::Op;
+    let (sim, dynb, mut core, s) = sim_rig(4);
     let grants = || sim.counts().get(Op::SetAccess);
     // Two runs of mapped pages: two segments (two streams), 40 MiB each.
     let s2 = dynb.stream_create(DeviceId(0)).unwrap();

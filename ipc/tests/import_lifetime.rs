@@ -297,6 +297,18 @@ fn an_offer_unread_when_the_exporter_drops_its_connection_is_kept_for_the_import
     ex.finish();
 }
 
+/// An allocation of `LEN` bytes on the backend, and its first page as an exportable region.
+fn allocation(backend: &Arc<dyn Backend>) -> (DevicePtr, DeviceRegion) {
+    let ptr = backend.malloc(DEV, LEN).unwrap();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr,
+        len: 4096,
+        segment: SegmentMemory::Allocation { base: ptr },
+    };
+    (ptr, region)
+}
+
 #[test]
 fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
     let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
@@ -314,13 +326,7 @@ fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
         }
     };
     unknown(&mut conn);
-    let ptr = backend.malloc(DEV, LEN).unwrap();
-    let region = DeviceRegion {
-        device: DEV,
-        ptr,
-        len: 4096,
-        segment: SegmentMemory::Allocation { base: ptr },
-    };
+    let (ptr, region) = allocation(&backend);
     let guard = || Box::new(OnRelease::new(|| {}));
     // Released by a drop on a live connection.
     let first = conn.send_device(&region, None, guard()).unwrap();
@@ -359,13 +365,7 @@ fn a_failed_close_does_not_release_the_block() {
     let (a, b) = UnixStream::pair().unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
     let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
-    let ptr = backend.malloc(DEV, LEN).unwrap();
-    let region = DeviceRegion {
-        device: DEV,
-        ptr,
-        len: 4096,
-        segment: SegmentMemory::Allocation { base: ptr },
-    };
+    let (ptr, region) = allocation(&backend);
     let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = released.clone();
     conn.send_device(

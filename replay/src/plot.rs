@@ -19,7 +19,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
-use crate::report::{ReplayReport, Sample};
+use crate::report::{truncate, ReplayReport, Sample};
 
 const WIDTH: u32 = 1280;
 const PANEL_HEIGHT: u32 = 420;
@@ -287,7 +287,7 @@ fn draw_panel<DB: DrawingBackend>(
         } else {
             &r.config
         };
-        let name = format!("{} · {}", shorten(config, 26), r.policy);
+        let name = format!("{} · {}", truncate(config, 26), r.policy);
         legend.push((format!("{name}: reserved{peak_text}"), solid, false));
         legend.push((format!("{name}: allocated"), dashed, true));
     }
@@ -317,14 +317,4 @@ fn draw_legend<DB: DrawingBackend>(
             .map_err(err)?;
     }
     Ok(())
-}
-
-/// `s`, cut to `n` characters with an ellipsis.
-fn shorten(s: &str, n: usize) -> String {
-    if s.chars().count() <= n {
-        s.to_string()
-    } else {
-        let cut: String = s.chars().take(n - 1).collect();
-        format!("{cut}…")
-    }
 }

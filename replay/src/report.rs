@@ -345,7 +345,8 @@ impl PolicyDifference {
     }
 }
 
-fn truncate(s: &str, n: usize) -> String {
+/// `s`, cut to `n` characters with an ellipsis (for table cells and legend labels).
+pub(crate) fn truncate(s: &str, n: usize) -> String {
     if s.chars().count() <= n {
         s.to_string()
     } else {

@@ -16,12 +16,14 @@
 //! chain with `garbage_collection_threshold` (`devices/tests/oom_chain*.rs`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::PathBuf;
 use std::sync::Arc;
 
+mod common;
+
+use common::all_traces;
 use gpualloc_devices::{AllocatorConfig, Policy, TraceAction};
 use gpualloc_replay::analysis::{deferred_frees, live_at_start};
-use gpualloc_replay::{load, replay_core, ReplayOptions, Trace};
+use gpualloc_replay::{replay_core, ReplayOptions, Trace};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 use gpualloc_trace::Action;
@@ -387,28 +389,9 @@ fn core_replay(trace: &Trace, conf: &str) -> Vec<(Action, u64, u64)> {
         .collect()
 }
 
-fn traces() -> Vec<Trace> {
-    let dir = std::env::var_os("GPUALLOC_TRACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces"))
-        });
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        eprintln!("skipped: no traces folder at {}", dir.display());
-        return Vec::new();
-    };
-    let mut files: Vec<PathBuf> = entries
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
-        .collect();
-    files.sort();
-    files.iter().flat_map(|f| load(f).unwrap()).collect()
-}
-
 #[test]
 fn the_core_under_pytorch_policy_decides_as_the_model_of_pytorchs_rules() {
-    for trace in traces() {
+    for trace in all_traces() {
         for conf in ["", "max_split_size_mb:128", "roundup_power2_divisions:4"] {
             let model = model_replay(&trace, conf);
             let core = core_replay(&trace, conf);

@@ -11,45 +11,11 @@
 //!   20 MiB segment than PyTorch's real one (6,192 MiB against 6,172 MiB, +0.32%). The warm
 //!   replay, which starts from the real layout, equals PyTorch exactly (test above).
 
-use std::path::PathBuf;
+mod common;
 
+use common::{all_traces, traces_dir};
 use gpualloc_devices::{DeviceCore, RuleKnobs};
-use gpualloc_replay::{load, replay, ReplayOptions, Trace};
-
-fn traces_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("GPUALLOC_TRACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/traces"))
-        });
-    if dir.join("SOURCES.md").exists() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "skipped: no traces folder at {} (set GPUALLOC_TRACES)",
-            dir.display()
-        );
-        None
-    }
-}
-
-fn all_traces() -> Vec<Trace> {
-    let Some(dir) = traces_dir() else {
-        return Vec::new();
-    };
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
-        .collect();
-    files.sort();
-    assert!(
-        files.len() >= 3,
-        "expected the three snapshots in {}",
-        dir.display()
-    );
-    files.iter().flat_map(|f| load(f).unwrap()).collect()
-}
+use gpualloc_replay::{replay, ReplayOptions, Trace};
 
 #[test]
 fn warm_replay_matches_pytorch_address_for_address() {

@@ -89,15 +89,7 @@ impl Backend for SimBackend {
 
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
         self.enter(Op::Free)?;
-        self.check_device(device)?;
-        let owner = self
-            .mem
-            .with_region(ptr.0, RegionKind::Device, |r| r.device)?;
-        if owner != Some(device) {
-            return Err(BackendError::invalid(format!(
-                "{ptr} is not an allocation of {device}"
-            )));
-        }
+        self.check_allocation_of(device, ptr)?;
         // cuMemFree semantics: the device is synchronized first.
         self.drain_device(device);
         self.free_region(device, ptr)

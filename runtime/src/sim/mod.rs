@@ -225,6 +225,12 @@ impl SimBackend {
     /// only that `cuMemFree` *may* synchronize; the emulated driver frees this way in its
     /// no-sync mode, so a caller that relies on the synchronization is caught.
     pub fn free_without_sync(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.check_allocation_of(device, ptr)?;
+        self.free_region(device, ptr)
+    }
+
+    /// `ptr` starts a `malloc` allocation of `device` (what `free` may release).
+    pub(crate) fn check_allocation_of(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
         self.check_device(device)?;
         let owner = self
             .mem
@@ -234,7 +240,7 @@ impl SimBackend {
                 "{ptr} is not an allocation of {device}"
             )));
         }
-        self.free_region(device, ptr)
+        Ok(())
     }
 
     /// Removes allocation `ptr` of `device` and gives its capacity back (no synchronization).
