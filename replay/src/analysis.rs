@@ -12,7 +12,7 @@ use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 
 use gpualloc_devices::sizes::{round_size, SMALL_SIZE};
 use gpualloc_devices::AllocatorConfig;
-use gpualloc_trace::Action;
+use gpualloc_trace::{Action, TraceEntry};
 
 use crate::input::Trace;
 
@@ -147,6 +147,16 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
     Some(set.into_values().collect())
 }
 
+/// PyTorch's reserved bytes after event `e`, from `reserved` before it (segment and page
+/// events move it).
+pub fn torch_reserved_after(reserved: u64, e: &TraceEntry) -> u64 {
+    match e.action {
+        Action::SegmentAlloc | Action::SegmentMap => reserved + e.size,
+        Action::SegmentFree | Action::SegmentUnmap => reserved.saturating_sub(e.size),
+        _ => reserved,
+    }
+}
+
 /// PyTorch's peaks over the trace, from the segment history and the requested sizes
 /// (`initial`: the allocations alive at the start, from [`live_at_start`]).
 pub fn torch_figures(trace: &Trace, initial: &[LiveAtStart]) -> TorchFigures {
@@ -161,13 +171,7 @@ pub fn torch_figures(trace: &Trace, initial: &[LiveAtStart]) -> TorchFigures {
         f.start_reserved = Some(reserved);
         let mut peak = reserved;
         for e in &trace.events {
-            match e.action {
-                Action::SegmentAlloc | Action::SegmentMap => reserved += e.size,
-                Action::SegmentFree | Action::SegmentUnmap => {
-                    reserved = reserved.saturating_sub(e.size)
-                }
-                _ => {}
-            }
+            reserved = torch_reserved_after(reserved, e);
             peak = peak.max(reserved);
         }
         f.peak_reserved = Some(peak);

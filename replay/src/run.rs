@@ -28,7 +28,10 @@ use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 use gpualloc_trace::Action;
 
-use crate::analysis::{deferred_frees, live_at_start, start_blocks, start_segments, torch_figures};
+use crate::analysis::{
+    deferred_frees, live_at_start, start_blocks, start_segments, torch_figures,
+    torch_reserved_after,
+};
 use crate::input::Trace;
 use crate::report::{Mismatch, ReplayReport, Sample};
 
@@ -356,13 +359,7 @@ pub fn replay_core(
             }
             Action::SegmentMap | Action::SegmentUnmap | Action::Oom | Action::Snapshot => {}
         }
-        if let Some(t) = torch_reserved.as_mut() {
-            match e.action {
-                Action::SegmentAlloc | Action::SegmentMap => *t += e.size,
-                Action::SegmentFree | Action::SegmentUnmap => *t = t.saturating_sub(e.size),
-                _ => {}
-            }
-        }
+        torch_reserved = torch_reserved.map(|t| torch_reserved_after(t, e));
         if options.sample_every > 0
             && (i % options.sample_every == 0 || i + 1 == trace.events.len())
         {
