@@ -94,6 +94,16 @@ impl Error {
         }
     }
 
+    /// True when the device is lost: it hit a sticky error (a faulting kernel) and can do no
+    /// more work, so the allocator hands out none of its memory
+    /// ([`BackendError::DeviceLost`]).
+    pub fn is_device_lost(&self) -> bool {
+        match self {
+            Error::Backend(e) | Error::Alloc(AllocError::Backend(e)) => e.is_device_lost(),
+            _ => false,
+        }
+    }
+
     /// True if the allocator has been shut down.
     pub fn is_shutdown(&self) -> bool {
         matches!(self, Error::Alloc(AllocError::Shutdown))

@@ -30,6 +30,11 @@
 //! `GPUALLOC_EMU_FREE_NO_SYNC` for a `cuMemFree` that does not synchronize (the driver says it
 //! *may*; work still queued on freed memory then fails with a sticky error).
 //!
+//! Exported functions that are not the driver's, for tests (through `dlsym`):
+//! `gpualloc_emu_pageable_copies` (copies the driver would have staged) and
+//! `gpualloc_emu_fault_stream` (a kernel that faults when its stream reaches it: the context's
+//! sticky error, after which every call in it fails and host functions never run).
+//!
 //! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
 //! With `GPUALLOC_FORBID_EMULATOR` set (as `scripts/gpu-check.sh` does on a real GPU),
 //! `cuInit` fails with `CUDA_ERROR_NOT_PERMITTED`: the double cannot pass for the driver.

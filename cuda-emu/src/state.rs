@@ -66,6 +66,10 @@ pub(crate) struct Emu {
     /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
     /// *may*), so a caller relying on it frees memory queued work still uses.
     pub(crate) free_without_sync: bool,
+    /// Devices whose context hit a sticky error (`gpualloc_emu_fault_stream`): every call that
+    /// needs the context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` and no host function runs,
+    /// until the primary context is released by every holder.
+    pub(crate) faulted: Vec<std::sync::atomic::AtomicBool>,
 }
 
 static EMU: OnceLock<Emu> = OnceLock::new();
@@ -143,6 +147,9 @@ pub(crate) fn init() -> Result<(), CUresult> {
         ipc_opened: Mutex::new(HashMap::new()),
         pageable_copies: std::sync::atomic::AtomicU64::new(0),
         free_without_sync,
+        faulted: (0..devices)
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect(),
         sim,
         devices,
         retained: Mutex::new(vec![0; devices as usize]),
@@ -184,6 +191,9 @@ pub(crate) fn call(
                 let d = current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
                 if lock(&emu.retained).get(d as usize).copied().unwrap_or(0) == 0 {
                     return Err(CUDA_ERROR_INVALID_CONTEXT);
+                }
+                if emu.is_faulted(d) {
+                    return Err(CUDA_ERROR_ILLEGAL_ADDRESS);
                 }
                 DeviceId(d)
             }
@@ -253,6 +263,13 @@ pub(crate) fn device_of_context(ctx: CUcontext, devices: u32) -> Option<u32> {
 }
 
 impl Emu {
+    /// True once device `d`'s context hit a sticky error.
+    pub(crate) fn is_faulted(&self, d: u32) -> bool {
+        self.faulted
+            .get(d as usize)
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
+    }
+
     /// The sim stream behind a `CUstream` (null: `device`'s default stream).
     pub(crate) fn stream(&self, s: CUstream, device: DeviceId) -> Result<StreamHandle, CUresult> {
         if s as usize == CU_STREAM_PER_THREAD {
@@ -346,8 +363,10 @@ impl Emu {
 
     /// Whether work of `device` may touch `[addr, addr + n)`: outside virtual-memory mappings
     /// always (ordinary allocations follow peer access, which the emulator does not limit);
-    /// inside, only where `cuMemSetAccess` named the device (`CUDA_ERROR_ILLEGAL_ADDRESS`
-    /// otherwise, as the fault of such an access).
+    /// inside, only where `cuMemSetAccess` named the device. Otherwise the call is refused
+    /// with `CUDA_ERROR_INVALID_VALUE`, at once and without harm to the context: on the driver
+    /// the work would fault (a sticky error), and a test that checks the refusal could not go
+    /// on in that process. The sticky error itself is `gpualloc_emu_fault_stream`'s.
     pub(crate) fn check_access(&self, addr: u64, n: u64, device: DeviceId) -> Result<(), CUresult> {
         let end = addr.saturating_add(n.max(1));
         let maps = lock(&self.vmm_access);
@@ -359,7 +378,7 @@ impl Emu {
         for (start, (len, mask)) in maps.range(first..end) {
             let overlaps = *start < end && start + len > addr;
             if overlaps && mask & (1u64 << device.0.min(63)) == 0 {
-                return Err(CUDA_ERROR_ILLEGAL_ADDRESS);
+                return Err(CUDA_ERROR_INVALID_VALUE);
             }
         }
         Ok(())

@@ -104,7 +104,9 @@ struct UserData(*mut c_void);
 unsafe impl Send for UserData {}
 
 /// `cuLaunchHostFunc`: `f` runs on the stream's thread after the work before it, and may
-/// not call the driver (such calls return `CUDA_ERROR_NOT_PERMITTED`).
+/// not call the driver (such calls return `CUDA_ERROR_NOT_PERMITTED`). Once the context has
+/// hit a sticky error (`gpualloc_emu_fault_stream`) it never runs, as on the driver, and
+/// `user_data` is never given back.
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc(
     stream: CUstream,
@@ -118,11 +120,38 @@ pub extern "C" fn cuLaunchHostFunc(
         emu.sim
             .launch_host_func(
                 s,
-                Box::new(move || {
+                Box::new(move |_| {
                     let data = data;
+                    if crate::state::emu().is_some_and(|e| e.is_faulted(d.0)) {
+                        return;
+                    }
                     // SAFETY: calling the user's host function with its own data, as the
                     // driver does; its safety is the caller's contract.
                     in_host_fn(|| unsafe { f(data.0) });
+                }),
+            )
+            .map_err(sim_err)
+    })
+}
+
+/// Not a driver function: queues on `stream` what a faulting kernel does. When the stream
+/// reaches it, the context of the current device hits a sticky error
+/// (`CUDA_ERROR_ILLEGAL_ADDRESS`): from then on every call that needs that context fails with
+/// it, and no host function queued on any of its streams runs (work before it completes).
+/// Releasing the primary context by every holder clears it, as the driver's context
+/// destruction does. Tests reach it through `dlsym`.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_fault_stream(stream: CUstream) -> CUresult {
+    call("gpualloc_emu_fault_stream", Needs::Context, |emu, d| {
+        let s = emu.work_stream(stream, d)?;
+        emu.sim
+            .launch_host_func(
+                s,
+                Box::new(move |_| {
+                    if let Some(emu) = crate::state::emu() {
+                        tracing::info!(device = d.0, "emulated kernel fault: sticky error");
+                        emu.faulted[d.0 as usize].store(true, std::sync::atomic::Ordering::Release);
+                    }
                 }),
             )
             .map_err(sim_err)

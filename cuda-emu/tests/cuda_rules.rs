@@ -15,9 +15,13 @@
 //!   that opened it;
 //! - a buffer from an expandable segment of device 0 is usable on device 1 once
 //!   `Allocator::enable_peer_access(1, 0)` ran, for pages mapped before and after (the
-//!   emulator faults work of a device the mapping's `cuMemSetAccess` did not name);
+//!   emulator refuses work of a device the mapping's `cuMemSetAccess` did not name);
 //! - with every device in `EXCLUSIVE_PROCESS` mode, a second process builds its allocator and
-//!   works on the devices the first does not use (building touches no device).
+//!   works on the devices the first does not use (building touches no device);
+//! - after a sticky error (the emulator's faulting kernel, after which the driver runs no
+//!   host function), completion futures pending on the device fail with `DeviceLost`
+//!   promptly instead of hanging, their closures are freed, later calls on the device say it
+//!   is lost, the allocator hands out none of its memory, and other devices work on.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -56,6 +60,33 @@ fn pageable_copies() -> u64 {
             .expect("the emulator's counter");
         f()
     }
+}
+
+/// Queues the emulator's faulting kernel on `stream`: when the stream reaches it, the context
+/// of the stream's device hits a sticky error.
+fn fault_stream(cuda: &CudaBackend, stream: &gpualloc::Stream) {
+    let s = cuda.cudarc_stream(stream.handle()).unwrap();
+    s.context().bind_to_thread().unwrap();
+    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
+    // exports this function with exactly this signature; the stream is live and its context
+    // current on this thread.
+    let r = unsafe {
+        let lib = cudarc::driver::sys::culib();
+        let f = lib
+            .get::<unsafe extern "C" fn(*mut std::ffi::c_void) -> u32>(
+                b"gpualloc_emu_fault_stream\0",
+            )
+            .expect("the emulator's fault knob");
+        f(s.cu_stream().cast())
+    };
+    assert_eq!(r, 0, "gpualloc_emu_fault_stream");
+}
+
+/// Awaits `fut`, failing the test if it takes longer than 5 s (a hang).
+async fn within_5s<F: std::future::Future>(what: &str, fut: F) -> F::Output {
+    tokio::time::timeout(std::time::Duration::from_secs(5), fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: still pending after 5 s"))
 }
 
 /// Builds an allocator with `config` on `backend` (building must touch no device), runs
@@ -139,7 +170,7 @@ fn child_entry() {
             backend
                 .launch_host_func(
                     s,
-                    Box::new(move || {
+                    Box::new(move |_| {
                         let _ = rx.recv();
                     }),
                 )
@@ -294,8 +325,12 @@ fn child_entry() {
                     let s0 = alloc.new_stream(DeviceId(0)).unwrap();
                     let before = alloc.malloc(4 << 20, &s0).await.unwrap();
                     let s1 = backend.stream_create(DeviceId(1)).unwrap();
-                    // Not granted yet: device 1's work on device 0's mapping faults.
-                    assert!(backend.memset_async(s1, before.ptr(), 1, 4096).is_err());
+                    // Not granted yet: device 1's work on device 0's mapping is refused (it
+                    // would fault on a GPU).
+                    assert!(matches!(
+                        backend.memset_async(s1, before.ptr(), 1, 4096),
+                        Err(BackendError::InvalidValue(_))
+                    ));
                     alloc
                         .enable_peer_access(DeviceId(1), DeviceId(0))
                         .await
@@ -323,12 +358,117 @@ fn child_entry() {
                     backend.stream_synchronize(s1).unwrap();
                     // Device 2 was given nothing.
                     let s2 = backend.stream_create(DeviceId(2)).unwrap();
-                    assert!(backend.memset_async(s2, after.ptr(), 1, 4096).is_err());
+                    assert!(matches!(
+                        backend.memset_async(s2, after.ptr(), 1, 4096),
+                        Err(BackendError::InvalidValue(_))
+                    ));
                     backend.stream_destroy(s1).unwrap();
                     backend.stream_destroy(s2).unwrap();
                     drop((before, after, s0));
                 },
             );
+        }
+        // A kernel faults on device 1's stream: what was queued before it completes; what
+        // was queued after it fails with DeviceLost within the watchdog's period; the device
+        // is lost for every later call and for the allocator; device 2 works on.
+        "sticky-fault" => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let alloc = Allocator::builder()
+                    .backend_instance(backend.clone())
+                    .build()
+                    .unwrap();
+                let d = DeviceId(1);
+                let stream = alloc.new_stream(d).unwrap();
+                let other = alloc.new_stream(DeviceId(2)).unwrap();
+                let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
+                // Everything below is queued behind a gate, so it is pending at the fault.
+                let (gate, rx) = std::sync::mpsc::channel::<()>();
+                backend
+                    .launch_host_func(
+                        stream.handle(),
+                        Box::new(move |_| {
+                            let _ = rx.recv();
+                        }),
+                    )
+                    .unwrap();
+                let before = stream.completed();
+                let event_before = stream.record_event().unwrap();
+                fault_stream(&cuda, &stream);
+                let after = stream.completed();
+                let event_after = stream.record_event().unwrap();
+                let capture = Arc::new(());
+                let (held, (tx, results)) = (capture.clone(), std::sync::mpsc::channel());
+                backend
+                    .launch_host_func(
+                        stream.handle(),
+                        Box::new(move |r| {
+                            let _held = held;
+                            let _ = tx.send(r);
+                        }),
+                    )
+                    .unwrap();
+                assert!(!after.is_done() && !before.is_done());
+                drop(gate);
+                let start = std::time::Instant::now();
+                assert_eq!(within_5s("work before the fault", before).await, Ok(()));
+                assert_eq!(event_before.completed().await, Ok(()));
+                let err = within_5s("a future pending on a lost device", after)
+                    .await
+                    .unwrap_err();
+                println!(
+                    "a pending future failed {:?} after the fault",
+                    start.elapsed()
+                );
+                match &err {
+                    BackendError::DeviceLost { device: 1, cause } => {
+                        assert!(cause.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{cause}")
+                    }
+                    other => panic!("expected DeviceLost of device 1, got {other:?}"),
+                }
+                assert_eq!(
+                    within_5s("an event after the fault", event_after.completed()).await,
+                    Err(err.clone())
+                );
+                assert_eq!(
+                    results.recv_timeout(std::time::Duration::from_secs(5)),
+                    Ok(Err(err.clone())),
+                    "a raw host function is called with the error"
+                );
+                assert_eq!(
+                    Arc::strong_count(&capture),
+                    1,
+                    "the failed closure was freed"
+                );
+                // Later calls on the device say it is lost, without waiting.
+                assert_eq!(stream.completed().await, Err(err.clone()));
+                assert_eq!(backend.stream_create(d), Err(err.clone()));
+                assert_eq!(backend.malloc(d, 4096), Err(err.clone()));
+                assert_eq!(backend.device_lost(d), Some(err.clone()));
+                // The allocator hands out none of its memory, cached blocks included.
+                drop(buf);
+                for size in [1 << 20, 512] {
+                    let e = alloc.malloc(size, &stream).await.unwrap_err();
+                    assert!(e.is_device_lost(), "{e}");
+                    assert!(e.to_string().contains("device 1 is lost"), "{e}");
+                }
+                // Other devices are not affected.
+                assert_eq!(backend.device_lost(DeviceId(2)), None);
+                let b2 = alloc.malloc(1 << 20, &other).await.unwrap();
+                backend
+                    .memset_async(other.handle(), b2.ptr(), 7, b2.len())
+                    .unwrap();
+                within_5s("device 2", other.completed()).await.unwrap();
+                drop(b2);
+                // Shutting down reports the lost device and does not hang.
+                match within_5s("shutdown", alloc.shutdown()).await {
+                    Ok(()) => {}
+                    Err(e) => assert!(e.is_device_lost(), "{e}"),
+                }
+            });
         }
         other => panic!("unknown role {other}"),
     }
@@ -415,6 +555,11 @@ fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
     drop(holder.stdin.take());
     assert!(holder.wait().unwrap().success());
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn after_a_sticky_error_pending_futures_fail_and_the_device_is_lost() {
+    run_child("sticky-fault");
 }
 
 #[test]

@@ -415,7 +415,7 @@ impl Backend for AccountingBackend {
 
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
         Self::stream_device(&lock(&self.state), stream)?;
-        f();
+        f(Ok(()));
         Ok(())
     }
 

@@ -52,6 +52,14 @@ pub trait Backend: Send + Sync + 'static {
         let _ = device;
         Ok(None)
     }
+    /// `Some(BackendError::DeviceLost)` once `device` is lost: it hit a sticky error (a
+    /// faulting kernel) and can do no more work; every call on it fails with that error from
+    /// then on. The allocator asks before each allocation, so it must be cheap (an atomic
+    /// load). Defaults to `None` (backends whose devices cannot be lost: the sim).
+    fn device_lost(&self, device: DeviceId) -> Option<crate::error::BackendError> {
+        let _ = device;
+        None
+    }
     /// Allocates `size` bytes of device memory, synchronously (`cuMemAlloc`).
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr>;
     /// The allocation that contains `ptr` (from [`Backend::malloc`] or

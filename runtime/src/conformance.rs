@@ -216,7 +216,7 @@ fn gate(b: &Arc<dyn Backend>, s: StreamHandle) -> Result<mpsc::Sender<()>, Strin
     ok(
         b.launch_host_func(
             s,
-            Box::new(move || {
+            Box::new(move |_| {
                 let _ = rx.recv_timeout(GATE_TIMEOUT);
             }),
         ),
@@ -291,7 +291,7 @@ fn events_order_across_streams(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
     ok(b.memset_async(sa.h, x.p, 7, len), "memset x=7 on a")?;
     let flag = a_done.clone();
     ok(
-        b.launch_host_func(sa.h, Box::new(move || flag.store(true, Ordering::SeqCst))),
+        b.launch_host_func(sa.h, Box::new(move |_| flag.store(true, Ordering::SeqCst))),
         "host fn a",
     )?;
     let e = ok(b.event_create(d), "event_create")?;
@@ -303,7 +303,7 @@ fn events_order_across_streams(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
     ok(
         b.launch_host_func(
             sb.h,
-            Box::new(move || {
+            Box::new(move |_| {
                 if let Ok(mut s) = saw.lock() {
                     *s = Some(flag.load(Ordering::SeqCst));
                 }
@@ -368,7 +368,7 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
         ok(
             b.launch_host_func(
                 s.h,
-                Box::new(move || {
+                Box::new(move |_| {
                     let n = h[offset..offset + len]
                         .iter()
                         .filter(|v| v.load(Ordering::Acquire) == 0xC3)
@@ -422,7 +422,7 @@ fn wait_uses_current_record(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
     ok(
         b.launch_host_func(
             sb.h,
-            Box::new(move || {
+            Box::new(move |_| {
                 let _ = tx.send(());
             }),
         ),
@@ -446,7 +446,7 @@ fn free_synchronizes(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), String> {
     ok(
         b.launch_host_func(
             s.h,
-            Box::new(move || {
+            Box::new(move |_| {
                 std::thread::sleep(Duration::from_millis(50));
                 flag.store(true, Ordering::SeqCst);
             }),

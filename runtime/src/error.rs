@@ -50,6 +50,17 @@ pub enum BackendError {
         /// Its symbolic name, e.g. `CUDA_ERROR_LAUNCH_FAILED`.
         name: String,
     },
+    /// The device hit an unrecoverable ("sticky") error, such as a kernel that faulted
+    /// (`CUDA_ERROR_ILLEGAL_ADDRESS`): its context does no more work. Pending completion
+    /// futures fail with this, every later call on the device does, and the allocator hands
+    /// out none of its memory. Recovery takes a new process.
+    #[error("device {device} is lost: {cause}")]
+    DeviceLost {
+        /// The device's ordinal.
+        device: u32,
+        /// The error that lost it, e.g. `CUDA_ERROR_ILLEGAL_ADDRESS (driver error 700)`.
+        cause: String,
+    },
     /// A backend call was failed on purpose by the sim's fault injection.
     #[error("injected fault in {0}")]
     Injected(&'static str),
@@ -60,6 +71,11 @@ impl BackendError {
     /// `OutOfMemory`): the caller may free cached memory and retry.
     pub fn is_oom(&self) -> bool {
         matches!(self, BackendError::OutOfMemory { .. })
+    }
+
+    /// True for [`BackendError::DeviceLost`]: the device can do no more work.
+    pub fn is_device_lost(&self) -> bool {
+        matches!(self, BackendError::DeviceLost { .. })
     }
 
     /// Shorthand for an [`BackendError::InvalidValue`].

@@ -111,10 +111,11 @@ impl Stream {
     pub fn completed(&self) -> Completion {
         let cell = CompletionCell::new();
         let waker_cell = cell.clone();
-        match self.inner.backend.launch_host_func(
-            self.inner.handle,
-            Box::new(move || waker_cell.complete(Ok(()))),
-        ) {
+        match self
+            .inner
+            .backend
+            .launch_host_func(self.inner.handle, Box::new(move |r| waker_cell.complete(r)))
+        {
             Ok(()) => Completion::new(cell),
             Err(e) => Completion::ready(Err(e)),
         }
@@ -131,7 +132,7 @@ impl Stream {
         };
         backend.event_record(handle, self.inner.handle)?;
         let cell = event.cell.clone();
-        backend.launch_host_func(self.inner.handle, Box::new(move || cell.complete(Ok(()))))?;
+        backend.launch_host_func(self.inner.handle, Box::new(move |r| cell.complete(r)))?;
         Ok(event)
     }
 

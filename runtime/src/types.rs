@@ -102,4 +102,9 @@ pub struct HostRegisterFlags {
 
 /// A work item run on a stream's thread after the work before it (`cuLaunchHostFunc`).
 /// It must not call back into the backend's stream operations.
-pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+///
+/// It is called exactly once when its launch succeeded: with `Ok(())` when the stream
+/// reaches it, or with an error (`BackendError::DeviceLost`) when the backend learns that
+/// the stream never will (the device hit a sticky error, after which the driver runs no
+/// host function). A launch that fails drops it uncalled.
+pub type HostFn = Box<dyn FnOnce(crate::error::Result<()>) + Send + 'static>;

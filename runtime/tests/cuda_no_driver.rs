@@ -65,7 +65,7 @@ fn smoke(b: &Arc<CudaBackend>) {
     let h = hits.clone();
     b.launch_host_func(
         s.handle(),
-        Box::new(move || {
+        Box::new(move |_| {
             h.fetch_add(1, Ordering::SeqCst);
         }),
     )

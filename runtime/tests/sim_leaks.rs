@@ -78,7 +78,7 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
         backend
             .launch_host_func(
                 s.handle(),
-                Box::new(move || {
+                Box::new(move |_| {
                     std::thread::sleep(Duration::from_millis(30));
                     r.fetch_or(1 << 4, Ordering::SeqCst);
                 }),

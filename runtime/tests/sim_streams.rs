@@ -174,7 +174,7 @@ fn stream_idle_says_whether_queued_work_has_run() {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     sim.launch_host_func(
         s,
-        Box::new(move || {
+        Box::new(move |_| {
             let _ = rx.recv();
         }),
     )

@@ -288,6 +288,12 @@ impl DeviceActor {
         size: u64,
         stream: &Stream,
     ) -> Result<DeviceBuffer, Error> {
+        // A lost device (a sticky error: its context does no more work) hands out nothing,
+        // cached blocks included: their memory may be what the faulting kernel corrupted, and
+        // no work on it could run anyway. (An atomic load on the CUDA backend.)
+        if let Some(lost) = self.backend.device_lost(self.device) {
+            return Err(lost.into());
+        }
         let handle = stream.handle();
         if let Some(cache) = &self.signals.thread_cache {
             match cache.revive(self, size, handle) {

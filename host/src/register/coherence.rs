@@ -54,7 +54,7 @@ impl CoherenceGuard {
         tracing::trace!(start = self.range.start, stream = ?stream.handle(), "before_device_read");
         stream
             .backend()
-            .launch_host_func(stream.handle(), Box::new(|| fence(Ordering::SeqCst)))
+            .launch_host_func(stream.handle(), Box::new(|_| fence(Ordering::SeqCst)))
     }
 
     /// After enqueueing device work that writes the range on `stream`, before the CPU reads

@@ -11,6 +11,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::context::{bind, Contexts};
 use super::error::{catch, check, drv};
+use super::health::Health;
 use super::registry::Registry;
 use super::streams::CuEvent;
 use crate::backend::Backend;
@@ -34,7 +35,9 @@ use crate::types::{
 ///   the size of imported memory); callers that know it may set it;
 /// - empty copies and memsets are no-ops, as in CUDA.
 pub struct CudaBackend {
-    pub(crate) contexts: Contexts,
+    pub(crate) contexts: Arc<Contexts>,
+    /// Lost devices, the host functions pending per device and the watchdog (`health.rs`).
+    pub(crate) health: Arc<Health>,
     pub(crate) streams: Registry<CudaStream>,
     pub(crate) events: Registry<CuEvent>,
     pub(crate) granularity: Vec<OnceLock<u64>>,
@@ -132,7 +135,8 @@ impl CudaBackend {
     /// A backend for `count` devices that has not touched the driver yet.
     pub(crate) fn with_devices(count: u32) -> CudaBackend {
         CudaBackend {
-            contexts: Contexts::new(count),
+            contexts: Arc::new(Contexts::new(count)),
+            health: Health::new(count),
             streams: Registry::new("stream"),
             events: Registry::new("event"),
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
@@ -146,6 +150,7 @@ impl CudaBackend {
         &self,
         device: DeviceId,
     ) -> Result<&Arc<cudarc::driver::safe::CudaContext>> {
+        self.health.check(device)?;
         let ctx = self.contexts.get(device)?;
         bind(ctx)?;
         Ok(ctx)
@@ -169,6 +174,7 @@ impl Drop for CudaBackend {
         // (each also holds its own `Arc` of its context, so this order is belt and braces).
         drop(self.events.drain());
         drop(self.streams.drain());
+        self.health.shutdown();
     }
 }
 
@@ -181,45 +187,54 @@ impl Backend for CudaBackend {
         Some(self)
     }
 
+    fn device_lost(&self, device: DeviceId) -> Option<BackendError> {
+        self.health.lost(device)
+    }
     fn device_count(&self) -> Result<u32> {
         Ok(self.contexts.count())
     }
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
-        self.cu_mem_info(device)
+        self.health.seen(device, self.cu_mem_info(device))
     }
     fn total_memory(&self, device: DeviceId) -> Result<u64> {
         self.cu_total_memory(device)
     }
     fn enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<()> {
-        self.cu_enable_peer_access(device, peer)
+        self.health
+            .seen(device, self.cu_enable_peer_access(device, peer))
     }
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
-        self.cu_malloc(device, size)
+        self.health.seen(device, self.cu_malloc(device, size))
     }
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
-        self.cu_free(device, ptr)
+        self.health.seen(device, self.cu_free(device, ptr))
     }
     fn device_synchronize(&self, device: DeviceId) -> Result<()> {
-        self.cu_device_synchronize(device)
+        self.health.seen(device, self.cu_device_synchronize(device))
     }
 
     fn stream_create(&self, device: DeviceId) -> Result<StreamHandle> {
-        self.cu_stream_create(device)
+        self.health.seen(device, self.cu_stream_create(device))
     }
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
-        self.cu_stream_destroy(stream)
+        self.health
+            .seen(stream.device, self.cu_stream_destroy(stream))
     }
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
-        self.cu_stream_synchronize(stream)
+        self.health
+            .seen(stream.device, self.cu_stream_synchronize(stream))
     }
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
-        self.cu_stream_wait_event(stream, event)
+        self.health
+            .seen(stream.device, self.cu_stream_wait_event(stream, event))
     }
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
-        self.cu_launch_host_func(stream, f)
+        self.health
+            .seen(stream.device, self.cu_launch_host_func(stream, f))
     }
     fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
-        self.cu_memcpy_async(stream, dst, src, len)
+        self.health
+            .seen(stream.device, self.cu_memcpy_async(stream, dst, src, len))
     }
     fn memset_async(
         &self,
@@ -228,29 +243,34 @@ impl Backend for CudaBackend {
         value: u8,
         len: u64,
     ) -> Result<()> {
-        self.cu_memset_async(stream, dst, value, len)
+        self.health
+            .seen(stream.device, self.cu_memset_async(stream, dst, value, len))
     }
     fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
-        self.cu_copy_to_device(stream, dst, src)
+        self.health
+            .seen(stream.device, self.cu_copy_to_device(stream, dst, src))
     }
     fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
-        self.cu_copy_from_device(stream, dst, src)
+        self.health
+            .seen(stream.device, self.cu_copy_from_device(stream, dst, src))
     }
 
     fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
-        self.cu_event_create(device)
+        self.health.seen(device, self.cu_event_create(device))
     }
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        self.cu_event_record(event, stream)
+        self.health
+            .seen(stream.device, self.cu_event_record(event, stream))
     }
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        self.cu_event_query(event)
+        self.health.seen(event.device, self.cu_event_query(event))
     }
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
-        self.cu_event_synchronize(event)
+        self.health
+            .seen(event.device, self.cu_event_synchronize(event))
     }
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
-        self.cu_event_destroy(event)
+        self.health.seen(event.device, self.cu_event_destroy(event))
     }
 
     fn host_alloc(&self, size: u64) -> Result<*mut u8> {
@@ -267,41 +287,46 @@ impl Backend for CudaBackend {
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
-        self.cu_granularity(device)
+        self.health.seen(device, self.cu_granularity(device))
     }
     fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
-        self.cu_va_reserve(device, size, alignment)
+        self.health
+            .seen(device, self.cu_va_reserve(device, size, alignment))
     }
     fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.cu_va_free(device, ptr, size)
+        self.health.seen(device, self.cu_va_free(device, ptr, size))
     }
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
-        self.cu_phys_create(device, size)
+        self.health.seen(device, self.cu_phys_create(device, size))
     }
     fn phys_release(&self, handle: PhysHandle) -> Result<()> {
-        self.cu_phys_release(handle)
+        self.health
+            .seen(handle.device, self.cu_phys_release(handle))
     }
     fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
-        self.cu_map(ptr, size, offset, handle)
+        self.health
+            .seen(handle.device, self.cu_map(ptr, size, offset, handle))
     }
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         self.cu_unmap(ptr, size)
     }
     fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
-        self.cu_set_access(device, ptr, size)
+        self.health
+            .seen(device, self.cu_set_access(device, ptr, size))
     }
     fn phys_export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
         self.cu_phys_export_fd(handle)
     }
     fn phys_import_fd(&self, device: DeviceId, fd: OwnedFd) -> Result<PhysHandle> {
-        self.cu_phys_import_fd(device, fd)
+        self.health.seen(device, self.cu_phys_import_fd(device, fd))
     }
 
     fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
         self.cu_ipc_get_mem_handle(ptr)
     }
     fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
-        self.cu_ipc_open_mem_handle(device, handle)
+        self.health
+            .seen(device, self.cu_ipc_open_mem_handle(device, handle))
     }
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
         self.cu_ipc_close_mem_handle(ptr)

@@ -52,6 +52,11 @@ impl Contexts {
         self.slots.iter().find_map(OnceLock::get)
     }
 
+    /// The primary context of `device` if this process retained it already.
+    pub(crate) fn retained(&self, device: DeviceId) -> Option<&Arc<CudaContext>> {
+        self.slot(device).ok()?.get()
+    }
+
     /// The primary context of `device`, retained on first use.
     pub(crate) fn get(&self, device: DeviceId) -> Result<&Arc<CudaContext>> {
         let slot = self.slot(device)?;

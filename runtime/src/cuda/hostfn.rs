@@ -1,89 +1,247 @@
-//! Running a boxed Rust closure as a `cuLaunchHostFunc` callback.
+//! Running a boxed Rust closure as a `cuLaunchHostFunc` callback, and calling it anyway when
+//! the driver never will.
 //!
-//! The closure ([`HostFn`], a fat pointer) is boxed once more into a thin pointer that travels
-//! as the callback's `userData`; the trampoline takes ownership back, runs it once and frees
-//! it. A panic in the closure is caught: unwinding into the driver's thread would abort.
+//! Each launch registers a [`Slot`] that owns the closure in its device's pending set; one
+//! reference to the slot travels as the callback's `userData`. Whoever takes the closure out
+//! of the slot first calls it, exactly once:
+//! - the [`trampoline`] the driver calls when the stream reaches it, with `Ok(())`;
+//! - [`Pending::fail_device`], with the device-lost error, once the device hit a sticky error
+//!   (after one the driver runs no host function, so the futures they would complete would
+//!   otherwise hang forever). The driver's `userData` reference is then never given back: an
+//!   empty slot of a few dozen bytes leaks per host function pending at the loss; the closure
+//!   and what it holds are freed.
+//!
+//! A panic in the closure is caught: unwinding into the driver's thread would abort.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
-use crate::types::HostFn;
+use crate::error::{BackendError, Result};
+use crate::types::{DeviceId, HostFn};
 
-/// Turns `f` into the `userData` pointer for [`trampoline`]. The pointer owns the closure:
-/// pass it to exactly one of [`trampoline`] or [`reclaim`].
-pub(crate) fn into_user_data(f: HostFn) -> *mut c_void {
-    Box::into_raw(Box::new(f)).cast()
+/// One launched host function: its closure until someone calls it.
+pub(crate) struct Slot {
+    id: u64,
+    device: usize,
+    f: Mutex<Option<HostFn>>,
+    owner: Weak<Pending>,
 }
 
-/// Takes back a pointer from [`into_user_data`] whose launch failed, and drops the closure.
-///
-/// # Safety
-/// `data` comes from [`into_user_data`] and was not passed to [`trampoline`] nor reclaimed.
-pub(crate) unsafe fn reclaim(data: *mut c_void) {
-    // SAFETY: per this function's contract, `data` is a live `Box<HostFn>` we own.
-    drop(unsafe { Box::from_raw(data.cast::<HostFn>()) });
+impl Slot {
+    fn take(&self) -> Option<HostFn> {
+        self.f.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
-/// The `CUhostFn` the driver calls: runs and frees the closure behind `data`.
+/// The host functions launched and not yet called, per device.
+pub(crate) struct Pending {
+    devices: Vec<Mutex<HashMap<u64, Arc<Slot>>>>,
+    next_id: AtomicU64,
+}
+
+/// Calls `f` with `result`, containing a panic.
+fn call(f: HostFn, result: Result<()>) {
+    if catch_unwind(AssertUnwindSafe(move || f(result))).is_err() {
+        tracing::error!("a host function launched on a CUDA stream panicked");
+    }
+}
+
+impl Pending {
+    /// An empty set for `count` devices.
+    pub(crate) fn new(count: u32) -> Arc<Pending> {
+        Arc::new(Pending {
+            devices: (0..count).map(|_| Mutex::new(HashMap::new())).collect(),
+            next_id: AtomicU64::new(0),
+        })
+    }
+
+    fn set(&self, device: usize) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Slot>>> {
+        self.devices[device]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers `f` for a launch on `device` and returns the launch's `userData`: it owns one
+    /// reference to the slot; pass it to exactly one of [`trampoline`] (through the driver) or
+    /// [`Pending::cancel`].
+    pub(crate) fn register(self: &Arc<Self>, device: DeviceId, f: HostFn) -> Result<*mut c_void> {
+        let d = device.0 as usize;
+        if d >= self.devices.len() {
+            return Err(BackendError::InvalidDevice(device.0));
+        }
+        let slot = Arc::new(Slot {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            device: d,
+            f: Mutex::new(Some(f)),
+            owner: Arc::downgrade(self),
+        });
+        self.set(d).insert(slot.id, slot.clone());
+        Ok(Arc::into_raw(slot).cast_mut().cast())
+    }
+
+    /// The launch of `data` failed: the driver will never call it. Unregisters it and drops
+    /// the closure uncalled.
+    ///
+    /// # Safety
+    /// `data` comes from [`Pending::register`] and was passed to neither [`trampoline`] nor
+    /// this function before.
+    pub(crate) unsafe fn cancel(data: *mut c_void) {
+        // SAFETY: per this function's contract, `data` owns one reference to a live slot.
+        let slot = unsafe { Arc::from_raw(data.cast_const().cast::<Slot>()) };
+        drop(slot.take());
+        forget(&slot);
+    }
+
+    /// Calls every closure still pending on `device` with `error`; returns how many.
+    pub(crate) fn fail_device(&self, device: DeviceId, error: &BackendError) -> usize {
+        let Some(set) = self.devices.get(device.0 as usize) else {
+            return 0;
+        };
+        let slots: Vec<Arc<Slot>> = set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        let mut failed = 0;
+        for slot in slots {
+            if let Some(f) = slot.take() {
+                call(f, Err(error.clone()));
+                failed += 1;
+            }
+        }
+        failed
+    }
+
+    /// How many host functions are pending on `device`.
+    pub(crate) fn count(&self, device: DeviceId) -> usize {
+        self.devices
+            .get(device.0 as usize)
+            .map_or(0, |s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+    }
+}
+
+/// Removes `slot` from its owner's pending set (if the owner is still there).
+fn forget(slot: &Slot) {
+    if let Some(owner) = slot.owner.upgrade() {
+        owner.set(slot.device).remove(&slot.id);
+    }
+}
+
+/// The `CUhostFn` the driver calls: calls the closure behind `data` with `Ok(())`, unless it
+/// was already failed, and frees the driver's reference to the slot.
 ///
 /// # Safety
-/// `data` comes from [`into_user_data`] and is passed here exactly once (the driver calls a
+/// `data` comes from [`Pending::register`] and is passed here exactly once (the driver calls a
 /// host function once per successful launch).
 pub(crate) unsafe extern "C" fn trampoline(data: *mut c_void) {
-    // SAFETY: per this function's contract, `data` is a live `Box<HostFn>` that nobody else
-    // will touch again; we take ownership and free it when this function returns.
-    let f = unsafe { Box::from_raw(data.cast::<HostFn>()) };
-    if catch_unwind(AssertUnwindSafe(move || (*f)())).is_err() {
-        tracing::error!("a host function launched on a CUDA stream panicked");
+    // SAFETY: per this function's contract, `data` owns one reference to a live slot, which
+    // nobody else will use again; it is released when this function returns.
+    let slot = unsafe { Arc::from_raw(data.cast_const().cast::<Slot>()) };
+    if let Some(f) = slot.take() {
+        forget(&slot);
+        call(f, Ok(()));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+
+    fn counting(results: &Arc<Mutex<Vec<Result<()>>>>) -> HostFn {
+        let r = results.clone();
+        Box::new(move |res| r.lock().unwrap().push(res))
+    }
 
     #[test]
-    fn runs_once_and_frees_the_closure() {
-        let hits = Arc::new(AtomicUsize::new(0));
-        let h = hits.clone();
-        let data = into_user_data(Box::new(move || {
-            h.fetch_add(1, Ordering::SeqCst);
-        }));
-        assert_eq!(Arc::strong_count(&hits), 2);
-        // SAFETY: `data` is fresh from `into_user_data` and used once.
+    fn the_driver_call_runs_it_once_and_frees_everything() {
+        let pending = Pending::new(2);
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let data = pending.register(DeviceId(1), counting(&results)).unwrap();
+        assert_eq!(pending.count(DeviceId(1)), 1);
+        assert_eq!(pending.count(DeviceId(0)), 0);
+        assert_eq!(Arc::strong_count(&results), 2);
+        // SAFETY: `data` is fresh from `register` and used once.
         unsafe { trampoline(data) };
-        assert_eq!(hits.load(Ordering::SeqCst), 1);
+        assert_eq!(*results.lock().unwrap(), vec![Ok(())]);
+        assert_eq!(pending.count(DeviceId(1)), 0);
+        assert_eq!(Arc::strong_count(&results), 1, "closure was freed");
+        // Failing the device afterwards calls nothing.
+        assert_eq!(pending.fail_device(DeviceId(1), &lost()), 0);
+        assert_eq!(results.lock().unwrap().len(), 1);
+    }
+
+    fn lost() -> BackendError {
+        BackendError::DeviceLost {
+            device: 1,
+            cause: "test".into(),
+        }
+    }
+
+    #[test]
+    fn failing_a_device_calls_its_pending_closures_with_the_error_and_only_those() {
+        let pending = Pending::new(2);
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let on_1: Vec<_> = (0..3)
+            .map(|_| pending.register(DeviceId(1), counting(&results)).unwrap())
+            .collect();
+        let on_0 = pending.register(DeviceId(0), counting(&results)).unwrap();
+        assert_eq!(pending.fail_device(DeviceId(1), &lost()), 3);
+        assert_eq!(*results.lock().unwrap(), vec![Err(lost()); 3]);
+        assert_eq!(pending.count(DeviceId(1)), 0);
+        assert_eq!(pending.count(DeviceId(0)), 1);
+        // A late driver call of a failed one (the slot is empty) calls nothing again.
+        // SAFETY: each `data` is from `register` and used once.
+        unsafe { trampoline(on_1[0]) };
+        unsafe { trampoline(on_0) };
+        assert_eq!(results.lock().unwrap().len(), 4);
+        assert_eq!(results.lock().unwrap()[3], Ok(()));
+        assert_eq!(pending.fail_device(DeviceId(7), &lost()), 0);
         assert_eq!(
-            Arc::strong_count(&hits),
-            1,
-            "closure (and its capture) was freed"
+            pending.register(DeviceId(2), counting(&results)).err(),
+            Some(BackendError::InvalidDevice(2))
         );
     }
 
     #[test]
-    fn reclaim_frees_without_running() {
+    fn cancel_frees_without_calling() {
+        let pending = Pending::new(1);
         let hits = Arc::new(AtomicUsize::new(0));
         let h = hits.clone();
-        let data = into_user_data(Box::new(move || {
-            h.fetch_add(1, Ordering::SeqCst);
-        }));
-        // SAFETY: `data` is fresh from `into_user_data` and used once.
-        unsafe { reclaim(data) };
+        let data = pending
+            .register(
+                DeviceId(0),
+                Box::new(move |_| {
+                    h.fetch_add(1, Ordering::SeqCst);
+                }),
+            )
+            .unwrap();
+        // SAFETY: `data` is fresh from `register` and used once.
+        unsafe { Pending::cancel(data) };
         assert_eq!(hits.load(Ordering::SeqCst), 0);
         assert_eq!(Arc::strong_count(&hits), 1);
+        assert_eq!(pending.count(DeviceId(0)), 0);
     }
 
     #[test]
     fn a_panicking_closure_is_contained() {
+        let pending = Pending::new(1);
         let guard = Arc::new(());
         let g = guard.clone();
-        let data = into_user_data(Box::new(move || {
-            let _g = g;
-            panic!("boom");
-        }));
-        // SAFETY: `data` is fresh from `into_user_data` and used once.
+        let data = pending
+            .register(
+                DeviceId(0),
+                Box::new(move |_| {
+                    let _g = g;
+                    panic!("boom");
+                }),
+            )
+            .unwrap();
+        // SAFETY: `data` is fresh from `register` and used once.
         unsafe { trampoline(data) };
         assert_eq!(Arc::strong_count(&guard), 1);
     }

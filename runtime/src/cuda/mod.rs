@@ -3,17 +3,21 @@
 //!
 //! - [`CudaBackend::new`] fails with a typed `Unavailable` error when there is no driver or
 //!   no device; nothing here panics.
+//! - A device whose context hit a sticky error (a faulting kernel) is lost: pending completion
+//!   futures fail with `BackendError::DeviceLost` within a few tens of milliseconds, and every
+//!   later call on the device fails with it (see `health`).
 //! - Interop: [`CudaBackend::cudarc_context`], [`CudaBackend::adopt_stream`],
 //!   [`CudaBackend::cudarc_stream`], [`CudaBackend::wrap_cudarc_stream`],
 //!   [`CudaBackend::to_cudarc_stream`].
 //!
 //! Files: `backend` (construction, trait impl), `memory`, `streams`, `vmm` (one concern
 //! each), `context` (primary contexts, binding), `registry` (live handles), `hostfn`
-//! (callback trampoline), `error` (result-code mapping), `validate` (input checks).
+//! (callback trampoline, pending host functions), `health` (lost devices, the watchdog), `error` (result-code mapping), `validate` (input checks).
 
 mod backend;
 mod context;
 mod error;
+mod health;
 mod hostfn;
 mod interop;
 mod memory;

@@ -13,7 +13,7 @@ use cudarc::driver::sys::{self, CUresult};
 use super::backend::CudaBackend;
 use super::context::bind;
 use super::error::{catch, drv, from_driver_error, map_code};
-use super::hostfn::{into_user_data, reclaim, trampoline};
+use super::hostfn::{trampoline, Pending};
 use super::validate::range;
 use crate::error::{BackendError, Result};
 use crate::types::{DeviceId, DevicePtr, EventHandle, HostFn, StreamHandle};
@@ -55,12 +55,14 @@ pub(crate) fn raw_of<T>(p: *mut T) -> u64 {
 impl CudaBackend {
     /// The live stream named by `handle`, with its device's context bound on this thread.
     pub(crate) fn bound_stream(&self, handle: StreamHandle) -> Result<Arc<CudaStream>> {
+        self.health.check(handle.device)?;
         let s = self.streams.get(handle.device, handle.raw)?;
         bind(s.context())?;
         Ok(s)
     }
 
     fn bound_event(&self, handle: EventHandle) -> Result<Arc<CuEvent>> {
+        self.health.check(handle.device)?;
         let e = self.events.get(handle.device, handle.raw)?;
         bind(&e.ctx)?;
         Ok(e)
@@ -111,18 +113,19 @@ impl CudaBackend {
 
     pub(crate) fn cu_launch_host_func(&self, handle: StreamHandle, f: HostFn) -> Result<()> {
         let s = self.bound_stream(handle)?;
-        let data = into_user_data(f);
+        self.health.ensure_watchdog(&self.contexts);
+        let data = self.health.pending.register(handle.device, f)?;
         let r = catch("cuLaunchHostFunc", || {
-            // SAFETY: `s` is a live stream; `trampoline` matches CUhostFn and takes ownership
-            // of `data`, which owns the closure, exactly once when the driver runs it.
+            // SAFETY: `s` is a live stream; `trampoline` matches CUhostFn and takes the
+            // reference to the slot that `data` owns, exactly once when the driver runs it.
             unsafe { sys::cuLaunchHostFunc(s.cu_stream(), Some(trampoline), data) }
         });
         match r {
             Ok(CUresult::CUDA_SUCCESS) => Ok(()),
             other => {
                 // SAFETY: the launch failed, so the driver will never call `trampoline` with
-                // `data`; it is still ours to free.
-                unsafe { reclaim(data) };
+                // `data`; it is still ours to cancel, once.
+                unsafe { Pending::cancel(data) };
                 Err(match other {
                     Ok(code) => map_code("cuLaunchHostFunc", code),
                     Err(e) => e,

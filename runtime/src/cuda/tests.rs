@@ -100,7 +100,7 @@ fn a_refused_host_func_is_freed_not_leaked() {
     };
     bad_handle(b.launch_host_func(
         s,
-        Box::new(move || {
+        Box::new(move |_| {
             h.fetch_add(1, Ordering::SeqCst);
         }),
     ));

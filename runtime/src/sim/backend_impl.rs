@@ -213,7 +213,7 @@ impl Backend for SimBackend {
         shared.enqueue(
             &tx,
             Box::new(move || {
-                f();
+                f(Ok(()));
                 Ok(())
             }),
         )

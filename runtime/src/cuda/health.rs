@@ -1,0 +1,264 @@
+//! Lost devices: telling a sticky error apart, remembering it per device, and the watchdog that
+//! fails the host functions the driver will never run.
+//!
+//! After a sticky error (a kernel faulted: `CUDA_ERROR_ILLEGAL_ADDRESS`, a launch failure, an
+//! uncorrectable ECC error...) a context does no more work: every call in it returns that
+//! error, and host functions queued on its streams never run, so every completion future
+//! waiting on one would hang. The backend therefore:
+//! - marks the device lost the first time one of its calls on that device returns a sticky
+//!   code ([`Health::seen`]), and from then on answers every call on the device with
+//!   [`BackendError::DeviceLost`] before touching the driver ([`Health::check`]);
+//! - runs a watchdog thread while host functions are pending: every [`PROBE_PERIOD`] it
+//!   queries each such device's legacy stream (`cuStreamQuery`, which never blocks and
+//!   reports a sticky error like any call), so a loss is found even when nobody calls the
+//!   backend; it then calls the device's pending host functions with the error, which fails
+//!   their futures ([`Pending::fail_device`]).
+//!
+//! The state is per process and final: a lost device stays lost for this backend (recovery
+//! needs every holder of the primary context to let go of it, in practice a new process).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::context::{bind, Contexts};
+use super::error::catch;
+use super::hostfn::Pending;
+use crate::error::{BackendError, Result};
+use crate::types::DeviceId;
+
+/// How often the watchdog probes devices with pending host functions: the longest a future
+/// waits past the loss of its device.
+pub(crate) const PROBE_PERIOD: Duration = Duration::from_millis(20);
+
+/// True for the driver's sticky error codes: after one, the context is unusable.
+pub(crate) fn is_sticky(code: i32) -> bool {
+    use CUresult::*;
+    [
+        CUDA_ERROR_ECC_UNCORRECTABLE,
+        CUDA_ERROR_ILLEGAL_ADDRESS,
+        CUDA_ERROR_LAUNCH_TIMEOUT,
+        CUDA_ERROR_HARDWARE_STACK_ERROR,
+        CUDA_ERROR_ILLEGAL_INSTRUCTION,
+        CUDA_ERROR_MISALIGNED_ADDRESS,
+        CUDA_ERROR_INVALID_ADDRESS_SPACE,
+        CUDA_ERROR_INVALID_PC,
+        CUDA_ERROR_LAUNCH_FAILED,
+    ]
+    .iter()
+    .any(|c| *c as i32 == code)
+}
+
+/// The lost-device state, the pending host functions and the watchdog of one backend.
+pub(crate) struct Health {
+    lost: Vec<OnceLock<BackendError>>,
+    pub(crate) pending: Arc<Pending>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
+    started: AtomicBool,
+    stop: AtomicBool,
+    wake: (Mutex<()>, Condvar),
+}
+
+impl Health {
+    /// Healthy state for `count` devices; no thread yet.
+    pub(crate) fn new(count: u32) -> Arc<Health> {
+        Arc::new(Health {
+            lost: (0..count).map(|_| OnceLock::new()).collect(),
+            pending: Pending::new(count),
+            watchdog: Mutex::new(None),
+            started: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+        })
+    }
+
+    /// The device-lost error of `device`, if it is lost.
+    pub(crate) fn lost(&self, device: DeviceId) -> Option<BackendError> {
+        self.lost.get(device.0 as usize)?.get().cloned()
+    }
+
+    /// `Err(DeviceLost)` when `device` is lost.
+    pub(crate) fn check(&self, device: DeviceId) -> Result<()> {
+        match self.lost(device) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks `device` lost (the first cause wins) and fails its pending host functions.
+    /// Returns the device's error.
+    pub(crate) fn mark_lost(&self, device: DeviceId, cause: String) -> BackendError {
+        let Some(slot) = self.lost.get(device.0 as usize) else {
+            return BackendError::InvalidDevice(device.0);
+        };
+        let err = slot
+            .get_or_init(|| {
+                tracing::error!(device = device.0, %cause, "CUDA device lost (sticky error)");
+                BackendError::DeviceLost {
+                    device: device.0,
+                    cause,
+                }
+            })
+            .clone();
+        let failed = self.pending.fail_device(device, &err);
+        if failed > 0 {
+            tracing::warn!(
+                device = device.0,
+                failed,
+                "failed the host functions pending on a lost device"
+            );
+        }
+        err
+    }
+
+    /// Passes `r`, the result of a call on `device`, through: a sticky driver error marks the
+    /// device lost and becomes [`BackendError::DeviceLost`].
+    pub(crate) fn seen<T>(&self, device: DeviceId, r: Result<T>) -> Result<T> {
+        match r {
+            Err(BackendError::Driver { code, name }) if is_sticky(code) => {
+                Err(self.mark_lost(device, format!("{name} (driver error {code})")))
+            }
+            other => other,
+        }
+    }
+
+    /// Starts the watchdog on first use (a launch of a host function); `contexts` are the
+    /// backend's, probed while their device has host functions pending.
+    pub(crate) fn ensure_watchdog(self: &Arc<Self>, contexts: &Arc<Contexts>) {
+        if self.started.load(Ordering::Acquire) {
+            return;
+        }
+        let mut slot = self.watchdog.lock().unwrap_or_else(|p| p.into_inner());
+        if self.started.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (health, contexts) = (self.clone(), contexts.clone());
+        match std::thread::Builder::new()
+            .name("gpualloc-cuda-watchdog".into())
+            .spawn(move || health.watch(&contexts))
+        {
+            Ok(handle) => *slot = Some(handle),
+            // Without the thread a loss is still found by the next call on the device.
+            Err(e) => tracing::warn!(error = %e, "could not start the CUDA watchdog thread"),
+        }
+    }
+
+    fn watch(&self, contexts: &Contexts) {
+        let (lock, cv) = &self.wake;
+        let mut guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+        while !self.stop.load(Ordering::Acquire) {
+            drop(guard);
+            for d in 0..contexts.count() {
+                let device = DeviceId(d);
+                if self.lost(device).is_some() || self.pending.count(device) == 0 {
+                    continue;
+                }
+                if let Some(ctx) = contexts.retained(device) {
+                    if let Some(code) = probe(ctx) {
+                        self.mark_lost(device, format!("{code:?} (found by the watchdog)"));
+                    }
+                }
+            }
+            guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
+            guard = cv
+                .wait_timeout(guard, PROBE_PERIOD)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Stops the watchdog and waits for it (the backend is going away).
+    pub(crate) fn shutdown(&self) {
+        {
+            let _g = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
+            self.stop.store(true, Ordering::Release);
+            self.wake.1.notify_all();
+        }
+        let handle = self
+            .watchdog
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The sticky code `ctx` reports, if any: binds it and queries its legacy stream.
+fn probe(ctx: &cudarc::driver::safe::CudaContext) -> Option<CUresult> {
+    bind(ctx).ok()?;
+    let code = catch("cuStreamQuery", || {
+        // SAFETY: the null stream is the bound context's legacy stream; the query takes no
+        // pointers and never blocks.
+        unsafe { sys::cuStreamQuery(std::ptr::null_mut()) }
+    })
+    .ok()?;
+    is_sticky(code as i32).then_some(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex as StdMutex;
+
+    #[test]
+    fn sticky_codes_are_told_apart() {
+        for c in [700, 714, 715, 716, 717, 718, 719, 702, 214] {
+            assert!(is_sticky(c), "{c}");
+        }
+        for c in [0, 1, 2, 101, 201, 400, 600, 701, 999] {
+            assert!(!is_sticky(c), "{c}");
+        }
+    }
+
+    #[test]
+    fn a_sticky_error_loses_the_device_and_fails_its_pending_host_functions() {
+        let h = Health::new(2);
+        let results = Arc::new(StdMutex::new(Vec::new()));
+        let r = results.clone();
+        let data = h
+            .pending
+            .register(
+                DeviceId(1),
+                Box::new(move |res| r.lock().unwrap().push(res)),
+            )
+            .unwrap();
+        // A non-sticky error passes through and loses nothing.
+        let oom: Result<()> = Err(BackendError::Driver {
+            code: 701,
+            name: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES".into(),
+        });
+        assert_eq!(h.seen(DeviceId(1), oom.clone()), oom);
+        assert_eq!(h.seen(DeviceId(1), Ok(5)), Ok(5));
+        assert!(h.check(DeviceId(1)).is_ok());
+        let sticky: Result<()> = Err(BackendError::Driver {
+            code: 700,
+            name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
+        });
+        let err = h.seen(DeviceId(1), sticky).unwrap_err();
+        let BackendError::DeviceLost { device, cause } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(*device, 1);
+        assert!(cause.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{cause}");
+        assert_eq!(*results.lock().unwrap(), vec![Err(err.clone())]);
+        assert_eq!(h.check(DeviceId(1)), Err(err.clone()));
+        assert!(h.check(DeviceId(0)).is_ok());
+        // The first cause stays.
+        assert_eq!(h.mark_lost(DeviceId(1), "later".into()), err);
+        assert_eq!(
+            h.mark_lost(DeviceId(9), "x".into()),
+            BackendError::InvalidDevice(9)
+        );
+        // SAFETY: `data` is from `register` and used once (a late driver call).
+        unsafe { super::super::hostfn::trampoline(data) };
+        assert_eq!(results.lock().unwrap().len(), 1);
+    }
+}
