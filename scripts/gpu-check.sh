@@ -210,11 +210,11 @@ for t in "$BIN_DIR"/tests/*; do
     case "$(basename "$t")" in conformance_cuda*) continue ;; esac
     step "$(basename "$t")" 120 "$t" --nocapture
 done
-# Every other GPU the machine has: the conformance suite and the generic allocator tests on
-# it (GPUALLOC_TEST_DEVICE), since nothing may assume device 0.
+# Every other GPU the machine has: the conformance suite, the generic allocator tests and the
+# two-process IPC tests on it (GPUALLOC_TEST_DEVICE), since nothing may assume device 0.
 gpus="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
 for ((k = 1; k < ${gpus:-1}; k++)); do
-    for t in "$BIN_DIR"/tests/conformance_cuda* "$BIN_DIR"/tests/backend_env*; do
+    for t in "$BIN_DIR"/tests/{conformance_cuda,backend_env,two_process,import_lifetime,hostile_importer,ipc_export}*; do
         [[ -e "$t" ]] || continue
         step "$(basename "$t")-gpu$k" 60 env GPUALLOC_TEST_DEVICE="$k" "$t" --nocapture
     done

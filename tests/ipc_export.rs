@@ -13,16 +13,15 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use backend_choice::TestBackend;
+use backend_choice::{dev, TestBackend};
 use gpualloc::ipc::{
     AsyncExportConn, ImportConn, PeerPolicy, Received, Returned, SegmentMemory, ServeEnd,
 };
-use gpualloc::{Allocator, AllocatorConfig, DeviceBuffer, DeviceId, Error, Stream};
+use gpualloc::{Allocator, AllocatorConfig, DeviceBuffer, Error, Stream};
 
 const ROLE: &str = "GPUALLOC_EXPORT_TEST_ROLE";
 const SOCK: &str = "GPUALLOC_EXPORT_TEST_SOCK";
 const EXPECT_VMM: &str = "GPUALLOC_EXPORT_TEST_VMM";
-const DEV: DeviceId = DeviceId(0);
 const LEN: u64 = 3 << 20;
 const BACK: usize = 64 << 10;
 
@@ -66,11 +65,11 @@ fn consumer_entry() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let tb = TestBackend::from_env(DEV);
+    let tb = TestBackend::from_env(dev());
     let backend = tb.backend.clone();
-    let stream = backend.stream_create(DEV).unwrap();
+    let stream = backend.stream_create(dev()).unwrap();
     let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
-    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
     let Received::Device(buf) = conn.recv().unwrap() else {
         panic!("expected a device buffer");
     };
@@ -107,7 +106,7 @@ struct Producer {
 impl Producer {
     /// On the backend `GPUALLOC_BACKEND` names.
     fn new(expandable: bool) -> Producer {
-        Producer::on(TestBackend::from_env(DEV), expandable)
+        Producer::on(TestBackend::from_env(dev()), expandable)
     }
 
     fn on(tb: TestBackend, expandable: bool) -> Producer {
@@ -116,7 +115,7 @@ impl Producer {
             .backend_instance(tb.backend.clone())
             .build()
             .unwrap();
-        let stream = alloc.new_stream(DEV).unwrap();
+        let stream = alloc.new_stream(dev()).unwrap();
         Producer { tb, alloc, stream }
     }
 
@@ -143,7 +142,7 @@ impl Producer {
     async fn wait_allocations(&self, want: u64) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let now = self.alloc.stats(DEV).await.unwrap().allocation[0].current;
+            let now = self.alloc.stats(dev()).await.unwrap().allocation[0].current;
             if now == want || Instant::now() > deadline {
                 assert_eq!(now, want, "live allocations");
                 return;
@@ -166,7 +165,7 @@ impl Producer {
 
     async fn finish(self) {
         self.alloc.empty_cache().await.unwrap();
-        let st = self.alloc.stats(DEV).await.unwrap();
+        let st = self.alloc.stats(dev()).await.unwrap();
         assert_eq!(st.reserved_bytes[0].current, 0);
         drop(self.stream);
         self.alloc.shutdown().await.unwrap();
@@ -182,7 +181,7 @@ async fn round_trip(expandable: bool) {
     let buf = p.filled().await;
     let ptr = buf.ptr();
     let region = p.alloc.export_region(&buf).await.unwrap();
-    assert_eq!((region.ptr, region.len, region.device), (ptr, LEN, DEV));
+    assert_eq!((region.ptr, region.len, region.device), (ptr, LEN, dev()));
     match &region.segment {
         SegmentMemory::Allocation { base } => {
             assert!(!expandable);
@@ -279,7 +278,7 @@ async fn export_region_rejects_empty_and_foreign_buffers() {
         Err(Error::Export(m)) if m.contains("empty")
     ));
     // The other allocator is on a sim of its own.
-    let q = Producer::on(TestBackend::sim(DEV), false);
+    let q = Producer::on(TestBackend::sim(dev()), false);
     let theirs = q.alloc.malloc(4096, &q.stream).await.unwrap();
     assert!(matches!(
         p.alloc.export_region(&theirs).await,

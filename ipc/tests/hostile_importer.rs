@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use common::TestBackend;
+use common::{dev, TestBackend};
 use gpualloc_ipc::fdpass::recv_step;
 use gpualloc_ipc::frame::{Frame, FrameReader};
 use gpualloc_ipc::message::Message;
@@ -19,11 +19,10 @@ use gpualloc_ipc::{
     shm, Backing, DeviceRegion, ExportConn, MapOptions, OnRelease, PeerPolicy, SegmentMemory,
 };
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
-use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_runtime::Backend;
 
 const ROLE: &str = "GPUALLOC_IPC_HOSTILE_ROLE";
 const SOCK: &str = "GPUALLOC_IPC_HOSTILE_SOCK";
-const DEV: DeviceId = DeviceId(0);
 const HOST_LEN: u64 = 1 << 20;
 
 fn sock_path(name: &str) -> PathBuf {
@@ -89,7 +88,7 @@ fn an_importer_cannot_truncate_what_it_was_sent() {
         .spawn()
         .unwrap();
     let (sock, _) = listener.accept().unwrap();
-    let tb = TestBackend::from_env(DEV);
+    let tb = TestBackend::from_env(dev());
     let backend = tb.backend.clone();
     let mut conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
     let host = shm::create(HOST_LEN, Backing::Memfd, MapOptions::shared_rw()).unwrap();
@@ -104,9 +103,9 @@ fn an_importer_cannot_truncate_what_it_was_sent() {
     );
     // The exporter's own accesses: counters (an export and collect) and its host mapping.
     // Had either been truncated, each would be a SIGBUS here.
-    let ptr = backend.malloc(DEV, 1 << 20).unwrap();
+    let ptr = backend.malloc(dev(), 1 << 20).unwrap();
     let region = DeviceRegion {
-        device: DEV,
+        device: dev(),
         ptr,
         len: 4096,
         segment: SegmentMemory::Allocation { base: ptr },
@@ -117,14 +116,14 @@ fn an_importer_cannot_truncate_what_it_was_sent() {
     assert_eq!(host.to_vec()[..4096], [0x5a; 4096]);
     assert_eq!(host.len(), HOST_LEN);
     drop(conn);
-    backend.free(DEV, ptr).unwrap();
+    backend.free(dev(), ptr).unwrap();
     tb.assert_nothing_leaked();
 }
 
 #[test]
 fn objects_that_cannot_be_sealed_are_not_sent() {
     let (a, _b) = UnixStream::pair().unwrap();
-    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(dev().0 + 1)).unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend).unwrap();
     let posix = shm::create(4096, Backing::PosixShm, MapOptions::shared_rw()).unwrap();
     assert!(matches!(

@@ -20,19 +20,18 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::TestBackend;
+use common::{dev, TestBackend};
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
     CoreGuard, DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received,
     Returned, SegmentMemory,
 };
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
-use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 const ROLE: &str = "GPUALLOC_IPC_LIFETIME_ROLE";
 const SOCK: &str = "GPUALLOC_IPC_LIFETIME_SOCK";
 const CTRL: &str = "GPUALLOC_IPC_LIFETIME_CTRL";
-const DEV: DeviceId = DeviceId(0);
 const LEN: u64 = 2 << 20;
 
 fn path(name: &str) -> PathBuf {
@@ -56,13 +55,13 @@ fn importer_entry() {
     let Ok(role) = std::env::var(ROLE) else {
         return;
     };
-    let tb = TestBackend::from_env(DEV);
+    let tb = TestBackend::from_env(dev());
     let backend = tb.backend.clone();
-    let stream = backend.stream_create(DEV).unwrap();
+    let stream = backend.stream_create(dev()).unwrap();
     let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
     let mut ctrl = UnixStream::connect(std::env::var(CTRL).unwrap()).unwrap();
     ctrl.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
     if role == "late" {
         // Read the offer only after the exporter dropped its connection and reused the block.
         ctrl.write_all(b"r").unwrap();
@@ -120,10 +119,10 @@ struct Exporter {
 
 impl Exporter {
     fn start(role: &str) -> Exporter {
-        let tb = TestBackend::from_env(DEV);
+        let tb = TestBackend::from_env(dev());
         let backend = tb.backend.clone();
-        let core = DeviceCore::new(backend.clone(), DEV, AllocatorConfig::default()).unwrap();
-        let stream = backend.stream_create(DEV).unwrap();
+        let core = DeviceCore::new(backend.clone(), dev(), AllocatorConfig::default()).unwrap();
+        let stream = backend.stream_create(dev()).unwrap();
         let paths = [path(&format!("{role}-data")), path(&format!("{role}-ctrl"))];
         for p in &paths {
             let _ = std::fs::remove_file(p);
@@ -299,9 +298,9 @@ fn an_offer_unread_when_the_exporter_drops_its_connection_is_kept_for_the_import
 
 /// An allocation of `LEN` bytes on the backend, and its first page as an exportable region.
 fn allocation(backend: &Arc<dyn Backend>) -> (DevicePtr, DeviceRegion) {
-    let ptr = backend.malloc(DEV, LEN).unwrap();
+    let ptr = backend.malloc(dev(), LEN).unwrap();
     let region = DeviceRegion {
-        device: DEV,
+        device: dev(),
         ptr,
         len: 4096,
         segment: SegmentMemory::Allocation { base: ptr },
@@ -311,12 +310,12 @@ fn allocation(backend: &Arc<dyn Backend>) -> (DevicePtr, DeviceRegion) {
 
 #[test]
 fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
-    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(dev().0 + 1)).unwrap();
     let (a, b) = UnixStream::pair().unwrap();
     // A wait that would block fails after 2 s instead of hanging the test.
     a.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
-    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
     let unknown = |conn: &mut ExportConn| {
         for id in [0, 4, 99] {
             match conn.wait_returned(id) {
@@ -350,7 +349,7 @@ fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
     assert_eq!(conn.wait_returned(first).unwrap(), Returned::Released);
     unknown(&mut conn);
     drop(conn);
-    backend.free(DEV, ptr).unwrap();
+    backend.free(dev(), ptr).unwrap();
 }
 
 /// A close that fails keeps the reference: the importer may still have the memory mapped, so
@@ -360,11 +359,11 @@ fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
 fn a_failed_close_does_not_release_the_block() {
     use gpualloc_runtime::sim::{Fault, Op};
     use gpualloc_runtime::BackendError;
-    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let sim = SimBackend::new(SimConfig::fast(dev().0 + 1)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let (a, b) = UnixStream::pair().unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend.clone()).unwrap();
-    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let mut imp = ImportConn::new(b, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
     let (ptr, region) = allocation(&backend);
     let released = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = released.clone();
@@ -397,5 +396,5 @@ fn a_failed_close_does_not_release_the_block() {
     assert!(!released.load(std::sync::atomic::Ordering::SeqCst));
     drop(imp);
     drop(conn);
-    backend.free(DEV, ptr).unwrap();
+    backend.free(dev(), ptr).unwrap();
 }

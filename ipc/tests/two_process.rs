@@ -13,17 +13,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::TestBackend;
+use common::{dev, TestBackend};
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
     shm, AsyncExportConn, Backing, CoreGuard, DeviceRegion, ExportConn, ImportConn, MapOptions,
     OnRelease, PeerPolicy, Received, Returned, SegmentMemory, VmmChunk,
 };
-use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 const ROLE: &str = "GPUALLOC_IPC_TEST_ROLE";
 const SOCK: &str = "GPUALLOC_IPC_TEST_SOCK";
-const DEV: DeviceId = DeviceId(0);
 const HOST_LEN: usize = 1 << 20;
 const DEV_LEN: usize = 3 << 20;
 const BACK_LEN: usize = 64 << 10;
@@ -39,7 +38,7 @@ fn writeback() -> Vec<u8> {
 }
 
 fn test_backend() -> (TestBackend, Arc<dyn Backend>) {
-    let tb = TestBackend::from_env(DEV);
+    let tb = TestBackend::from_env(dev());
     let backend = tb.backend.clone();
     (tb, backend)
 }
@@ -87,9 +86,9 @@ fn consumer_entry() {
     };
     let path = std::env::var(SOCK).unwrap();
     let (_tb, backend) = test_backend();
-    let stream = backend.stream_create(DEV).unwrap();
+    let stream = backend.stream_create(dev()).unwrap();
     let sock = UnixStream::connect(path).unwrap();
-    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
     let Received::Host { mapping, tag } = conn.recv().unwrap() else {
         panic!("expected host memory first");
     };
@@ -139,8 +138,8 @@ impl Producer {
 
     fn with(config: AllocatorConfig) -> Producer {
         let (tb, backend) = test_backend();
-        let core = DeviceCore::new(backend.clone(), DEV, config).unwrap();
-        let stream = backend.stream_create(DEV).unwrap();
+        let core = DeviceCore::new(backend.clone(), dev(), config).unwrap();
+        let stream = backend.stream_create(dev()).unwrap();
         Producer {
             tb,
             backend,
@@ -312,17 +311,17 @@ async fn killed_importer_is_reclaimed_and_nothing_leaks() {
 #[test]
 fn vmm_buffer_round_trip_blocking() {
     let (tb, backend) = test_backend();
-    let stream = backend.stream_create(DEV).unwrap();
-    let gran = backend.vmm_granularity(DEV).unwrap();
+    let stream = backend.stream_create(dev()).unwrap();
+    let gran = backend.vmm_granularity(dev()).unwrap();
     // An expandable-style segment: two physical chunks mapped back to back; the buffer
     // straddles the boundary between them.
-    let base = backend.va_reserve(DEV, 2 * gran, gran).unwrap();
+    let base = backend.va_reserve(dev(), 2 * gran, gran).unwrap();
     let mut chunks = Vec::new();
     for i in 0..2 {
-        let h = backend.phys_create(DEV, gran).unwrap();
+        let h = backend.phys_create(dev(), gran).unwrap();
         let at = DevicePtr(base.0 + i * gran);
         backend.map(at, gran, 0, h).unwrap();
-        backend.set_access(DEV, at, gran).unwrap();
+        backend.set_access(dev(), at, gran).unwrap();
         chunks.push(VmmChunk {
             ptr: at,
             size: gran,
@@ -336,7 +335,7 @@ fn vmm_buffer_round_trip_blocking() {
         .copy_to_device(stream, ptr, &pattern(len, 2))
         .unwrap();
     let region = DeviceRegion {
-        device: DEV,
+        device: dev(),
         ptr,
         len: len as u64,
         segment: SegmentMemory::Vmm {
@@ -375,7 +374,7 @@ fn vmm_buffer_round_trip_blocking() {
         backend.unmap(c.ptr, c.size).unwrap();
         backend.phys_release(c.handle).unwrap();
     }
-    backend.va_free(DEV, base, 2 * gran).unwrap();
+    backend.va_free(dev(), base, 2 * gran).unwrap();
     tb.assert_nothing_leaked();
     let _ = std::fs::remove_file(&path);
 }

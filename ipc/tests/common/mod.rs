@@ -22,6 +22,16 @@ pub struct TestBackend {
 
 static CUDA_TESTS: Mutex<()> = Mutex::new(());
 
+/// The device the tests run on: `GPUALLOC_TEST_DEVICE` (default 0). CI runs them on device 3 of
+/// four emulated GPUs too, so nothing may assume device 0; the sims here then have
+/// `device + 1` devices.
+pub fn dev() -> DeviceId {
+    DeviceId(std::env::var("GPUALLOC_TEST_DEVICE").map_or(0, |d| {
+        d.parse()
+            .unwrap_or_else(|_| panic!("GPUALLOC_TEST_DEVICE={d}: not a device ordinal"))
+    }))
+}
+
 impl TestBackend {
     /// The backend `GPUALLOC_BACKEND` names (`cuda`, or the sim when unset or `sim`).
     pub fn from_env(device: DeviceId) -> TestBackend {
@@ -35,9 +45,9 @@ impl TestBackend {
         }
     }
 
-    /// A one-device sim, whatever the environment says.
+    /// A sim with devices up to `device`, whatever the environment says.
     pub fn sim(device: DeviceId) -> TestBackend {
-        let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let sim = SimBackend::new(SimConfig::fast(device.0 + 1)).unwrap();
         TestBackend::measured(sim.clone(), Some(sim), device, None)
     }
 
