@@ -438,6 +438,11 @@ fn child_entry() {
                     Ok(Err(err.clone())),
                     "a raw host function is called with the error"
                 );
+                // The closure (and what it captured) is freed once it returns.
+                let freed_by = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                while Arc::strong_count(&capture) > 1 && std::time::Instant::now() < freed_by {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
                 assert_eq!(
                     Arc::strong_count(&capture),
                     1,
