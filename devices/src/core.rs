@@ -72,6 +72,9 @@ pub(crate) struct AllocParams {
     pub alloc_size: u64,
     pub pool: usize,
     pub block: Option<BlockId>,
+    /// Set once the request may take any fitting block, a dead remainder included: after the
+    /// segment could not grow for it (see `Policy::avoids_dead_remainders`).
+    pub any_fit: bool,
 }
 
 /// The caching allocator of one device. See the module docs.
@@ -412,6 +415,7 @@ impl DeviceCore {
             alloc_size,
             pool: self.pool_for(rounded, stream),
             block: None,
+            any_fit: false,
         };
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
@@ -437,6 +441,7 @@ impl DeviceCore {
         request: SegmentRequest,
     ) -> Result<Allocation, AllocError> {
         let SegmentRequest { mut params, size } = request;
+        params.any_fit = true;
         if self.get_free_block(&mut params) || self.use_private_pool_on_oom(&mut params) {
             return self.finish(&params, size);
         }
@@ -473,6 +478,7 @@ impl DeviceCore {
             self.garbage_collect_cached_blocks()?;
         }
         let found = self.alloc_block(params, false)?
+            || self.take_passed_over(params)
             || self.use_private_pool_on_oom(params)
             || (self.release_available_cached_blocks(params)?
                 && self.alloc_block(params, false)?)
@@ -483,7 +489,11 @@ impl DeviceCore {
         self.finish(params, size)
     }
 
-    fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
+    pub(crate) fn finish(
+        &mut self,
+        params: &AllocParams,
+        size: u64,
+    ) -> Result<Allocation, AllocError> {
         match params.block {
             Some(id) => Ok(self.alloc_found_block(id, params.size, size)),
             None => Err(AllocError::InvalidSize {
@@ -569,6 +579,9 @@ impl DeviceCore {
                 }
                 (k, id) = (*nk, *nid);
             }
+        }
+        if !params.any_fit && self.passes_over(id, params) {
+            return self.take_tail(params);
         }
         let block_size = k.1;
         // `max_split_size` limits expandable blocks only under PyTorch's policy.

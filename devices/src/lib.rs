@@ -19,6 +19,7 @@ mod expandable;
 mod growth;
 mod inspect;
 mod pages;
+pub mod placement;
 pub mod policy;
 mod pool;
 mod release;

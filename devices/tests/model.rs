@@ -5,6 +5,10 @@
 //!   stats equal what the pools hold);
 //! - after everything is freed and `empty_cache` runs, nothing is reserved and the backend
 //!   holds no memory.
+//!
+//! Configs name no policy except one, so they run the allocator's default, `gpualloc`, with its
+//! rules on (the placement rule of expandable segments included); `expandable_pytorch_policy`
+//! runs PyTorch's.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -181,6 +185,18 @@ proptest! {
     #[test]
     fn expandable_with_max_split(ops in prop::collection::vec(op_strategy(), 1..300)) {
         run("expandable_segments:True,max_split_size_mb:40,large_segment_size_mb:8", 256 * MIB, ops)?;
+    }
+
+    /// 2 MiB pages and a device that fills up: the `gpualloc` policy's placement rule
+    /// (`placement.rs`) passes over blocks, grows tails and falls back when it cannot grow.
+    #[test]
+    fn expandable_small_pages_tight(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run("expandable_segments:True,large_segment_size_mb:2", 96 * MIB, ops)?;
+    }
+
+    #[test]
+    fn expandable_pytorch_policy(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run("expandable_segments:True,policy:pytorch", 512 * MIB, ops)?;
     }
 
     #[test]

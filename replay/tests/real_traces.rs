@@ -118,7 +118,8 @@ const CONFIGS: [&str; 6] = [
 ];
 
 /// The two policies answer alike except where a documented deviation applies: on these
-/// traces, only `max_split_size` with expandable segments, where PyTorch's rule reserves more.
+/// traces, only with expandable segments (`max_split_size` there, and the placement rule for
+/// dead remainders), and there the `gpualloc` policy never reserves more at its peak.
 #[test]
 fn policies_differ_only_where_a_deviation_applies() {
     use gpualloc_devices::{AllocatorConfig, Policy};
@@ -143,13 +144,13 @@ fn policies_differ_only_where_a_deviation_applies() {
                 trace.name
             );
             if torch != ours {
-                assert_eq!(
-                    conf, "max_split_size_mb:128,expandable_segments:True",
-                    "{}: the policies differ where no deviation applies",
+                assert!(
+                    conf.contains("expandable_segments:True"),
+                    "{} [{conf}]: the policies differ where no deviation applies",
                     trace.name
                 );
-                assert!(torch.0 > ours.0, "{}: {torch:?} vs {ours:?}", trace.name);
-                differing.push((trace.name.clone(), torch.0, ours.0));
+                assert!(torch.0 >= ours.0, "{}: {torch:?} vs {ours:?}", trace.name);
+                differing.push((trace.name.clone(), conf, torch.0, ours.0, torch.1, ours.1));
             }
         }
     }
@@ -158,15 +159,20 @@ fn policies_differ_only_where_a_deviation_applies() {
     }
     // The figures of the deviations table (README, devices/src/config.rs).
     let mib = |b: u64| b >> 20;
-    let figures: Vec<(String, u64, u64)> = differing
+    let figures: Vec<String> = differing
         .into_iter()
-        .map(|(n, t, o)| (n, mib(t), mib(o)))
+        .map(|(n, c, t, o, tm, om)| {
+            format!("{n} [{c}]: {} / {} MiB, maps {tm} / {om}", mib(t), mib(o))
+        })
         .collect();
     assert_eq!(
         figures,
         [
-            ("llama-lora-finetune.pickle".to_string(), 5882, 5642),
-            ("transformer-lm-train.pickle".to_string(), 13576, 13296),
+            "llama-lora-finetune.pickle [expandable_segments:True]: 5642 / 5642 MiB, maps 207 / 208",
+            "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5642 MiB, maps 209 / 208",
+            "transformer-lm-forward-bf16.pickle [expandable_segments:True]: 786 / 766 MiB, maps 41 / 40",
+            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128,expandable_segments:True]: 786 / 766 MiB, maps 41 / 40",
+            "transformer-lm-train.pickle [max_split_size_mb:128,expandable_segments:True]: 13576 / 13296 MiB, maps 251 / 248",
         ]
     );
 }

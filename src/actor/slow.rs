@@ -110,6 +110,18 @@ impl DeviceActor {
                 // Full: the device had no memory for the pages. Nothing to map: over the
                 // fraction cap (or blocks were freed meanwhile, which the last step finds).
                 Grown::Full(req) | Grown::InPlace(req) => {
+                    // A block the `gpualloc` policy passed over for the growth serves the
+                    // request before any cache is released (`gpualloc_devices::placement`).
+                    let passed_over = self
+                        .mailbox
+                        .hold_blocking()
+                        .state()
+                        .core
+                        .malloc_passed_over(req);
+                    let req = match passed_over {
+                        Ok(a) => return Ok(DeviceBuffer::new(a, self.clone(), stream)),
+                        Err(req) => req,
+                    };
                     tracing::info!(
                         device = self.device.0,
                         size,

@@ -1,0 +1,221 @@
+//! The `gpualloc` policy's placement rule for expandable segments (`placement.rs`): a large
+//! request passes over a best fit that would leave a dead remainder (under 512 KiB) and goes to
+//! the segment's tail; where the tail cannot grow it takes the passed-over block after all; a
+//! repeated step after warm-up makes no backend call beyond events and no synchronization.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{AllocatorConfig, CachedOutcome, DeviceCore, Policy};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+fn rig(capacity: u64, conf: &str, policy: Policy) -> (DeviceCore, StreamHandle) {
+    let backend: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, capacity));
+    let s = backend.stream_create(DeviceId(0)).unwrap();
+    let config = AllocatorConfig::parse(conf).unwrap().with_policy(policy);
+    (DeviceCore::new(backend, DeviceId(0), config).unwrap(), s)
+}
+
+/// Sizes of the free (inactive, mapped) blocks of the large pool, in address order.
+fn large_free_blocks(core: &DeviceCore) -> Vec<u64> {
+    core.snapshot()
+        .segments
+        .iter()
+        .filter(|s| !s.is_small)
+        .flat_map(|s| s.blocks.iter())
+        .filter(|b| b.mapped && b.state.as_str() == "inactive")
+        .map(|b| b.size)
+        .collect()
+}
+
+/// A freed 1.5 MiB hole between kept blocks, then a 1.125 MiB request and a 1.5 MiB one (the
+/// pattern of a forward pass: kept activations land in the holes of freed temporaries).
+#[test]
+fn a_dead_remainder_is_avoided_under_the_gpualloc_policy_only() {
+    for policy in Policy::ALL {
+        let (mut core, s) = rig(1 << 30, "expandable_segments:True", policy);
+        let a = core.malloc(1536 * KIB, s).unwrap();
+        let b = core.malloc(1536 * KIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let kept = core.malloc(1152 * KIB, s).unwrap();
+        let next = core.malloc(1536 * KIB, s).unwrap();
+        let tail = b.ptr.0 + 1536 * KIB;
+        match policy {
+            Policy::Pytorch => {
+                // Best fit: the hole, leaving 384 KiB nothing in the large pool can use; the
+                // 1.5 MiB request then goes to the tail.
+                assert_eq!(kept.ptr, a.ptr);
+                assert_eq!(next.ptr.0, tail);
+                assert_eq!(large_free_blocks(&core), [384 * KIB, 20 * MIB - 4608 * KIB]);
+            }
+            Policy::Gpualloc => {
+                // The 1.125 MiB block goes to the tail; the hole is there for the 1.5 MiB.
+                assert_eq!(kept.ptr.0, tail);
+                assert_eq!(next.ptr, a.ptr);
+                assert_eq!(large_free_blocks(&core), [20 * MIB - 4224 * KIB]);
+            }
+        }
+        assert_eq!(
+            core.reserved_bytes(),
+            20 * MIB,
+            "{policy}: one page either way"
+        );
+        for p in [b.ptr, kept.ptr, next.ptr] {
+            core.free(p).unwrap();
+        }
+        core.empty_cache().unwrap();
+        assert_eq!(core.reserved_bytes(), 0);
+    }
+}
+
+/// Remainders of 512 KiB and more, the tail itself, and exact fits are taken as best fit.
+#[test]
+fn only_remainders_under_512_kib_are_passed_over() {
+    for (hole, want_hole) in [
+        (1152 * KIB + 511 * KIB, false),
+        (1152 * KIB + 512 * KIB, true),
+        (1152 * KIB, true),
+    ] {
+        let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+        let a = core.malloc(hole, s).unwrap();
+        let b = core.malloc(2 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let c = core.malloc(1152 * KIB, s).unwrap();
+        assert_eq!(c.ptr == a.ptr, want_hole, "hole of {} KiB", hole / KIB);
+        core.free(b.ptr).unwrap();
+        core.free(c.ptr).unwrap();
+    }
+    // The best fit is the tail (the block the segment grows from): taken, whatever remains.
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    let a = core.malloc(2 * MIB, s).unwrap();
+    let rest = core.malloc(20 * MIB - 2 * MIB - 1536 * KIB, s).unwrap();
+    let c = core.malloc(1152 * KIB, s).unwrap();
+    assert_eq!(c.ptr.0, rest.ptr.0 + rest.size, "the tail's 1.5 MiB");
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+    for p in [a.ptr, rest.ptr, c.ptr] {
+        core.free(p).unwrap();
+    }
+}
+
+/// The path of owners that grow segments off the core (the allocator's actors): the cached
+/// step goes to the tail when it holds the request, and says "miss" when the tail must grow;
+/// when it cannot, `malloc_passed_over` serves the request from the passed-over block.
+#[test]
+fn owners_that_grow_off_the_core_get_the_tail_or_the_passed_over_block() {
+    let (mut core, s) = rig(20 * MIB, "expandable_segments:True", Policy::Gpualloc);
+    let a = core.malloc(1536 * KIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let tail = b.ptr.0 + 2 * MIB;
+    let c = match core.try_cached(1152 * KIB, s).unwrap() {
+        CachedOutcome::Hit(c) => c,
+        CachedOutcome::Miss(_) => panic!("the tail holds the request: a hit"),
+    };
+    assert_eq!(c.ptr.0, tail);
+    // Fill the page but 512 KiB: the tail cannot hold the next 1.125 MiB request.
+    let fill = core
+        .malloc(20 * MIB - (tail + 1152 * KIB - a.ptr.0) - 512 * KIB, s)
+        .unwrap();
+    let req = match core.try_cached(1152 * KIB, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("the hole was taken at {:#x}", h.ptr.0),
+    };
+    // (The owner's growth fails here: the device holds one page.)
+    let d = match core.malloc_passed_over(req) {
+        Ok(d) => d,
+        Err(_) => panic!("the passed-over hole serves the request"),
+    };
+    assert_eq!(d.ptr, a.ptr);
+    assert_eq!(large_free_blocks(&core), [384 * KIB, 512 * KIB]);
+    // A request nothing holds is given back.
+    let req = match core.try_cached(4 * MIB, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(_) => panic!("nothing holds 4 MiB"),
+    };
+    assert!(core.malloc_passed_over(req).is_err());
+    for p in [b.ptr, c.ptr, fill.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
+}
+
+/// The device has room for one 20 MiB page: the tail cannot grow, so the request takes the
+/// passed-over hole, with no out-of-memory error and no cache released.
+#[test]
+fn where_the_segment_cannot_grow_the_passed_over_block_serves_the_request() {
+    let (mut core, s) = rig(20 * MIB, "expandable_segments:True", Policy::Gpualloc);
+    let a = core.malloc(1536 * KIB, s).unwrap();
+    let b = core.malloc(20 * MIB - 1536 * KIB - 512 * KIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let c = core.malloc(1152 * KIB, s).unwrap();
+    assert_eq!(c.ptr, a.ptr);
+    let st = core.stats();
+    assert_eq!(
+        (st.num_ooms, st.num_alloc_retries, st.num_device_free),
+        (0, 0, 0)
+    );
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+    assert_eq!(large_free_blocks(&core), [384 * KIB, 512 * KIB]);
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+}
+
+/// A training-like step: weights kept, activations of mixed sizes (the 1.125 / 1.5 MiB pattern
+/// among them) allocated and freed. After the first step, later steps make no backend call
+/// but stream-event bookkeeping, and synchronize nothing, under both policies.
+#[test]
+fn a_repeated_step_after_warm_up_makes_no_driver_call_and_no_synchronization() {
+    for policy in Policy::ALL {
+        let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let backend: Arc<dyn Backend> = sim.clone();
+        let s = backend.stream_create(DeviceId(0)).unwrap();
+        let config = AllocatorConfig::parse("expandable_segments:True,large_segment_size_mb:2")
+            .unwrap()
+            .with_policy(policy);
+        let mut core = DeviceCore::new(backend, DeviceId(0), config).unwrap();
+        let weights: Vec<_> = [9 * MIB, 9 * MIB, 2304 * KIB, 30 * MIB]
+            .iter()
+            .map(|&n| core.malloc(n, s).unwrap())
+            .collect();
+        let step = |core: &mut DeviceCore| {
+            let mut kept = Vec::new();
+            for layer in 0..6u64 {
+                let t1 = core.malloc(1536 * KIB, s).unwrap();
+                let t2 = core.malloc(3 * MIB + layer * 64 * KIB, s).unwrap();
+                core.free(t1.ptr).unwrap();
+                kept.push(core.malloc(1152 * KIB, s).unwrap());
+                let small = core.malloc(768 * KIB, s).unwrap();
+                kept.push(core.malloc(4608 * KIB, s).unwrap());
+                core.free(t2.ptr).unwrap();
+                core.free(small.ptr).unwrap();
+            }
+            for k in kept {
+                core.free(k.ptr).unwrap();
+            }
+        };
+        step(&mut core);
+        step(&mut core);
+        let before = sim.counts();
+        let reserved = core.reserved_bytes();
+        for _ in 0..5 {
+            step(&mut core);
+        }
+        let after = sim.counts();
+        let new: Vec<(Op, u64)> = Op::ALL
+            .iter()
+            .map(|op| (*op, after.get(*op) - before.get(*op)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        assert!(
+            new.is_empty(),
+            "{policy}: backend calls in steady state: {new:?}"
+        );
+        assert_eq!(core.reserved_bytes(), reserved, "{policy}");
+        for w in weights {
+            core.free(w.ptr).unwrap();
+        }
+    }
+}
