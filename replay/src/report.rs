@@ -98,6 +98,12 @@ pub struct ReplayReport {
     pub device_mallocs: u64,
     /// Device frees (segments released).
     pub device_frees: u64,
+    /// Page maps the driver was asked for (one per page of an expandable segment: a growth
+    /// of several pages is one `device_mallocs` and several of these); 0 without expandable
+    /// segments.
+    pub page_maps: u64,
+    /// Page unmaps the driver was asked for (expandable segments).
+    pub page_unmaps: u64,
     /// Times the replay's allocator synchronized every stream (the OOM chain's last release,
     /// `empty_cache`): a cost a policy must not add to the steady state.
     pub synchronizations: u64,
@@ -136,6 +142,8 @@ impl ReplayReport {
             peak_allocated: 0,
             peak_requested: 0,
             device_mallocs: 0,
+            page_maps: 0,
+            page_unmaps: 0,
             device_frees: 0,
             synchronizations: 0,
             retries: 0,
@@ -180,6 +188,8 @@ impl ReplayReport {
             "fragmentation": self.fragmentation(),
             "device_mallocs": self.device_mallocs,
             "device_frees": self.device_frees,
+            "page_maps": self.page_maps,
+            "page_unmaps": self.page_unmaps,
             "synchronizations": self.synchronizations,
             "retries": self.retries,
             "ooms": self.ooms,

@@ -385,6 +385,9 @@ pub fn replay_core(
     report.peak_requested = st.requested_bytes[0].peak;
     report.device_mallocs = st.num_device_alloc;
     report.device_frees = st.num_device_free;
+    let calls = r.backend.counts();
+    report.page_maps = calls.maps;
+    report.page_unmaps = calls.unmaps;
     report.synchronizations = st.num_sync_all_streams;
     report.retries = st.num_alloc_retries;
     report.ooms = st.num_ooms;

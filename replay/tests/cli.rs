@@ -400,7 +400,8 @@ fn export_viz_writes_the_replay_as_a_snapshot_that_replays_exactly() {
 }
 
 /// The costs columns: a trace that calls `empty_cache()` (a run of `segment_free`) costs one
-/// synchronization of every stream, and one segment freed.
+/// synchronization of every stream, and one segment freed; with expandable segments the pages
+/// mapped and unmapped are counted too.
 #[test]
 fn json_counts_synchronizations_and_device_frees() {
     let dir = std::env::temp_dir().join(format!("gpualloc-cli-sync-{}", std::process::id()));
@@ -419,5 +420,31 @@ fn json_counts_synchronizations_and_device_frees() {
     assert_eq!(row["synchronizations"], 1);
     assert_eq!(row["device_frees"], 1);
     assert_eq!(row["device_mallocs"], 1);
+    assert_eq!(
+        (row["page_maps"].as_u64(), row["page_unmaps"].as_u64()),
+        (Some(0), Some(0))
+    );
+    // With expandable segments: a 30 MiB block maps two 20 MiB pages in one growth; the
+    // empty_cache unmaps both.
+    let big = dir.join("expandable.jsonl");
+    std::fs::write(
+        &big,
+        "{\"action\":\"alloc\",\"addr\":4096,\"size\":31457280,\"stream\":0}\n\
+         {\"action\":\"free_requested\",\"addr\":4096,\"size\":31457280,\"stream\":0}\n\
+         {\"action\":\"segment_free\",\"addr\":4096,\"size\":41943040,\"stream\":0}\n",
+    )
+    .unwrap();
+    let (ok, stdout, stderr) = gpualloc(&[
+        "replay",
+        big.to_str().unwrap(),
+        "--json",
+        "--config",
+        "expandable_segments:True",
+    ]);
+    assert!(ok, "{stderr}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(row["device_mallocs"], 1);
+    assert_eq!(row["page_maps"], 2);
+    assert_eq!(row["page_unmaps"], 2);
     std::fs::remove_dir_all(&dir).ok();
 }
