@@ -8,7 +8,8 @@
 //! - marks the device lost the first time one of its calls on that device returns a sticky
 //!   code ([`Health::seen`]), and from then on answers every call on the device with
 //!   [`BackendError::DeviceLost`] before touching the driver ([`Health::check`]);
-//! - runs a watchdog thread while host functions are pending: every [`PROBE_PERIOD`] it
+//! - runs a watchdog thread (from the first launch on; idle, it sleeps until the next launch or
+//!   a second passes) while host functions are pending: every [`PROBE_PERIOD`] it
 //!   queries each such device's legacy stream (`cuStreamQuery`, which never blocks and
 //!   reports a sticky error like any call), so a loss is found even when nobody calls the
 //!   backend; it then calls the device's pending host functions with the error, which fails
@@ -33,6 +34,9 @@ use crate::types::DeviceId;
 /// How often the watchdog probes devices with pending host functions: the longest a future
 /// waits past the loss of its device.
 pub(crate) const PROBE_PERIOD: Duration = Duration::from_millis(20);
+
+/// How long the watchdog sleeps when no host function is pending (a launch wakes it sooner).
+const IDLE_PERIOD: Duration = Duration::from_secs(1);
 
 /// True for the driver's sticky error codes: after one, the context is unusable.
 pub(crate) fn is_sticky(code: i32) -> bool {
@@ -59,6 +63,8 @@ pub(crate) struct Health {
     watchdog: Mutex<Option<JoinHandle<()>>>,
     started: AtomicBool,
     stop: AtomicBool,
+    /// True while the watchdog sleeps for [`IDLE_PERIOD`] (nothing was pending).
+    idle: AtomicBool,
     wake: (Mutex<()>, Condvar),
 }
 
@@ -71,6 +77,7 @@ impl Health {
             watchdog: Mutex::new(None),
             started: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         })
     }
@@ -151,11 +158,13 @@ impl Health {
         let mut guard = lock.lock().unwrap_or_else(|p| p.into_inner());
         while !self.stop.load(Ordering::Acquire) {
             drop(guard);
+            let mut watched = false;
             for d in 0..contexts.count() {
                 let device = DeviceId(d);
                 if self.lost(device).is_some() || self.pending.count(device) == 0 {
                     continue;
                 }
+                watched = true;
                 if let Some(ctx) = contexts.retained(device) {
                     if let Some(code) = probe(ctx) {
                         self.mark_lost(device, format!("{code:?} (found by the watchdog)"));
@@ -166,10 +175,23 @@ impl Health {
             if self.stop.load(Ordering::Acquire) {
                 break;
             }
+            // Idle (nothing pending was seen): sleep long; `launched` wakes it for a new launch.
+            self.idle.store(!watched, Ordering::Release);
+            let period = if watched { PROBE_PERIOD } else { IDLE_PERIOD };
             guard = cv
-                .wait_timeout(guard, PROBE_PERIOD)
+                .wait_timeout(guard, period)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            self.idle.store(false, Ordering::Release);
+        }
+    }
+
+    /// A host function was just registered: wakes an idle watchdog, so a loss is found within
+    /// [`PROBE_PERIOD`] of it rather than [`IDLE_PERIOD`]. One atomic load when it is awake.
+    pub(crate) fn launched(&self) {
+        if self.idle.load(Ordering::Acquire) {
+            let _g = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
+            self.wake.1.notify_all();
         }
     }
 

@@ -115,6 +115,7 @@ impl CudaBackend {
         let s = self.bound_stream(handle)?;
         self.health.ensure_watchdog(&self.contexts);
         let data = self.health.pending.register(handle.device, f)?;
+        self.health.launched();
         let r = catch("cuLaunchHostFunc", || {
             // SAFETY: `s` is a live stream; `trampoline` matches CUhostFn and takes the
             // reference to the slot that `data` owns, exactly once when the driver runs it.
