@@ -368,112 +368,129 @@ fn child_entry() {
                 },
             );
         }
-        // A kernel faults on device 1's stream: what was queued before it completes; what
-        // was queued after it fails with DeviceLost within the watchdog's period; the device
-        // is lost for every later call and for the allocator; device 2 works on.
+        // A kernel faults on a device's stream: what was queued before it completes; what was
+        // queued after it fails with DeviceLost within the watchdog's period; the device is
+        // lost for every later call and for the allocator; another device works on.
         "sticky-fault" => {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap();
-            rt.block_on(async {
-                let alloc = Allocator::builder()
-                    .backend_instance(backend.clone())
-                    .build()
-                    .unwrap();
-                let d = DeviceId(1);
-                let stream = alloc.new_stream(d).unwrap();
-                let other = alloc.new_stream(DeviceId(2)).unwrap();
-                let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
-                // Everything below is queued behind a gate, so it is pending at the fault.
-                let (gate, rx) = std::sync::mpsc::channel::<()>();
-                backend
-                    .launch_host_func(
-                        stream.handle(),
-                        Box::new(move |_| {
-                            let _ = rx.recv();
-                        }),
-                    )
-                    .unwrap();
-                let before = stream.completed();
-                let event_before = stream.record_event().unwrap();
-                fault_stream(&cuda, &stream);
-                let after = stream.completed();
-                let event_after = stream.record_event().unwrap();
-                let capture = Arc::new(());
-                let (held, (tx, results)) = (capture.clone(), std::sync::mpsc::channel());
-                backend
-                    .launch_host_func(
-                        stream.handle(),
-                        Box::new(move |r| {
-                            let _held = held;
-                            let _ = tx.send(r);
-                        }),
-                    )
-                    .unwrap();
-                assert!(!after.is_done() && !before.is_done());
-                drop(gate);
-                let start = std::time::Instant::now();
-                assert_eq!(within_5s("work before the fault", before).await, Ok(()));
-                assert_eq!(event_before.completed().await, Ok(()));
-                let err = within_5s("a future pending on a lost device", after)
-                    .await
-                    .unwrap_err();
-                println!(
-                    "a pending future failed {:?} after the fault",
-                    start.elapsed()
-                );
-                match &err {
-                    BackendError::DeviceLost { device: 1, cause } => {
-                        assert!(cause.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{cause}")
+            // Two allocators, each losing a device of its own: the default config on device
+            // 1 (device 2 works on), expandable segments without the thread cache on device 3
+            // (device 0 works on).
+            let runs = [
+                (1, 2, AllocatorConfig::default()),
+                (
+                    3,
+                    0,
+                    AllocatorConfig::parse("expandable_segments:True,thread_cache:False").unwrap(),
+                ),
+            ];
+            for (lost, healthy, config) in runs {
+                rt.block_on(async {
+                    let alloc = Allocator::builder()
+                        .config(config)
+                        .backend_instance(backend.clone())
+                        .build()
+                        .unwrap();
+                    let d = DeviceId(lost);
+                    let stream = alloc.new_stream(d).unwrap();
+                    let other = alloc.new_stream(DeviceId(healthy)).unwrap();
+                    let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
+                    // Everything below is queued behind a gate, so it is pending at the fault.
+                    let (gate, rx) = std::sync::mpsc::channel::<()>();
+                    backend
+                        .launch_host_func(
+                            stream.handle(),
+                            Box::new(move |_| {
+                                let _ = rx.recv();
+                            }),
+                        )
+                        .unwrap();
+                    let before = stream.completed();
+                    let event_before = stream.record_event().unwrap();
+                    fault_stream(&cuda, &stream);
+                    let after = stream.completed();
+                    let event_after = stream.record_event().unwrap();
+                    let capture = Arc::new(());
+                    let (held, (tx, results)) = (capture.clone(), std::sync::mpsc::channel());
+                    backend
+                        .launch_host_func(
+                            stream.handle(),
+                            Box::new(move |r| {
+                                let _held = held;
+                                let _ = tx.send(r);
+                            }),
+                        )
+                        .unwrap();
+                    assert!(!after.is_done() && !before.is_done());
+                    drop(gate);
+                    let start = std::time::Instant::now();
+                    assert_eq!(within_5s("work before the fault", before).await, Ok(()));
+                    assert_eq!(event_before.completed().await, Ok(()));
+                    let err = within_5s("a future pending on a lost device", after)
+                        .await
+                        .unwrap_err();
+                    println!(
+                        "a pending future failed {:?} after the fault",
+                        start.elapsed()
+                    );
+                    match &err {
+                        BackendError::DeviceLost { device, cause } if *device == lost => {
+                            assert!(cause.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{cause}")
+                        }
+                        other => panic!("expected DeviceLost of device {lost}, got {other:?}"),
                     }
-                    other => panic!("expected DeviceLost of device 1, got {other:?}"),
-                }
-                assert_eq!(
-                    within_5s("an event after the fault", event_after.completed()).await,
-                    Err(err.clone())
-                );
-                assert_eq!(
-                    results.recv_timeout(std::time::Duration::from_secs(5)),
-                    Ok(Err(err.clone())),
-                    "a raw host function is called with the error"
-                );
-                // The closure (and what it captured) is freed once it returns.
-                let freed_by = std::time::Instant::now() + std::time::Duration::from_secs(5);
-                while Arc::strong_count(&capture) > 1 && std::time::Instant::now() < freed_by {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                assert_eq!(
-                    Arc::strong_count(&capture),
-                    1,
-                    "the failed closure was freed"
-                );
-                // Later calls on the device say it is lost, without waiting.
-                assert_eq!(stream.completed().await, Err(err.clone()));
-                assert_eq!(backend.stream_create(d), Err(err.clone()));
-                assert_eq!(backend.malloc(d, 4096), Err(err.clone()));
-                assert_eq!(backend.device_lost(d), Some(err.clone()));
-                // The allocator hands out none of its memory, cached blocks included.
-                drop(buf);
-                for size in [1 << 20, 512] {
-                    let e = alloc.malloc(size, &stream).await.unwrap_err();
-                    assert!(e.is_device_lost(), "{e}");
-                    assert!(e.to_string().contains("device 1 is lost"), "{e}");
-                }
-                // Other devices are not affected.
-                assert_eq!(backend.device_lost(DeviceId(2)), None);
-                let b2 = alloc.malloc(1 << 20, &other).await.unwrap();
-                backend
-                    .memset_async(other.handle(), b2.ptr(), 7, b2.len())
-                    .unwrap();
-                within_5s("device 2", other.completed()).await.unwrap();
-                drop(b2);
-                // Shutting down reports the lost device and does not hang.
-                match within_5s("shutdown", alloc.shutdown()).await {
-                    Ok(()) => {}
-                    Err(e) => assert!(e.is_device_lost(), "{e}"),
-                }
-            });
+                    assert_eq!(
+                        within_5s("an event after the fault", event_after.completed()).await,
+                        Err(err.clone())
+                    );
+                    assert_eq!(
+                        results.recv_timeout(std::time::Duration::from_secs(5)),
+                        Ok(Err(err.clone())),
+                        "a raw host function is called with the error"
+                    );
+                    // The closure (and what it captured) is freed once it returns.
+                    let freed_by = std::time::Instant::now() + std::time::Duration::from_secs(5);
+                    while Arc::strong_count(&capture) > 1 && std::time::Instant::now() < freed_by {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    assert_eq!(
+                        Arc::strong_count(&capture),
+                        1,
+                        "the failed closure was freed"
+                    );
+                    // Later calls on the device say it is lost, without waiting.
+                    assert_eq!(stream.completed().await, Err(err.clone()));
+                    assert_eq!(backend.stream_create(d), Err(err.clone()));
+                    assert_eq!(backend.malloc(d, 4096), Err(err.clone()));
+                    assert_eq!(backend.device_lost(d), Some(err.clone()));
+                    // The allocator hands out none of its memory, cached blocks included.
+                    drop(buf);
+                    for size in [1 << 20, 512] {
+                        let e = alloc.malloc(size, &stream).await.unwrap_err();
+                        assert!(e.is_device_lost(), "{e}");
+                        assert!(
+                            e.to_string().contains(&format!("device {lost} is lost")),
+                            "{e}"
+                        );
+                    }
+                    // Other devices are not affected.
+                    assert_eq!(backend.device_lost(DeviceId(healthy)), None);
+                    let b2 = alloc.malloc(1 << 20, &other).await.unwrap();
+                    backend
+                        .memset_async(other.handle(), b2.ptr(), 7, b2.len())
+                        .unwrap();
+                    within_5s("device 2", other.completed()).await.unwrap();
+                    drop(b2);
+                    // Shutting down reports the lost device and does not hang.
+                    match within_5s("shutdown", alloc.shutdown()).await {
+                        Ok(()) => {}
+                        Err(e) => assert!(e.is_device_lost(), "{e}"),
+                    }
+                });
+            }
         }
         other => panic!("unknown role {other}"),
     }
