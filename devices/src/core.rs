@@ -110,6 +110,9 @@ pub struct DeviceCore {
     /// Pending cross-stream frees per stream, in record order.
     pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
     pub(crate) event_pool: Vec<EventHandle>,
+    /// Streams the owner's users dropped, with an event recorded on each when it was retired
+    /// (`orphans.rs`).
+    pub(crate) retiring: Vec<(StreamHandle, Option<EventHandle>)>,
     pub(crate) stats: DeviceStats,
     /// Bytes held from the backend (PyTorch's `total_allocated_memory`).
     pub(crate) total_reserved: u64,
@@ -184,6 +187,7 @@ impl DeviceCore {
             orphaned: BTreeMap::new(),
             pending: BTreeMap::new(),
             event_pool: Vec::new(),
+            retiring: Vec::new(),
             stats: DeviceStats {
                 max_split_size,
                 ..DeviceStats::default()
@@ -477,7 +481,8 @@ impl DeviceCore {
         if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
             self.garbage_collect_cached_blocks()?;
         }
-        let found = self.alloc_block(params, false)?
+        let found = self.adopt_orphan(params)
+            || self.alloc_block(params, false)?
             || self.take_passed_over(params)
             || self.use_private_pool_on_oom(params)
             || (self.release_available_cached_blocks(params)?

@@ -18,6 +18,7 @@ mod events;
 mod expandable;
 mod growth;
 mod inspect;
+pub mod orphans;
 mod pages;
 pub mod placement;
 pub mod policy;

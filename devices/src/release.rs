@@ -306,6 +306,8 @@ impl DeviceCore {
                 first_err.get_or_insert(AllocError::Backend(e));
             }
         }
+        let retiring: Vec<_> = self.retiring.drain(..).filter_map(|(_, e)| e).collect();
+        self.event_pool.extend(retiring);
         for ev in self.event_pool.drain(..) {
             let _ = self.backend.event_destroy(ev);
         }

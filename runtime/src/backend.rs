@@ -97,6 +97,12 @@ pub trait Backend: Send + Sync + 'static {
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
     /// Blocks until all work queued on `stream` is done.
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
+    /// True when all work queued on `stream` so far is done (`cuStreamQuery`); never blocks.
+    /// Defaults to `Ok(false)` for backends that cannot tell: callers then record an event.
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        let _ = stream;
+        Ok(false)
+    }
     /// Makes future work on `stream` wait until `event` (as last recorded) completes.
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
     /// Streams of `stream`'s device, other than `stream`, with queued work not yet finished

@@ -396,15 +396,25 @@ fn event_query_tracks_progress(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
         "a never-recorded event must query complete".into()
     })?;
     ok(b.event_synchronize(e), "synchronize never-recorded")?;
+    ensure(ok(b.stream_query(s.h), "stream_query")?, || {
+        "a new stream must query idle".into()
+    })?;
     let open = gate(b, s.h)?;
     ok(b.event_record(e, s.h), "event_record")?;
     ensure(!ok(b.event_query(e), "query")?, || {
         "event complete before its stream got there".into()
     })?;
+    ensure(!ok(b.stream_query(s.h), "stream_query")?, || {
+        "stream idle with work queued".into()
+    })?;
     let _ = open.send(());
     ok(b.event_synchronize(e), "event_synchronize")?;
     ensure(ok(b.event_query(e), "query")?, || {
         "event not complete after synchronize".into()
+    })?;
+    ok(b.stream_synchronize(s.h), "stream_synchronize")?;
+    ensure(ok(b.stream_query(s.h), "stream_query")?, || {
+        "stream not idle after synchronize".into()
     })?;
     ok(b.event_destroy(e), "event_destroy")
 }

@@ -40,8 +40,10 @@ impl Drop for StreamInner {
 ///   and streams a live buffer was `record_stream`ed on, whose event its free records) and
 ///   lets go of it once nothing cached names it: after `empty_cache` or the out-of-memory
 ///   chain released its segments. So a dropped stream's backend stream may live on until
-///   then. Its cached blocks serve only that stream (as in PyTorch), so they stay cached until
-///   one of those releases them.
+///   then. Its cached blocks are not stranded (unlike PyTorch's, which serve only that stream
+///   forever): once its work is done, the allocator's next miss hands its wholly free
+///   segments to other streams, and gives back the free pages of its expandable segment
+///   (`gpualloc_devices::orphans`).
 #[derive(Clone)]
 pub struct Stream {
     inner: Arc<StreamInner>,
@@ -93,6 +95,13 @@ impl Stream {
     /// The device this stream runs on.
     pub fn device(&self) -> DeviceId {
         self.inner.handle.device
+    }
+
+    /// How many clones of this stream exist, this one included. An allocator that keeps a
+    /// clone of a stream its cache names finds its own the last one once the stream's users
+    /// dropped theirs (and no buffer holds it).
+    pub fn clone_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
     }
 
     /// The backend the stream belongs to.

@@ -79,6 +79,17 @@ impl DeviceActor {
             alloc_size = req.alloc_size()
         )
         .entered();
+        // Segments of streams their users dropped serve this request before a new one is made.
+        let adopted = {
+            let mut held = self.mailbox.hold_blocking();
+            held.state().streams.keep(&stream);
+            held.state().retire_dropped_streams();
+            held.state().core.malloc_from_orphans(req)
+        };
+        let req = match adopted {
+            Ok(a) => return Ok(DeviceBuffer::new(a, self.clone(), stream)),
+            Err(req) => req,
+        };
         let (expandable, claimed, collected) = {
             let mut held = self.mailbox.hold_blocking();
             // A miss may leave a segment of this stream in the cache: keep the stream alive

@@ -96,6 +96,21 @@ impl DeviceState {
         }
     }
 
+    /// Streams whose users dropped them: blocks parked in thread caches go back to the core,
+    /// then the core retires the streams (their free segments serve other streams once their
+    /// work is done: `gpualloc_devices::orphans`). Run on misses, before a segment is made.
+    pub fn retire_dropped_streams(&mut self) {
+        let dropped = self.streams.dropped_by_users();
+        if !dropped.is_empty() {
+            self.sweep_thread_cache();
+        }
+        for stream in dropped {
+            if let Err(e) = self.core.retire_stream(stream) {
+                tracing::warn!(?stream, error = %e, "retiring a dropped stream failed");
+            }
+        }
+    }
+
     /// Lets go of the kept streams the core no longer names, if their number doubled since
     /// the last pass (`streams.rs`); the caller drops them outside the gate.
     pub fn prune_streams_if_grown(&mut self) -> Vec<Stream> {

@@ -14,6 +14,11 @@
 //!
 //! Releasing a stream may block (the sim joins its worker thread), so pruned streams are
 //! handed back to the caller to drop after the gate is released.
+//!
+//! A kept stream whose clone here is the last one was dropped by its users (no buffer holds
+//! it either): a miss retires it in the core, so its free segments serve other streams once
+//! its work is done instead of staying cached for nobody ([`KeptStreams::dropped_by_users`],
+//! `gpualloc_devices::orphans`).
 
 use std::collections::HashMap;
 
@@ -27,6 +32,8 @@ const PRUNE_FLOOR: usize = 16;
 #[derive(Debug)]
 pub(crate) struct KeptStreams {
     streams: HashMap<StreamHandle, Stream>,
+    /// Kept streams already found dropped by their users (`dropped_by_users`).
+    retired: std::collections::HashSet<StreamHandle>,
     /// A pass runs on its own once more than this many are kept.
     prune_at: usize,
 }
@@ -35,6 +42,7 @@ impl Default for KeptStreams {
     fn default() -> Self {
         KeptStreams {
             streams: HashMap::new(),
+            retired: std::collections::HashSet::new(),
             prune_at: PRUNE_FLOOR,
         }
     }
@@ -46,6 +54,19 @@ impl KeptStreams {
         self.streams
             .entry(stream.handle())
             .or_insert_with(|| stream.clone());
+    }
+
+    /// The kept streams whose users dropped every clone since the last call (only ours is
+    /// left: no user and no buffer holds one), for the core to retire (`orphans.rs`).
+    pub fn dropped_by_users(&mut self) -> Vec<StreamHandle> {
+        let dropped: Vec<StreamHandle> = self
+            .streams
+            .iter()
+            .filter(|(h, s)| s.clone_count() == 1 && !self.retired.contains(h))
+            .map(|(h, _)| *h)
+            .collect();
+        self.retired.extend(dropped.iter().copied());
+        dropped
     }
 
     /// True once the number kept has doubled since the last pass.
@@ -63,6 +84,9 @@ impl KeptStreams {
             .filter(|h| !in_use.contains(h))
             .copied()
             .collect();
+        for h in &gone {
+            self.retired.remove(h);
+        }
         let out = gone.iter().filter_map(|h| self.streams.remove(h)).collect();
         self.prune_at = (2 * self.streams.len()).max(PRUNE_FLOOR);
         out
@@ -71,6 +95,7 @@ impl KeptStreams {
     /// Every stream kept (after the core shut down).
     pub fn take_all(&mut self) -> Vec<Stream> {
         self.prune_at = PRUNE_FLOOR;
+        self.retired.clear();
         self.streams.drain().map(|(_, s)| s).collect()
     }
 

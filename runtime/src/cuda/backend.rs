@@ -224,6 +224,10 @@ impl Backend for CudaBackend {
         self.health
             .seen(stream.device, self.cu_stream_synchronize(stream))
     }
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        self.health
+            .seen(stream.device, self.cu_stream_query(stream))
+    }
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
         self.health
             .seen(stream.device, self.cu_stream_wait_event(stream, event))

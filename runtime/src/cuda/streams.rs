@@ -97,6 +97,19 @@ impl CudaBackend {
         })
     }
 
+    pub(crate) fn cu_stream_query(&self, handle: StreamHandle) -> Result<bool> {
+        let s = self.bound_stream(handle)?;
+        let code = catch("cuStreamQuery", || {
+            // SAFETY: `s` is a live stream (we hold an `Arc` of it) of the bound context.
+            unsafe { sys::cuStreamQuery(s.cu_stream()) }
+        })?;
+        match code {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(map_code("cuStreamQuery", other)),
+        }
+    }
+
     pub(crate) fn cu_stream_wait_event(
         &self,
         stream: StreamHandle,

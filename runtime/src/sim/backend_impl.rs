@@ -157,6 +157,11 @@ impl Backend for SimBackend {
         shared.synchronize()
     }
 
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        self.enter(Op::StreamQuery)?;
+        self.stream_idle(stream)
+    }
+
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
         self.enter(Op::StreamWaitEvent)?;
         let (shared, tx) = self.stream(stream)?;

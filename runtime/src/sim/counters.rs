@@ -40,6 +40,7 @@ ops! {
     StreamCreate => "stream_create",
     StreamDestroy => "stream_destroy",
     StreamSynchronize => "stream_synchronize",
+    StreamQuery => "stream_query",
     StreamWaitEvent => "stream_wait_event",
     UnorderedUsers => "unordered_users",
     LaunchHostFunc => "launch_host_func",
@@ -159,7 +160,7 @@ mod tests {
         assert_eq!(s.get(Op::Free), 0);
         assert_eq!(s.total(), 3);
         assert_eq!(s.nonzero(), vec![(Op::Malloc, 2), (Op::LaunchKernel, 1)]);
-        assert_eq!(Op::ALL.len(), 41);
+        assert_eq!(Op::ALL.len(), 42);
         assert_eq!(Op::IpcCloseMemHandle.name(), "ipc_close_mem_handle");
         c.reset();
         assert_eq!(c.snapshot().total(), 0);

@@ -1,0 +1,211 @@
+//! Streams that go away: their cached segments serve other streams instead of being stranded.
+//!
+//! Cached blocks serve only the stream they were freed on (stream-ordered reuse, as in
+//! PyTorch), so a server that makes a fresh stream per request or per weight sync and drops it
+//! leaves every segment of that stream cached for nobody: vllm#52951 measured 2 GiB stranded
+//! per weight sync. Here the owner tells the core when its users dropped a stream
+//! ([`DeviceCore::retire_stream`]); the core records an event on it and, once the work queued
+//! so far is done ([`DeviceCore::orphan_retired`]), with no synchronization at all:
+//! - each wholly free ordinary segment of the stream becomes an orphan: filed under
+//!   [`ORPHAN_STREAM`], it is adopted by the next request of any stream of the device that
+//!   misses its own stream's blocks and that it fits, by PyTorch's size rules
+//!   ([`DeviceCore::malloc_from_orphans`], before any new segment is allocated). Freeing it
+//!   instead would cost a device-wide synchronize (`cudaFree`);
+//! - the free pages of the stream's expandable segment are unmapped (a synchronize of that
+//!   stream alone, whose work is done) and the reservation freed once empty: the next stream
+//!   maps its own.
+//!
+//! Segments of the stream still in use (a free waiting on events of other streams) are
+//! orphaned by a later pass, once free. Orphans are released by `empty_cache` and the
+//! out-of-memory chain like any cached segment.
+
+use gpualloc_runtime::StreamHandle;
+
+use crate::block::BlockState;
+use crate::core::{AllocParams, Allocation, DeviceCore, SegmentRequest};
+use crate::error::AllocError;
+use crate::pool::{key, PoolOwner};
+
+/// The raw stream handle orphaned segments are filed under (no stream has it).
+pub const ORPHAN_STREAM: u64 = u64::MAX;
+
+impl DeviceCore {
+    /// The owner's users dropped `stream`: once the work queued on it so far is done, its free
+    /// segments serve other streams (see the module docs). Does nothing for a stream that
+    /// names no segment, or one retired already.
+    pub fn retire_stream(&mut self, stream: StreamHandle) -> Result<(), AllocError> {
+        if self.shut_down || stream.raw == ORPHAN_STREAM {
+            return Ok(());
+        }
+        let names_a_segment = self.segments.values().any(|m| m.stream == stream);
+        if !names_a_segment || self.retiring.iter().any(|(s, _)| *s == stream) {
+            return Ok(());
+        }
+        // An idle stream's segments are orphaned at once (those still in use by later passes,
+        // with no event needed); otherwise an event says when its work is done.
+        if self.backend.stream_query(stream)? {
+            self.orphan_segments_of(stream)?;
+            if self.segments.values().any(|m| m.stream == stream) {
+                self.retiring.push((stream, None));
+            }
+            return Ok(());
+        }
+        let event = match self.event_pool.pop() {
+            Some(e) if e.device == stream.device => e,
+            Some(e) => {
+                self.event_pool.push(e);
+                self.backend.event_create(stream.device)?
+            }
+            None => self.backend.event_create(stream.device)?,
+        };
+        if let Err(e) = self.backend.event_record(event, stream) {
+            self.event_pool.push(event);
+            return Err(e.into());
+        }
+        self.retiring.push((stream, Some(event)));
+        self.orphan_retired()
+    }
+
+    /// Orphans the free segments of retired streams whose work is done. A stream leaves the
+    /// list once it names no segment.
+    pub fn orphan_retired(&mut self) -> Result<(), AllocError> {
+        let mut i = 0;
+        while i < self.retiring.len() {
+            let (stream, event) = self.retiring[i];
+            // Done when the event is, or when the stream is idle now (all it had then is done).
+            let done = match event {
+                None => true,
+                Some(e) => self.backend.event_query(e)? || self.backend.stream_query(stream)?,
+            };
+            if !done {
+                i += 1;
+                continue;
+            }
+            // Its work is done: the event is not needed any more.
+            if let Some(e) = event {
+                self.event_pool.push(e);
+                self.retiring[i].1 = None;
+            }
+            self.orphan_segments_of(stream)?;
+            if self.segments.values().any(|m| m.stream == stream) {
+                i += 1;
+                continue;
+            }
+            self.retiring.swap_remove(i);
+        }
+        Ok(())
+    }
+
+    fn orphan_segments_of(&mut self, stream: StreamHandle) -> Result<(), AllocError> {
+        let segments: Vec<(u64, u64, usize)> = self
+            .segments
+            .iter()
+            .filter(|(_, m)| {
+                m.stream == stream && matches!(self.pools[m.pool].owner, PoolOwner::Default)
+            })
+            .map(|(base, m)| (*base, m.size, m.pool))
+            .collect();
+        for (base, size, pool) in segments {
+            if self.expandable.contains_key(&base) {
+                self.release_free_pages_of(base)?;
+                continue;
+            }
+            let k = key(stream.raw, size, base);
+            let Some(id) = self.pools[pool].free.remove(&k) else {
+                continue; // not wholly free: a later pass
+            };
+            let orphan = StreamHandle {
+                device: stream.device,
+                raw: ORPHAN_STREAM,
+            };
+            self.blocks.get_mut(id).stream = orphan;
+            self.pools[pool]
+                .free
+                .insert(key(ORPHAN_STREAM, size, base), id);
+            if let Some(m) = self.segments.get_mut(&base) {
+                m.stream = orphan;
+            }
+            tracing::debug!(
+                device = self.device.0,
+                addr = base,
+                size,
+                "segment orphaned"
+            );
+        }
+        Ok(())
+    }
+
+    /// Unmaps the free pages of expandable segment `seg` and frees its reservation if nothing
+    /// is left mapped.
+    fn release_free_pages_of(&mut self, seg: u64) -> Result<(), AllocError> {
+        let free: Vec<_> = self
+            .pools
+            .iter()
+            .flat_map(|p| p.free.values())
+            .copied()
+            .filter(|id| self.blocks.get(*id).segment == seg)
+            .collect();
+        for id in free {
+            // Unmapping merges neighbours: skip blocks merged away by an earlier unmap.
+            if self.blocks.contains(id)
+                && self.blocks.get(id).state == BlockState::Free
+                && self.blocks.get(id).mapped
+            {
+                self.unmap_block(id)?;
+            }
+        }
+        self.release_expandable_segment_if_empty(seg)
+    }
+
+    /// Adopts the best-fitting orphan of the request's pool for its stream, if PyTorch's size
+    /// rules let the request have it, and takes it (into `params.block`).
+    pub(crate) fn adopt_orphan(&mut self, params: &mut AllocParams) -> bool {
+        if !matches!(self.pools[params.pool].owner, PoolOwner::Default) {
+            return false;
+        }
+        let Some((k, id)) = self.pools[params.pool].lower_bound(ORPHAN_STREAM, params.size) else {
+            return false;
+        };
+        let (max_split, rounding) = (
+            self.config.max_split_size,
+            self.config.max_non_split_rounding,
+        );
+        let oversize_for_small = params.size < max_split && k.1 >= max_split;
+        let too_big = params.size >= max_split && k.1 >= params.size.saturating_add(rounding);
+        if k.0 != ORPHAN_STREAM || oversize_for_small || too_big {
+            return false;
+        }
+        let (size, base) = (k.1, k.2);
+        self.pools[params.pool].free.remove(&k);
+        self.blocks.get_mut(id).stream = params.stream;
+        if let Some(m) = self.segments.get_mut(&base) {
+            m.stream = params.stream;
+        }
+        self.pools[params.pool]
+            .free
+            .insert(key(params.stream.raw, size, base), id);
+        tracing::debug!(
+            device = self.device.0,
+            addr = base,
+            size,
+            "orphan segment adopted"
+        );
+        self.get_free_block(params)
+    }
+
+    /// For owners that allocate segments off the core: on a miss, serves the request from an
+    /// orphaned segment before any segment is allocated. `Err` gives the request back.
+    pub fn malloc_from_orphans(
+        &mut self,
+        mut request: SegmentRequest,
+    ) -> Result<Allocation, SegmentRequest> {
+        if let Err(e) = self.orphan_retired() {
+            tracing::warn!(device = self.device.0, error = %e, "orphaning retired streams failed");
+        }
+        if !self.adopt_orphan(&mut request.params) {
+            return Err(request);
+        }
+        let size = request.size;
+        self.finish(&request.params, size).map_err(|_| request)
+    }
+}

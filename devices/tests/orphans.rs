@@ -1,0 +1,147 @@
+//! Streams that go away (`orphans.rs`): a retired stream's wholly free ordinary segments serve
+//! other streams once its work is done, by PyTorch's size rules, with no synchronization; its
+//! expandable segment's free pages go back to the device.
+
+use std::sync::Arc;
+
+use gpualloc_devices::orphans::ORPHAN_STREAM;
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+
+/// (segment size in MiB, raw stream), sorted.
+fn segment_streams(core: &DeviceCore) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = core
+        .snapshot()
+        .segments
+        .iter()
+        .map(|s| (s.total_size / MIB, s.stream))
+        .collect();
+    v.sort();
+    v
+}
+
+fn sim_core(conf: &str) -> (Arc<SimBackend>, DeviceCore, StreamHandle, StreamHandle) {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let old = backend.stream_create(DeviceId(0)).unwrap();
+    let new = backend.stream_create(DeviceId(0)).unwrap();
+    let core =
+        DeviceCore::new(backend, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (sim, core, old, new)
+}
+
+#[test]
+fn an_idle_retired_streams_free_segments_serve_other_streams_without_synchronizing() {
+    let (sim, mut core, old, new) = sim_core("");
+    let a = core.malloc(64 * MIB, old).unwrap();
+    let kept = core.malloc(12 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    core.retire_stream(old).unwrap();
+    // The free 64 MiB segment is an orphan; the one with a live block is still `old`'s.
+    assert_eq!(segment_streams(&core), [(12, old.raw), (64, ORPHAN_STREAM)]);
+    let before = sim.counts();
+    let b = core.malloc(64 * MIB, new).unwrap();
+    assert_eq!(b.ptr, a.ptr, "adopted by the other stream");
+    assert_eq!(core.reserved_bytes(), 76 * MIB, "no new segment");
+    let after = sim.counts();
+    for op in [
+        Op::Malloc,
+        Op::Free,
+        Op::DeviceSynchronize,
+        Op::StreamSynchronize,
+    ] {
+        assert_eq!(after.get(op), before.get(op), "{op}");
+    }
+    assert_eq!(segment_streams(&core), [(12, old.raw), (64, new.raw)]);
+    // The other segment is orphaned by a later pass, once its block is free.
+    core.free(kept.ptr).unwrap();
+    core.orphan_retired().unwrap();
+    assert_eq!(segment_streams(&core), [(12, ORPHAN_STREAM), (64, new.raw)]);
+    let c = core.malloc(12 * MIB, new).unwrap();
+    assert_eq!(c.ptr, kept.ptr);
+    assert_eq!(core.reserved_bytes(), 76 * MIB);
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+}
+
+/// PyTorch's size rules hold for orphans as for any cached block: under
+/// `max_split_size_mb:64` a 2 MiB request does not take a free 80 MiB segment.
+#[test]
+fn orphans_follow_the_size_rules() {
+    let (_sim, mut core, old, new) = sim_core("max_split_size_mb:64");
+    let a = core.malloc(80 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    core.retire_stream(old).unwrap();
+    let small = core.malloc(12 * MIB, new).unwrap();
+    assert_ne!(small.ptr, a.ptr);
+    assert_eq!(core.reserved_bytes(), 80 * MIB + 12 * MIB);
+    let big = core.malloc(80 * MIB, new).unwrap();
+    assert_eq!(big.ptr, a.ptr);
+    core.free(small.ptr).unwrap();
+    core.free(big.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+/// A stream with work queued when it is retired: its segments wait for an event.
+#[test]
+fn a_busy_stream_is_orphaned_once_its_event_completes() {
+    let backend = Arc::new(AccountingBackend::manual_events(1, 1 << 30));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let old = dynb.stream_create(DeviceId(0)).unwrap();
+    let new = dynb.stream_create(DeviceId(0)).unwrap();
+    let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default()).unwrap();
+    let a = core.malloc(64 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    core.retire_stream(old).unwrap();
+    core.retire_stream(old).unwrap(); // twice: one event
+    assert_eq!(
+        segment_streams(&core),
+        [(64, old.raw)],
+        "its work is not done"
+    );
+    let b = core.malloc(64 * MIB, new).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    backend.complete_stream(old);
+    core.orphan_retired().unwrap();
+    assert_eq!(segment_streams(&core), [(64, new.raw), (64, ORPHAN_STREAM)]);
+    core.free(b.ptr).unwrap();
+    let c = core.malloc(64 * MIB, new).unwrap();
+    assert_eq!(c.ptr, b.ptr, "its own block first");
+    let d = core.malloc(64 * MIB, new).unwrap();
+    assert_eq!(d.ptr, a.ptr, "then the orphan");
+    assert_eq!(core.reserved_bytes(), 128 * MIB);
+    core.free(c.ptr).unwrap();
+    core.free(d.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+/// Expandable segments: the retired stream's free pages are unmapped (a synchronize of that
+/// stream only) and its reservation freed.
+#[test]
+fn a_retired_streams_expandable_pages_go_back_to_the_device() {
+    let (sim, mut core, old, new) = sim_core("expandable_segments:True");
+    let a = core.malloc(64 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    let before = sim.counts();
+    core.retire_stream(old).unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+    assert!(core.snapshot().segments.is_empty());
+    let after = sim.counts();
+    assert_eq!(
+        after.get(Op::DeviceSynchronize),
+        before.get(Op::DeviceSynchronize)
+    );
+    assert_eq!(after.get(Op::Unmap) - before.get(Op::Unmap), 4);
+    let b = core.malloc(64 * MIB, new).unwrap();
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    core.free(b.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
