@@ -50,12 +50,9 @@ impl DeviceCore {
             }
             return Ok(());
         }
+        // Pooled events are this device's (streams of other devices are refused).
         let event = match self.event_pool.pop() {
-            Some(e) if e.device == stream.device => e,
-            Some(e) => {
-                self.event_pool.push(e);
-                self.backend.event_create(stream.device)?
-            }
+            Some(e) => e,
             None => self.backend.event_create(stream.device)?,
         };
         if let Err(e) = self.backend.event_record(event, stream) {

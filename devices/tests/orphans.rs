@@ -39,14 +39,25 @@ fn an_idle_retired_streams_free_segments_serve_other_streams_without_synchronizi
     let (sim, mut core, old, new) = sim_core("");
     let a = core.malloc(64 * MIB, old).unwrap();
     let kept = core.malloc(12 * MIB, old).unwrap();
+    let mine = core.malloc(14 * MIB, new).unwrap();
     core.free(a.ptr).unwrap();
+    core.free(mine.ptr).unwrap();
     core.retire_stream(old).unwrap();
-    // The free 64 MiB segment is an orphan; the one with a live block is still `old`'s.
-    assert_eq!(segment_streams(&core), [(12, old.raw), (64, ORPHAN_STREAM)]);
+    // The free 64 MiB segment is an orphan; the one with a live block is still `old`'s, and
+    // the other stream's free segment stays its own.
+    let expect = [(12, old.raw), (14, new.raw), (64, ORPHAN_STREAM)];
+    assert_eq!(segment_streams(&core), expect);
+    // Retiring the orphans' pseudo-stream does nothing.
+    let orphan = StreamHandle {
+        device: DeviceId(0),
+        raw: ORPHAN_STREAM,
+    };
+    core.retire_stream(orphan).unwrap();
+    assert_eq!(segment_streams(&core), expect);
     let before = sim.counts();
     let b = core.malloc(64 * MIB, new).unwrap();
     assert_eq!(b.ptr, a.ptr, "adopted by the other stream");
-    assert_eq!(core.reserved_bytes(), 76 * MIB, "no new segment");
+    assert_eq!(core.reserved_bytes(), 90 * MIB, "no new segment");
     let after = sim.counts();
     for op in [
         Op::Malloc,
@@ -56,23 +67,47 @@ fn an_idle_retired_streams_free_segments_serve_other_streams_without_synchronizi
     ] {
         assert_eq!(after.get(op), before.get(op), "{op}");
     }
-    assert_eq!(segment_streams(&core), [(12, old.raw), (64, new.raw)]);
+    let expect = [(12, old.raw), (14, new.raw), (64, new.raw)];
+    assert_eq!(segment_streams(&core), expect);
     // The other segment is orphaned by a later pass, once its block is free.
     core.free(kept.ptr).unwrap();
     core.orphan_retired().unwrap();
-    assert_eq!(segment_streams(&core), [(12, ORPHAN_STREAM), (64, new.raw)]);
+    let expect = [(12, ORPHAN_STREAM), (14, new.raw), (64, new.raw)];
+    assert_eq!(segment_streams(&core), expect);
     let c = core.malloc(12 * MIB, new).unwrap();
-    assert_eq!(c.ptr, kept.ptr);
-    assert_eq!(core.reserved_bytes(), 76 * MIB);
-    core.free(b.ptr).unwrap();
-    core.free(c.ptr).unwrap();
+    assert_eq!(c.ptr, mine.ptr, "its own free segment first");
+    let d = core.malloc(12 * MIB, new).unwrap();
+    assert_eq!(d.ptr, kept.ptr, "then the orphan");
+    assert_eq!(core.reserved_bytes(), 90 * MIB);
+    for p in [b.ptr, c.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
     core.check_invariants().unwrap();
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), 0);
 }
 
+/// An idle stream whose only segment is in use at retirement: a later pass orphans it.
+#[test]
+fn a_segment_in_use_at_retirement_is_orphaned_later() {
+    let (_sim, mut core, old, new) = sim_core("");
+    let kept = core.malloc(12 * MIB, old).unwrap();
+    core.retire_stream(old).unwrap();
+    core.orphan_retired().unwrap();
+    assert_eq!(segment_streams(&core), [(12, old.raw)]);
+    core.free(kept.ptr).unwrap();
+    core.orphan_retired().unwrap();
+    assert_eq!(segment_streams(&core), [(12, ORPHAN_STREAM)]);
+    let b = core.malloc(12 * MIB, new).unwrap();
+    assert_eq!(b.ptr, kept.ptr);
+    core.free(b.ptr).unwrap();
+    // After shutdown, retiring does nothing.
+    core.shutdown().unwrap();
+    core.retire_stream(new).unwrap();
+}
+
 /// PyTorch's size rules hold for orphans as for any cached block: under
-/// `max_split_size_mb:64` a 2 MiB request does not take a free 80 MiB segment.
+/// `max_split_size_mb:64` a 12 MiB request does not take (nor adopt) a free 80 MiB segment.
 #[test]
 fn orphans_follow_the_size_rules() {
     let (_sim, mut core, old, new) = sim_core("max_split_size_mb:64");
@@ -82,6 +117,11 @@ fn orphans_follow_the_size_rules() {
     let small = core.malloc(12 * MIB, new).unwrap();
     assert_ne!(small.ptr, a.ptr);
     assert_eq!(core.reserved_bytes(), 80 * MIB + 12 * MIB);
+    assert_eq!(
+        segment_streams(&core),
+        [(12, new.raw), (80, ORPHAN_STREAM)],
+        "the oversize orphan was not adopted"
+    );
     let big = core.malloc(80 * MIB, new).unwrap();
     assert_eq!(big.ptr, a.ptr);
     core.free(small.ptr).unwrap();
@@ -89,7 +129,8 @@ fn orphans_follow_the_size_rules() {
     core.check_invariants().unwrap();
 }
 
-/// A stream with work queued when it is retired: its segments wait for an event.
+/// A stream with work queued when it is retired: its segments wait for an event; one still
+/// in use when the event completes waits for a later pass.
 #[test]
 fn a_busy_stream_is_orphaned_once_its_event_completes() {
     let backend = Arc::new(AccountingBackend::manual_events(1, 1 << 30));
@@ -98,25 +139,28 @@ fn a_busy_stream_is_orphaned_once_its_event_completes() {
     let new = dynb.stream_create(DeviceId(0)).unwrap();
     let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default()).unwrap();
     let a = core.malloc(64 * MIB, old).unwrap();
+    let kept = core.malloc(12 * MIB, old).unwrap();
     core.free(a.ptr).unwrap();
     core.retire_stream(old).unwrap();
-    core.retire_stream(old).unwrap(); // twice: one event
-    assert_eq!(
-        segment_streams(&core),
-        [(64, old.raw)],
-        "its work is not done"
-    );
+    core.retire_stream(old).unwrap(); // twice: one entry
+    let expect = [(12, old.raw), (64, old.raw)];
+    assert_eq!(segment_streams(&core), expect, "its work is not done");
     let b = core.malloc(64 * MIB, new).unwrap();
     assert_ne!(b.ptr, a.ptr);
     backend.complete_stream(old);
     core.orphan_retired().unwrap();
-    assert_eq!(segment_streams(&core), [(64, new.raw), (64, ORPHAN_STREAM)]);
+    let expect = [(12, old.raw), (64, new.raw), (64, ORPHAN_STREAM)];
+    assert_eq!(segment_streams(&core), expect);
+    core.free(kept.ptr).unwrap();
+    core.orphan_retired().unwrap();
+    let expect = [(12, ORPHAN_STREAM), (64, new.raw), (64, ORPHAN_STREAM)];
+    assert_eq!(segment_streams(&core), expect);
     core.free(b.ptr).unwrap();
     let c = core.malloc(64 * MIB, new).unwrap();
     assert_eq!(c.ptr, b.ptr, "its own block first");
     let d = core.malloc(64 * MIB, new).unwrap();
     assert_eq!(d.ptr, a.ptr, "then the orphan");
-    assert_eq!(core.reserved_bytes(), 128 * MIB);
+    assert_eq!(core.reserved_bytes(), 140 * MIB);
     core.free(c.ptr).unwrap();
     core.free(d.ptr).unwrap();
     core.check_invariants().unwrap();
