@@ -494,11 +494,21 @@ impl DeviceCore {
         self.finish(params, size)
     }
 
-    pub(crate) fn finish(
+    /// For a miss an owner handles off the core: `take` looks for a block for the request in
+    /// the cache (into its params); `Err` gives the request back when it finds none.
+    pub(crate) fn serve_from_cache(
         &mut self,
-        params: &AllocParams,
-        size: u64,
-    ) -> Result<Allocation, AllocError> {
+        mut request: SegmentRequest,
+        take: impl FnOnce(&mut Self, &mut AllocParams) -> bool,
+    ) -> Result<Allocation, SegmentRequest> {
+        if !take(self, &mut request.params) {
+            return Err(request);
+        }
+        let size = request.size;
+        self.finish(&request.params, size).map_err(|_| request)
+    }
+
+    fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
         match params.block {
             Some(id) => Ok(self.alloc_found_block(id, params.size, size)),
             None => Err(AllocError::InvalidSize {

@@ -37,15 +37,14 @@ impl DeviceCore {
         if self.shut_down || stream.raw == ORPHAN_STREAM {
             return Ok(());
         }
-        let names_a_segment = self.segments.values().any(|m| m.stream == stream);
-        if !names_a_segment || self.retiring.iter().any(|(s, _)| *s == stream) {
+        if !self.names_segment(stream) || self.retiring.iter().any(|(s, _)| *s == stream) {
             return Ok(());
         }
         // An idle stream's segments are orphaned at once (those still in use by later passes,
         // with no event needed); otherwise an event says when its work is done.
         if self.backend.stream_query(stream)? {
             self.orphan_segments_of(stream)?;
-            if self.segments.values().any(|m| m.stream == stream) {
+            if self.names_segment(stream) {
                 self.retiring.push((stream, None));
             }
             return Ok(());
@@ -84,7 +83,7 @@ impl DeviceCore {
                 self.retiring[i].1 = None;
             }
             self.orphan_segments_of(stream)?;
-            if self.segments.values().any(|m| m.stream == stream) {
+            if self.names_segment(stream) {
                 i += 1;
                 continue;
             }
@@ -194,15 +193,16 @@ impl DeviceCore {
     /// orphaned segment before any segment is allocated. `Err` gives the request back.
     pub fn malloc_from_orphans(
         &mut self,
-        mut request: SegmentRequest,
+        request: SegmentRequest,
     ) -> Result<Allocation, SegmentRequest> {
         if let Err(e) = self.orphan_retired() {
             tracing::warn!(device = self.device.0, error = %e, "orphaning retired streams failed");
         }
-        if !self.adopt_orphan(&mut request.params) {
-            return Err(request);
-        }
-        let size = request.size;
-        self.finish(&request.params, size).map_err(|_| request)
+        self.serve_from_cache(request, Self::adopt_orphan)
+    }
+
+    /// True while a segment of the device belongs to `stream`.
+    fn names_segment(&self, stream: StreamHandle) -> bool {
+        self.segments.values().any(|m| m.stream == stream)
     }
 }

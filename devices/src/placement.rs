@@ -78,12 +78,8 @@ impl DeviceCore {
     /// back when nothing fits.
     pub fn malloc_passed_over(
         &mut self,
-        mut request: SegmentRequest,
+        request: SegmentRequest,
     ) -> Result<Allocation, SegmentRequest> {
-        if !self.take_passed_over(&mut request.params) {
-            return Err(request);
-        }
-        let size = request.size;
-        self.finish(&request.params, size).map_err(|_| request)
+        self.serve_from_cache(request, Self::take_passed_over)
     }
 }

@@ -79,23 +79,22 @@ impl DeviceActor {
             alloc_size = req.alloc_size()
         )
         .entered();
-        // Segments of streams their users dropped serve this request before a new one is made.
-        let adopted = {
-            let mut held = self.mailbox.hold_blocking();
-            held.state().streams.keep(&stream);
-            held.state().retire_dropped_streams();
-            held.state().core.malloc_from_orphans(req)
-        };
-        let req = match adopted {
-            Ok(a) => return Ok(DeviceBuffer::new(a, self.clone(), stream)),
-            Err(req) => req,
-        };
-        let (expandable, claimed, collected) = {
+        let (req, expandable, claimed, collected) = {
             let mut held = self.mailbox.hold_blocking();
             // A miss may leave a segment of this stream in the cache: keep the stream alive
             // while the core names it (`streams.rs`).
             held.state().streams.keep(&stream);
+            // Segments of streams their users dropped serve this request before a new one is
+            // made (`gpualloc_devices::orphans`).
+            held.state().retire_dropped_streams();
             let core = &mut held.state().core;
+            let req = match core.malloc_from_orphans(req) {
+                Ok(a) => {
+                    drop(held);
+                    return Ok(DeviceBuffer::new(a, self.clone(), stream));
+                }
+                Err(req) => req,
+            };
             // Garbage collection (`garbage_collection_threshold`) picks its victims here and
             // frees them below, off the gate.
             let collected = core.detach_gc_victims()?;
@@ -104,7 +103,7 @@ impl DeviceActor {
             // first, so concurrent misses cannot overshoot it together.
             let expandable = req.maps_pages(core);
             let claimed = !expandable && req.claim_fraction(core);
-            (expandable, claimed, collected)
+            (req, expandable, claimed, collected)
         };
         if !collected.is_empty() {
             let _gc = tracing::debug_span!("garbage_collect", device = self.device.0).entered();
