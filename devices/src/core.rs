@@ -649,17 +649,19 @@ impl DeviceCore {
             self.stats.num_alloc_retries += 1;
         }
         let size = params.alloc_size;
+        let expandable = self.config.expandable_segments
+            && matches!(self.pools[params.pool].owner, PoolOwner::Default);
         if let Some(max) = self.allowed_max {
-            // Memory being obtained off the core counts against the cap too.
+            // Memory being obtained off the core counts against the cap too. Growth in 2 MiB
+            // pages checks the bytes it maps instead (`map_block`).
             let held = self.total_reserved.saturating_add(self.growing_bytes);
-            if held.saturating_add(size) > max {
+            let by_pages = expandable && self.config.policy.fine_large_pages();
+            if !by_pages && held.saturating_add(size) > max {
                 return Ok(false);
             }
         }
         let _span = tracing::debug_span!("device_malloc", device = self.device.0, size).entered();
-        if self.config.expandable_segments
-            && matches!(self.pools[params.pool].owner, PoolOwner::Default)
-        {
+        if expandable {
             let found = self.try_allocate_expandable_block(params)?;
             params.block = found;
             return Ok(found.is_some());

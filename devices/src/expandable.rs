@@ -4,12 +4,15 @@
 //! leaving holes between many (PyTorch's `ExpandableSegment`).
 //!
 //! - The range reserved is 9/8 of the device's memory, rounded to pages; a page is 2 MiB for
-//!   the small pool and `large_segment_size` (20 MiB) for the large pool. Each page is its own
-//!   physical allocation, so any page can be returned independently.
+//!   the small pool, and for the large pool `large_segment_size` (20 MiB) under PyTorch's
+//!   policy, 2 MiB under gpualloc's (`map_ahead.rs`). Physical memory comes in runs: one
+//!   handle mapped over one or more pages (PyTorch: one page each; gpualloc: a growth of up
+//!   to 20 MiB), unmapped and released only whole, since CUDA can neither unmap nor release
+//!   part of a handle.
 //! - Unmapped ranges are blocks too (`mapped == false`), kept per pool ordered by (stream,
 //!   address). An allocation looks for a run of free and unmapped blocks that together fit
 //!   (`find_expandable_block`), maps what is missing and merges it into one free block.
-//! - Releasing unmaps the whole pages inside free blocks after waiting for the segment's
+//! - Releasing unmaps the whole runs inside free blocks after waiting for the segment's
 //!   stream (unlike `cuMemFree`, `cuMemUnmap` does not synchronize); the parts of partly
 //!   covered pages stay mapped as free blocks.
 //! - A map that fails part way releases the pages it had created and mapped, and reports
@@ -22,13 +25,14 @@
 //! allocated under 300 MiB). Here free expandable pages can always be unmapped, so there is
 //! nothing for the limit to protect. `tests/expandable.rs` runs that cycle.
 
+use std::collections::BTreeMap;
+
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, PhysHandle, StreamHandle};
 
 use crate::block::{Block, BlockId, BlockState};
 use crate::core::{AllocParams, DeviceCore, SegmentMeta};
 use crate::error::AllocError;
 use crate::pool::{key, unmapped_key};
-use crate::sizes::SMALL_BUFFER;
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 
@@ -37,13 +41,59 @@ use crate::trace::TraceAction;
 pub(crate) struct ExpandableSegment {
     pub base: u64,
     pub page: u64,
-    pub handles: Vec<Option<PhysHandle>>,
+    /// Pages in the reserved range.
+    pub pages: usize,
+    /// The runs by first page: one physical handle each, mapped over `.1` pages, unmapped and
+    /// released only whole. Pages in no run are unmapped. (A map, not a slot per page: a
+    /// reservation of 9/8 of the device has hundreds of thousands of 2 MiB pages.)
+    pub runs: BTreeMap<usize, (PhysHandle, usize)>,
     pub stream: StreamHandle,
 }
 
 impl ExpandableSegment {
     pub fn size(&self) -> u64 {
-        self.page * self.handles.len() as u64
+        self.page * self.pages as u64
+    }
+
+    /// Installs `mapped` (its first page at `first`) as runs of this segment.
+    pub(crate) fn install(&mut self, first: usize, mapped: &MappedPages) {
+        let mut at = first;
+        for &(h, n) in &mapped.pieces {
+            debug_assert!(self.pages_are(self.page_addr(at), n as u64 * self.page, false));
+            self.runs.insert(at, (h, n));
+            at += n;
+        }
+    }
+
+    /// Takes out of the segment the runs lying wholly inside pages `[first, last)` (all
+    /// mapped): they are contiguous, since only the runs at the two ends can reach outside.
+    /// Returns their first page and the runs, in order.
+    pub(crate) fn take_runs_inside(&mut self, first: usize, last: usize) -> MappedPages {
+        let inside = self.runs_inside(first, last);
+        let start = inside.first().copied().unwrap_or(first);
+        let pieces = inside
+            .into_iter()
+            .filter_map(|s| self.take_run(s))
+            .collect();
+        MappedPages {
+            start: self.page_addr(start),
+            page: self.page,
+            pieces,
+        }
+    }
+
+    /// First pages of the runs lying wholly inside pages `[first, last)`, in order.
+    pub(crate) fn runs_inside(&self, first: usize, last: usize) -> Vec<usize> {
+        self.runs
+            .range(first..last)
+            .filter(|(s, (_, n))| **s + *n <= last)
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
+    /// Takes run `first` out of the segment (its pages become unmapped).
+    fn take_run(&mut self, first: usize) -> Option<(PhysHandle, usize)> {
+        self.runs.remove(&first)
     }
 
     pub(crate) fn page_left(&self, addr: u64) -> usize {
@@ -60,26 +110,57 @@ impl ExpandableSegment {
 
     /// Bytes of mapped pages.
     pub fn mapped_bytes(&self) -> u64 {
-        self.handles.iter().filter(|h| h.is_some()).count() as u64 * self.page
+        self.runs.values().map(|r| r.1 as u64).sum::<u64>() * self.page
+    }
+
+    /// The run mapping page `i`: (its first page, its handle, its pages).
+    pub(crate) fn run_at(&self, i: usize) -> Option<(usize, PhysHandle, usize)> {
+        self.runs
+            .range(..=i)
+            .next_back()
+            .filter(|(s, (_, n))| *s + n > i)
+            .map(|(s, (h, n))| (*s, *h, *n))
+    }
+
+    /// Stretches of mapped pages (adjacent runs joined) as (first page, pages), in order.
+    pub(crate) fn mapped_stretches(&self) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for (&s, &(_, n)) in &self.runs {
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == s => last.1 += n,
+                _ => out.push((s, n)),
+            }
+        }
+        out
     }
 
     /// True when `[addr, addr + len)` lies on pages that all have (`want`) or all lack
     /// (`!want`) physical memory.
     pub fn pages_are(&self, addr: u64, len: u64, want: bool) -> bool {
         let (first, last) = (self.page_left(addr), self.page_right(addr + len));
-        (first..last).all(|i| self.handles.get(i).is_some_and(|h| h.is_some() == want))
+        if last > self.pages {
+            return false;
+        }
+        if !want {
+            // No run reaches into [first, last).
+            return self
+                .runs
+                .range(..last)
+                .next_back()
+                .is_none_or(|(s, (_, n))| s + n <= first);
+        }
+        let mut i = first;
+        while i < last {
+            match self.run_at(i) {
+                Some((s, _, n)) => i = s + n,
+                None => return false,
+            }
+        }
+        true
     }
 }
 
 impl DeviceCore {
-    pub(crate) fn segment_page_size(&self, pool: usize) -> u64 {
-        if self.pools[pool].is_small {
-            SMALL_BUFFER
-        } else {
-            self.config.large_segment_size
-        }
-    }
-
     /// Gives `peer` access to this device's expandable-segment memory, mapped now and mapped
     /// from now on (PyTorch's `ExpandableSegment::addPeer`, called once the user has enabled
     /// peer access between the two devices). Ordinary segments need nothing: the driver's
@@ -94,7 +175,7 @@ impl DeviceCore {
             return Err(AllocError::Backend(BackendError::InvalidDevice(peer.0)));
         }
         for es in self.expandable.values() {
-            for (first, pages) in mapped_runs(&es.handles) {
+            for (first, pages) in es.mapped_stretches() {
                 let len = pages as u64 * es.page;
                 self.backend
                     .set_access(peer, DevicePtr(es.page_addr(first)), len)?;
@@ -104,33 +185,45 @@ impl DeviceCore {
         Ok(())
     }
 
-    /// Maps the pages covering `[addr, addr + len)` of segment `seg`; returns the mapped range
-    /// (whole pages). On failure every page this call created is released again.
-    fn es_map(&mut self, seg: u64, addr: u64, len: u64) -> Result<(u64, u64), BackendError> {
+    /// Maps pages of segment `seg` of `pool` from `addr`: `ahead` bytes, or only `want` when
+    /// the device cannot give more (`map_ahead.rs`); returns the mapped range. On failure
+    /// every page this call created is released again.
+    fn es_map(
+        &mut self,
+        (seg, pool, addr): (u64, usize, u64),
+        want: u64,
+        ahead: u64,
+    ) -> Result<(u64, u64), BackendError> {
         let device = self.device;
         let backend = self.backend.clone();
+        let per_handle = self.pages_per_handle(pool);
         let es = self
             .expandable
             .get_mut(&seg)
             .ok_or_else(|| BackendError::invalid("no such segment"))?;
-        let (first, last) = (es.page_left(addr), es.page_right(addr + len));
+        let first = es.page_left(addr);
         let start = es.page_addr(first);
-        let handles = map_pages(
-            backend.as_ref(),
-            device,
-            &self.peers,
-            start,
-            last - first,
-            es.page,
-        )?;
-        for (i, h) in (first..last).zip(handles) {
-            es.handles[i] = Some(h);
-        }
-        Ok((start, (last - first) as u64 * es.page))
+        let map = |len: u64| {
+            map_pages(
+                backend.as_ref(),
+                device,
+                &self.peers,
+                start,
+                (len / es.page) as usize,
+                es.page,
+                per_handle,
+            )
+        };
+        let mapped = match map(ahead) {
+            Err(e) if e.is_oom() && ahead > want => map(want)?,
+            r => r?,
+        };
+        es.install(first, &mapped);
+        Ok((start, mapped.bytes()))
     }
 
-    /// Unmaps the whole pages inside `[addr, addr + len)`, after the segment's stream finished
-    /// its work. Returns the unmapped range (length 0 when no whole page is inside).
+    /// Unmaps the runs of pages lying wholly inside `[addr, addr + len)`, after the segment's
+    /// stream finished its work. Returns the unmapped range (length 0 when no run is inside).
     fn es_unmap(&mut self, seg: u64, addr: u64, len: u64) -> Result<(u64, u64), AllocError> {
         let backend = self.backend.clone();
         let es = self
@@ -138,18 +231,26 @@ impl DeviceCore {
             .get_mut(&seg)
             .ok_or(AllocError::UnknownPointer(DevicePtr(seg)))?;
         let (first, last) = (es.page_right(addr), es.page_left(addr + len));
-        if first >= last {
+        let inside = if first < last {
+            es.runs_inside(first, last)
+        } else {
+            Vec::new()
+        };
+        let Some(&start) = inside.first() else {
             return Ok((addr, 0));
-        }
+        };
         backend.stream_synchronize(es.stream)?;
-        for i in first..last {
-            if let Some(h) = es.handles[i] {
-                backend.unmap(DevicePtr(es.page_addr(i)), es.page)?;
-                es.handles[i] = None;
-                backend.phys_release(h)?;
-            }
+        let mut pages = 0;
+        for s in inside {
+            let Some(&(h, n)) = es.runs.get(&s) else {
+                continue;
+            };
+            backend.unmap(DevicePtr(es.page_addr(s)), n as u64 * es.page)?;
+            es.take_run(s);
+            pages += n;
+            backend.phys_release(h)?;
         }
-        Ok((es.page_addr(first), (last - first) as u64 * es.page))
+        Ok((es.page_addr(start), pages as u64 * es.page))
     }
 
     /// Reserves a new expandable segment for `stream` in `pool`; returns its one unmapped block.
@@ -170,7 +271,8 @@ impl DeviceCore {
             ExpandableSegment {
                 base: base.0,
                 page,
-                handles: vec![None; pages as usize],
+                pages: pages as usize,
+                runs: BTreeMap::new(),
                 stream,
             },
         );
@@ -234,7 +336,17 @@ impl DeviceCore {
     fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
         let b = self.blocks.get(id).clone();
         debug_assert!(!b.mapped && size <= b.size);
-        let (start, len) = match self.es_map(b.segment, b.addr, size) {
+        let (want, ahead) = self.growth_len(b.segment, b.pool, b.addr, size, b.size);
+        if self.config.policy.fine_large_pages() {
+            // The memory fraction counts the pages to map (the in-place chain's check before
+            // this counted PyTorch's segment size, which a growth in 2 MiB pages is not).
+            if let Some(max) = self.allowed_max {
+                if self.total_reserved + self.growing_bytes + want > max {
+                    return Ok(false);
+                }
+            }
+        }
+        let (start, len) = match self.es_map((b.segment, b.pool, b.addr), want, ahead) {
             Ok(r) => r,
             Err(e) if e.is_oom() => return Ok(false),
             Err(e) => return Err(e.into()),
@@ -441,7 +553,7 @@ impl DeviceCore {
         let Some(es) = self.expandable.get(&seg) else {
             return Ok(());
         };
-        if es.handles.iter().any(Option::is_some) {
+        if !es.runs.is_empty() {
             return Ok(());
         }
         let size = es.size();
@@ -479,14 +591,12 @@ impl DeviceCore {
             if let Err(e) = self.backend.stream_synchronize(es.stream) {
                 first_err.get_or_insert(AllocError::Backend(e));
             }
-            for (i, h) in es.handles.iter().enumerate() {
-                if let Some(h) = h {
-                    if let Err(e) = self.backend.unmap(DevicePtr(es.page_addr(i)), es.page) {
-                        first_err.get_or_insert(AllocError::Backend(e));
-                    }
-                    if let Err(e) = self.backend.phys_release(*h) {
-                        first_err.get_or_insert(AllocError::Backend(e));
-                    }
+            for (&first, &(h, n)) in &es.runs {
+                let at = DevicePtr(es.page_addr(first));
+                if let Err(e) = self.backend.unmap(at, n as u64 * es.page) {
+                    first_err.get_or_insert(AllocError::Backend(e));
+                } else if let Err(e) = self.backend.phys_release(h) {
+                    first_err.get_or_insert(AllocError::Backend(e));
                 }
             }
             if self.busy.contains_key(&seg) {
@@ -502,30 +612,32 @@ impl DeviceCore {
     }
 }
 
-/// The runs of mapped pages (`Some` handles) as (first page, number of pages), in order.
-pub(crate) fn mapped_runs(handles: &[Option<PhysHandle>]) -> Vec<(usize, usize)> {
-    let mut runs = Vec::new();
-    let mut start = None;
-    for (i, h) in handles.iter().enumerate() {
-        match (h.is_some(), start) {
-            (true, None) => start = Some(i),
-            (false, Some(s)) => {
-                runs.push((s, i - s));
-                start = None;
-            }
-            _ => {}
-        }
-    }
-    if let Some(s) = start {
-        runs.push((s, handles.len() - s));
-    }
-    runs
+/// Physical memory mapped contiguously from an address, as (handle, pages) pieces in address
+/// order: what a growth mapped off the core, or what a release unmaps.
+#[derive(Debug)]
+pub struct MappedPages {
+    pub(crate) start: u64,
+    pub(crate) page: u64,
+    pub(crate) pieces: Vec<(PhysHandle, usize)>,
 }
 
-/// Creates and maps `pages` physical pages of `page` bytes from `start` on, then gives the
-/// device and its `peers` access to them: the slow driver calls of growing an expandable
-/// segment, with no state of the core (so an owner can run them off it). On failure every
-/// page this call created is unmapped and released again.
+impl MappedPages {
+    /// Bytes mapped.
+    pub fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.1 as u64).sum::<u64>() * self.page
+    }
+
+    /// Physical handles (driver allocations) behind them.
+    pub fn handles(&self) -> usize {
+        self.pieces.len()
+    }
+}
+
+/// Creates and maps `pages` pages of `page` bytes from `start` on, at most `per_handle` pages
+/// to one physical handle (one `cuMemCreate` and one `cuMemMap` each), then gives the device
+/// and its `peers` access to them: the slow driver calls of growing an expandable segment,
+/// with no state of the core (so an owner can run them off it). On failure every handle this
+/// call created is unmapped and released again.
 pub(crate) fn map_pages(
     backend: &dyn Backend,
     device: DeviceId,
@@ -533,15 +645,23 @@ pub(crate) fn map_pages(
     start: u64,
     pages: usize,
     page: u64,
-) -> Result<Vec<PhysHandle>, BackendError> {
-    let mut done: Vec<PhysHandle> = Vec::with_capacity(pages);
+    per_handle: usize,
+) -> Result<MappedPages, BackendError> {
+    let mut done = MappedPages {
+        start,
+        page,
+        pieces: Vec::new(),
+    };
     let mut failure = None;
-    for i in 0..pages {
-        let at = DevicePtr(start + i as u64 * page);
+    let mut at = 0usize;
+    while at < pages {
+        let n = per_handle.max(1).min(pages - at);
+        let bytes = n as u64 * page;
+        let ptr = DevicePtr(start + at as u64 * page);
         let step =
             backend
-                .phys_create(device, page)
-                .and_then(|h| match backend.map(at, page, 0, h) {
+                .phys_create(device, bytes)
+                .and_then(|h| match backend.map(ptr, bytes, 0, h) {
                     Ok(()) => Ok(h),
                     Err(e) => {
                         let _ = backend.phys_release(h);
@@ -549,12 +669,13 @@ pub(crate) fn map_pages(
                     }
                 });
         match step {
-            Ok(h) => done.push(h),
+            Ok(h) => done.pieces.push((h, n)),
             Err(e) => {
                 failure = Some(e);
                 break;
             }
         }
+        at += n;
     }
     let bytes = pages as u64 * page;
     if failure.is_none() {
@@ -566,26 +687,28 @@ pub(crate) fn map_pages(
         }
     }
     if let Some(e) = failure {
-        unmap_pages(backend, start, page, &done);
+        unmap_pages(backend, &done);
         tracing::warn!(device = device.0, addr = start, bytes, error = %e, "expandable map failed; rolled back");
         return Err(e);
     }
     Ok(done)
 }
 
-/// Unmaps and releases pages mapped by [`map_pages`] from `start` on (best effort: a page
-/// that cannot be unmapped is logged, never released while mapped).
-pub(crate) fn unmap_pages(backend: &dyn Backend, start: u64, page: u64, handles: &[PhysHandle]) {
-    for (i, h) in handles.iter().enumerate() {
-        let at = DevicePtr(start + i as u64 * page);
-        match backend.unmap(at, page) {
+/// Unmaps and releases what [`map_pages`] mapped (best effort: a handle that cannot be
+/// unmapped is logged, never released while mapped).
+pub(crate) fn unmap_pages(backend: &dyn Backend, mapped: &MappedPages) {
+    let mut at = mapped.start;
+    for &(h, n) in &mapped.pieces {
+        let bytes = n as u64 * mapped.page;
+        match backend.unmap(DevicePtr(at), bytes) {
             Ok(()) => {
-                if let Err(e) = backend.phys_release(*h) {
-                    tracing::warn!(addr = at.0, error = %e, "releasing a page failed");
+                if let Err(e) = backend.phys_release(h) {
+                    tracing::warn!(addr = at, error = %e, "releasing a page failed");
                 }
             }
-            Err(e) => tracing::warn!(addr = at.0, error = %e, "unmapping a page failed"),
+            Err(e) => tracing::warn!(addr = at, error = %e, "unmapping a page failed"),
         }
+        at += bytes;
     }
 }
 
@@ -594,18 +717,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mapped_runs_finds_every_run_with_its_length() {
-        let h = Some(PhysHandle {
+    fn stretches_join_adjacent_runs_and_pages_are_checked_by_run() {
+        let h = PhysHandle {
             device: DeviceId(0),
             raw: 1,
             size: 0,
-        });
-        assert_eq!(mapped_runs(&[]), vec![]);
-        assert_eq!(mapped_runs(&[None, None]), vec![]);
-        assert_eq!(mapped_runs(&[h, h]), vec![(0, 2)]);
-        assert_eq!(
-            mapped_runs(&[None, h, h, None, None, h, None, h, h, h]),
-            vec![(1, 2), (5, 1), (7, 3)]
-        );
+        };
+        let mut es = ExpandableSegment {
+            base: 0,
+            page: 1,
+            pages: 10,
+            runs: BTreeMap::new(),
+            stream: StreamHandle {
+                device: DeviceId(0),
+                raw: 0,
+            },
+        };
+        assert_eq!(es.mapped_stretches(), vec![]);
+        for (s, n) in [(1, 1), (2, 1), (5, 1), (7, 2), (9, 1)] {
+            es.runs.insert(s, (h, n));
+        }
+        assert_eq!(es.mapped_stretches(), vec![(1, 2), (5, 1), (7, 3)]);
+        assert_eq!(es.run_at(8).map(|r| r.0), Some(7));
+        assert_eq!(es.run_at(4), None);
+        assert!(es.pages_are(7, 3, true));
+        assert!(es.pages_are(1, 2, true));
+        assert!(!es.pages_are(1, 3, true));
+        assert!(es.pages_are(3, 2, false));
+        assert!(!es.pages_are(3, 3, false));
+        assert!(!es.pages_are(0, 2, false));
+        assert!(!es.pages_are(9, 2, true), "past the reservation");
+        assert_eq!(es.mapped_bytes(), 6);
+        assert_eq!(es.runs_inside(6, 10), vec![7, 9]);
+        assert_eq!(es.runs_inside(8, 10), vec![9]);
     }
 }

@@ -22,12 +22,12 @@
 //! in-place chain (`malloc_after_miss`) does all of it at once, for owners without such a
 //! constraint.
 
-use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, PhysHandle};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
-use crate::block::{BlockId, BlockState};
+use crate::block::{Block, BlockId, BlockState};
 use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
-use crate::expandable::{map_pages, unmap_pages};
+use crate::expandable::{map_pages, unmap_pages, MappedPages};
 use crate::pool::PoolOwner;
 
 /// Pages of one expandable segment to map off the core. See the module docs.
@@ -38,7 +38,11 @@ pub struct GrowthPlan {
     seg: u64,
     addr: u64,
     len: u64,
+    /// The part of `len` the request needs (the rest is mapped ahead, `map_ahead.rs`).
+    want: u64,
     page: u64,
+    /// Pages per physical handle.
+    per_handle: usize,
     device: DeviceId,
     /// Devices given access too (`DeviceCore::add_peer`).
     peers: Vec<DeviceId>,
@@ -65,10 +69,8 @@ pub enum Growth {
 #[derive(Debug)]
 #[must_use = "a refused growth holds mapped pages: release them"]
 pub struct Refused {
-    addr: u64,
-    page: u64,
     device: DeviceId,
-    handles: Vec<PhysHandle>,
+    mapped: MappedPages,
     /// The segment's reservation, when this was its last growth in flight.
     reservation: Option<(DevicePtr, u64)>,
 }
@@ -77,7 +79,7 @@ impl Refused {
     /// Unmaps and releases the pages, then frees the segment's reservation if this was its
     /// last growth in flight. Off the core: these are driver calls.
     pub fn release(self, backend: &dyn Backend) {
-        unmap_pages(backend, self.addr, self.page, &self.handles);
+        unmap_pages(backend, &self.mapped);
         if let Some(r) = self.reservation {
             release_reservation(backend, self.device, r);
         }
@@ -105,7 +107,8 @@ impl DeviceCore {
                 break;
             }
             if !b.mapped {
-                return Ok(self.plan_block(id, (size - bytes).min(b.size)));
+                let (need, avail) = ((size - bytes).min(b.size), b.size);
+                return Ok(self.plan_block(id, need, avail));
             }
             bytes += b.size;
             if bytes >= size {
@@ -116,22 +119,21 @@ impl DeviceCore {
         Ok(Growth::InPlace)
     }
 
-    fn plan_block(&mut self, id: BlockId, need: u64) -> Growth {
-        let (seg, pool) = {
+    fn plan_block(&mut self, id: BlockId, need: u64, avail: u64) -> Growth {
+        let (seg, pool, addr) = {
             let b = self.blocks.get(id);
-            (b.segment, b.pool)
+            (b.segment, b.pool, b.addr)
         };
         let page = self.segment_page_size(pool);
-        let len = need.div_ceil(page) * page;
+        let (want, len) = self.growth_len(seg, pool, addr, need, avail);
         if let Some(max) = self.allowed_max {
-            if self.total_reserved + self.growing_bytes + len > max {
+            if self.total_reserved + self.growing_bytes + want > max {
                 return Growth::InPlace;
             }
         }
         self.split_unmapped_front(id, len);
         let b = self.blocks.get_mut(id);
         b.state = BlockState::Mapping;
-        let addr = b.addr;
         self.growing_bytes += len;
         self.begin_off_core(seg);
         Growth::Map(GrowthPlan {
@@ -139,7 +141,9 @@ impl DeviceCore {
             seg,
             addr,
             len,
+            want,
             page,
+            per_handle: self.pages_per_handle(pool),
             device: self.device,
             peers: self.peers.clone(),
         })
@@ -185,41 +189,60 @@ impl DeviceCore {
         None
     }
 
-    /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment. Refused
-    /// when the core shut down meanwhile: give the result to [`Refused::release`].
-    pub fn commit_growth(
-        &mut self,
-        plan: GrowthPlan,
-        handles: Vec<PhysHandle>,
-    ) -> Result<(), Refused> {
-        let planned = self.planned(&plan);
+    /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment (when it
+    /// mapped only what the request needs, the pages planned ahead go back to the unmapped
+    /// set). Refused when the core shut down meanwhile, or `mapped` is not what `plan` asked
+    /// for: give the result to [`Refused::release`].
+    pub fn commit_growth(&mut self, plan: GrowthPlan, mapped: MappedPages) -> Result<(), Refused> {
+        let planned = self.planned(&plan)
+            && mapped.start == plan.addr
+            && mapped.page == plan.page
+            && (mapped.bytes() == plan.len || mapped.bytes() == plan.want);
         let reservation = self.end_growth(&plan);
         if !planned {
             return Err(Refused {
-                addr: plan.addr,
-                page: plan.page,
                 device: plan.device,
-                handles,
+                mapped,
                 reservation,
             });
         }
+        if mapped.bytes() < plan.len {
+            // Mapped without the pages ahead: those stay unmapped.
+            self.unplan_back(plan.block, mapped.bytes());
+        }
+        let len = mapped.bytes();
         if let Some(es) = self.expandable.get_mut(&plan.seg) {
-            let first = ((plan.addr - es.base) / es.page) as usize;
-            for (i, h) in handles.into_iter().enumerate() {
-                es.handles[first + i] = Some(h);
-            }
+            let first = es.page_left(plan.addr);
+            es.install(first, &mapped);
         }
         // A peer added while these pages were being mapped off the core gets access now.
         for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
-            if let Err(e) = self
-                .backend
-                .set_access(*peer, DevicePtr(plan.addr), plan.len)
-            {
+            if let Err(e) = self.backend.set_access(*peer, DevicePtr(plan.addr), len) {
                 tracing::warn!(peer = peer.0, addr = plan.addr, error = %e, "peer access to new pages failed");
             }
         }
         self.book_mapped(plan.block);
         Ok(())
+    }
+
+    /// Cuts planned block `id` to its front `len` bytes; the rest becomes a free unmapped
+    /// block again, filed with its unmapped neighbours.
+    fn unplan_back(&mut self, id: BlockId, len: u64) {
+        let b = self.blocks.get(id).clone();
+        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
+        rest.segment = b.segment;
+        rest.mapped = false;
+        rest.expandable = true;
+        rest.prev = Some(id);
+        rest.next = b.next;
+        let rest_id = self.blocks.insert(rest);
+        if let Some(n) = b.next {
+            self.blocks.get_mut(n).prev = Some(rest_id);
+        }
+        let blk = self.blocks.get_mut(id);
+        blk.next = Some(rest_id);
+        blk.size = len;
+        self.file_unmapped(rest_id);
     }
 
     /// Step 3 after a failed [`map_growth`] (which released what it had made): the pages go
@@ -243,20 +266,24 @@ impl DeviceCore {
     }
 }
 
-/// Step 2: the driver calls of a planned growth, off the core.
-pub fn map_growth(
-    backend: &dyn Backend,
-    plan: &GrowthPlan,
-) -> Result<Vec<PhysHandle>, BackendError> {
-    let pages = (plan.len / plan.page) as usize;
-    map_pages(
-        backend,
-        plan.device,
-        &plan.peers,
-        plan.addr,
-        pages,
-        plan.page,
-    )
+/// Step 2: the driver calls of a planned growth, off the core. When the device has no room
+/// for the pages planned ahead of the request, maps only those the request needs.
+pub fn map_growth(backend: &dyn Backend, plan: &GrowthPlan) -> Result<MappedPages, BackendError> {
+    let map = |len: u64| {
+        map_pages(
+            backend,
+            plan.device,
+            &plan.peers,
+            plan.addr,
+            (len / plan.page) as usize,
+            plan.page,
+            plan.per_handle,
+        )
+    };
+    match map(plan.len) {
+        Err(e) if e.is_oom() && plan.want < plan.len => map(plan.want),
+        r => r,
+    }
 }
 
 /// Frees a reservation orphaned by a shutdown (see the module docs).

@@ -6,10 +6,11 @@ use gpualloc_runtime::{DevicePtr, PhysHandle};
 use crate::core::DeviceCore;
 
 impl DeviceCore {
-    /// The mapped pages covering `[ptr, ptr + len)` of an expandable segment, in address
-    /// order, as (page address, page size, physical handle; mapped at handle offset 0).
-    /// `None` when the range is empty, not inside one expandable segment, or touches an
-    /// unmapped page.
+    /// The physical handles covering `[ptr, ptr + len)` of an expandable segment, in address
+    /// order, as (where the handle is mapped, its size, the handle; mapped whole, at handle
+    /// offset 0, as CUDA requires). A handle may cover several pages (`map_ahead.rs`), so the
+    /// list may reach before and after the range. `None` when the range is empty, not inside
+    /// one expandable segment, or touches an unmapped page.
     pub fn expandable_pages(
         &self,
         ptr: DevicePtr,
@@ -22,12 +23,14 @@ impl DeviceCore {
         }
         let first = ((ptr.0 - es.base) / es.page) as usize;
         let last = (end - es.base).div_ceil(es.page) as usize;
-        (first..last)
-            .map(|i| {
-                let h = (*es.handles.get(i)?)?;
-                Some((DevicePtr(es.base + i as u64 * es.page), es.page, h))
-            })
-            .collect()
+        let mut out: Vec<(DevicePtr, u64, PhysHandle)> = Vec::new();
+        let mut i = first;
+        while i < last {
+            let (run, h, n) = es.run_at(i)?;
+            out.push((DevicePtr(es.page_addr(run)), n as u64 * es.page, h));
+            i = run + n;
+        }
+        Some(out)
     }
 }
 
@@ -36,7 +39,7 @@ mod tests {
     use std::sync::Arc;
 
     use gpualloc_runtime::sim::{SimBackend, SimConfig};
-    use gpualloc_runtime::{Backend, DeviceId};
+    use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 
     use crate::{AllocatorConfig, DeviceCore};
 
@@ -58,6 +61,29 @@ mod tests {
         let b = plain.malloc(3 << 20, stream).unwrap();
         assert!(plain.expandable_pages(b.ptr, b.size).is_none());
         plain.free(b.ptr).unwrap();
+        core.free(a.ptr).unwrap();
+    }
+
+    #[test]
+    fn pages_are_whole_physical_handles() {
+        const MIB: u64 = 1 << 20;
+        let sim: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let stream = sim.stream_create(DeviceId(0)).unwrap();
+        let config = AllocatorConfig::default().with_expandable_segments(true);
+        let mut core = DeviceCore::new(sim.clone(), DeviceId(0), config).unwrap();
+        // 30 MiB in 2 MiB pages: two handles, of 20 and 10 MiB.
+        let a = core.malloc(30 * MIB, stream).unwrap();
+        let both = core.expandable_pages(a.ptr, a.size).unwrap();
+        let sizes: Vec<u64> = both.iter().map(|p| p.1).collect();
+        assert_eq!(sizes, [20 * MIB, 10 * MIB]);
+        assert_eq!(both[0].0, a.ptr);
+        assert_eq!(both[0].2.size, 20 * MIB);
+        // A range inside the second handle gets all of it, from where it is mapped.
+        let second = core
+            .expandable_pages(DevicePtr(a.ptr.0 + 21 * MIB), MIB)
+            .unwrap();
+        assert_eq!(second, vec![both[1]]);
+        assert_eq!(second[0].0 .0, a.ptr.0 + 20 * MIB);
         core.free(a.ptr).unwrap();
     }
 }

@@ -15,12 +15,12 @@
 //! (`growth.rs` shares that rule): `finish_page_release` returns it for
 //! [`release_reservation`](crate::release_reservation).
 
-use gpualloc_runtime::{Backend, DevicePtr, PhysHandle, StreamHandle};
+use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 use crate::block::{BlockId, BlockState};
 use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::expandable::unmap_pages;
+use crate::expandable::{unmap_pages, MappedPages};
 
 /// Pages of one free block taken out of the books, to unmap off the core.
 #[derive(Debug)]
@@ -29,15 +29,13 @@ pub struct PageRelease {
     block: BlockId,
     seg: u64,
     stream: StreamHandle,
-    addr: u64,
-    page: u64,
-    handles: Vec<PhysHandle>,
+    mapped: MappedPages,
 }
 
 impl PageRelease {
     /// Bytes of the pages.
     pub fn bytes(&self) -> u64 {
-        self.page * self.handles.len() as u64
+        self.mapped.bytes()
     }
 }
 
@@ -69,23 +67,18 @@ impl DeviceCore {
             if first >= last {
                 continue;
             }
-            let handles: Vec<PhysHandle> =
-                (first..last).filter_map(|i| es.handles[i].take()).collect();
-            let (start, page) = (es.page_addr(first), es.page);
-            debug_assert_eq!(
-                handles.len(),
-                last - first,
-                "free blocks lie on mapped pages"
-            );
-            self.book_unmapped(id, start, page * (last - first) as u64, true);
+            // Only runs wholly inside the block: a physical handle is released whole.
+            let mapped = es.take_runs_inside(first, last);
+            if mapped.pieces.is_empty() {
+                continue;
+            }
+            self.book_unmapped(id, mapped.start, mapped.bytes(), true);
             self.begin_off_core(seg);
             out.push(PageRelease {
                 block: id,
                 seg,
                 stream,
-                addr: start,
-                page,
-                handles,
+                mapped,
             });
         }
         Ok(out)
@@ -103,7 +96,7 @@ impl DeviceCore {
         let live = !self.shut_down
             && self.blocks.contains(id)
             && self.blocks.get(id).state == BlockState::Unmapping
-            && self.blocks.get(id).addr == release.addr;
+            && self.blocks.get(id).addr == release.mapped.start;
         if live {
             self.blocks.get_mut(id).state = BlockState::Free;
             self.file_unmapped(id);
@@ -128,6 +121,6 @@ pub fn release_pages(backend: &dyn Backend, releases: &[PageRelease]) {
         }
     }
     for r in releases {
-        unmap_pages(backend, r.addr, r.page, &r.handles);
+        unmap_pages(backend, &r.mapped);
     }
 }

@@ -1,6 +1,9 @@
 //! Expandable growth split into plan (under the core), map (off it) and commit: the same
 //! addresses and statistics as the in-place chain, rollback on a failed map, concurrent plans
 //! that never overlap, and a shutdown between plan and commit that leaks nothing.
+//!
+//! Page counts are pinned with PyTorch's pages (`policy:pytorch`, 20 MiB each); the equivalence
+//! with the in-place chain runs under both policies.
 
 use std::sync::Arc;
 
@@ -88,6 +91,15 @@ fn place(core: &DeviceCore, ptr: u64) -> (usize, u64) {
 
 #[test]
 fn split_growth_matches_the_in_place_chain() {
+    for conf in [
+        "expandable_segments:True",
+        "expandable_segments:True,policy:pytorch",
+    ] {
+        split_growth_matches_the_in_place_chain_under(conf);
+    }
+}
+
+fn split_growth_matches_the_in_place_chain_under(conf: &str) {
     let sizes = [
         5 * MIB,
         30 * MIB,
@@ -99,10 +111,7 @@ fn split_growth_matches_the_in_place_chain() {
     ];
     let a: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
     let b: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
-    let (mut in_place, mut split) = (
-        core(&a, "expandable_segments:True"),
-        core(&b, "expandable_segments:True"),
-    );
+    let (mut in_place, mut split) = (core(&a, conf), core(&b, conf));
     let (sa, sb) = (
         a.stream_create(DeviceId(0)).unwrap(),
         b.stream_create(DeviceId(0)).unwrap(),
@@ -115,12 +124,12 @@ fn split_growth_matches_the_in_place_chain() {
             assert_eq!(
                 place(&in_place, x.ptr.0),
                 place(&split, y.ptr.0),
-                "round {round}, request {i}: same place in the same mapped run"
+                "{conf}: round {round}, request {i}: same place in the same mapped run"
             );
             assert_eq!(
                 layout(&in_place),
                 layout(&split),
-                "round {round}, request {i}: same runs and blocks"
+                "{conf}: round {round}, request {i}: same runs and blocks"
             );
             assert_eq!(x.block_size, y.block_size);
             live.push((x.ptr, y.ptr));
@@ -140,7 +149,7 @@ fn split_growth_matches_the_in_place_chain() {
 fn a_failed_map_aborts_and_the_pages_can_be_planned_again() {
     let simb: Arc<SimBackend> = SimBackend::new(SimConfig::fast(1)).unwrap();
     let sim: Arc<dyn Backend> = simb.clone();
-    let mut c = core(&sim, "expandable_segments:True");
+    let mut c = core(&sim, "expandable_segments:True,policy:pytorch");
     let s = sim.stream_create(DeviceId(0)).unwrap();
     let req = miss(&mut c, 50 * MIB, s);
     let p = plan(&mut c, &req);
@@ -173,7 +182,7 @@ fn a_failed_map_aborts_and_the_pages_can_be_planned_again() {
 #[test]
 fn concurrent_plans_take_disjoint_pages_of_one_segment() {
     let acc: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
-    let mut c = core(&acc, "expandable_segments:True");
+    let mut c = core(&acc, "expandable_segments:True,policy:pytorch");
     let s = acc.stream_create(DeviceId(0)).unwrap();
     let (r1, r2) = (miss(&mut c, 30 * MIB, s), miss(&mut c, 30 * MIB, s));
     let (p1, p2) = (plan(&mut c, &r1), plan(&mut c, &r2));
@@ -248,7 +257,7 @@ fn a_shutdown_between_plan_and_commit_leaks_nothing() {
 fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     let simb: Arc<SimBackend> = SimBackend::new(SimConfig::fast(1)).unwrap();
     let sim: Arc<dyn Backend> = simb.clone();
-    let mut c = core(&sim, "expandable_segments:True");
+    let mut c = core(&sim, "expandable_segments:True,policy:pytorch");
     let s = sim.stream_create(DeviceId(0)).unwrap();
     let a = c.malloc(50 * MIB, s).unwrap();
     let b = c.malloc(30 * MIB, s).unwrap();
@@ -332,7 +341,7 @@ fn plans_start_from_a_free_mapped_neighbour_and_only_for_expandable_segments() {
     assert!(matches!(plain.plan_growth(&req).unwrap(), Growth::InPlace));
     assert!(plain.snapshot().segments.is_empty(), "nothing reserved");
 
-    let mut c = core(&acc, "expandable_segments:True");
+    let mut c = core(&acc, "expandable_segments:True,policy:pytorch");
     let a = split_malloc(&mut c, 10 * MIB, s);
     // 10 MiB of the first page are free and mapped: 25 MiB more needs one page, not two.
     let req = miss(&mut c, 25 * MIB, s);

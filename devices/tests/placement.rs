@@ -54,16 +54,17 @@ fn a_dead_remainder_is_avoided_under_the_gpualloc_policy_only() {
             }
             Policy::Gpualloc => {
                 // The 1.125 MiB block goes to the tail; the hole is there for the 1.5 MiB.
+                // (2 MiB pages: 2 for `a`, 2 more for `b`, 2 more for `kept`.)
                 assert_eq!(kept.ptr.0, tail);
                 assert_eq!(next.ptr, a.ptr);
-                assert_eq!(large_free_blocks(&core), [20 * MIB - 4224 * KIB]);
+                assert_eq!(large_free_blocks(&core), [6 * MIB - 4224 * KIB]);
             }
         }
-        assert_eq!(
-            core.reserved_bytes(),
-            20 * MIB,
-            "{policy}: one page either way"
-        );
+        let pages = match policy {
+            Policy::Pytorch => 20 * MIB,
+            Policy::Gpualloc => 6 * MIB,
+        };
+        assert_eq!(core.reserved_bytes(), pages, "{policy}");
         for p in [b.ptr, kept.ptr, next.ptr] {
             core.free(p).unwrap();
         }
@@ -109,22 +110,28 @@ fn owners_that_grow_off_the_core_get_the_tail_or_the_passed_over_block() {
     let (mut core, s) = rig(20 * MIB, "expandable_segments:True", Policy::Gpualloc);
     let a = core.malloc(1536 * KIB, s).unwrap();
     let b = core.malloc(2 * MIB, s).unwrap();
+    // Free mapped room at the tail: 4.5 MiB after `b`.
+    let z = core.malloc(4 * MIB, s).unwrap();
+    core.free(z.ptr).unwrap();
     core.free(a.ptr).unwrap();
     let tail = b.ptr.0 + 2 * MIB;
+    let mapped = core.reserved_bytes();
+    assert_eq!(mapped, 8 * MIB);
     let c = match core.try_cached(1152 * KIB, s).unwrap() {
         CachedOutcome::Hit(c) => c,
         CachedOutcome::Miss(_) => panic!("the tail holds the request: a hit"),
     };
     assert_eq!(c.ptr.0, tail);
-    // Fill the page but 512 KiB: the tail cannot hold the next 1.125 MiB request.
+    // Fill the mapped pages but 512 KiB: the tail cannot hold the next 1.125 MiB request.
     let fill = core
-        .malloc(20 * MIB - (tail + 1152 * KIB - a.ptr.0) - 512 * KIB, s)
+        .malloc(mapped - (tail + 1152 * KIB - a.ptr.0) - 512 * KIB, s)
         .unwrap();
     let req = match core.try_cached(1152 * KIB, s).unwrap() {
         CachedOutcome::Miss(req) => req,
         CachedOutcome::Hit(h) => panic!("the hole was taken at {:#x}", h.ptr.0),
     };
-    // (The owner's growth fails here: the device holds one page.)
+    // (The owner would grow the segment now; where it cannot, it asks for the passed-over
+    // block.)
     let d = match core.malloc_passed_over(req) {
         Ok(d) => d,
         Err(_) => panic!("the passed-over hole serves the request"),
@@ -142,7 +149,7 @@ fn owners_that_grow_off_the_core_get_the_tail_or_the_passed_over_block() {
     }
 }
 
-/// The device has room for one 20 MiB page: the tail cannot grow, so the request takes the
+/// The device has room for 20 MiB, all mapped: the tail cannot grow, so the request takes the
 /// passed-over hole, with no out-of-memory error and no cache released.
 #[test]
 fn where_the_segment_cannot_grow_the_passed_over_block_serves_the_request() {

@@ -98,11 +98,11 @@ pub struct ReplayReport {
     pub device_mallocs: u64,
     /// Device frees (segments released).
     pub device_frees: u64,
-    /// Page maps the driver was asked for (one per page of an expandable segment: a growth
-    /// of several pages is one `device_mallocs` and several of these); 0 without expandable
+    /// Map calls the driver was asked for (one per physical handle of an expandable segment:
+    /// a growth is one `device_mallocs` and one or more of these); 0 without expandable
     /// segments.
     pub page_maps: u64,
-    /// Page unmaps the driver was asked for (expandable segments).
+    /// Unmap calls the driver was asked for (expandable segments).
     pub page_unmaps: u64,
     /// Times the replay's allocator synchronized every stream (the OOM chain's last release,
     /// `empty_cache`): a cost a policy must not add to the steady state.

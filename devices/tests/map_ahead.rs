@@ -1,0 +1,194 @@
+//! The `gpualloc` policy's pages for the large pool of expandable segments (`map_ahead.rs`):
+//! 2 MiB pages, one physical handle per growth of up to 20 MiB, growth ahead of the request by
+//! 1/8 of what is mapped (PyTorch's 20 MiB steps once that reaches 20 MiB), handles released
+//! only whole, and the pages ahead dropped where the device or the memory-fraction cap has no
+//! room for them. Concrete addresses, reserved bytes and driver calls.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, StatType};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+const ALL: usize = StatType::All as usize;
+
+fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
+    let backend = Arc::new(AccountingBackend::new(1, capacity));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s = dynb.stream_create(DeviceId(0)).unwrap();
+    let config = AllocatorConfig::parse(conf).unwrap();
+    (
+        backend,
+        DeviceCore::new(dynb, DeviceId(0), config).unwrap(),
+        s,
+    )
+}
+
+#[test]
+fn growth_maps_2_mib_pages_ahead_with_one_handle_per_20_mib() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let maps = || backend.counts().maps;
+    // Nothing mapped yet: exactly the request, in 2 MiB pages.
+    let a = core.malloc(5 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), maps()), (6 * MIB, 1));
+    // 29 MiB more needed: 30 MiB (more than 1/8 of 6 MiB ahead), two handles: 20 + 10 MiB.
+    let b = core.malloc(30 * MIB, s).unwrap();
+    assert_eq!(b.ptr.0, a.ptr.0 + 5 * MIB, "the segment grew in place");
+    assert_eq!((core.reserved_bytes(), maps()), (36 * MIB, 3));
+    // 1 MiB more needed: 36 / 8 = 4.5 MiB ahead, rounded to pages: 6 MiB, one handle.
+    let c = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), maps()), (42 * MIB, 4));
+    // 145 MiB more needed: 146 MiB, seven handles of 20 MiB and one of 6.
+    let d = core.malloc(150 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), maps()), (188 * MIB, 12));
+    // 1/8 of 188 MiB is over 20 MiB: from now on the segment grows as with PyTorch's pages, to
+    // the next multiple of 20 MiB from its base: 2 MiB needed, 12 MiB mapped (to 200 MiB).
+    let e = core.malloc(3 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), maps()), (200 * MIB, 13));
+    // 15 MiB more needed: one 20 MiB handle, to 220 MiB.
+    let f = core.malloc(25 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), maps()), (220 * MIB, 14));
+    assert_eq!(backend.counts().mallocs, 0, "no cuMemAlloc-style segment");
+    core.check_invariants().unwrap();
+    for p in [a.ptr, b.ptr, c.ptr, d.ptr, e.ptr, f.ptr] {
+        core.free(p).unwrap();
+    }
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+    assert_eq!(backend.used(DeviceId(0)), 0);
+    assert_eq!(backend.counts().unmaps, 14, "one unmap per handle");
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_handle_is_released_only_whole() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let a = core.malloc(20 * MIB, s).unwrap(); // [0, 20): one handle
+    let b = core.malloc(10 * MIB, s).unwrap(); // [20, 30): another
+    assert_eq!(core.reserved_bytes(), 30 * MIB);
+    core.free(a.ptr).unwrap();
+    // 4 MiB of a's handle in use again: the 16 MiB free behind it stay mapped.
+    let x = core.malloc(4 * MIB, s).unwrap();
+    assert_eq!(x.ptr, a.ptr);
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 30 * MIB);
+    assert_eq!(backend.counts().unmaps, 0);
+    core.check_invariants().unwrap();
+    // The whole handle free: released with one unmap; b's handle stays.
+    core.free(x.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 10 * MIB);
+    assert_eq!(backend.counts().unmaps, 1);
+    assert_eq!(core.stats().reserved_bytes[ALL].current, 10 * MIB);
+    core.check_invariants().unwrap();
+    // Mapped again where it was, as one handle.
+    let y = core.malloc(20 * MIB, s).unwrap();
+    assert_eq!(y.ptr, a.ptr);
+    assert_eq!(core.reserved_bytes(), 30 * MIB);
+    core.free(y.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+    assert_eq!(backend.used(DeviceId(0)), 0);
+    core.check_invariants().unwrap();
+}
+
+/// 64 MiB mapped, then a 2 MiB request: 8 MiB would be mapped (1/8 ahead), but only `room`
+/// is left on the device. Returns reserved bytes after, for the in-place chain and for the
+/// off-core growth of the device actors.
+fn grow_with_room(capacity: u64, off_core: bool) -> u64 {
+    let (backend, mut core, s) = rig(capacity, "expandable_segments:True");
+    let a = core.malloc(64 * MIB, s).unwrap();
+    let b = if off_core {
+        let req = match core.try_cached(2 * MIB, s).unwrap() {
+            CachedOutcome::Miss(req) => req,
+            CachedOutcome::Hit(h) => panic!("nothing cached holds 2 MiB: {h:?}"),
+        };
+        let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+            panic!("expected pages to map");
+        };
+        assert_eq!(plan.bytes(), 8 * MIB, "planned with the pages ahead");
+        let dynb: Arc<dyn Backend> = backend.clone();
+        let mapped = map_growth(dynb.as_ref(), &plan).unwrap();
+        core.commit_growth(plan, mapped).unwrap();
+        match core.try_cached(2 * MIB, s).unwrap() {
+            CachedOutcome::Hit(b) => b,
+            CachedOutcome::Miss(_) => panic!("the committed pages hold the request"),
+        }
+    } else {
+        core.malloc(2 * MIB, s).unwrap()
+    };
+    assert_eq!(b.ptr.0, a.ptr.0 + 64 * MIB);
+    let st = core.stats();
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (0, 0));
+    core.check_invariants().unwrap();
+    let reserved = core.reserved_bytes();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(backend.used(DeviceId(0)), 0);
+    reserved
+}
+
+#[test]
+fn the_pages_ahead_are_dropped_when_the_device_has_no_room_for_them() {
+    for off_core in [false, true] {
+        assert_eq!(grow_with_room(1 << 30, off_core), 72 * MIB, "{off_core}");
+        assert_eq!(grow_with_room(70 * MIB, off_core), 66 * MIB, "{off_core}");
+    }
+}
+
+#[test]
+fn the_pages_ahead_stay_under_the_memory_fraction() {
+    // 128 MiB device, half of it allowed.
+    let (_, mut core, s) = rig(
+        128 * MIB,
+        "expandable_segments:True,per_process_memory_fraction:0.5",
+    );
+    let a = core.malloc(60 * MIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(
+        core.reserved_bytes(),
+        62 * MIB,
+        "8 MiB ahead would pass 64 MiB"
+    );
+    core.free(b.ptr).unwrap();
+    core.check_invariants().unwrap();
+    // The owners' path plans the same: 2 MiB (free again, so the request hits the cache),
+    // then a request beyond the cap plans nothing.
+    let b = match core.try_cached(2 * MIB, s).unwrap() {
+        CachedOutcome::Hit(b) => b,
+        CachedOutcome::Miss(_) => panic!("the freed 2 MiB hold the request"),
+    };
+    let req = match core.try_cached(4 * MIB, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("nothing cached holds 4 MiB: {h:?}"),
+    };
+    assert!(matches!(core.plan_growth(&req).unwrap(), Growth::InPlace));
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn the_small_pool_and_pytorch_policy_map_exactly_what_is_needed() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True,policy:pytorch");
+    let a = core.malloc(64 * MIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    // 20 MiB pages, one handle each: 80 MiB for 64 (4 maps), b fits in the last page.
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().maps),
+        (80 * MIB, 4)
+    );
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let small: Vec<_> = (0..5).map(|_| core.malloc(512 << 10, s).unwrap()).collect();
+    // The small pool: 2 MiB pages, nothing ahead (4 blocks a page: 2 pages).
+    assert_eq!(core.reserved_bytes(), 4 * MIB);
+    for x in small {
+        core.free(x.ptr).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
