@@ -124,7 +124,7 @@ impl Allocator {
             })
     }
 
-    fn check(&self) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
         self.inner.process.check()?;
         if self.inner.shut_down.load(Ordering::Acquire) {
             return Err(AllocError::Shutdown.into());
@@ -132,7 +132,7 @@ impl Allocator {
         Ok(())
     }
 
-    fn actor_for(&self, stream: &Stream) -> Result<&Arc<DeviceActor>, Error> {
+    pub(crate) fn actor_for(&self, stream: &Stream) -> Result<&Arc<DeviceActor>, Error> {
         if !Arc::ptr_eq(stream.backend(), &self.inner.backend) {
             return Err(Error::ForeignStream);
         }
@@ -149,7 +149,7 @@ impl Allocator {
     /// instead of failing, use [`Allocator::malloc_with`] and [`MallocOptions::wait_for`].
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        self.actor_for(stream)?.malloc(size, stream).await
+        self.actor_for(stream)?.malloc(size, stream, None).await
     }
 
     /// [`Allocator::malloc`] with options (e.g. wait for memory instead of failing).
@@ -162,8 +162,8 @@ impl Allocator {
         self.check()?;
         let actor = self.actor_for(stream)?;
         match options.wait_for_memory {
-            None => actor.malloc(size, stream).await,
-            Some(timeout) => actor.malloc_waiting(size, stream, timeout).await,
+            None => actor.malloc(size, stream, None).await,
+            Some(timeout) => actor.malloc_waiting(size, stream, None, timeout).await,
         }
     }
 

@@ -16,6 +16,8 @@
 //! - [`HostAllocator`] (`alloc.host()`) / [`PinnedBuffer`]: pinned host memory, and copies
 //!   between it and device buffers on a stream; [`HostActor`] owns the pinned-host core.
 //! - [`MallocOptions`]: e.g. wait for memory instead of failing.
+//! - [`Pool`] (`alloc.pool(name, options)`): a named memory pool with a quota, whose blocks
+//!   serve only its own requests (weights apart from the KV cache).
 //! - [`Error`]: everything a call can fail with.
 //! - Export to another process: [`Allocator::export_region`], [`Allocator::export`]
 //!   (a `DeviceBuffer` is an ipc `ExportGuard`; see the [`ipc`] crate).
@@ -46,6 +48,7 @@ mod export;
 mod fork;
 mod options;
 mod pinned;
+mod pool;
 
 pub use actor::DeviceActor;
 pub use allocator::Allocator;
@@ -55,6 +58,7 @@ pub use error::Error;
 pub use gpualloc_devices::memory_summary;
 pub use options::MallocOptions;
 pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
+pub use pool::{Pool, PoolOptions, PoolUsage};
 
 #[cfg(feature = "cuda")]
 pub use cudarc;

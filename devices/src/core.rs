@@ -26,6 +26,7 @@ use crate::config::AllocatorConfig;
 use crate::cross_stream::CrossStreamLog;
 use crate::error::{AllocError, OomReport};
 use crate::expandable::ExpandableSegment;
+use crate::mem_pools::PoolUsage;
 use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::stats::{for_pool, DeviceStats};
@@ -46,6 +47,9 @@ pub struct Allocation {
     pub small_pool: bool,
     /// The block is at least `max_split_size` (counted in `oversize_allocations`).
     pub oversize: bool,
+    /// The private pool the block belongs to (`None`: the default pools). Its free returns
+    /// it there, whichever request it served (`mem_pools.rs`).
+    pub pool: Option<MemPoolId>,
 }
 
 /// Id of a private memory pool (PyTorch's `MempoolId_t`).
@@ -63,6 +67,11 @@ pub(crate) struct PrivatePool {
     pub use_on_oom: bool,
     /// The user released the pool: its cached segments go back on `empty_cache`.
     pub released: bool,
+    /// Name, quota and what it holds (`mem_pools.rs`).
+    pub usage: PoolUsage,
+    /// Bytes of segments being allocated for it off the core
+    /// ([`SegmentRequest::claim_fraction`]).
+    pub claimed: u64,
 }
 
 /// Parameters of one malloc on its way through the chain.
@@ -72,6 +81,8 @@ pub(crate) struct AllocParams {
     pub alloc_size: u64,
     pub pool: usize,
     pub block: Option<BlockId>,
+    /// The private pool the request named (`DeviceCore::try_cached_in`), if any.
+    pub route: Option<u64>,
     /// Set once the request may take any fitting block, a dead remainder included: after the
     /// segment could not grow for it (see `Policy::avoids_dead_remainders`).
     pub any_fit: bool,
@@ -311,6 +322,11 @@ impl DeviceCore {
                 large: small + 1,
                 use_on_oom,
                 released: false,
+                usage: PoolUsage {
+                    name: format!("pool {id}"),
+                    ..PoolUsage::default()
+                },
+                claimed: 0,
             },
         );
         MemPoolId(id)
@@ -349,12 +365,13 @@ impl DeviceCore {
         Ok(())
     }
 
-    fn pool_for(&self, rounded: u64, stream: StreamHandle) -> usize {
+    /// The block pool of a request: the private pool it names (`route`), else the one its
+    /// stream is routed to, else the default pools.
+    fn pool_for(&self, rounded: u64, stream: StreamHandle, route: Option<u64>) -> usize {
         let small = is_small(rounded);
-        match self
-            .routes
-            .get(&stream.raw)
-            .and_then(|id| self.private.get(id))
+        match route
+            .or_else(|| self.routes.get(&stream.raw).copied())
+            .and_then(|id| self.private.get(&id))
         {
             Some(p) => {
                 if small {
@@ -393,6 +410,16 @@ impl DeviceCore {
         size: u64,
         stream: StreamHandle,
     ) -> Result<CachedOutcome, AllocError> {
+        self.try_cached_routed(size, stream, None)
+    }
+
+    /// [`DeviceCore::try_cached`] for the private pool `route` names, if any.
+    pub(crate) fn try_cached_routed(
+        &mut self,
+        size: u64,
+        stream: StreamHandle,
+        route: Option<u64>,
+    ) -> Result<CachedOutcome, AllocError> {
         self.check_stream(stream)?;
         if size == 0 {
             return Ok(CachedOutcome::Hit(Allocation {
@@ -402,6 +429,7 @@ impl DeviceCore {
                 stream,
                 small_pool: true,
                 oversize: false,
+                pool: None,
             }));
         }
         self.process_events()?;
@@ -417,8 +445,9 @@ impl DeviceCore {
             stream,
             size: rounded,
             alloc_size,
-            pool: self.pool_for(rounded, stream),
+            pool: self.pool_for(rounded, stream, route),
             block: None,
+            route,
             any_fit: false,
         };
         if self.get_free_block(&mut params)
@@ -449,6 +478,10 @@ impl DeviceCore {
         if self.get_free_block(&mut params) || self.use_private_pool_on_oom(&mut params) {
             return self.finish(&params, size);
         }
+        if let Some(e) = self.quota_error(&params, size) {
+            self.stats.num_ooms += 1;
+            return Err(e);
+        }
         Err(self.out_of_memory(size, &params))
     }
 
@@ -463,6 +496,7 @@ impl DeviceCore {
     ) -> Result<Allocation, AllocError> {
         let SegmentRequest { mut params, size } = request;
         self.growing_bytes = self.growing_bytes.saturating_sub(params.alloc_size);
+        self.claim_for_pool(params.pool, params.alloc_size, false);
         self.adopt_segment(&mut params, ptr);
         self.finish(&params, size)
     }
@@ -471,6 +505,7 @@ impl DeviceCore {
     /// malloc failed, or the core shut down and it went back): it no longer counts.
     pub fn segment_not_obtained(&mut self, request: &SegmentRequest) {
         self.growing_bytes = self.growing_bytes.saturating_sub(request.params.alloc_size);
+        self.claim_for_pool(request.params.pool, request.params.alloc_size, false);
     }
 
     fn malloc_miss(
@@ -480,6 +515,14 @@ impl DeviceCore {
     ) -> Result<Allocation, AllocError> {
         if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
             self.garbage_collect_cached_blocks()?;
+        }
+        if self.quota_error(params, size).is_some() {
+            // At the pool's quota: its own cached segments go back first (`mem_pools.rs`).
+            self.release_own_pool(params)?;
+            if let Some(e) = self.quota_error(params, size) {
+                self.stats.num_ooms += 1;
+                return Err(e);
+            }
         }
         let found = self.adopt_orphan(params)
             || self.alloc_block(params, false)?
@@ -694,6 +737,10 @@ impl DeviceCore {
         let small = self.pools[params.pool].is_small;
         for_pool(&mut self.stats.segment, small, |s| s.increase(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
+        if let Some(u) = self.usage_mut(params.pool) {
+            u.segments.increase(1);
+            u.reserved.increase(size);
+        }
         self.stats.num_device_alloc += 1;
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
@@ -798,8 +845,11 @@ impl DeviceCore {
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Allocated;
         block.requested = requested;
-        let (addr, bsize, stream) = (block.addr, block.size, block.stream);
+        let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
+        if let Some(u) = self.usage_mut(pool) {
+            u.allocated.increase(bsize);
+        }
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| {
             s.increase(bsize)
@@ -821,6 +871,7 @@ impl DeviceCore {
             stream,
             small_pool: small,
             oversize,
+            pool: self.owner_of(pool),
         }
     }
 
@@ -844,6 +895,9 @@ impl DeviceCore {
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.allocation, small, |s| s.decrease(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| s.decrease(size));
+        if let Some(u) = self.usage_mut(pool) {
+            u.allocated.decrease(size);
+        }
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
         if size >= self.config.max_split_size {
             self.stats.oversize_allocations.decrease(1);
@@ -891,6 +945,7 @@ impl DeviceCore {
                 stream: b.stream,
                 small_pool: self.pools[b.pool].is_small,
                 oversize: b.size >= self.config.max_split_size,
+                pool: self.owner_of(b.pool),
             }
         })
     }
@@ -929,7 +984,7 @@ impl SegmentRequest {
                 .saturating_add(core.growing_bytes)
                 .saturating_add(self.params.alloc_size)
                 <= max
-        })
+        }) && core.quota_error(&self.params, self.size).is_none()
     }
 
     /// True when the request is served by mapping pages of an expandable segment (the
@@ -949,6 +1004,7 @@ impl SegmentRequest {
         let fits = self.fits_fraction(core);
         if fits {
             core.growing_bytes += self.params.alloc_size;
+            core.claim_for_pool(self.params.pool, self.params.alloc_size, true);
         }
         fits
     }

@@ -16,7 +16,7 @@
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle};
 
 use crate::block::BlockId;
-use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::pool::key;
 use crate::stats::for_pool;
@@ -66,11 +66,25 @@ impl DeviceCore {
     /// Does not wait for pending frees (synchronize [`DeviceCore::pending_events`] and call
     /// `process_events` first to include them). Expandable segments are not detached.
     pub fn detach_free_segments(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
+        self.detach_free_segments_for(None)
+    }
+
+    /// [`DeviceCore::detach_free_segments`], and for a request at its private pool's quota
+    /// (`mem_pools.rs`) that pool's own cached whole segments too.
+    pub fn detach_free_segments_for(
+        &mut self,
+        request: Option<&SegmentRequest>,
+    ) -> Result<Vec<DetachedSegment>, AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
         self.process_events()?;
         let mut pools = vec![LARGE_POOL, SMALL_POOL];
+        if let Some(r) = request {
+            if self.quota_error(&r.params, r.size).is_some() {
+                pools.extend(self.own_pools(r.params.pool).into_iter().flatten());
+            }
+        }
         pools.extend(
             self.private
                 .values()
@@ -108,6 +122,10 @@ impl DeviceCore {
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));
+        if let Some(u) = self.usage_mut(pool) {
+            u.segments.decrease(1);
+            u.reserved.decrease(size);
+        }
         self.stats.num_device_free += 1;
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.decrease(1);

@@ -34,6 +34,24 @@ pub enum AllocError {
     /// No such private memory pool.
     #[error("unknown memory pool {0}")]
     UnknownPool(u64),
+    /// A request would take a private pool past its quota (after the pool's own cached
+    /// segments were returned to the device).
+    #[error(
+        "memory pool {pool:?} is at its quota: tried to allocate {} with {} of {} reserved",
+        format_size(*requested),
+        format_size(*reserved),
+        format_size(*quota)
+    )]
+    PoolQuota {
+        /// The pool's name.
+        pool: String,
+        /// Its quota in bytes.
+        quota: u64,
+        /// Bytes it reserves now.
+        reserved: u64,
+        /// Bytes the request asked for.
+        requested: u64,
+    },
     /// The allocator has been shut down.
     #[error("the allocator has been shut down")]
     Shutdown,
@@ -46,9 +64,13 @@ pub enum AllocError {
 }
 
 impl AllocError {
-    /// True for [`AllocError::OutOfMemory`].
+    /// True for [`AllocError::OutOfMemory`] and [`AllocError::PoolQuota`] (a pool out of
+    /// its memory: waiting for frees can help both).
     pub fn is_oom(&self) -> bool {
-        matches!(self, AllocError::OutOfMemory(_))
+        matches!(
+            self,
+            AllocError::OutOfMemory(_) | AllocError::PoolQuota { .. }
+        )
     }
 }
 

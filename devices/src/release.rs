@@ -121,7 +121,7 @@ impl DeviceCore {
     /// Releases every free block of `pool` that is a whole segment.
     /// Releases every free block of `pool` that is a whole segment, and unmaps the whole pages
     /// of every free block of an expandable segment (then frees reservations left empty).
-    fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
+    pub(crate) fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
         let (mut whole, mut to_unmap) = (Vec::new(), Vec::new());
         for &id in self.pools[pool].free.values() {
             let b = self.blocks.get(id);

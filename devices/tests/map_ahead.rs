@@ -111,6 +111,7 @@ fn grow_with_room(capacity: u64, off_core: bool) -> u64 {
         assert_eq!(plan.bytes(), 8 * MIB, "planned with the pages ahead");
         let dynb: Arc<dyn Backend> = backend.clone();
         let mapped = map_growth(dynb.as_ref(), &plan).unwrap();
+        assert_eq!(mapped.handles(), 1);
         core.commit_growth(plan, mapped).unwrap();
         match core.try_cached(2 * MIB, s).unwrap() {
             CachedOutcome::Hit(b) => b,
@@ -136,6 +137,72 @@ fn the_pages_ahead_are_dropped_when_the_device_has_no_room_for_them() {
     for off_core in [false, true] {
         assert_eq!(grow_with_room(1 << 30, off_core), 72 * MIB, "{off_core}");
         assert_eq!(grow_with_room(70 * MIB, off_core), 66 * MIB, "{off_core}");
+    }
+}
+
+/// Reserved bytes after `first` then 2 MiB on a 128 MiB device of which half (64 MiB) is
+/// allowed.
+fn under_half(first: u64) -> u64 {
+    let (_, mut core, s) = rig(
+        128 * MIB,
+        "expandable_segments:True,per_process_memory_fraction:0.5",
+    );
+    let a = core.malloc(first, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    let reserved = core.reserved_bytes();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.check_invariants().unwrap();
+    reserved
+}
+
+#[test]
+fn the_pages_ahead_fill_the_memory_fraction_up_to_its_edge() {
+    // 40 MiB mapped: 5 MiB ahead, rounded to 6 MiB, fits.
+    assert_eq!(under_half(40 * MIB), 46 * MIB);
+    // 56 MiB mapped: 7 MiB ahead, rounded to 8 MiB, reaches the cap exactly: allowed.
+    assert_eq!(under_half(56 * MIB), 64 * MIB);
+    // 60 MiB mapped: 8 MiB ahead would pass it: only the request's page.
+    assert_eq!(under_half(60 * MIB), 62 * MIB);
+}
+
+/// In place, the fraction counts the pages a growth needs: up to the cap exactly, not past it.
+#[test]
+fn a_growth_reaches_the_memory_fraction_exactly_and_no_further() {
+    let (_, mut core, s) = rig(
+        128 * MIB,
+        "expandable_segments:True,per_process_memory_fraction:0.5",
+    );
+    let a = core.malloc(60 * MIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    let c = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(core.reserved_bytes(), 64 * MIB);
+    let err = core.malloc(2 * MIB, s).unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    assert_eq!(core.reserved_bytes(), 64 * MIB);
+    for p in [a.ptr, b.ptr, c.ptr] {
+        core.free(p).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
+
+/// PyTorch's check (policy:pytorch) counts a segment's size, and a request that reaches the
+/// cap exactly is allowed: 20 + 20 MiB under a 40 MiB cap, with ordinary and expandable
+/// segments.
+#[test]
+fn pytorchs_fraction_check_allows_reaching_the_cap() {
+    for conf in ["", "expandable_segments:True,"] {
+        let (_, mut core, s) = rig(
+            128 * MIB,
+            &format!("{conf}policy:pytorch,per_process_memory_fraction:0.3125"),
+        );
+        let a = core.malloc(20 * MIB, s).unwrap();
+        let b = core.malloc(20 * MIB, s).unwrap();
+        assert_eq!(core.reserved_bytes(), 40 * MIB, "{conf}");
+        let err = core.malloc(20 * MIB, s).unwrap_err();
+        assert!(err.is_oom(), "{conf}: {err}");
+        core.free(a.ptr).unwrap();
+        core.free(b.ptr).unwrap();
     }
 }
 
@@ -187,8 +254,97 @@ fn the_small_pool_and_pytorch_policy_map_exactly_what_is_needed() {
     let small: Vec<_> = (0..5).map(|_| core.malloc(512 << 10, s).unwrap()).collect();
     // The small pool: 2 MiB pages, nothing ahead (4 blocks a page: 2 pages).
     assert_eq!(core.reserved_bytes(), 4 * MIB);
+    // Nothing ahead however much is mapped: 37 blocks of 1 MiB more, 39.5 MiB in all, on
+    // 20 pages (with 1/8 ahead it would be 8 MiB more).
+    let more: Vec<_> = (0..37).map(|_| core.malloc(MIB, s).unwrap()).collect();
+    assert_eq!(core.reserved_bytes(), 40 * MIB);
+    for x in more {
+        core.free(x.ptr).unwrap();
+    }
     for x in small {
         core.free(x.ptr).unwrap();
     }
+    core.check_invariants().unwrap();
+}
+
+/// Only a lack of memory drops the pages ahead: any other driver error is the growth's
+/// error, whether pages were planned ahead (64 MiB mapped, 8 MiB for a 2 MiB request) or
+/// not (the first growth), in place and off the core.
+#[test]
+fn other_driver_errors_are_not_retried_without_the_pages_ahead() {
+    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
+    use gpualloc_runtime::BackendError;
+    for (first, off_core) in [(0, false), (64 * MIB, false), (0, true), (64 * MIB, true)] {
+        let simb = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let sim: Arc<dyn Backend> = simb.clone();
+        let s = sim.stream_create(DeviceId(0)).unwrap();
+        let config = AllocatorConfig::parse("expandable_segments:True").unwrap();
+        let mut core = DeviceCore::new(sim.clone(), DeviceId(0), config).unwrap();
+        let kept = (first > 0).then(|| core.malloc(first, s).unwrap());
+        let size = if first > 0 { 2 * MIB } else { 5 * MIB };
+        simb.inject(
+            Op::Map,
+            Fault::FailNext {
+                skip: 0,
+                count: 1,
+                error: BackendError::invalid("injected"),
+            },
+        );
+        let failed = if off_core {
+            let req = match core.try_cached(size, s).unwrap() {
+                CachedOutcome::Miss(req) => req,
+                CachedOutcome::Hit(h) => panic!("{h:?}"),
+            };
+            let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+                panic!("expected pages to map");
+            };
+            let r = map_growth(sim.as_ref(), &plan);
+            let _ = core.abort_growth(plan);
+            r.map(|_| ()).map_err(|e| e.to_string())
+        } else {
+            core.malloc(size, s).map(|_| ()).map_err(|e| e.to_string())
+        };
+        let err = failed.expect_err("the injected error is the growth's error");
+        assert!(err.contains("injected"), "{first} {off_core}: {err}");
+        assert_eq!(core.reserved_bytes(), first);
+        core.check_invariants().unwrap();
+        if let Some(k) = kept {
+            core.free(k.ptr).unwrap();
+        }
+    }
+}
+
+/// A growth with nothing planned ahead is tried once per attempt of the out-of-memory chain
+/// (before and after releasing the cache), not again without pages it did not plan.
+#[test]
+fn a_growth_without_pages_ahead_is_not_tried_twice() {
+    let (backend, mut core, s) = rig(4 * MIB, "expandable_segments:True");
+    let err = core.malloc(5 * MIB, s).unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    assert_eq!(backend.counts().failed_mallocs, 2);
+    assert_eq!(core.reserved_bytes(), 0);
+}
+
+/// Off the core a growth is cut into handles the same way: 30 MiB is two (20 + 10 MiB).
+#[test]
+fn an_off_core_growth_maps_one_handle_per_20_mib() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let req = match core.try_cached(30 * MIB, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("{h:?}"),
+    };
+    let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+        panic!("expected pages to map");
+    };
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let mapped = map_growth(dynb.as_ref(), &plan).unwrap();
+    assert_eq!((mapped.handles(), mapped.bytes()), (2, 30 * MIB));
+    core.commit_growth(plan, mapped).unwrap();
+    assert_eq!(backend.counts().maps, 2);
+    let a = match core.retry_cached(&req).unwrap() {
+        CachedOutcome::Hit(a) => a,
+        CachedOutcome::Miss(_) => panic!("the new pages hold it"),
+    };
+    core.free(a.ptr).unwrap();
     core.check_invariants().unwrap();
 }

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_devices::{
-    Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot, DeviceStats,
-    SegmentRequest,
+    AllocError, Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot,
+    DeviceStats, MemPoolId, SegmentRequest,
 };
 use gpualloc_runtime::actor::mailbox::Call;
 use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
-use gpualloc_runtime::{Backend, DeviceId, Stream};
+use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
 
 use crate::actor::landing::{CancelOnDrop, Landing};
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
@@ -219,10 +219,11 @@ impl DeviceActor {
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
+        pool: Option<MemPoolId>,
     ) -> impl FnOnce(&mut DeviceState) -> Result<Cached, Error> + Send + 'static {
         let actor = self.clone();
         let stream = stream.clone();
-        move |st: &mut DeviceState| match st.core.try_cached(size, stream.handle()) {
+        move |st: &mut DeviceState| match cached(&mut st.core, size, stream.handle(), pool) {
             Ok(CachedOutcome::Hit(a)) => Ok(Cached::Hit(DeviceBuffer::new(a, actor, stream))),
             Ok(CachedOutcome::Miss(req)) => Ok(Cached::Miss(req)),
             Err(e) => Err(e.into()),
@@ -237,10 +238,11 @@ impl DeviceActor {
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
+        pool: Option<MemPoolId>,
     ) -> Result<DeviceBuffer, Error> {
         let mut retries = 0;
         loop {
-            match self.malloc_once(size, stream).await {
+            match self.malloc_once(size, stream, pool).await {
                 Err(e)
                     if retries < LANDING_RETRIES
                         && self.misses_in_flight() > 0
@@ -287,6 +289,7 @@ impl DeviceActor {
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
+        pool: Option<MemPoolId>,
     ) -> Result<DeviceBuffer, Error> {
         // A lost device (a sticky error: its context does no more work) hands out nothing,
         // cached blocks included: their memory may be what the faulting kernel corrupted, and
@@ -295,7 +298,13 @@ impl DeviceActor {
             return Err(lost.into());
         }
         let handle = stream.handle();
-        if let Some(cache) = &self.signals.thread_cache {
+        // The thread cache holds default-pool blocks only (`release`).
+        if let Some(cache) = self
+            .signals
+            .thread_cache
+            .as_ref()
+            .filter(|_| pool.is_none())
+        {
             match cache.revive(self, size, handle) {
                 Revived::Hit(a, lane) => return Ok(DeviceBuffer::revived(a, lane, stream.clone())),
                 Revived::Free(ptr) => self.mailbox.post(DeviceMsg::Free(ptr)),
@@ -308,7 +317,10 @@ impl DeviceActor {
         let mut attempt = None;
         for round in 0..SPINS {
             if !self.mailbox.is_busy() {
-                if let Ok(r) = self.mailbox.try_run(|st| st.core.try_cached(size, handle)) {
+                if let Ok(r) = self
+                    .mailbox
+                    .try_run(|st| cached(&mut st.core, size, handle, pool))
+                {
                     attempt = Some(r);
                     break;
                 }
@@ -323,7 +335,7 @@ impl DeviceActor {
             }
             Some(Ok(CachedOutcome::Miss(req))) => Cached::Miss(req),
             Some(Err(e)) => return Err(e.into()),
-            None => self.call(self.cached_job(size, stream)).await??,
+            None => self.call(self.cached_job(size, stream, pool)).await??,
         };
         match outcome {
             Cached::Hit(buf) => Ok(buf),
@@ -354,7 +366,9 @@ impl DeviceActor {
     /// blocks.
     pub(crate) fn release(&self, a: Allocation, used_elsewhere: bool) {
         if let Some(cache) = &self.signals.thread_cache {
-            if !used_elsewhere && self.signals.waiters.is_empty() {
+            // A private pool's block goes back to its pool through the core: a parked block
+            // could be revived for a request of another pool.
+            if !used_elsewhere && self.signals.waiters.is_empty() && a.pool.is_none() {
                 if let Some(back) = cache.park(a) {
                     self.mailbox.post(DeviceMsg::Free(back.ptr));
                 }
@@ -371,6 +385,17 @@ impl DeviceActor {
             }
         }
         self.mailbox.post(DeviceMsg::Free(a.ptr));
+    }
+
+    /// Releases private pool `id` (a [`crate::Pool`]'s last handle was dropped): queued,
+    /// never blocks.
+    pub(crate) fn release_pool(&self, id: MemPoolId) {
+        self.mailbox
+            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
+                if let Err(e) = st.core.release_pool(id) {
+                    tracing::debug!(pool = id.0, error = %e, "releasing a pool");
+                }
+            })));
     }
 
     /// Statistics of this device.
@@ -403,5 +428,18 @@ impl DeviceActor {
     /// Segments and blocks of this device.
     pub(crate) async fn snapshot(&self) -> Result<DeviceSnapshot, Error> {
         self.call(|st| st.core.snapshot()).await
+    }
+}
+
+/// The cache lookup of a request of `pool` (`None`: the default pools).
+fn cached(
+    core: &mut DeviceCore,
+    size: u64,
+    stream: StreamHandle,
+    pool: Option<MemPoolId>,
+) -> Result<CachedOutcome, AllocError> {
+    match pool {
+        Some(p) => core.try_cached_in(p, size, stream),
+        None => core.try_cached(size, stream),
     }
 }

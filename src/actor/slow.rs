@@ -186,13 +186,22 @@ impl DeviceActor {
         req: SegmentRequest,
         stream: &Stream,
     ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
-        if self.release_cache_blocking() == 0 {
+        // A block freed since the lookup serves it before any cache is released (at a
+        // pool's quota the release would take the pool's own free segments).
+        {
+            let mut held = self.mailbox.hold_blocking();
+            if let CachedOutcome::Hit(a) = held.state().core.retry_cached(&req)? {
+                drop(held);
+                return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
+            }
+        }
+        if self.release_cache_blocking_for(Some(&req)) == 0 {
             return Ok(Err(req));
         }
         let retry = {
             let mut held = self.mailbox.hold_blocking();
             let core = &mut held.state().core;
-            match core.try_cached(req.requested(), stream.handle())? {
+            match core.retry_cached(&req)? {
                 CachedOutcome::Hit(a) => {
                     drop(held);
                     return Ok(Ok(DeviceBuffer::new(a, self.clone(), stream.clone())));
@@ -232,12 +241,7 @@ impl DeviceActor {
             }
         }
         let released = self.release_cache_blocking();
-        let outcome = self
-            .mailbox
-            .hold_blocking()
-            .state()
-            .core
-            .try_cached(size, stream.handle());
+        let outcome = self.mailbox.hold_blocking().state().core.retry_cached(&req);
         // The retry below claims the same bytes (same size, same rounding).
         let retry = match outcome {
             Ok(CachedOutcome::Hit(a)) => {
@@ -282,7 +286,6 @@ impl DeviceActor {
         mut req: SegmentRequest,
         stream: &Stream,
     ) -> Result<Grown, Error> {
-        let size = req.requested();
         for _ in 0..GROWTH_ROUNDS {
             let plan = match self
                 .mailbox
@@ -313,7 +316,7 @@ impl DeviceActor {
                         return Err(AllocError::Shutdown.into());
                     }
                     // The new pages are cached now; another request may take them first.
-                    match core.try_cached(size, stream.handle())? {
+                    match core.retry_cached(&req)? {
                         CachedOutcome::Hit(a) => {
                             drop(held);
                             return Ok(Grown::Buffer(DeviceBuffer::new(
@@ -369,6 +372,12 @@ impl DeviceActor {
     /// gate: synchronize the events pending frees wait on, detach the free segments, free
     /// them. Returns how many segments went back.
     pub(crate) fn release_cache_blocking(&self) -> usize {
+        self.release_cache_blocking_for(None)
+    }
+
+    /// [`DeviceActor::release_cache_blocking`]; for a request at its private pool's quota,
+    /// that pool's own cached segments go back too (`gpualloc_devices` `mem_pools.rs`).
+    pub(crate) fn release_cache_blocking_for(&self, request: Option<&SegmentRequest>) -> usize {
         let _span = tracing::debug_span!("release_cache", device = self.device.0).entered();
         let events = self.mailbox.hold_blocking().state().core.pending_events();
         for e in events {
@@ -381,7 +390,7 @@ impl DeviceActor {
             .hold_blocking()
             .state()
             .core
-            .detach_free_segments();
+            .detach_free_segments_for(request);
         let segments = match detached {
             Ok(s) => s,
             Err(e) => {

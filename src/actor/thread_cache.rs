@@ -284,6 +284,7 @@ mod tests {
                 raw: 1,
             },
             small_pool: true,
+            pool: None,
             oversize: false,
         }
     }

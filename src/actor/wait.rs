@@ -14,6 +14,7 @@ use std::time::Duration;
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
+use gpualloc_devices::MemPoolId;
 use gpualloc_runtime::Stream;
 
 impl DeviceActor {
@@ -23,6 +24,7 @@ impl DeviceActor {
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
+        pool: Option<MemPoolId>,
         timeout: Duration,
     ) -> Result<DeviceBuffer, Error> {
         // Waiting needs a timer: the caller must be inside a tokio runtime.
@@ -41,12 +43,12 @@ impl DeviceActor {
             if let Some(t) = &turn {
                 if tokio::time::timeout_at(deadline, t.wait()).await.is_err() {
                     // Out of time: one last try, whose error is the one to report.
-                    let last = self.malloc(size, stream).await;
+                    let last = self.malloc(size, stream, pool).await;
                     drop(turn);
                     return last;
                 }
             }
-            match self.malloc(size, stream).await {
+            match self.malloc(size, stream, pool).await {
                 Ok(buf) => {
                     if let Some(t) = turn {
                         t.finish();

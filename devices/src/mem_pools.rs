@@ -1,0 +1,166 @@
+//! Named private pools with a quota: what an inference server asks for (weights in one pool,
+//! the KV cache in another), on top of PyTorch's `MemPool` (the private pools of `core.rs`).
+//!
+//! - A pool's blocks come from segments it allocated itself and go back to it: a request of
+//!   another pool (or of the default pools) never gets one. The one exception is PyTorch's
+//!   `use_on_oom`: a pool created with it lends its free blocks to any request of the device
+//!   that would otherwise fail (the block still belongs to the pool and returns to it).
+//! - A request names its pool ([`DeviceCore::try_cached_in`], [`DeviceCore::malloc_in`]);
+//!   PyTorch's stream routing (`begin_allocate_to_pool`) works for these pools too.
+//! - A quota caps the bytes a pool reserves (its segments, counting segments being allocated
+//!   off the core for it). A miss that would pass it first returns the pool's own cached
+//!   whole segments to the device (never another pool's), then fails with
+//!   [`AllocError::PoolQuota`], which names the pool, its quota and its usage. Segments are
+//!   whole (private pools never expand), so a quota counts segment sizes: a 1 KiB request
+//!   reserves a 2 MiB small segment, as PyTorch's pools do.
+//! - Usage per pool (reserved and allocated bytes, current and peak, segments):
+//!   [`DeviceCore::pool_usage`]. The device's statistics count every pool, so they stay the
+//!   sum of the default pools and the private ones.
+//! - Like PyTorch's pools, a pool's cached segments are not returned by `empty_cache` until
+//!   the pool is released ([`DeviceCore::release_pool`]).
+
+use gpualloc_runtime::StreamHandle;
+
+use crate::stats::Stat;
+
+use crate::core::{AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest};
+use crate::error::AllocError;
+use crate::pool::PoolOwner;
+
+/// How a named pool behaves.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Most bytes the pool may reserve (`None`: no cap but the device's).
+    pub quota: Option<u64>,
+    /// Lend free blocks to requests of the device that would otherwise fail (PyTorch's
+    /// `use_on_oom`).
+    pub use_on_oom: bool,
+}
+
+/// What a pool holds, for [`DeviceCore::pool_usage`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolUsage {
+    /// The pool's name.
+    pub name: String,
+    /// Its quota.
+    pub quota: Option<u64>,
+    /// Bytes of its segments.
+    pub reserved: Stat,
+    /// Bytes of its live blocks (rounded sizes).
+    pub allocated: Stat,
+    /// Its segments.
+    pub segments: Stat,
+}
+
+impl DeviceCore {
+    /// Creates a named private pool (see the module docs). Names need not be unique; the id
+    /// is.
+    pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {
+        let id = self.create_pool(options.use_on_oom);
+        if let Some(p) = self.private.get_mut(&id.0) {
+            p.usage.name = name.to_string();
+            p.usage.quota = options.quota;
+        }
+        id
+    }
+
+    /// What pool `pool` holds now; `None` for an unknown (or released and emptied) pool.
+    pub fn pool_usage(&self, pool: MemPoolId) -> Option<PoolUsage> {
+        self.private.get(&pool.0).map(|p| p.usage.clone())
+    }
+
+    /// [`DeviceCore::try_cached`] for a request of `pool`.
+    pub fn try_cached_in(
+        &mut self,
+        pool: MemPoolId,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<CachedOutcome, AllocError> {
+        match self.private.get(&pool.0) {
+            Some(p) if !p.released => self.try_cached_routed(size, stream, Some(pool.0)),
+            _ => Err(AllocError::UnknownPool(pool.0)),
+        }
+    }
+
+    /// [`DeviceCore::malloc`] for a request of `pool`.
+    pub fn malloc_in(
+        &mut self,
+        pool: MemPoolId,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        match self.try_cached_in(pool, size, stream)? {
+            CachedOutcome::Hit(a) => Ok(a),
+            CachedOutcome::Miss(request) => self.malloc_after_miss(request),
+        }
+    }
+
+    /// The private pool owning block pool `index`, if any.
+    pub(crate) fn owner_of(&self, index: usize) -> Option<MemPoolId> {
+        match self.pools.get(index)?.owner {
+            PoolOwner::Private(id) => Some(MemPoolId(id)),
+            PoolOwner::Default => None,
+        }
+    }
+
+    /// The usage of the private pool owning block pool `index`, if any.
+    pub(crate) fn usage_mut(&mut self, index: usize) -> Option<&mut PoolUsage> {
+        let id = self.owner_of(index)?;
+        self.private.get_mut(&id.0).map(|p| &mut p.usage)
+    }
+
+    /// The error of a request of `requested` bytes that a new segment for `params` would
+    /// take past its pool's quota; `None` when it fits.
+    pub(crate) fn quota_error(&self, params: &AllocParams, requested: u64) -> Option<AllocError> {
+        let id = self.owner_of(params.pool)?;
+        let p = self.private.get(&id.0)?;
+        let quota = p.usage.quota?;
+        let held = p.usage.reserved.current.saturating_add(p.claimed);
+        (held.saturating_add(params.alloc_size) > quota).then(|| AllocError::PoolQuota {
+            pool: p.usage.name.clone(),
+            quota,
+            reserved: p.usage.reserved.current,
+            requested,
+        })
+    }
+
+    /// The block pools (large, small) of the private pool owning block pool `index`.
+    pub(crate) fn own_pools(&self, index: usize) -> Option<[usize; 2]> {
+        let id = self.owner_of(index)?;
+        self.private.get(&id.0).map(|p| [p.large, p.small])
+    }
+
+    /// Returns the cached whole segments of the pool of `params` (and only of it) to the
+    /// device, for a request at the pool's quota. True when something was released.
+    pub(crate) fn release_own_pool(&mut self, params: &AllocParams) -> Result<bool, AllocError> {
+        let Some(pools) = self.own_pools(params.pool) else {
+            return Ok(false);
+        };
+        let before = self.total_reserved;
+        for pool in pools {
+            self.release_blocks(pool)?;
+        }
+        Ok(self.total_reserved < before)
+    }
+
+    /// Re-runs the cache lookup of a miss (the same size, stream and pool), e.g. after its
+    /// owner released cached memory.
+    pub fn retry_cached(&mut self, request: &SegmentRequest) -> Result<CachedOutcome, AllocError> {
+        self.try_cached_routed(request.size, request.params.stream, request.params.route)
+    }
+
+    /// Counts `bytes` as claimed off the core for the pool of block pool `index`
+    /// (`claim`: true to add, false to remove).
+    pub(crate) fn claim_for_pool(&mut self, index: usize, bytes: u64, claim: bool) {
+        let Some(id) = self.owner_of(index) else {
+            return;
+        };
+        if let Some(p) = self.private.get_mut(&id.0) {
+            p.claimed = if claim {
+                p.claimed.saturating_add(bytes)
+            } else {
+                p.claimed.saturating_sub(bytes)
+            };
+        }
+    }
+}

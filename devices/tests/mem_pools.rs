@@ -1,0 +1,274 @@
+//! Named private pools (`mem_pools.rs`): a pool's blocks serve only its own requests, its
+//! quota is enforced with a typed error after its own cache (and only its own) is returned,
+//! its usage adds up to the device's statistics, and the owners' off-core path claims
+//! against the quota.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, MemPoolId, PoolOptions, StatType,
+};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+const ALL: usize = StatType::All as usize;
+
+fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
+    let backend = Arc::new(AccountingBackend::new(1, capacity));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s = dynb.stream_create(DeviceId(0)).unwrap();
+    let core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (backend, core, s)
+}
+
+fn quota(q: u64) -> PoolOptions {
+    PoolOptions {
+        quota: Some(q),
+        use_on_oom: false,
+    }
+}
+
+/// The torch_memory_saver#85 pattern: the KV cache frees its memory, another model's weights
+/// allocate; the weights must not land in the KV pool's memory, so releasing the KV pool
+/// cannot release any of them.
+#[test]
+fn a_pools_blocks_serve_only_its_own_requests() {
+    for conf in ["", "expandable_segments:True"] {
+        let (backend, mut core, s) = rig(1 << 30, conf);
+        let kv = core.create_named_pool("kv_cache", PoolOptions::default());
+        let weights = core.create_named_pool("weights", PoolOptions::default());
+        let k = core.malloc_in(kv, 8 * MIB, s).unwrap();
+        assert_eq!(k.pool, Some(kv));
+        core.free(k.ptr).unwrap();
+        // Same size, other pools: never the KV block.
+        let w = core.malloc_in(weights, 8 * MIB, s).unwrap();
+        let d = core.malloc(8 * MIB, s).unwrap();
+        assert_ne!(w.ptr, k.ptr, "{conf}");
+        assert_ne!(d.ptr, k.ptr, "{conf}");
+        assert_eq!((w.pool, d.pool), (Some(weights), None));
+        // Its own next request gets it back.
+        let k2 = core.malloc_in(kv, 8 * MIB, s).unwrap();
+        assert_eq!(k2.ptr, k.ptr, "{conf}");
+        core.free(k2.ptr).unwrap();
+        // Releasing the KV pool returns its memory and nothing else.
+        core.release_pool(kv).unwrap();
+        core.empty_cache().unwrap();
+        let left = core.pool_usage(weights).unwrap();
+        assert_eq!(left.allocated.current, 8 * MIB);
+        // 1–10 MiB requests take 20 MiB segments; pools never expand.
+        assert_eq!(left.reserved.current, 20 * MIB);
+        assert!(core.pool_usage(kv).is_none(), "released and emptied");
+        // The default pool: a 20 MiB segment, or 8 MiB of 2 MiB pages when expandable.
+        let default = if conf.is_empty() { 20 * MIB } else { 8 * MIB };
+        assert_eq!(
+            core.reserved_bytes(),
+            20 * MIB + default,
+            "{conf}: weights and the default"
+        );
+        assert_eq!(backend.used(DeviceId(0)), 20 * MIB + default);
+        core.check_invariants().unwrap();
+        // A released pool takes no requests.
+        assert_eq!(
+            core.malloc_in(kv, MIB, s).unwrap_err(),
+            AllocError::UnknownPool(kv.0)
+        );
+        assert_eq!(
+            core.malloc_in(MemPoolId(99), MIB, s).unwrap_err(),
+            AllocError::UnknownPool(99)
+        );
+        core.free(w.ptr).unwrap();
+        core.free(d.ptr).unwrap();
+    }
+}
+
+#[test]
+fn a_quota_fails_with_the_pools_name_and_usage() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
+    let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    let err = core.malloc_in(kv, 20 * MIB, s).unwrap_err();
+    assert_eq!(
+        err,
+        AllocError::PoolQuota {
+            pool: "kv_cache".into(),
+            quota: 40 * MIB,
+            reserved: 40 * MIB,
+            requested: 20 * MIB,
+        }
+    );
+    assert!(err.is_oom());
+    assert_eq!(
+        err.to_string(),
+        "memory pool \"kv_cache\" is at its quota: tried to allocate 20.00 MiB with 40.00 MiB \
+         of 40.00 MiB reserved"
+    );
+    assert_eq!(core.stats().num_ooms, 1);
+    // The default pools are not limited by it.
+    let d = core.malloc(20 * MIB, s).unwrap();
+    // A free in the pool makes room (from its cache).
+    core.free(a.ptr).unwrap();
+    let c = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    assert_eq!(c.ptr, a.ptr);
+    for p in [b.ptr, c.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
+
+/// At its quota a pool returns its own cached segments to the device first (two 12 MiB
+/// segments for a 16 MiB request under a 30 MiB quota), and never the default pools' cache.
+#[test]
+fn at_its_quota_a_pool_releases_its_own_cache_only() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(30 * MIB));
+    let other = core.malloc(12 * MIB, s).unwrap();
+    core.free(other.ptr).unwrap();
+    let a = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    assert_eq!(core.pool_usage(kv).unwrap().reserved.current, 24 * MIB);
+    let c = core.malloc_in(kv, 16 * MIB, s).unwrap();
+    let usage = core.pool_usage(kv).unwrap();
+    assert_eq!(usage.reserved.current, 16 * MIB);
+    assert_eq!(usage.reserved.peak, 24 * MIB);
+    assert_eq!(usage.segments.current, 1);
+    assert_eq!(
+        core.reserved_bytes(),
+        28 * MIB,
+        "the default pool's cached 12 MiB segment stays"
+    );
+    assert_eq!(core.stats().num_ooms, 0);
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn pool_usage_adds_up_to_the_device_statistics() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let weights = core.create_named_pool("weights", PoolOptions::default());
+    let kv = core.create_named_pool("kv_cache", quota(64 * MIB));
+    let w = core.malloc_in(weights, 30 * MIB, s).unwrap();
+    let k: Vec<_> = (0..3)
+        .map(|_| core.malloc_in(kv, 4 * MIB, s).unwrap())
+        .collect();
+    let small = core.malloc_in(kv, 4096, s).unwrap();
+    let d = core.malloc(6 * MIB, s).unwrap();
+    let (uw, uk) = (
+        core.pool_usage(weights).unwrap(),
+        core.pool_usage(kv).unwrap(),
+    );
+    assert_eq!(uw.name, "weights");
+    assert_eq!((uk.name.as_str(), uk.quota), ("kv_cache", Some(64 * MIB)));
+    assert_eq!(uw.allocated.current, 30 * MIB);
+    // 4 MiB requests take 20 MiB large segments; 4 KiB a 2 MiB small one.
+    assert_eq!(uk.allocated.current, 12 * MIB + 4096);
+    assert_eq!(uk.reserved.current, 22 * MIB);
+    assert_eq!(uk.segments.current, 2);
+    let st = core.stats();
+    let default_alloc = 6 * MIB;
+    assert_eq!(
+        st.allocated_bytes[ALL].current,
+        uw.allocated.current + uk.allocated.current + default_alloc
+    );
+    assert_eq!(
+        st.reserved_bytes[ALL].current,
+        uw.reserved.current + uk.reserved.current + 20 * MIB
+    );
+    for a in k {
+        core.free(a.ptr).unwrap();
+    }
+    core.free(small.ptr).unwrap();
+    let uk = core.pool_usage(kv).unwrap();
+    assert_eq!(
+        (uk.allocated.current, uk.allocated.peak),
+        (0, 12 * MIB + 4096)
+    );
+    core.free(w.ptr).unwrap();
+    core.free(d.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+/// PyTorch's `use_on_oom`: the device borrows the pool's free blocks when it is full; the
+/// block returns to the pool. A pool without it lends nothing.
+#[test]
+fn use_on_oom_lends_free_blocks_and_they_return() {
+    for lend in [true, false] {
+        let (_, mut core, s) = rig(40 * MIB, "");
+        let spare = core.create_named_pool(
+            "spare",
+            PoolOptions {
+                quota: None,
+                use_on_oom: lend,
+            },
+        );
+        let p = core.malloc_in(spare, 20 * MIB, s).unwrap();
+        core.free(p.ptr).unwrap();
+        let d = core.malloc(20 * MIB, s).unwrap();
+        let e = core.malloc(20 * MIB, s);
+        match (lend, e) {
+            (true, Ok(e)) => {
+                assert_eq!(e.ptr, p.ptr);
+                assert_eq!(e.pool, Some(spare));
+                core.free(e.ptr).unwrap();
+                assert_eq!(core.pool_usage(spare).unwrap().allocated.current, 0);
+                let again = core.malloc_in(spare, 20 * MIB, s).unwrap();
+                assert_eq!(again.ptr, p.ptr, "back in its pool");
+                core.free(again.ptr).unwrap();
+            }
+            (false, Err(err)) => assert!(err.is_oom(), "{err}"),
+            (lend, other) => panic!("use_on_oom {lend}: {other:?}"),
+        }
+        core.free(d.ptr).unwrap();
+        core.check_invariants().unwrap();
+    }
+}
+
+/// The owners' path (device actors): a claim respects the quota, and releasing the cache
+/// for a request at its quota detaches that pool's cached segments (and the default pools'),
+/// never another pool's.
+#[test]
+fn the_off_core_path_claims_against_the_quota() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(30 * MIB));
+    let other = core.create_named_pool("other", PoolOptions::default());
+    let o = core.malloc_in(other, 12 * MIB, s).unwrap();
+    core.free(o.ptr).unwrap();
+    let a = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let req = match core.try_cached_in(kv, 16 * MIB, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("nothing cached holds 16 MiB: {h:?}"),
+    };
+    assert!(!req.claim_fraction(&mut core), "24 + 16 MiB is past 30");
+    let detached = core.detach_free_segments_for(Some(&req)).unwrap();
+    assert_eq!(detached.len(), 1, "kv's free 12 MiB segment only");
+    gpualloc_devices::free_detached(core.backend().as_ref(), DeviceId(0), &detached).unwrap();
+    assert_eq!(core.pool_usage(other).unwrap().reserved.current, 12 * MIB);
+    let req = match core.retry_cached(&req).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("still nothing cached: {h:?}"),
+    };
+    assert!(req.claim_fraction(&mut core), "12 + 16 MiB fits");
+    // A second claim counts the first: 12 + 16 + 16 MiB does not fit.
+    let req2 = match core.try_cached_in(kv, 16 * MIB, s).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(h) => panic!("{h:?}"),
+    };
+    assert!(!req2.claim_fraction(&mut core));
+    let err = core.malloc_without_device(req2).unwrap_err();
+    assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
+    let ptr = core
+        .backend()
+        .malloc(DeviceId(0), req.alloc_size())
+        .unwrap();
+    let c = core.malloc_with_segment(req, ptr).unwrap();
+    assert_eq!(c.pool, Some(kv));
+    assert_eq!(core.pool_usage(kv).unwrap().reserved.current, 28 * MIB);
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+}

@@ -1,0 +1,162 @@
+//! Named memory pools through the public API (issue 19, section 1): a pool's blocks never
+//! serve another pool's requests (thread cache on or off, expandable segments or not), a quota
+//! fails with a typed error naming the pool or waits for a free in the pool, usage adds up to
+//! the device's statistics, and dropping the last handle releases the pool.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{build, sim, until_waiting, MIB};
+use gpualloc::{AllocError, DeviceId, Error, MallocOptions, PoolOptions};
+
+const CONFIGS: [&str; 4] = [
+    "",
+    "thread_cache:False",
+    "expandable_segments:True",
+    "expandable_segments:True,thread_cache:False,garbage_collection_threshold:0.8",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pools_freed_block_never_serves_another_pool() {
+    for conf in CONFIGS {
+        let alloc = build(sim(4 << 30), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        let kv = alloc
+            .pool("kv_cache", PoolOptions::default())
+            .await
+            .unwrap();
+        let weights = alloc.pool("weights", PoolOptions::default()).await.unwrap();
+        assert_eq!(kv.name(), "kv_cache");
+        for size in [4096, 512 << 10, 8 * MIB] {
+            let k = kv.malloc(size, &stream).await.unwrap();
+            let at = k.ptr();
+            drop(k);
+            // Same size, same stream, same thread: the thread cache would hand it back to the
+            // next request of the default pools; a pool's block is never parked there.
+            let d = alloc.malloc(size, &stream).await.unwrap();
+            let w = weights.malloc(size, &stream).await.unwrap();
+            assert_ne!(d.ptr(), at, "[{conf}] {size}: default request");
+            assert_ne!(w.ptr(), at, "[{conf}] {size}: other pool");
+            let again = kv.malloc(size, &stream).await.unwrap();
+            assert_eq!(again.ptr(), at, "[{conf}] {size}: its own pool");
+            // The default pool's block does not go to a pool either.
+            let dp = d.ptr();
+            drop(d);
+            let w2 = weights.malloc(size, &stream).await.unwrap();
+            assert_ne!(w2.ptr(), dp, "[{conf}] {size}");
+        }
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quota_fails_with_a_typed_error_or_waits_for_a_free_in_the_pool() {
+    for conf in CONFIGS {
+        let alloc = build(sim(4 << 30), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        let kv = alloc
+            .pool(
+                "kv_cache",
+                PoolOptions {
+                    quota: Some(40 * MIB),
+                    use_on_oom: false,
+                },
+            )
+            .await
+            .unwrap();
+        let a = kv.malloc(20 * MIB, &stream).await.unwrap();
+        let b = kv.malloc(20 * MIB, &stream).await.unwrap();
+        let err = kv.malloc(20 * MIB, &stream).await.unwrap_err();
+        assert!(err.is_oom(), "[{conf}] {err}");
+        match &err {
+            Error::Alloc(AllocError::PoolQuota {
+                pool,
+                quota,
+                reserved,
+                requested,
+            }) => {
+                assert_eq!(
+                    (pool.as_str(), *quota, *reserved, *requested),
+                    ("kv_cache", 40 * MIB, 40 * MIB, 20 * MIB)
+                );
+            }
+            other => panic!("[{conf}] {other:?}"),
+        }
+        assert!(err.to_string().contains("\"kv_cache\""), "{err}");
+        // The default pools are not limited by it.
+        let d = alloc.malloc(20 * MIB, &stream).await.unwrap();
+        // Waiting: a free in the pool lets the request through.
+        let waiter = {
+            let (kv, stream) = (kv.clone(), stream.clone());
+            tokio::spawn(async move {
+                kv.malloc_with(
+                    20 * MIB,
+                    &stream,
+                    MallocOptions::wait_for(Duration::from_secs(10)),
+                )
+                .await
+            })
+        };
+        until_waiting(&alloc, 1).await;
+        let at = a.ptr();
+        drop(a);
+        let c = waiter.await.unwrap().unwrap();
+        // Usually `a`'s block; a wake-up that raced the free may have returned the pool's free
+        // segment to the device and taken a new one instead: either way within the quota.
+        let usage = kv.usage(DeviceId(0)).await.unwrap();
+        if c.ptr() != at {
+            eprintln!("[{conf}] the waiter got a new segment");
+        }
+        assert_eq!(usage.reserved.current, 40 * MIB);
+        assert_eq!(usage.allocated.current, 40 * MIB);
+        drop((b, c, d));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_adds_up_and_dropping_the_pool_releases_it() {
+    for conf in CONFIGS {
+        let alloc = build(sim(4 << 30), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        let kv = alloc
+            .pool("kv_cache", PoolOptions::default())
+            .await
+            .unwrap();
+        let k: Vec<_> = {
+            let mut v = Vec::new();
+            for _ in 0..3 {
+                v.push(kv.malloc(6 * MIB, &stream).await.unwrap());
+            }
+            v
+        };
+        let d = alloc.malloc(30 * MIB, &stream).await.unwrap();
+        let usage = kv.usage(DeviceId(0)).await.unwrap();
+        assert_eq!(usage.name, "kv_cache");
+        assert_eq!(usage.allocated.current, 18 * MIB);
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(st.allocated_bytes[0].current, 48 * MIB);
+        assert!(st.reserved_bytes[0].current >= usage.reserved.current + 30 * MIB);
+        // Bad input: a device the pool is not on.
+        assert!(matches!(
+            kv.usage(DeviceId(7)).await,
+            Err(Error::InvalidDevice { device: 7, .. })
+        ));
+        // The last handle goes while its buffers live: they stay valid and return to the
+        // device on empty_cache once dropped.
+        let clone = kv.clone();
+        drop(kv);
+        assert_eq!(
+            clone.usage(DeviceId(0)).await.unwrap().allocated.current,
+            18 * MIB
+        );
+        drop(clone);
+        drop(k);
+        drop(d);
+        alloc.empty_cache().await.unwrap();
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(st.reserved_bytes[0].current, 0, "[{conf}]");
+        alloc.shutdown().await.unwrap();
+    }
+}
