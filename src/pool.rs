@@ -26,13 +26,11 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::MemPoolId;
+use gpualloc_devices::{memory_summary, AllocError, DeviceSnapshot, DeviceStats, MemPoolId};
 use gpualloc_runtime::{DeviceId, Stream};
 
 pub use gpualloc_devices::{PoolOptions, PoolUsage};
 
-#[cfg(doc)]
-use crate::AllocError;
 use crate::{Allocator, DeviceBuffer, Error, MallocOptions};
 
 /// A named memory pool on every device of an [`Allocator`]. Cheap to clone; see the module
@@ -138,9 +136,41 @@ impl Pool {
         actor
             .call(move |st| st.core.pool_usage(id))
             .await?
-            .ok_or(Error::Alloc(gpualloc_devices::AllocError::UnknownPool(
-                id.0,
-            )))
+            .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
+    }
+
+    /// The pool's statistics on `device`, in the device's terms: see
+    /// `DeviceCore::pool_stats` (current values from its blocks; peaks of allocated and
+    /// reserved bytes and segments tracked per pool, other peaks are the current values).
+    pub async fn stats(&self, device: DeviceId) -> Result<DeviceStats, Error> {
+        let id = self.id(device)?;
+        let actor = self.inner.alloc.device_actor(device)?;
+        actor
+            .call(move |st| st.core.pool_stats(id))
+            .await?
+            .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
+    }
+
+    /// The pool's segments on `device`, as [`Allocator::snapshot`] shows them.
+    pub async fn snapshot(&self, device: DeviceId) -> Result<DeviceSnapshot, Error> {
+        let id = self.id(device)?;
+        let actor = self.inner.alloc.device_actor(device)?;
+        actor
+            .call(move |st| st.core.pool_snapshot(id))
+            .await?
+            .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
+    }
+
+    /// PyTorch's `memory_summary()` table of the pool, one per device, each under a line
+    /// naming the pool.
+    pub async fn memory_summary(&self) -> Result<String, Error> {
+        let mut out = String::new();
+        for device in 0..self.inner.ids.len() as u32 {
+            let stats = self.stats(DeviceId(device)).await?;
+            out.push_str(&format!("memory pool {:?}\n", self.inner.name));
+            out.push_str(&memory_summary(DeviceId(device), &stats));
+        }
+        Ok(out)
     }
 
     fn id(&self, device: DeviceId) -> Result<MemPoolId, Error> {

@@ -108,8 +108,8 @@ async fn a_quota_fails_with_a_typed_error_or_waits_for_a_free_in_the_pool() {
         if c.ptr() != at {
             eprintln!("[{conf}] the waiter got a new segment");
         }
-        assert_eq!(usage.reserved.current, 40 * MIB);
-        assert_eq!(usage.allocated.current, 40 * MIB);
+        assert_eq!(usage.reserved.all().current, 40 * MIB);
+        assert_eq!(usage.allocated.all().current, 40 * MIB);
         drop((b, c, d));
         alloc.shutdown().await.unwrap();
     }
@@ -134,10 +134,24 @@ async fn usage_adds_up_and_dropping_the_pool_releases_it() {
         let d = alloc.malloc(30 * MIB, &stream).await.unwrap();
         let usage = kv.usage(DeviceId(0)).await.unwrap();
         assert_eq!(usage.name, "kv_cache");
-        assert_eq!(usage.allocated.current, 18 * MIB);
+        assert_eq!(usage.allocated.all().current, 18 * MIB);
         let st = alloc.stats(DeviceId(0)).await.unwrap();
         assert_eq!(st.allocated_bytes[0].current, 48 * MIB);
-        assert!(st.reserved_bytes[0].current >= usage.reserved.current + 30 * MIB);
+        assert!(st.reserved_bytes[0].current >= usage.reserved.all().current + 30 * MIB);
+        let pst = kv.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(pst.allocated_bytes[0].current, 18 * MIB);
+        assert_eq!(pst.reserved_bytes[0].current, usage.reserved.all().current);
+        let snap = kv.snapshot(DeviceId(0)).await.unwrap();
+        assert_eq!(
+            snap.segments.iter().map(|s| s.total_size).sum::<u64>(),
+            usage.reserved.all().current
+        );
+        let table = kv.memory_summary().await.unwrap();
+        if conf.is_empty() {
+            println!("{table}");
+        }
+        assert!(table.starts_with("memory pool \"kv_cache\""), "{table}");
+        assert!(table.contains("Allocated memory"), "{table}");
         // Bad input: a device the pool is not on.
         assert!(matches!(
             kv.usage(DeviceId(7)).await,
@@ -148,7 +162,13 @@ async fn usage_adds_up_and_dropping_the_pool_releases_it() {
         let clone = kv.clone();
         drop(kv);
         assert_eq!(
-            clone.usage(DeviceId(0)).await.unwrap().allocated.current,
+            clone
+                .usage(DeviceId(0))
+                .await
+                .unwrap()
+                .allocated
+                .all()
+                .current,
             18 * MIB
         );
         drop(clone);

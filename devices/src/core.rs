@@ -738,8 +738,8 @@ impl DeviceCore {
         for_pool(&mut self.stats.segment, small, |s| s.increase(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
         if let Some(u) = self.usage_mut(params.pool) {
-            u.segments.increase(1);
-            u.reserved.increase(size);
+            for_pool(&mut u.segments, small, |s| s.increase(1));
+            for_pool(&mut u.reserved, small, |s| s.increase(size));
         }
         self.stats.num_device_alloc += 1;
         if size >= self.config.max_split_size {
@@ -848,7 +848,7 @@ impl DeviceCore {
         let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
         if let Some(u) = self.usage_mut(pool) {
-            u.allocated.increase(bsize);
+            for_pool(&mut u.allocated, small, |s| s.increase(bsize));
         }
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| {
@@ -896,7 +896,7 @@ impl DeviceCore {
         for_pool(&mut self.stats.allocation, small, |s| s.decrease(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| s.decrease(size));
         if let Some(u) = self.usage_mut(pool) {
-            u.allocated.decrease(size);
+            for_pool(&mut u.allocated, small, |s| s.decrease(size));
         }
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
         if size >= self.config.max_split_size {

@@ -123,8 +123,8 @@ impl DeviceCore {
         for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));
         if let Some(u) = self.usage_mut(pool) {
-            u.segments.decrease(1);
-            u.reserved.decrease(size);
+            for_pool(&mut u.segments, small, |s| s.decrease(1));
+            for_pool(&mut u.reserved, small, |s| s.decrease(size));
         }
         self.stats.num_device_free += 1;
         if size >= self.config.max_split_size {

@@ -21,7 +21,8 @@
 
 use gpualloc_runtime::StreamHandle;
 
-use crate::stats::Stat;
+use crate::snapshot::{BlockStateName, DeviceSnapshot};
+use crate::stats::{DeviceStats, StatArray, StatType};
 
 use crate::core::{AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest};
 use crate::error::AllocError;
@@ -44,12 +45,12 @@ pub struct PoolUsage {
     pub name: String,
     /// Its quota.
     pub quota: Option<u64>,
-    /// Bytes of its segments.
-    pub reserved: Stat,
+    /// Bytes of its segments (all, small pool, large pool).
+    pub reserved: StatArray,
     /// Bytes of its live blocks (rounded sizes).
-    pub allocated: Stat,
+    pub allocated: StatArray,
     /// Its segments.
-    pub segments: Stat,
+    pub segments: StatArray,
 }
 
 impl DeviceCore {
@@ -95,6 +96,60 @@ impl DeviceCore {
         }
     }
 
+    /// The segments of `pool` as in [`DeviceCore::snapshot`] (and no trace: trace entries do
+    /// not name pools); `None` for an unknown pool.
+    pub fn pool_snapshot(&self, pool: MemPoolId) -> Option<DeviceSnapshot> {
+        self.private.get(&pool.0)?;
+        let mut snap = self.snapshot();
+        snap.segments.retain(|s| s.pool_id == (0, pool.0));
+        snap.trace.clear();
+        Some(snap)
+    }
+
+    /// Statistics of `pool` in the device's terms, for [`memory_summary`](crate::memory_summary):
+    /// allocated and reserved bytes and segments as its usage tracks them (current, peak and
+    /// totals); the other rows (active, requested, inactive split, allocation counts) from its
+    /// blocks now, with the current value as peak and no totals (tracked per device only).
+    pub fn pool_stats(&self, pool: MemPoolId) -> Option<DeviceStats> {
+        let usage = self.pool_usage(pool)?;
+        let snap = self.pool_snapshot(pool)?;
+        let mut st = DeviceStats {
+            max_split_size: self.stats.max_split_size,
+            ..DeviceStats::default()
+        };
+        let set = |arr: &mut StatArray, small: bool, n: u64| {
+            for i in [StatType::All as usize, 1 + usize::from(!small)] {
+                arr.0[i].current += n;
+                arr.0[i].peak = arr.0[i].peak.max(arr.0[i].current);
+            }
+        };
+        for seg in &snap.segments {
+            let small = seg.is_small;
+            for b in &seg.blocks {
+                let (live, active) = match b.state {
+                    BlockStateName::ActiveAllocated => (true, true),
+                    BlockStateName::ActivePendingFree => (false, true),
+                    BlockStateName::Inactive => (false, false),
+                };
+                if live {
+                    set(&mut st.allocation, small, 1);
+                    set(&mut st.requested_bytes, small, b.requested_size);
+                }
+                if active {
+                    set(&mut st.active, small, 1);
+                    set(&mut st.active_bytes, small, b.size);
+                } else if seg.blocks.len() > 1 && b.mapped {
+                    set(&mut st.inactive_split, small, 1);
+                    set(&mut st.inactive_split_bytes, small, b.size);
+                }
+            }
+        }
+        st.allocated_bytes = usage.allocated;
+        st.reserved_bytes = usage.reserved;
+        st.segment = usage.segments;
+        Some(st)
+    }
+
     /// The private pool owning block pool `index`, if any.
     pub(crate) fn owner_of(&self, index: usize) -> Option<MemPoolId> {
         match self.pools.get(index)?.owner {
@@ -115,11 +170,12 @@ impl DeviceCore {
         let id = self.owner_of(params.pool)?;
         let p = self.private.get(&id.0)?;
         let quota = p.usage.quota?;
-        let held = p.usage.reserved.current.saturating_add(p.claimed);
+        let reserved = p.usage.reserved.all().current;
+        let held = reserved.saturating_add(p.claimed);
         (held.saturating_add(params.alloc_size) > quota).then(|| AllocError::PoolQuota {
             pool: p.usage.name.clone(),
             quota,
-            reserved: p.usage.reserved.current,
+            reserved,
             requested,
         })
     }
@@ -131,16 +187,12 @@ impl DeviceCore {
     }
 
     /// Returns the cached whole segments of the pool of `params` (and only of it) to the
-    /// device, for a request at the pool's quota. True when something was released.
-    pub(crate) fn release_own_pool(&mut self, params: &AllocParams) -> Result<bool, AllocError> {
-        let Some(pools) = self.own_pools(params.pool) else {
-            return Ok(false);
-        };
-        let before = self.total_reserved;
-        for pool in pools {
+    /// device, for a request at the pool's quota.
+    pub(crate) fn release_own_pool(&mut self, params: &AllocParams) -> Result<(), AllocError> {
+        for pool in self.own_pools(params.pool).into_iter().flatten() {
             self.release_blocks(pool)?;
         }
-        Ok(self.total_reserved < before)
+        Ok(())
     }
 
     /// Re-runs the cache lookup of a miss (the same size, stream and pool), e.g. after its

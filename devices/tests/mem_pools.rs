@@ -40,6 +40,7 @@ fn a_pools_blocks_serve_only_its_own_requests() {
         let weights = core.create_named_pool("weights", PoolOptions::default());
         let k = core.malloc_in(kv, 8 * MIB, s).unwrap();
         assert_eq!(k.pool, Some(kv));
+        assert_eq!(core.allocation(k.ptr).unwrap().pool, Some(kv));
         core.free(k.ptr).unwrap();
         // Same size, other pools: never the KV block.
         let w = core.malloc_in(weights, 8 * MIB, s).unwrap();
@@ -55,9 +56,9 @@ fn a_pools_blocks_serve_only_its_own_requests() {
         core.release_pool(kv).unwrap();
         core.empty_cache().unwrap();
         let left = core.pool_usage(weights).unwrap();
-        assert_eq!(left.allocated.current, 8 * MIB);
+        assert_eq!(left.allocated.all().current, 8 * MIB);
         // 1–10 MiB requests take 20 MiB segments; pools never expand.
-        assert_eq!(left.reserved.current, 20 * MIB);
+        assert_eq!(left.reserved.all().current, 20 * MIB);
         assert!(core.pool_usage(kv).is_none(), "released and emptied");
         // The default pool: a 20 MiB segment, or 8 MiB of 2 MiB pages when expandable.
         let default = if conf.is_empty() { 20 * MIB } else { 8 * MIB };
@@ -73,9 +74,15 @@ fn a_pools_blocks_serve_only_its_own_requests() {
             core.malloc_in(kv, MIB, s).unwrap_err(),
             AllocError::UnknownPool(kv.0)
         );
+        let unknown = core.malloc_in(MemPoolId(99), MIB, s).unwrap_err();
+        assert_eq!(unknown, AllocError::UnknownPool(99));
+        assert!(!unknown.is_oom());
+        // Released with a live buffer: the pool still exists, and takes no requests.
+        core.release_pool(weights).unwrap();
+        assert!(core.pool_usage(weights).is_some());
         assert_eq!(
-            core.malloc_in(MemPoolId(99), MIB, s).unwrap_err(),
-            AllocError::UnknownPool(99)
+            core.malloc_in(weights, MIB, s).unwrap_err(),
+            AllocError::UnknownPool(weights.0)
         );
         core.free(w.ptr).unwrap();
         core.free(d.ptr).unwrap();
@@ -129,12 +136,15 @@ fn at_its_quota_a_pool_releases_its_own_cache_only() {
     let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
     core.free(b.ptr).unwrap();
-    assert_eq!(core.pool_usage(kv).unwrap().reserved.current, 24 * MIB);
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        24 * MIB
+    );
     let c = core.malloc_in(kv, 16 * MIB, s).unwrap();
     let usage = core.pool_usage(kv).unwrap();
-    assert_eq!(usage.reserved.current, 16 * MIB);
-    assert_eq!(usage.reserved.peak, 24 * MIB);
-    assert_eq!(usage.segments.current, 1);
+    assert_eq!(usage.reserved.all().current, 16 * MIB);
+    assert_eq!(usage.reserved.all().peak, 24 * MIB);
+    assert_eq!(usage.segments.all().current, 1);
     assert_eq!(
         core.reserved_bytes(),
         28 * MIB,
@@ -161,21 +171,27 @@ fn pool_usage_adds_up_to_the_device_statistics() {
         core.pool_usage(kv).unwrap(),
     );
     assert_eq!(uw.name, "weights");
+    // PyTorch's unnamed pools are named by their id.
+    let plain = core.create_pool(false);
+    assert_eq!(
+        core.pool_usage(plain).unwrap().name,
+        format!("pool {}", plain.0)
+    );
     assert_eq!((uk.name.as_str(), uk.quota), ("kv_cache", Some(64 * MIB)));
-    assert_eq!(uw.allocated.current, 30 * MIB);
+    assert_eq!(uw.allocated.all().current, 30 * MIB);
     // 4 MiB requests take 20 MiB large segments; 4 KiB a 2 MiB small one.
-    assert_eq!(uk.allocated.current, 12 * MIB + 4096);
-    assert_eq!(uk.reserved.current, 22 * MIB);
-    assert_eq!(uk.segments.current, 2);
+    assert_eq!(uk.allocated.all().current, 12 * MIB + 4096);
+    assert_eq!(uk.reserved.all().current, 22 * MIB);
+    assert_eq!(uk.segments.all().current, 2);
     let st = core.stats();
     let default_alloc = 6 * MIB;
     assert_eq!(
         st.allocated_bytes[ALL].current,
-        uw.allocated.current + uk.allocated.current + default_alloc
+        uw.allocated.all().current + uk.allocated.all().current + default_alloc
     );
     assert_eq!(
         st.reserved_bytes[ALL].current,
-        uw.reserved.current + uk.reserved.current + 20 * MIB
+        uw.reserved.all().current + uk.reserved.all().current + 20 * MIB
     );
     for a in k {
         core.free(a.ptr).unwrap();
@@ -183,7 +199,7 @@ fn pool_usage_adds_up_to_the_device_statistics() {
     core.free(small.ptr).unwrap();
     let uk = core.pool_usage(kv).unwrap();
     assert_eq!(
-        (uk.allocated.current, uk.allocated.peak),
+        (uk.allocated.all().current, uk.allocated.all().peak),
         (0, 12 * MIB + 4096)
     );
     core.free(w.ptr).unwrap();
@@ -213,7 +229,7 @@ fn use_on_oom_lends_free_blocks_and_they_return() {
                 assert_eq!(e.ptr, p.ptr);
                 assert_eq!(e.pool, Some(spare));
                 core.free(e.ptr).unwrap();
-                assert_eq!(core.pool_usage(spare).unwrap().allocated.current, 0);
+                assert_eq!(core.pool_usage(spare).unwrap().allocated.all().current, 0);
                 let again = core.malloc_in(spare, 20 * MIB, s).unwrap();
                 assert_eq!(again.ptr, p.ptr, "back in its pool");
                 core.free(again.ptr).unwrap();
@@ -247,7 +263,10 @@ fn the_off_core_path_claims_against_the_quota() {
     let detached = core.detach_free_segments_for(Some(&req)).unwrap();
     assert_eq!(detached.len(), 1, "kv's free 12 MiB segment only");
     gpualloc_devices::free_detached(core.backend().as_ref(), DeviceId(0), &detached).unwrap();
-    assert_eq!(core.pool_usage(other).unwrap().reserved.current, 12 * MIB);
+    assert_eq!(
+        core.pool_usage(other).unwrap().reserved.all().current,
+        12 * MIB
+    );
     let req = match core.retry_cached(&req).unwrap() {
         CachedOutcome::Miss(req) => req,
         CachedOutcome::Hit(h) => panic!("still nothing cached: {h:?}"),
@@ -259,16 +278,77 @@ fn the_off_core_path_claims_against_the_quota() {
         CachedOutcome::Hit(h) => panic!("{h:?}"),
     };
     assert!(!req2.claim_fraction(&mut core));
+    let oom_before = core.stats().num_ooms;
     let err = core.malloc_without_device(req2).unwrap_err();
     assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
+    assert_eq!(core.stats().num_ooms, oom_before + 1);
+    // A claim whose device malloc failed no longer counts.
+    let req3 = match core.try_cached_in(kv, 12 * MIB, s).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(h) => panic!("{h:?}"),
+    };
+    assert!(!req3.claim_fraction(&mut core), "12 + 16 + 12 MiB");
+    core.segment_not_obtained(&req);
+    assert_eq!(core.growing_bytes(), 0);
+    assert!(
+        req3.claim_fraction(&mut core),
+        "12 + 12 MiB: the 16 MiB claim is gone"
+    );
+    core.segment_not_obtained(&req3);
+    assert!(req.claim_fraction(&mut core));
     let ptr = core
         .backend()
         .malloc(DeviceId(0), req.alloc_size())
         .unwrap();
     let c = core.malloc_with_segment(req, ptr).unwrap();
     assert_eq!(c.pool, Some(kv));
-    assert_eq!(core.pool_usage(kv).unwrap().reserved.current, 28 * MIB);
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        28 * MIB
+    );
     core.free(b.ptr).unwrap();
     core.free(c.ptr).unwrap();
     core.check_invariants().unwrap();
+}
+
+/// A pool's snapshot holds its segments only; its statistics count its blocks, with the
+/// peaks of its usage, and render as PyTorch's summary table.
+#[test]
+fn a_pools_snapshot_and_statistics_cover_it_alone() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", PoolOptions::default());
+    let d = core.malloc(30 * MIB, s).unwrap();
+    let a = core.malloc_in(kv, 4 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 4 * MIB, s).unwrap();
+    let small = core.malloc_in(kv, 1000, s).unwrap();
+    core.free(b.ptr).unwrap();
+    let snap = core.pool_snapshot(kv).unwrap();
+    assert_eq!(snap.segments.len(), 2, "one large, one small segment");
+    assert!(snap.segments.iter().all(|seg| seg.pool_id == (0, kv.0)));
+    let st = core.pool_stats(kv).unwrap();
+    let (all, small_i, large_i) = (ALL, StatType::Small as usize, StatType::Large as usize);
+    assert_eq!(st.segment[all].current, 2);
+    assert_eq!(
+        (st.segment[small_i].current, st.segment[large_i].current),
+        (1, 1)
+    );
+    assert_eq!(st.reserved_bytes[all].current, 22 * MIB);
+    assert_eq!(st.allocated_bytes[all].current, 4 * MIB + 1024);
+    assert_eq!(st.allocated_bytes[all].peak, 8 * MIB + 1024);
+    assert_eq!(st.allocation[all].current, 2);
+    assert_eq!(st.requested_bytes[all].current, 4 * MIB + 1000);
+    assert_eq!(st.active_bytes[large_i].current, 4 * MIB);
+    assert_eq!(st.inactive_split_bytes[large_i].current, 16 * MIB);
+    let table = gpualloc_devices::memory_summary(DeviceId(0), &st);
+    assert!(table.contains("Allocated memory"), "{table}");
+    // The device counts both.
+    assert_eq!(
+        core.stats().reserved_bytes[ALL].current,
+        30 * MIB + 22 * MIB
+    );
+    assert!(core.pool_snapshot(MemPoolId(42)).is_none());
+    assert!(core.pool_stats(MemPoolId(42)).is_none());
+    for p in [a.ptr, small.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
 }
