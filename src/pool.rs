@@ -8,9 +8,10 @@
 //!   happen by construction. The exception is PyTorch's `use_on_oom`
 //!   ([`PoolOptions::use_on_oom`]): such a pool lends its free blocks to requests of the device
 //!   that would otherwise fail; they return to the pool when freed.
-//! - [`PoolOptions::quota`] caps the bytes the pool reserves on each device (whole segments:
-//!   pools do not use expandable segments). A request past it first returns the pool's own
-//!   cached segments to the device, then fails with [`AllocError::PoolQuota`] (the pool's
+//! - [`PoolOptions::quota`] caps the bytes the pool reserves on each device (its segments, or
+//!   under `expandable_segments:True` the pages mapped into its own expandable segments). A
+//!   request past it first returns the pool's own cached memory to the device, then fails
+//!   with [`AllocError::PoolQuota`] (the pool's
 //!   name, quota and usage; [`Error::is_oom`] is true for it), or, with
 //!   [`MallocOptions::wait_for`], waits for frees like a request on a full device. Waiting is
 //!   first come, first served across all pools of a device: a waiter whose pool is still at

@@ -180,3 +180,47 @@ async fn usage_adds_up_and_dropping_the_pool_releases_it() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// With expandable segments a pool at its quota unmaps its own wholly free pages (off the
+/// actor's gate) and grows again, instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_its_quota_a_pool_of_expandable_segments_unmaps_its_own_free_pages() {
+    for conf in [
+        "expandable_segments:True",
+        "expandable_segments:True,thread_cache:False",
+    ] {
+        let alloc = build(sim(4 << 30), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        let kv = alloc
+            .pool(
+                "kv_cache",
+                PoolOptions {
+                    quota: Some(40 * MIB),
+                    use_on_oom: false,
+                },
+            )
+            .await
+            .unwrap();
+        let a = kv.malloc(12 * MIB, &stream).await.unwrap();
+        let b = kv.malloc(12 * MIB, &stream).await.unwrap();
+        let c = kv.malloc(14 * MIB, &stream).await.unwrap();
+        assert_eq!(
+            kv.usage(DeviceId(0)).await.unwrap().reserved.all().current,
+            38 * MIB
+        );
+        drop(b);
+        let e = kv.malloc(14 * MIB, &stream).await.unwrap();
+        assert_eq!(e.ptr().0, a.ptr().0 + 38 * MIB, "[{conf}]");
+        assert_eq!(
+            kv.usage(DeviceId(0)).await.unwrap().reserved.all().current,
+            40 * MIB
+        );
+        let err = kv.malloc(4 * MIB, &stream).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Alloc(AllocError::PoolQuota { .. })),
+            "[{conf}] {err}"
+        );
+        drop((a, c, e));
+        alloc.shutdown().await.unwrap();
+    }
+}

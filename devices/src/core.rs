@@ -69,6 +69,8 @@ pub(crate) struct PrivatePool {
     pub released: bool,
     /// Name, quota and what it holds (`mem_pools.rs`).
     pub usage: PoolUsage,
+    /// Its segments are expandable (a named pool under `expandable_segments`).
+    pub expands: bool,
     /// Bytes of segments being allocated for it off the core
     /// ([`SegmentRequest::claim_fraction`]).
     pub claimed: u64,
@@ -326,6 +328,7 @@ impl DeviceCore {
                     name: format!("pool {id}"),
                     ..PoolUsage::default()
                 },
+                expands: false,
                 claimed: 0,
             },
         );
@@ -516,7 +519,8 @@ impl DeviceCore {
         if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
             self.garbage_collect_cached_blocks()?;
         }
-        if self.quota_error(params, size).is_some() {
+        let expands = self.pool_expands(params.pool);
+        if !expands && self.quota_error(params, size).is_some() {
             // At the pool's quota: its own cached segments go back first (`mem_pools.rs`).
             self.release_own_pool(params)?;
             if let Some(e) = self.quota_error(params, size) {
@@ -524,14 +528,24 @@ impl DeviceCore {
                 return Err(e);
             }
         }
-        let found = self.adopt_orphan(params)
+        let mut found = self.adopt_orphan(params)
             || self.alloc_block(params, false)?
             || self.take_passed_over(params)
             || self.use_private_pool_on_oom(params)
             || (self.release_available_cached_blocks(params)?
                 && self.alloc_block(params, false)?)
             || (self.release_cached_blocks()? && self.alloc_block(params, true)?);
+        if !found && expands && self.pool_room(params.pool).is_some() {
+            // A named pool of expandable segments at its quota: its own free pages go back,
+            // then its segment grows again.
+            self.release_own_pool(params)?;
+            found = self.alloc_block(params, true)?;
+        }
         if !found {
+            if let Some(e) = self.quota_error(params, size) {
+                self.stats.num_ooms += 1;
+                return Err(e);
+            }
             return Err(self.out_of_memory(size, params));
         }
         self.finish(params, size)
@@ -692,8 +706,7 @@ impl DeviceCore {
             self.stats.num_alloc_retries += 1;
         }
         let size = params.alloc_size;
-        let expandable = self.config.expandable_segments
-            && matches!(self.pools[params.pool].owner, PoolOwner::Default);
+        let expandable = self.pool_expands(params.pool);
         if let Some(max) = self.allowed_max {
             // Memory being obtained off the core counts against the cap too. Growth in 2 MiB
             // pages checks the bytes it maps instead (`map_block`).
@@ -988,11 +1001,11 @@ impl SegmentRequest {
     }
 
     /// True when the request is served by mapping pages of an expandable segment (the
-    /// default pool with `expandable_segments`); false when it needs a whole segment from
-    /// the device's malloc (ordinary segments, and private pools, which never expand).
+    /// default pools and named pools with `expandable_segments`); false when it needs a whole
+    /// segment from the device's malloc (ordinary segments, and PyTorch's unnamed private
+    /// pools, which never expand).
     pub fn maps_pages(&self, core: &DeviceCore) -> bool {
-        core.config.expandable_segments
-            && matches!(core.pools[self.params.pool].owner, PoolOwner::Default)
+        core.pool_expands(self.params.pool)
     }
 
     /// [`SegmentRequest::fits_fraction`], and if it fits, counts the segment as being

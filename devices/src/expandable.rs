@@ -346,6 +346,10 @@ impl DeviceCore {
                 }
             }
         }
+        // A named pool's quota counts the pages it maps (`mem_pools.rs`).
+        if self.pool_room(b.pool).is_some_and(|room| want > room) {
+            return Ok(false);
+        }
         let (start, len) = match self.es_map((b.segment, b.pool, b.addr), want, ahead) {
             Ok(r) => r,
             Err(e) if e.is_oom() => return Ok(false),
@@ -410,6 +414,9 @@ impl DeviceCore {
         self.total_reserved += len;
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(len));
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.reserved, small, |s| s.increase(len));
+        }
         self.stats.num_device_alloc += 1;
         self.record(TraceAction::SegmentMap, start, len, b.stream.raw);
     }
@@ -527,6 +534,9 @@ impl DeviceCore {
         self.total_reserved -= len;
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(len));
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.reserved, small, |s| s.decrease(len));
+        }
         self.stats.num_device_free += 1;
         self.record(TraceAction::SegmentUnmap, start, len, b.stream.raw);
     }

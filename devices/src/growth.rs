@@ -17,10 +17,10 @@
 //! flight (`release_all_expandable`); the commit then refuses, and the owner unmaps, releases
 //! and frees the reservation with [`Refused::release`]. When no growth is planned (over the
 //! memory-fraction cap) or it fails for lack of memory, such an owner releases the cache off
-//! the core and plans again, and ends with [`DeviceCore::malloc_without_device`]; private
-//! pools never expand (they take whole segments, see [`SegmentRequest::maps_pages`]). The
-//! in-place chain (`malloc_after_miss`) does all of it at once, for owners without such a
-//! constraint.
+//! the core and plans again, and ends with [`DeviceCore::malloc_without_device`]; PyTorch's
+//! unnamed private pools never expand (they take whole segments, see
+//! [`SegmentRequest::maps_pages`]). The in-place chain (`malloc_after_miss`) does all of it at
+//! once, for owners without such a constraint.
 
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
@@ -28,7 +28,6 @@ use crate::block::{Block, BlockId, BlockState};
 use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, MappedPages};
-use crate::pool::PoolOwner;
 
 /// Pages of one expandable segment to map off the core. See the module docs.
 #[derive(Debug)]
@@ -93,9 +92,7 @@ impl DeviceCore {
             return Err(AllocError::Shutdown);
         }
         let params = &req.params;
-        if !self.config.expandable_segments
-            || !matches!(self.pools[params.pool].owner, PoolOwner::Default)
-        {
+        if !self.pool_expands(params.pool) {
             return Ok(Growth::InPlace);
         }
         let size = params.size;
@@ -131,10 +128,14 @@ impl DeviceCore {
                 return Growth::InPlace;
             }
         }
+        if self.pool_room(pool).is_some_and(|room| want > room) {
+            return Growth::InPlace;
+        }
         self.split_unmapped_front(id, len);
         let b = self.blocks.get_mut(id);
         b.state = BlockState::Mapping;
         self.growing_bytes += len;
+        self.claim_for_pool(pool, len, true);
         self.begin_off_core(seg);
         Growth::Map(GrowthPlan {
             block: id,
@@ -164,6 +165,9 @@ impl DeviceCore {
     /// shutdown and this was its last off-core operation.
     fn end_growth(&mut self, plan: &GrowthPlan) -> Option<(DevicePtr, u64)> {
         self.growing_bytes = self.growing_bytes.saturating_sub(plan.len);
+        if let Some(pool) = self.segments.get(&plan.seg).map(|m| m.pool) {
+            self.claim_for_pool(pool, plan.len, false);
+        }
         self.end_off_core(plan.seg)
     }
 

@@ -81,6 +81,9 @@ impl DeviceCore {
             want.max(ahead)
         };
         let len = len.min(avail);
+        if self.pool_room(pool).is_some_and(|room| len > room) {
+            return (want, want);
+        }
         match self.allowed_max {
             Some(max) if self.total_reserved + self.growing_bytes + len > max => (want, want),
             _ => (want, len),

@@ -7,12 +7,14 @@
 //!   that would otherwise fail (the block still belongs to the pool and returns to it).
 //! - A request names its pool ([`DeviceCore::try_cached_in`], [`DeviceCore::malloc_in`]);
 //!   PyTorch's stream routing (`begin_allocate_to_pool`) works for these pools too.
-//! - A quota caps the bytes a pool reserves (its segments, counting segments being allocated
-//!   off the core for it). A miss that would pass it first returns the pool's own cached
-//!   whole segments to the device (never another pool's), then fails with
-//!   [`AllocError::PoolQuota`], which names the pool, its quota and its usage. Segments are
-//!   whole (private pools never expand), so a quota counts segment sizes: a 1 KiB request
-//!   reserves a 2 MiB small segment, as PyTorch's pools do.
+//! - Under `expandable_segments` a named pool grows expandable segments of its own (PyTorch's
+//!   unnamed private pools keep taking whole segments); otherwise whole segments, so a 1 KiB
+//!   request reserves a 2 MiB small segment, as PyTorch's pools do.
+//! - A quota caps the bytes a pool reserves (its segments or mapped pages, counting what is
+//!   being obtained off the core for it). A miss that would pass it first returns the pool's
+//!   own cached whole segments or wholly free pages to the device (never another pool's),
+//!   then fails with [`AllocError::PoolQuota`], which names the pool, its quota and its
+//!   usage.
 //! - Usage per pool (reserved and allocated bytes, current and peak, segments):
 //!   [`DeviceCore::pool_usage`]. The device's statistics count every pool, so they stay the
 //!   sum of the default pools and the private ones.
@@ -58,9 +60,11 @@ impl DeviceCore {
     /// is.
     pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {
         let id = self.create_pool(options.use_on_oom);
+        let expands = self.config.expandable_segments;
         if let Some(p) = self.private.get_mut(&id.0) {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
+            p.expands = expands;
         }
         id
     }
@@ -150,6 +154,25 @@ impl DeviceCore {
         Some(st)
     }
 
+    /// True when block pool `index` grows expandable segments: the default pools and named
+    /// pools under `expandable_segments` (PyTorch's unnamed private pools take whole
+    /// segments).
+    pub(crate) fn pool_expands(&self, index: usize) -> bool {
+        self.config.expandable_segments
+            && match self.owner_of(index) {
+                None => true,
+                Some(id) => self.private.get(&id.0).is_some_and(|p| p.expands),
+            }
+    }
+
+    /// Bytes the private pool owning block pool `index` may still reserve under its quota
+    /// (counting what is being obtained for it off the core); `None` without a quota.
+    pub(crate) fn pool_room(&self, index: usize) -> Option<u64> {
+        let p = self.private.get(&self.owner_of(index)?.0)?;
+        let held = p.usage.reserved.all().current.saturating_add(p.claimed);
+        Some(p.usage.quota?.saturating_sub(held))
+    }
+
     /// The private pool owning block pool `index`, if any.
     pub(crate) fn owner_of(&self, index: usize) -> Option<MemPoolId> {
         match self.pools.get(index)?.owner {
@@ -165,14 +188,20 @@ impl DeviceCore {
     }
 
     /// The error of a request of `requested` bytes that a new segment for `params` would
-    /// take past its pool's quota; `None` when it fits.
+    /// take past its pool's quota; `None` when it fits. For a pool of expandable segments the
+    /// new memory is the request's rounded size (at most what its growth maps).
     pub(crate) fn quota_error(&self, params: &AllocParams, requested: u64) -> Option<AllocError> {
         let id = self.owner_of(params.pool)?;
         let p = self.private.get(&id.0)?;
         let quota = p.usage.quota?;
         let reserved = p.usage.reserved.all().current;
         let held = reserved.saturating_add(p.claimed);
-        (held.saturating_add(params.alloc_size) > quota).then(|| AllocError::PoolQuota {
+        let new = if p.expands {
+            params.size
+        } else {
+            params.alloc_size
+        };
+        (held.saturating_add(new) > quota).then(|| AllocError::PoolQuota {
             pool: p.usage.name.clone(),
             quota,
             reserved,

@@ -18,7 +18,7 @@
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 use crate::block::{BlockId, BlockState};
-use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::expandable::{unmap_pages, MappedPages};
 
@@ -44,11 +44,32 @@ impl DeviceCore {
     /// books (see the module docs). Call after pending frees were completed, as
     /// `detach_free_segments` is.
     pub fn detach_free_pages(&mut self) -> Result<Vec<PageRelease>, AllocError> {
+        self.detach_free_pages_for(None)
+    }
+
+    /// [`DeviceCore::detach_free_pages`], and the free pages of released named pools; for a
+    /// request at its named pool's quota, that pool's free pages too (`mem_pools.rs`).
+    pub fn detach_free_pages_for(
+        &mut self,
+        request: Option<&SegmentRequest>,
+    ) -> Result<Vec<PageRelease>, AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
+        let mut pools = vec![LARGE_POOL, SMALL_POOL];
+        pools.extend(
+            self.private
+                .values()
+                .filter(|p| p.released && p.expands)
+                .flat_map(|p| [p.large, p.small]),
+        );
+        if let Some(r) = request {
+            if self.pool_room(r.params.pool).is_some() {
+                pools.extend(self.own_pools(r.params.pool).into_iter().flatten());
+            }
+        }
         let mut ids: Vec<BlockId> = Vec::new();
-        for pool in [LARGE_POOL, SMALL_POOL] {
+        for pool in pools {
             for &id in self.pools[pool].free.values() {
                 // The free sets hold mapped blocks only (unmapped ones have sets of their own).
                 if self.blocks.get(id).expandable {

@@ -57,17 +57,17 @@ fn a_pools_blocks_serve_only_its_own_requests() {
         core.empty_cache().unwrap();
         let left = core.pool_usage(weights).unwrap();
         assert_eq!(left.allocated.all().current, 8 * MIB);
-        // 1–10 MiB requests take 20 MiB segments; pools never expand.
-        assert_eq!(left.reserved.all().current, 20 * MIB);
+        // 1–10 MiB requests take 20 MiB segments; with expandable segments, 8 MiB of 2 MiB
+        // pages (the named pool's own segment and the default pool's alike).
+        let one = if conf.is_empty() { 20 * MIB } else { 8 * MIB };
+        assert_eq!(left.reserved.all().current, one);
         assert!(core.pool_usage(kv).is_none(), "released and emptied");
-        // The default pool: a 20 MiB segment, or 8 MiB of 2 MiB pages when expandable.
-        let default = if conf.is_empty() { 20 * MIB } else { 8 * MIB };
         assert_eq!(
             core.reserved_bytes(),
-            20 * MIB + default,
+            2 * one,
             "{conf}: weights and the default"
         );
-        assert_eq!(backend.used(DeviceId(0)), 20 * MIB + default);
+        assert_eq!(backend.used(DeviceId(0)), 2 * one);
         core.check_invariants().unwrap();
         // A released pool takes no requests.
         assert_eq!(
@@ -351,4 +351,64 @@ fn a_pools_snapshot_and_statistics_cover_it_alone() {
     for p in [a.ptr, small.ptr, d.ptr] {
         core.free(p).unwrap();
     }
+}
+
+/// Under `expandable_segments` a named pool grows its own expandable segments, and its quota
+/// counts the pages it maps: at the quota it first unmaps its own wholly free handles, then
+/// fails with the typed error.
+#[test]
+fn named_pools_grow_expandable_segments_under_their_quota() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
+    let a = core.malloc_in(kv, 12 * MIB, s).unwrap(); // [0, 12)
+    let b = core.malloc_in(kv, 12 * MIB, s).unwrap(); // [12, 24)
+    let c = core.malloc_in(kv, 14 * MIB, s).unwrap(); // [24, 38)
+    assert_eq!((b.ptr.0, c.ptr.0), (a.ptr.0 + 12 * MIB, a.ptr.0 + 24 * MIB));
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        38 * MIB
+    );
+    let snap = core.pool_snapshot(kv).unwrap();
+    assert!(snap.segments.iter().all(|seg| seg.is_expandable));
+    // The default pools have segments of their own.
+    let d0 = core.malloc(12 * MIB, s).unwrap();
+    assert!(d0.ptr.0 < a.ptr.0 || d0.ptr.0 >= a.ptr.0 + (1 << 30));
+    // 4 MiB more would pass 40.
+    let err = core.malloc_in(kv, 4 * MIB, s).unwrap_err();
+    assert_eq!(
+        err,
+        AllocError::PoolQuota {
+            pool: "kv_cache".into(),
+            quota: 40 * MIB,
+            reserved: 38 * MIB,
+            requested: 4 * MIB,
+        }
+    );
+    // b's handle freed whole: at the quota it is unmapped, and the tail grows by 14 MiB.
+    core.free(b.ptr).unwrap();
+    let unmaps = backend.counts().unmaps;
+    let e = core.malloc_in(kv, 14 * MIB, s).unwrap();
+    assert_eq!(e.ptr.0, a.ptr.0 + 38 * MIB);
+    assert_eq!(backend.counts().unmaps, unmaps + 1);
+    let usage = core.pool_usage(kv).unwrap();
+    assert_eq!(usage.reserved.all().current, 40 * MIB);
+    assert_eq!(usage.reserved.all().peak, 40 * MIB);
+    core.check_invariants().unwrap();
+    // empty_cache keeps a pool's pages (PyTorch's pools); releasing the pool returns them.
+    for p in [a.ptr, c.ptr, e.ptr] {
+        core.free(p).unwrap();
+    }
+    core.empty_cache().unwrap();
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        40 * MIB
+    );
+    core.release_pool(kv).unwrap();
+    core.empty_cache().unwrap();
+    assert!(core.pool_usage(kv).is_none());
+    core.free(d0.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+    assert_eq!(backend.used(DeviceId(0)), 0);
+    core.check_invariants().unwrap();
 }

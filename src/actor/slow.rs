@@ -137,7 +137,7 @@ impl DeviceActor {
                         size,
                         "no room for the pages: releasing cached memory"
                     );
-                    if self.release_cache_blocking() > 0 {
+                    if self.release_cache_blocking_for(Some(&req)) > 0 {
                         match self.grow_off_gate(req, &stream)? {
                             Grown::Buffer(buf) => return Ok(buf),
                             Grown::InPlace(req) | Grown::Full(req) => req,
@@ -403,7 +403,7 @@ impl DeviceActor {
         if let Err(e) = free_detached(self.backend.as_ref(), self.device, &segments) {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");
         }
-        let pages = self.release_free_pages_blocking();
+        let pages = self.release_free_pages_blocking(request);
         if !segments.is_empty() || pages > 0 {
             self.signals.waiters.wake_head();
         }
@@ -414,13 +414,13 @@ impl DeviceActor {
     /// Expandable segments: unmaps the whole pages of every free block, with the stream
     /// synchronization and the driver calls off the gate (`gpualloc_devices::shrink`).
     /// Returns how many free blocks gave up pages.
-    fn release_free_pages_blocking(&self) -> usize {
+    fn release_free_pages_blocking(&self, request: Option<&SegmentRequest>) -> usize {
         let detached = self
             .mailbox
             .hold_blocking()
             .state()
             .core
-            .detach_free_pages();
+            .detach_free_pages_for(request);
         let releases = match detached {
             Ok(r) if !r.is_empty() => r,
             _ => return 0,
