@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use gpualloc_devices::{
-    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, MemPoolId, PoolOptions, StatType,
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions,
+    StatType,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
@@ -403,6 +404,8 @@ fn named_pools_grow_expandable_segments_under_their_quota() {
         core.pool_usage(kv).unwrap().reserved.all().current,
         40 * MIB
     );
+    // The actors' release (off the core) leaves them too.
+    assert!(core.detach_free_pages().unwrap().is_empty());
     core.release_pool(kv).unwrap();
     core.empty_cache().unwrap();
     assert!(core.pool_usage(kv).is_none());
@@ -411,4 +414,80 @@ fn named_pools_grow_expandable_segments_under_their_quota() {
     assert_eq!(core.reserved_bytes(), 0);
     assert_eq!(backend.used(DeviceId(0)), 0);
     core.check_invariants().unwrap();
+}
+
+/// The quota of a pool of expandable segments, edge by edge: a growth that reaches it exactly
+/// is planned (off the core) and mapped (in place), the pages ahead are kept when they reach
+/// it exactly and dropped when they would pass it, and one byte more fails with the typed
+/// error (counted as an OOM).
+#[test]
+fn an_expandable_pools_quota_is_reached_exactly_and_not_passed() {
+    // Off the core: 30 MiB mapped, room for 10 MiB.
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
+    let a = core.malloc_in(kv, 30 * MIB, s).unwrap();
+    for (size, planned) in [(12 * MIB, None), (10 * MIB, Some(10 * MIB))] {
+        let req = match core.try_cached_in(kv, size, s).unwrap() {
+            CachedOutcome::Miss(req) => req,
+            CachedOutcome::Hit(h) => panic!("{h:?}"),
+        };
+        match (core.plan_growth(&req).unwrap(), planned) {
+            (Growth::InPlace, None) => {}
+            (Growth::Map(p), Some(bytes)) => {
+                assert_eq!(p.bytes(), bytes);
+                let _ = core.abort_growth(p);
+            }
+            (g, want) => panic!("{size}: {g:?}, expected {want:?}"),
+        }
+    }
+    core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+    // In place: 34 MiB mapped; 1/8 ahead is 6 MiB, exactly the room: kept.
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
+    let a = core.malloc_in(kv, 34 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 2 * MIB, s).unwrap();
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        40 * MIB
+    );
+    core.free(b.ptr).unwrap();
+    core.free(a.ptr).unwrap();
+    // 36 MiB mapped: 6 MiB ahead would pass 40: only the request's 2 MiB.
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
+    let a = core.malloc_in(kv, 36 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 2 * MIB, s).unwrap();
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        38 * MIB
+    );
+    let c = core.malloc_in(kv, 2 * MIB, s).unwrap();
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        40 * MIB
+    );
+    let err = core.malloc_in(kv, 2 * MIB, s).unwrap_err();
+    assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
+    assert_eq!(core.stats().num_ooms, 1);
+    for p in [a.ptr, b.ptr, c.ptr] {
+        core.free(p).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
+
+/// A pool of whole segments under its quota keeps its cache on a miss (only a request at
+/// the quota returns the pool's cached segments).
+#[test]
+fn under_its_quota_a_pool_keeps_its_cache() {
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(100 * MIB));
+    let a = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let b = core.malloc_in(kv, 16 * MIB, s).unwrap();
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        28 * MIB
+    );
+    core.free(b.ptr).unwrap();
 }

@@ -236,6 +236,42 @@ async fn actor_pairs(alloc: &Allocator, stream: &Stream, n: usize) -> Vec<u64> {
     samples
 }
 
+/// Hit pairs (malloc + drop) from a named pool, after 1,000 warm-up pairs; in ns.
+async fn pool_pairs(pool: &gpualloc::Pool, stream: &Stream, n: usize) -> Vec<u64> {
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 1000 {
+        let t = Instant::now();
+        let b = pool.malloc(HIT_SIZE, stream).await.expect("malloc");
+        drop(b);
+        if i >= 1000 {
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    samples
+}
+
+/// A named pool's hit pair against the default pools' through the gate (`thread_cache:False`),
+/// in one allocator: pool blocks bypass the thread cache, so this is the path they take.
+async fn pool_hit_latency(figures: &mut Vec<Figure>) {
+    const N: usize = 200_000;
+    let alloc = build(hit_backend(), Path::Gate);
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let pool = alloc
+        .pool("bench", gpualloc::PoolOptions::default())
+        .await
+        .expect("pool");
+    let mut default = actor_pairs(&alloc, &stream, N).await;
+    let mut pooled = pool_pairs(&pool, &stream, N).await;
+    push_median_p99(
+        figures,
+        ["pool_hit_pair_median_ns", "pool_hit_pair_p99_ns"],
+        &mut pooled,
+        &mut default,
+    );
+    drop(pool);
+    let _ = alloc.shutdown().await;
+}
+
 /// Hit pairs on `stream` for `dur`; per-pair latencies in ns.
 async fn hits_for(alloc: &Allocator, stream: &Stream, dur: Duration) -> Vec<u64> {
     hits_kept(alloc, stream, dur, || true).await
@@ -731,6 +767,9 @@ fn main() {
         }
         if run("host") {
             host::host_figures(&mut figures).await;
+        }
+        if run("pool") {
+            pool_hit_latency(&mut figures).await;
         }
         if run("contention") {
             core_contention(&mut figures).await;
