@@ -224,3 +224,65 @@ async fn at_its_quota_a_pool_of_expandable_segments_unmaps_its_own_free_pages() 
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// Used as a user would, with things dropped at awkward moments: a request waiting at the
+/// quota is cancelled (nothing leaks, the next one is served), the allocator shuts down while
+/// a pool handle and its buffers are alive (later calls get a typed error, dropping them is
+/// harmless), a stream of another allocator is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_survive_cancellation_shutdown_and_foreign_streams() {
+    for conf in CONFIGS {
+        let sim = sim(4 << 30);
+        let alloc = build(sim.clone(), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        let kv = alloc
+            .pool(
+                "kv_cache",
+                PoolOptions {
+                    quota: Some(20 * MIB),
+                    use_on_oom: false,
+                },
+            )
+            .await
+            .unwrap();
+        let a = kv.malloc(20 * MIB, &stream).await.unwrap();
+        let waiting = {
+            let (kv, stream) = (kv.clone(), stream.clone());
+            tokio::spawn(async move {
+                kv.malloc_with(
+                    20 * MIB,
+                    &stream,
+                    MallocOptions::wait_for(Duration::from_secs(30)),
+                )
+                .await
+            })
+        };
+        until_waiting(&alloc, 1).await;
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        until_waiting(&alloc, 0).await;
+        drop(a);
+        let b = kv.malloc(20 * MIB, &stream).await.unwrap();
+        let usage = kv.usage(DeviceId(0)).await.unwrap();
+        assert_eq!(usage.allocated.all().current, 20 * MIB, "[{conf}]");
+        assert_eq!(usage.reserved.all().current, 20 * MIB, "[{conf}]");
+        // A stream of another allocator (on another backend).
+        let other = build(common::sim(1 << 30), conf);
+        let foreign = other.new_stream(DeviceId(0)).unwrap();
+        assert!(matches!(
+            kv.malloc(MIB, &foreign).await,
+            Err(Error::ForeignStream)
+        ));
+        other.shutdown().await.unwrap();
+        // Shut down with the pool and a buffer alive.
+        alloc.shutdown().await.unwrap();
+        let err = kv.malloc(MIB, &stream).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Alloc(AllocError::Shutdown)),
+            "[{conf}] {err}"
+        );
+        drop(b);
+        drop(kv);
+        assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "[{conf}]");
+    }
+}

@@ -323,19 +323,23 @@ fn a_pools_snapshot_and_statistics_cover_it_alone() {
     let b = core.malloc_in(kv, 4 * MIB, s).unwrap();
     let small = core.malloc_in(kv, 1000, s).unwrap();
     core.free(b.ptr).unwrap();
+    // A whole free segment is cached, not an inactive split.
+    let whole = core.malloc_in(kv, 24 * MIB, s).unwrap();
+    core.free(whole.ptr).unwrap();
     let snap = core.pool_snapshot(kv).unwrap();
-    assert_eq!(snap.segments.len(), 2, "one large, one small segment");
+    assert_eq!(snap.segments.len(), 3, "two large, one small segment");
     assert!(snap.segments.iter().all(|seg| seg.pool_id == (0, kv.0)));
     let st = core.pool_stats(kv).unwrap();
     let (all, small_i, large_i) = (ALL, StatType::Small as usize, StatType::Large as usize);
-    assert_eq!(st.segment[all].current, 2);
+    assert_eq!(st.segment[all].current, 3);
     assert_eq!(
         (st.segment[small_i].current, st.segment[large_i].current),
-        (1, 1)
+        (1, 2)
     );
-    assert_eq!(st.reserved_bytes[all].current, 22 * MIB);
+    assert_eq!(st.reserved_bytes[all].current, 46 * MIB);
+    assert_eq!(st.max_split_size, core.stats().max_split_size);
     assert_eq!(st.allocated_bytes[all].current, 4 * MIB + 1024);
-    assert_eq!(st.allocated_bytes[all].peak, 8 * MIB + 1024);
+    assert_eq!(st.allocated_bytes[all].peak, 28 * MIB + 1024);
     assert_eq!(st.allocation[all].current, 2);
     assert_eq!(st.requested_bytes[all].current, 4 * MIB + 1000);
     assert_eq!(st.active_bytes[large_i].current, 4 * MIB);
@@ -345,7 +349,7 @@ fn a_pools_snapshot_and_statistics_cover_it_alone() {
     // The device counts both.
     assert_eq!(
         core.stats().reserved_bytes[ALL].current,
-        30 * MIB + 22 * MIB
+        30 * MIB + 46 * MIB
     );
     assert!(core.pool_snapshot(MemPoolId(42)).is_none());
     assert!(core.pool_stats(MemPoolId(42)).is_none());
