@@ -2,8 +2,8 @@
 //! GPU run of scripts/gpu-check.sh (an error, not a skip, if CUDA is unavailable then), the
 //! simulated GPU when unset or `sim`. Only what holds on every backend with real memory:
 //! data survives, concurrent buffers never overlap, hits reuse blocks, out of memory is
-//! typed, expandable segments grow and give memory back, empty_cache and shutdown return
-//! everything.
+//! typed, expandable segments grow and give memory back, named pools keep their memory apart,
+//! empty_cache and shutdown return everything.
 //!
 //! `GPUALLOC_TEST_DEVICE=N` runs them on device N (default 0; the sim then has N + 1 devices):
 //! CI runs them on device 3 of 4 emulated GPUs too, and scripts/gpu-check.sh on every GPU.
@@ -159,6 +159,55 @@ async fn expandable_segments_grow_and_give_memory_back() {
         0
     );
     alloc.shutdown().await.unwrap();
+}
+
+/// Named pools (with and without expandable segments): data survives, a pool's freed block
+/// never serves the default pools or another pool, the quota is a typed error, and a dropped
+/// pool's memory goes back on empty_cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_keep_their_memory_apart() {
+    use gpualloc::{AllocError, Error, PoolOptions};
+    for expandable in [false, true] {
+        let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(expandable));
+        let s = alloc.new_stream(dev()).unwrap();
+        let kv = alloc
+            .pool(
+                "kv_cache",
+                PoolOptions {
+                    quota: Some(40 * MIB),
+                    use_on_oom: false,
+                },
+            )
+            .await
+            .unwrap();
+        let weights = alloc.pool("weights", PoolOptions::default()).await.unwrap();
+        let w = weights.malloc(6 * MIB + 77, &s).await.unwrap();
+        write(&alloc, &s, &w, &pattern(w.len(), 7));
+        let k = kv.malloc(6 * MIB + 77, &s).await.unwrap();
+        write(&alloc, &s, &k, &pattern(k.len(), 8));
+        let at = k.ptr();
+        drop(k);
+        let d = alloc.malloc(6 * MIB + 77, &s).await.unwrap();
+        let w2 = weights.malloc(6 * MIB + 77, &s).await.unwrap();
+        assert!(d.ptr() != at && w2.ptr() != at, "expandable {expandable}");
+        let k = kv.malloc(6 * MIB + 77, &s).await.unwrap();
+        assert_eq!(k.ptr(), at);
+        assert_eq!(read(&alloc, &s, &w), pattern(w.len(), 7));
+        let big = kv.malloc(36 * MIB, &s).await.unwrap_err();
+        assert!(
+            matches!(big, Error::Alloc(AllocError::PoolQuota { .. })),
+            "expandable {expandable}: {big}"
+        );
+        drop((w, w2, d, k));
+        drop((kv, weights));
+        alloc.empty_cache().await.unwrap();
+        assert_eq!(
+            alloc.stats(dev()).await.unwrap().reserved_bytes[0].current,
+            0,
+            "expandable {expandable}"
+        );
+        alloc.shutdown().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
