@@ -286,3 +286,40 @@ async fn pools_survive_cancellation_shutdown_and_foreign_streams() {
         assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "[{conf}]");
     }
 }
+
+/// The vllm#52951 pattern in a named pool: 100 rounds of "new stream, allocate 64 MiB from
+/// the pool, free, drop the stream" stay within one round's memory, and never take memory of
+/// the default pools.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pools_dropped_streams_do_not_strand_its_memory() {
+    for conf in CONFIGS {
+        let alloc = build(sim(16 << 30), conf);
+        let kv = alloc
+            .pool("kv_cache", PoolOptions::default())
+            .await
+            .unwrap();
+        let mut one_round = 0;
+        for round in 0..100 {
+            let stream = alloc.new_stream(DeviceId(0)).unwrap();
+            let buf = kv.malloc(64 * MIB, &stream).await.unwrap();
+            drop(buf);
+            drop(stream);
+            let reserved = kv.usage(DeviceId(0)).await.unwrap().reserved.all().current;
+            if round == 0 {
+                one_round = reserved;
+            }
+            assert!(
+                reserved <= one_round,
+                "[{conf}] round {round}: {} MiB reserved, one round holds {} MiB",
+                reserved / MIB,
+                one_round / MIB
+            );
+        }
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(
+            st.reserved_bytes[0].current, one_round,
+            "[{conf}]: the pool's only"
+        );
+        alloc.shutdown().await.unwrap();
+    }
+}

@@ -71,6 +71,8 @@ pub(crate) struct PrivatePool {
     pub usage: PoolUsage,
     /// Its segments are expandable (a named pool under `expandable_segments`).
     pub expands: bool,
+    /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
+    pub named: bool,
     /// Bytes of segments being allocated for it off the core
     /// ([`SegmentRequest::claim_fraction`]).
     pub claimed: u64,
@@ -329,6 +331,7 @@ impl DeviceCore {
                     ..PoolUsage::default()
                 },
                 expands: false,
+                named: false,
                 claimed: 0,
             },
         );

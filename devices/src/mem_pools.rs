@@ -65,6 +65,7 @@ impl DeviceCore {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
             p.expands = expands;
+            p.named = true;
         }
         id
     }

@@ -18,13 +18,17 @@
 //! Segments of the stream still in use (a free waiting on events of other streams) are
 //! orphaned by a later pass, once free. Orphans are released by `empty_cache` and the
 //! out-of-memory chain like any cached segment.
+//!
+//! The same holds in named pools (`mem_pools.rs`): an orphan stays in its pool and serves
+//! only that pool's requests, and unmapped pages count off its quota. PyTorch's unnamed
+//! private pools keep their segments, as PyTorch does.
 
 use gpualloc_runtime::StreamHandle;
 
 use crate::block::BlockState;
 use crate::core::{AllocParams, Allocation, DeviceCore, SegmentRequest};
 use crate::error::AllocError;
-use crate::pool::{key, PoolOwner};
+use crate::pool::key;
 
 /// The raw stream handle orphaned segments are filed under (no stream has it).
 pub const ORPHAN_STREAM: u64 = u64::MAX;
@@ -96,9 +100,7 @@ impl DeviceCore {
         let segments: Vec<(u64, u64, usize)> = self
             .segments
             .iter()
-            .filter(|(_, m)| {
-                m.stream == stream && matches!(self.pools[m.pool].owner, PoolOwner::Default)
-            })
+            .filter(|(_, m)| m.stream == stream && self.orphans_apply(m.pool))
             .map(|(base, m)| (*base, m.size, m.pool))
             .collect();
         for (base, size, pool) in segments {
@@ -156,7 +158,7 @@ impl DeviceCore {
     /// Adopts the best-fitting orphan of the request's pool for its stream, if PyTorch's size
     /// rules let the request have it, and takes it (into `params.block`).
     pub(crate) fn adopt_orphan(&mut self, params: &mut AllocParams) -> bool {
-        if !matches!(self.pools[params.pool].owner, PoolOwner::Default) {
+        if !self.orphans_apply(params.pool) {
             return false;
         }
         let Some((k, id)) = self.pools[params.pool].lower_bound(ORPHAN_STREAM, params.size) else {
@@ -199,6 +201,16 @@ impl DeviceCore {
             tracing::warn!(device = self.device.0, error = %e, "orphaning retired streams failed");
         }
         self.serve_from_cache(request, Self::adopt_orphan)
+    }
+
+    /// True for block pools whose dropped streams' segments are orphaned: the default pools
+    /// and named pools (`mem_pools.rs`; an orphan of a pool serves only that pool's requests).
+    /// PyTorch's unnamed private pools keep theirs, as PyTorch does.
+    fn orphans_apply(&self, pool: usize) -> bool {
+        match self.owner_of(pool) {
+            None => true,
+            Some(id) => self.private.get(&id.0).is_some_and(|p| p.named),
+        }
     }
 
     /// True while a segment of the device belongs to `stream`.

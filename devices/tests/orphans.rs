@@ -190,3 +190,30 @@ fn a_retired_streams_expandable_pages_go_back_to_the_device() {
     core.free(b.ptr).unwrap();
     core.check_invariants().unwrap();
 }
+
+/// In a named pool a retired stream's free segment becomes an orphan of that pool: adopted by
+/// the pool's next request on another stream, never by the default pools'. PyTorch's unnamed
+/// private pools keep theirs.
+#[test]
+fn named_pools_orphan_a_retired_streams_segments_within_the_pool() {
+    use gpualloc_devices::PoolOptions;
+    let (_, mut core, old, new) = sim_core("");
+    let named = core.create_named_pool("kv_cache", PoolOptions::default());
+    let plain = core.create_pool(false);
+    let a = core.malloc_in(named, 64 * MIB, old).unwrap();
+    let b = core.malloc_in(plain, 30 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.retire_stream(old).unwrap();
+    let expect = [(30, old.raw), (64, ORPHAN_STREAM)];
+    assert_eq!(segment_streams(&core), expect);
+    // The default pools do not get it; the pool's request on another stream does.
+    let d = core.malloc(64 * MIB, new).unwrap();
+    assert_ne!(d.ptr, a.ptr);
+    let c = core.malloc_in(named, 64 * MIB, new).unwrap();
+    assert_eq!(c.ptr, a.ptr);
+    for p in [c.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
