@@ -20,15 +20,16 @@
 //!   sum of the default pools and the private ones.
 //! - Like PyTorch's pools, a pool's cached segments are not returned by `empty_cache` until
 //!   the pool is released ([`DeviceCore::release_pool`]).
+//! - A dropped stream's free segments in a named pool become orphans of that pool
+//!   (`orphans.rs`): they serve the pool's requests on other streams.
 
 use gpualloc_runtime::StreamHandle;
-
-use crate::snapshot::{BlockStateName, DeviceSnapshot};
-use crate::stats::{DeviceStats, StatArray, StatType};
 
 use crate::core::{AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest};
 use crate::error::AllocError;
 use crate::pool::PoolOwner;
+use crate::snapshot::{BlockStateName, DeviceSnapshot};
+use crate::stats::{DeviceStats, StatArray, StatType};
 
 /// How a named pool behaves.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +52,7 @@ pub struct PoolUsage {
     pub reserved: StatArray,
     /// Bytes of its live blocks (rounded sizes).
     pub allocated: StatArray,
-    /// Its segments.
+    /// Its ordinary segments (expandable ones count none, as in the device's statistics).
     pub segments: StatArray,
 }
 
