@@ -11,14 +11,16 @@
 //! - [`PoolOptions::quota`] caps the bytes the pool reserves on each device (its segments, or
 //!   under `expandable_segments:True` the pages mapped into its own expandable segments). A
 //!   request past it first returns the pool's own cached memory to the device, then fails
-//!   with [`AllocError::PoolQuota`] (the pool's
-//!   name, quota and usage; [`Error::is_oom`] is true for it), or, with
-//!   [`MallocOptions::wait_for`], waits for frees like a request on a full device. Waiting is
-//!   first come, first served across all pools of a device: a waiter whose pool is still at
-//!   its quota after a free passes its turn to the next.
+//!   with [`AllocError::PoolQuota`] (the pool's name, quota and usage; [`Error::is_oom`] is
+//!   true for it), or, with [`MallocOptions::wait_for`], waits for frees like a request on a
+//!   full device. Waiting is first come, first served across all pools of a device: a waiter
+//!   whose pool is still at its quota after a free passes its turn to the next.
 //! - [`Pool::usage`]: the pool's reserved and allocated bytes (current and peak) and segments
-//!   on a device. [`Allocator::stats`] counts every pool, so the device's figures are the sum
-//!   of the default pools and these.
+//!   on a device; [`Pool::stats`], [`Pool::snapshot`] and [`Pool::memory_summary`] show it as
+//!   the allocator's do for a device. [`Allocator::stats`] counts every pool, so the device's
+//!   figures are the sum of the default pools and these.
+//! - A stream dropped by its users does not strand the pool's memory: its free segments serve
+//!   the pool's requests on other streams.
 //! - Pool blocks bypass the thread cache (a block parked there could be handed to a request
 //!   of another pool); a pool's hits take the actor's gate, as `thread_cache:False` does.
 //! - Dropping the last handle of a pool releases it, as PyTorch's `MemPool` does: its live
