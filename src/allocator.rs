@@ -160,11 +160,9 @@ impl Allocator {
         options: MallocOptions,
     ) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        let actor = self.actor_for(stream)?;
-        match options.wait_for_memory {
-            None => actor.malloc(size, stream, None).await,
-            Some(timeout) => actor.malloc_waiting(size, stream, None, timeout).await,
-        }
+        self.actor_for(stream)?
+            .malloc_with(size, stream, None, options)
+            .await
     }
 
     /// Marks `buffer` as used on `stream` (see [`DeviceBuffer::record_stream`]).

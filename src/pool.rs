@@ -29,7 +29,9 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{memory_summary, AllocError, DeviceSnapshot, DeviceStats, MemPoolId};
+use gpualloc_devices::{
+    memory_summary, AllocError, DeviceCore, DeviceSnapshot, DeviceStats, MemPoolId,
+};
 use gpualloc_runtime::{DeviceId, Stream};
 
 pub use gpualloc_devices::{PoolOptions, PoolUsage};
@@ -124,42 +126,41 @@ impl Pool {
     ) -> Result<DeviceBuffer, Error> {
         let alloc = &self.inner.alloc;
         alloc.check()?;
-        let actor = alloc.actor_for(stream)?;
         let id = self.id(stream.device())?;
-        match options.wait_for_memory {
-            None => actor.malloc(size, stream, Some(id)).await,
-            Some(timeout) => actor.malloc_waiting(size, stream, Some(id), timeout).await,
-        }
+        alloc
+            .actor_for(stream)?
+            .malloc_with(size, stream, Some(id), options)
+            .await
     }
 
     /// What the pool holds on `device`.
     pub async fn usage(&self, device: DeviceId) -> Result<PoolUsage, Error> {
-        let id = self.id(device)?;
-        let actor = self.inner.alloc.device_actor(device)?;
-        actor
-            .call(move |st| st.core.pool_usage(id))
-            .await?
-            .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
+        self.ask(device, DeviceCore::pool_usage).await
     }
 
     /// The pool's statistics on `device`, in the device's terms: see
     /// `DeviceCore::pool_stats` (current values from its blocks; peaks of allocated and
     /// reserved bytes and segments tracked per pool, other peaks are the current values).
     pub async fn stats(&self, device: DeviceId) -> Result<DeviceStats, Error> {
-        let id = self.id(device)?;
-        let actor = self.inner.alloc.device_actor(device)?;
-        actor
-            .call(move |st| st.core.pool_stats(id))
-            .await?
-            .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
+        self.ask(device, DeviceCore::pool_stats).await
     }
 
     /// The pool's segments on `device`, as [`Allocator::snapshot`] shows them.
     pub async fn snapshot(&self, device: DeviceId) -> Result<DeviceSnapshot, Error> {
+        self.ask(device, DeviceCore::pool_snapshot).await
+    }
+
+    /// Asks `device`'s core `query` about this pool; `UnknownPool` when the core no longer
+    /// has it.
+    async fn ask<R: Send + 'static>(
+        &self,
+        device: DeviceId,
+        query: fn(&DeviceCore, MemPoolId) -> Option<R>,
+    ) -> Result<R, Error> {
         let id = self.id(device)?;
         let actor = self.inner.alloc.device_actor(device)?;
         actor
-            .call(move |st| st.core.pool_snapshot(id))
+            .call(move |st| query(&st.core, id))
             .await?
             .ok_or(Error::Alloc(AllocError::UnknownPool(id.0)))
     }

@@ -17,6 +17,15 @@ const CONFIGS: [&str; 4] = [
     "expandable_segments:True,thread_cache:False,garbage_collection_threshold:0.8",
 ];
 
+/// A pool called "kv_cache" with a quota of `quota` bytes.
+async fn kv_pool(alloc: &gpualloc::Allocator, quota: u64) -> gpualloc::Pool {
+    let options = PoolOptions {
+        quota: Some(quota),
+        use_on_oom: false,
+    };
+    alloc.pool("kv_cache", options).await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pools_freed_block_never_serves_another_pool() {
     for conf in CONFIGS {
@@ -55,16 +64,7 @@ async fn a_quota_fails_with_a_typed_error_or_waits_for_a_free_in_the_pool() {
     for conf in CONFIGS {
         let alloc = build(sim(4 << 30), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();
-        let kv = alloc
-            .pool(
-                "kv_cache",
-                PoolOptions {
-                    quota: Some(40 * MIB),
-                    use_on_oom: false,
-                },
-            )
-            .await
-            .unwrap();
+        let kv = kv_pool(&alloc, 40 * MIB).await;
         let a = kv.malloc(20 * MIB, &stream).await.unwrap();
         let b = kv.malloc(20 * MIB, &stream).await.unwrap();
         let err = kv.malloc(20 * MIB, &stream).await.unwrap_err();
@@ -191,16 +191,7 @@ async fn at_its_quota_a_pool_of_expandable_segments_unmaps_its_own_free_pages() 
     ] {
         let alloc = build(sim(4 << 30), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();
-        let kv = alloc
-            .pool(
-                "kv_cache",
-                PoolOptions {
-                    quota: Some(40 * MIB),
-                    use_on_oom: false,
-                },
-            )
-            .await
-            .unwrap();
+        let kv = kv_pool(&alloc, 40 * MIB).await;
         let a = kv.malloc(12 * MIB, &stream).await.unwrap();
         let b = kv.malloc(12 * MIB, &stream).await.unwrap();
         let c = kv.malloc(14 * MIB, &stream).await.unwrap();
@@ -235,16 +226,7 @@ async fn pools_survive_cancellation_shutdown_and_foreign_streams() {
         let sim = sim(4 << 30);
         let alloc = build(sim.clone(), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();
-        let kv = alloc
-            .pool(
-                "kv_cache",
-                PoolOptions {
-                    quota: Some(20 * MIB),
-                    use_on_oom: false,
-                },
-            )
-            .await
-            .unwrap();
+        let kv = kv_pool(&alloc, 20 * MIB).await;
         let a = kv.malloc(20 * MIB, &stream).await.unwrap();
         let waiting = {
             let (kv, stream) = (kv.clone(), stream.clone());

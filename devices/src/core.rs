@@ -69,8 +69,6 @@ pub(crate) struct PrivatePool {
     pub released: bool,
     /// Name, quota and what it holds (`mem_pools.rs`).
     pub usage: PoolUsage,
-    /// Its segments are expandable (a named pool under `expandable_segments`).
-    pub expands: bool,
     /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
     pub named: bool,
     /// Bytes of segments being allocated for it off the core
@@ -330,7 +328,6 @@ impl DeviceCore {
                     name: format!("pool {id}"),
                     ..PoolUsage::default()
                 },
-                expands: false,
                 named: false,
                 claimed: 0,
             },
@@ -484,8 +481,7 @@ impl DeviceCore {
         if self.get_free_block(&mut params) || self.use_private_pool_on_oom(&mut params) {
             return self.finish(&params, size);
         }
-        if let Some(e) = self.quota_error(&params, size) {
-            self.stats.num_ooms += 1;
+        if let Some(e) = self.quota_failure(&params, size) {
             return Err(e);
         }
         Err(self.out_of_memory(size, &params))
@@ -526,8 +522,7 @@ impl DeviceCore {
         if !expands && self.quota_error(params, size).is_some() {
             // At the pool's quota: its own cached segments go back first (`mem_pools.rs`).
             self.release_own_pool(params)?;
-            if let Some(e) = self.quota_error(params, size) {
-                self.stats.num_ooms += 1;
+            if let Some(e) = self.quota_failure(params, size) {
                 return Err(e);
             }
         }
@@ -545,8 +540,7 @@ impl DeviceCore {
             found = self.alloc_block(params, true)?;
         }
         if !found {
-            if let Some(e) = self.quota_error(params, size) {
-                self.stats.num_ooms += 1;
+            if let Some(e) = self.quota_failure(params, size) {
                 return Err(e);
             }
             return Err(self.out_of_memory(size, params));
@@ -863,8 +857,9 @@ impl DeviceCore {
         block.requested = requested;
         let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.allocated, small, |s| s.increase(bsize));
+        let owner = self.owner_of(pool);
+        if let Some(p) = owner.and_then(|o| self.private.get_mut(&o.0)) {
+            for_pool(&mut p.usage.allocated, small, |s| s.increase(bsize));
         }
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| {
@@ -887,7 +882,7 @@ impl DeviceCore {
             stream,
             small_pool: small,
             oversize,
-            pool: self.owner_of(pool),
+            pool: owner,
         }
     }
 

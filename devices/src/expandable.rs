@@ -371,23 +371,32 @@ impl DeviceCore {
             .unmapped
             .remove(&unmapped_key(b.stream.raw, b.addr, b.size));
         if len < b.size {
-            let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, pool);
-            rest.segment = b.segment;
-            rest.mapped = false;
-            rest.expandable = true;
-            rest.prev = Some(id);
-            rest.next = b.next;
-            let rest_id = self.blocks.insert(rest);
-            if let Some(n) = b.next {
-                self.blocks.get_mut(n).prev = Some(rest_id);
-            }
-            self.blocks.get_mut(id).next = Some(rest_id);
+            let rest_id = self.split_unmapped_back(id, len);
             self.pools[pool].unmapped.insert(
                 unmapped_key(b.stream.raw, b.addr + len, b.size - len),
                 rest_id,
             );
         }
-        self.blocks.get_mut(id).size = len;
+    }
+
+    /// Cuts unmapped block `id` (in no set) to its front `len` bytes; returns the rest, a new
+    /// free unmapped block linked after it, in no set.
+    pub(crate) fn split_unmapped_back(&mut self, id: BlockId, len: u64) -> BlockId {
+        let b = self.blocks.get(id).clone();
+        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
+        rest.segment = b.segment;
+        rest.mapped = false;
+        rest.expandable = true;
+        rest.prev = Some(id);
+        rest.next = b.next;
+        let rest_id = self.blocks.insert(rest);
+        if let Some(n) = b.next {
+            self.blocks.get_mut(n).prev = Some(rest_id);
+        }
+        let blk = self.blocks.get_mut(id);
+        blk.next = Some(rest_id);
+        blk.size = len;
+        rest_id
     }
 
     /// Books block `id` (out of every set, its pages just mapped) as a free mapped block:

@@ -24,7 +24,7 @@
 
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
-use crate::block::{Block, BlockId, BlockState};
+use crate::block::{BlockId, BlockState};
 use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, MappedPages};
@@ -232,21 +232,8 @@ impl DeviceCore {
     /// Cuts planned block `id` to its front `len` bytes; the rest becomes a free unmapped
     /// block again, filed with its unmapped neighbours.
     fn unplan_back(&mut self, id: BlockId, len: u64) {
-        let b = self.blocks.get(id).clone();
-        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
-        rest.segment = b.segment;
-        rest.mapped = false;
-        rest.expandable = true;
-        rest.prev = Some(id);
-        rest.next = b.next;
-        let rest_id = self.blocks.insert(rest);
-        if let Some(n) = b.next {
-            self.blocks.get_mut(n).prev = Some(rest_id);
-        }
-        let blk = self.blocks.get_mut(id);
-        blk.next = Some(rest_id);
-        blk.size = len;
-        self.file_unmapped(rest_id);
+        let rest = self.split_unmapped_back(id, len);
+        self.file_unmapped(rest);
     }
 
     /// Step 3 after a failed [`map_growth`] (which released what it had made): the pages go

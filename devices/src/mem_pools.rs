@@ -61,11 +61,9 @@ impl DeviceCore {
     /// is.
     pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {
         let id = self.create_pool(options.use_on_oom);
-        let expands = self.config.expandable_segments;
         if let Some(p) = self.private.get_mut(&id.0) {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
-            p.expands = expands;
             p.named = true;
         }
         id
@@ -163,8 +161,15 @@ impl DeviceCore {
         self.config.expandable_segments
             && match self.owner_of(index) {
                 None => true,
-                Some(id) => self.private.get(&id.0).is_some_and(|p| p.expands),
+                Some(id) => self.private.get(&id.0).is_some_and(|p| p.named),
             }
+    }
+
+    /// [`DeviceCore::quota_error`], counted as an out-of-memory error (a failed request).
+    pub(crate) fn quota_failure(&mut self, params: &AllocParams, size: u64) -> Option<AllocError> {
+        let e = self.quota_error(params, size)?;
+        self.stats.num_ooms += 1;
+        Some(e)
     }
 
     /// Bytes the private pool owning block pool `index` may still reserve under its quota
@@ -198,7 +203,7 @@ impl DeviceCore {
         let quota = p.usage.quota?;
         let reserved = p.usage.reserved.all().current;
         let held = reserved.saturating_add(p.claimed);
-        let new = if p.expands {
+        let new = if self.pool_expands(params.pool) {
             params.size
         } else {
             params.alloc_size

@@ -57,12 +57,14 @@ impl DeviceCore {
             return Err(AllocError::Shutdown);
         }
         let mut pools = vec![LARGE_POOL, SMALL_POOL];
-        pools.extend(
-            self.private
-                .values()
-                .filter(|p| p.released && p.expands)
-                .flat_map(|p| [p.large, p.small]),
-        );
+        let released: Vec<usize> = self
+            .private
+            .values()
+            .filter(|p| p.released)
+            .flat_map(|p| [p.large, p.small])
+            .filter(|&pool| self.pool_expands(pool))
+            .collect();
+        pools.extend(released);
         if let Some(r) = request {
             if self.pool_room(r.params.pool).is_some() {
                 pools.extend(self.own_pools(r.params.pool).into_iter().flatten());

@@ -6,7 +6,9 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, StatType};
+use gpualloc_devices::{
+    map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, SegmentRequest, StatType,
+};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
@@ -23,6 +25,14 @@ fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, Stream
         DeviceCore::new(dynb, DeviceId(0), config).unwrap(),
         s,
     )
+}
+
+/// The request's miss (it must not hit the cache).
+fn miss(core: &mut DeviceCore, size: u64, s: StreamHandle) -> SegmentRequest {
+    match core.try_cached(size, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("expected a miss for {size} bytes, got {h:?}"),
+    }
 }
 
 #[test]
@@ -101,10 +111,7 @@ fn grow_with_room(capacity: u64, off_core: bool) -> u64 {
     let (backend, mut core, s) = rig(capacity, "expandable_segments:True");
     let a = core.malloc(64 * MIB, s).unwrap();
     let b = if off_core {
-        let req = match core.try_cached(2 * MIB, s).unwrap() {
-            CachedOutcome::Miss(req) => req,
-            CachedOutcome::Hit(h) => panic!("nothing cached holds 2 MiB: {h:?}"),
-        };
+        let req = miss(&mut core, 2 * MIB, s);
         let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
             panic!("expected pages to map");
         };
@@ -228,10 +235,7 @@ fn the_pages_ahead_stay_under_the_memory_fraction() {
         CachedOutcome::Hit(b) => b,
         CachedOutcome::Miss(_) => panic!("the freed 2 MiB hold the request"),
     };
-    let req = match core.try_cached(4 * MIB, s).unwrap() {
-        CachedOutcome::Miss(req) => req,
-        CachedOutcome::Hit(h) => panic!("nothing cached holds 4 MiB: {h:?}"),
-    };
+    let req = miss(&mut core, 4 * MIB, s);
     assert!(matches!(core.plan_growth(&req).unwrap(), Growth::InPlace));
     core.free(a.ptr).unwrap();
     core.free(b.ptr).unwrap();
@@ -291,10 +295,7 @@ fn other_driver_errors_are_not_retried_without_the_pages_ahead() {
             },
         );
         let failed = if off_core {
-            let req = match core.try_cached(size, s).unwrap() {
-                CachedOutcome::Miss(req) => req,
-                CachedOutcome::Hit(h) => panic!("{h:?}"),
-            };
+            let req = miss(&mut core, size, s);
             let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
                 panic!("expected pages to map");
             };
@@ -329,10 +330,7 @@ fn a_growth_without_pages_ahead_is_not_tried_twice() {
 #[test]
 fn an_off_core_growth_maps_one_handle_per_20_mib() {
     let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
-    let req = match core.try_cached(30 * MIB, s).unwrap() {
-        CachedOutcome::Miss(req) => req,
-        CachedOutcome::Hit(h) => panic!("{h:?}"),
-    };
+    let req = miss(&mut core, 30 * MIB, s);
     let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
         panic!("expected pages to map");
     };

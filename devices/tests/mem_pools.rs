@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use gpualloc_devices::{
     AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions,
-    StatType,
+    SegmentRequest, StatType,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
@@ -27,6 +27,22 @@ fn quota(q: u64) -> PoolOptions {
     PoolOptions {
         quota: Some(q),
         use_on_oom: false,
+    }
+}
+
+/// The miss of a request of `pool` (it must not hit the cache).
+fn miss_in(core: &mut DeviceCore, pool: MemPoolId, size: u64, s: StreamHandle) -> SegmentRequest {
+    match core.try_cached_in(pool, size, s).unwrap() {
+        CachedOutcome::Miss(req) => req,
+        CachedOutcome::Hit(h) => panic!("expected a miss for {size} bytes, got {h:?}"),
+    }
+}
+
+/// The miss of `req` looked up again (it must still miss).
+fn retry_miss(core: &mut DeviceCore, req: &SegmentRequest) -> SegmentRequest {
+    match core.retry_cached(req).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(h) => panic!("expected a miss, got {h:?}"),
     }
 }
 
@@ -256,10 +272,7 @@ fn the_off_core_path_claims_against_the_quota() {
     let a = core.malloc_in(kv, 12 * MIB, s).unwrap();
     let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
-    let req = match core.try_cached_in(kv, 16 * MIB, s).unwrap() {
-        CachedOutcome::Miss(req) => req,
-        CachedOutcome::Hit(h) => panic!("nothing cached holds 16 MiB: {h:?}"),
-    };
+    let req = miss_in(&mut core, kv, 16 * MIB, s);
     assert!(!req.claim_fraction(&mut core), "24 + 16 MiB is past 30");
     let detached = core.detach_free_segments_for(Some(&req)).unwrap();
     assert_eq!(detached.len(), 1, "kv's free 12 MiB segment only");
@@ -268,26 +281,17 @@ fn the_off_core_path_claims_against_the_quota() {
         core.pool_usage(other).unwrap().reserved.all().current,
         12 * MIB
     );
-    let req = match core.retry_cached(&req).unwrap() {
-        CachedOutcome::Miss(req) => req,
-        CachedOutcome::Hit(h) => panic!("still nothing cached: {h:?}"),
-    };
+    let req = retry_miss(&mut core, &req);
     assert!(req.claim_fraction(&mut core), "12 + 16 MiB fits");
     // A second claim counts the first: 12 + 16 + 16 MiB does not fit.
-    let req2 = match core.try_cached_in(kv, 16 * MIB, s).unwrap() {
-        CachedOutcome::Miss(r) => r,
-        CachedOutcome::Hit(h) => panic!("{h:?}"),
-    };
+    let req2 = miss_in(&mut core, kv, 16 * MIB, s);
     assert!(!req2.claim_fraction(&mut core));
     let oom_before = core.stats().num_ooms;
     let err = core.malloc_without_device(req2).unwrap_err();
     assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
     assert_eq!(core.stats().num_ooms, oom_before + 1);
     // A claim whose device malloc failed no longer counts.
-    let req3 = match core.try_cached_in(kv, 12 * MIB, s).unwrap() {
-        CachedOutcome::Miss(r) => r,
-        CachedOutcome::Hit(h) => panic!("{h:?}"),
-    };
+    let req3 = miss_in(&mut core, kv, 12 * MIB, s);
     assert!(!req3.claim_fraction(&mut core), "12 + 16 + 12 MiB");
     core.segment_not_obtained(&req);
     assert_eq!(core.growing_bytes(), 0);
@@ -431,10 +435,7 @@ fn an_expandable_pools_quota_is_reached_exactly_and_not_passed() {
     let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
     let a = core.malloc_in(kv, 30 * MIB, s).unwrap();
     for (size, planned) in [(12 * MIB, None), (10 * MIB, Some(10 * MIB))] {
-        let req = match core.try_cached_in(kv, size, s).unwrap() {
-            CachedOutcome::Miss(req) => req,
-            CachedOutcome::Hit(h) => panic!("{h:?}"),
-        };
+        let req = miss_in(&mut core, kv, size, s);
         match (core.plan_growth(&req).unwrap(), planned) {
             (Growth::InPlace, None) => {}
             (Growth::Map(p), Some(bytes)) => {

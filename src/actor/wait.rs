@@ -14,10 +14,26 @@ use std::time::Duration;
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
+use crate::options::MallocOptions;
 use gpualloc_devices::MemPoolId;
 use gpualloc_runtime::Stream;
 
 impl DeviceActor {
+    /// `malloc` of `pool` (`None`: the default pools) with `options`: waiting for memory or
+    /// not.
+    pub(crate) async fn malloc_with(
+        self: &Arc<Self>,
+        size: u64,
+        stream: &Stream,
+        pool: Option<MemPoolId>,
+        options: MallocOptions,
+    ) -> Result<DeviceBuffer, Error> {
+        match options.wait_for_memory {
+            None => self.malloc(size, stream, pool).await,
+            Some(timeout) => self.malloc_waiting(size, stream, pool, timeout).await,
+        }
+    }
+
     /// `malloc`, waiting up to `timeout` (first come, first served) for frees to make room
     /// when the device is full. On timeout: the same out-of-memory error as without waiting.
     pub(crate) async fn malloc_waiting(

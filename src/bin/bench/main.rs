@@ -224,24 +224,24 @@ fn direct_pairs(n: usize) -> Vec<u64> {
 }
 
 async fn actor_pairs(alloc: &Allocator, stream: &Stream, n: usize) -> Vec<u64> {
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n + 1000 {
-        let t = Instant::now();
-        let b = alloc.malloc(HIT_SIZE, stream).await.expect("malloc");
-        drop(b);
-        if i >= 1000 {
-            samples.push(t.elapsed().as_nanos() as u64);
-        }
-    }
-    samples
+    timed_pairs(n, || alloc.malloc(HIT_SIZE, stream)).await
 }
 
-/// Hit pairs (malloc + drop) from a named pool, after 1,000 warm-up pairs; in ns.
+/// Hit pairs (malloc + drop) from a named pool; in ns.
 async fn pool_pairs(pool: &gpualloc::Pool, stream: &Stream, n: usize) -> Vec<u64> {
+    timed_pairs(n, || pool.malloc(HIT_SIZE, stream)).await
+}
+
+/// `n` pairs of `malloc()` and drop after 1,000 warm-up pairs: each pair's latency in ns.
+async fn timed_pairs<F, Fut>(n: usize, malloc: F) -> Vec<u64>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<gpualloc::DeviceBuffer, gpualloc::Error>>,
+{
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 1000 {
         let t = Instant::now();
-        let b = pool.malloc(HIT_SIZE, stream).await.expect("malloc");
+        let b = malloc().await.expect("malloc");
         drop(b);
         if i >= 1000 {
             samples.push(t.elapsed().as_nanos() as u64);
