@@ -305,3 +305,30 @@ async fn a_pools_dropped_streams_do_not_strand_its_memory() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// A pool at its quota touches no other pool's memory on the actors' path either: the
+/// default pools' cached memory stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_its_quota_a_pool_leaves_other_pools_cache_alone() {
+    for conf in CONFIGS {
+        let alloc = build(sim(4 << 30), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        drop(alloc.malloc(20 * MIB, &stream).await.unwrap());
+        let before = alloc.stats(DeviceId(0)).await.unwrap().reserved_bytes[0].current;
+        let kv = kv_pool(&alloc, 20 * MIB).await;
+        let a = kv.malloc(20 * MIB, &stream).await.unwrap();
+        let err = kv.malloc(4 * MIB, &stream).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Alloc(AllocError::PoolQuota { .. })),
+            "[{conf}] {err}"
+        );
+        let after = alloc.stats(DeviceId(0)).await.unwrap().reserved_bytes[0].current;
+        assert_eq!(
+            after,
+            before + 20 * MIB,
+            "[{conf}]: the default pool's cache stays"
+        );
+        drop(a);
+        alloc.shutdown().await.unwrap();
+    }
+}

@@ -518,27 +518,29 @@ impl DeviceCore {
         if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
             self.garbage_collect_cached_blocks()?;
         }
-        let expands = self.pool_expands(params.pool);
-        if !expands && self.quota_error(params, size).is_some() {
-            // At the pool's quota: its own cached segments go back first (`mem_pools.rs`).
+        if self.quota_error(params, size).is_some() {
+            // At its quota (or near it: a growth maps only what the free tail lacks) only the
+            // pool's own memory can help: its orphans, its own cached segments or wholly free
+            // pages, never another pool's cache (`mem_pools.rs`).
+            let expands = self.pool_expands(params.pool);
+            if self.adopt_orphan(params) || (expands && self.alloc_block(params, false)?) {
+                return self.finish(params, size);
+            }
             self.release_own_pool(params)?;
+            if expands && self.alloc_block(params, true)? {
+                return self.finish(params, size);
+            }
             if let Some(e) = self.quota_failure(params, size) {
                 return Err(e);
             }
         }
-        let mut found = self.adopt_orphan(params)
+        let found = self.adopt_orphan(params)
             || self.alloc_block(params, false)?
             || self.take_passed_over(params)
             || self.use_private_pool_on_oom(params)
             || (self.release_available_cached_blocks(params)?
                 && self.alloc_block(params, false)?)
             || (self.release_cached_blocks()? && self.alloc_block(params, true)?);
-        if !found && expands && self.pool_room(params.pool).is_some() {
-            // A named pool of expandable segments at its quota: its own free pages go back,
-            // then its segment grows again.
-            self.release_own_pool(params)?;
-            found = self.alloc_block(params, true)?;
-        }
         if !found {
             if let Some(e) = self.quota_failure(params, size) {
                 return Err(e);

@@ -16,7 +16,7 @@
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle};
 
 use crate::block::BlockId;
-use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::pool::key;
 use crate::stats::for_pool;
@@ -69,8 +69,8 @@ impl DeviceCore {
         self.detach_free_segments_for(None)
     }
 
-    /// [`DeviceCore::detach_free_segments`], and for a request at its private pool's quota
-    /// (`mem_pools.rs`) that pool's own cached whole segments too.
+    /// [`DeviceCore::detach_free_segments`] for `request`: for one at its pool's quota only
+    /// that pool's own cached whole segments (`release_scope`, `mem_pools.rs`).
     pub fn detach_free_segments_for(
         &mut self,
         request: Option<&SegmentRequest>,
@@ -79,20 +79,8 @@ impl DeviceCore {
             return Err(AllocError::Shutdown);
         }
         self.process_events()?;
-        let mut pools = vec![LARGE_POOL, SMALL_POOL];
-        if let Some(r) = request {
-            if self.quota_error(&r.params, r.size).is_some() {
-                pools.extend(self.own_pools(r.params.pool).into_iter().flatten());
-            }
-        }
-        pools.extend(
-            self.private
-                .values()
-                .filter(|p| p.released)
-                .flat_map(|p| [p.large, p.small]),
-        );
         let mut out = Vec::new();
-        for pool in pools {
+        for pool in self.release_scope(request) {
             let whole: Vec<BlockId> = self.pools[pool]
                 .free
                 .values()

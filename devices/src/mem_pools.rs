@@ -25,7 +25,10 @@
 
 use gpualloc_runtime::StreamHandle;
 
-use crate::core::{AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest};
+use crate::core::{
+    AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest, LARGE_POOL,
+    SMALL_POOL,
+};
 use crate::error::AllocError;
 use crate::pool::PoolOwner;
 use crate::snapshot::{BlockStateName, DeviceSnapshot};
@@ -220,6 +223,30 @@ impl DeviceCore {
     pub(crate) fn own_pools(&self, index: usize) -> Option<[usize; 2]> {
         let id = self.owner_of(index)?;
         self.private.get(&id.0).map(|p| [p.large, p.small])
+    }
+
+    /// The block pools an owner's release of cached memory for `request` covers: for a
+    /// request at its pool's quota only that pool's own (no other memory can help it, and
+    /// another pool's cache is not its to take); else the default pools and released private
+    /// pools, as `empty_cache` does.
+    pub(crate) fn release_scope(&self, request: Option<&SegmentRequest>) -> Vec<usize> {
+        if let Some(r) = request {
+            if self.quota_error(&r.params, r.size).is_some() {
+                return self
+                    .own_pools(r.params.pool)
+                    .into_iter()
+                    .flatten()
+                    .collect();
+            }
+        }
+        let mut pools = vec![LARGE_POOL, SMALL_POOL];
+        pools.extend(
+            self.private
+                .values()
+                .filter(|p| p.released)
+                .flat_map(|p| [p.large, p.small]),
+        );
+        pools
     }
 
     /// Returns the cached whole segments of the pool of `params` (and only of it) to the

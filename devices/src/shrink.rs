@@ -18,7 +18,7 @@
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 use crate::block::{BlockId, BlockState};
-use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::expandable::{unmap_pages, MappedPages};
 
@@ -47,8 +47,8 @@ impl DeviceCore {
         self.detach_free_pages_for(None)
     }
 
-    /// [`DeviceCore::detach_free_pages`], and the free pages of released named pools; for a
-    /// request at its named pool's quota, that pool's free pages too (`mem_pools.rs`).
+    /// [`DeviceCore::detach_free_pages`] for `request`: for one at its pool's quota only that
+    /// pool's own free pages (`release_scope`, `mem_pools.rs`).
     pub fn detach_free_pages_for(
         &mut self,
         request: Option<&SegmentRequest>,
@@ -56,22 +56,8 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let mut pools = vec![LARGE_POOL, SMALL_POOL];
-        let released: Vec<usize> = self
-            .private
-            .values()
-            .filter(|p| p.released)
-            .flat_map(|p| [p.large, p.small])
-            .filter(|&pool| self.pool_expands(pool))
-            .collect();
-        pools.extend(released);
-        if let Some(r) = request {
-            if self.pool_room(r.params.pool).is_some() {
-                pools.extend(self.own_pools(r.params.pool).into_iter().flatten());
-            }
-        }
         let mut ids: Vec<BlockId> = Vec::new();
-        for pool in pools {
+        for pool in self.release_scope(request) {
             for &id in self.pools[pool].free.values() {
                 // The free sets hold mapped blocks only (unmapped ones have sets of their own).
                 if self.blocks.get(id).expandable {

@@ -496,3 +496,25 @@ fn under_its_quota_a_pool_keeps_its_cache() {
     );
     core.free(b.ptr).unwrap();
 }
+
+/// A pool of expandable segments at its quota touches no other pool's memory: the default
+/// pools' cached pages stay mapped (nothing is unmapped or synchronized for it).
+#[test]
+fn at_its_quota_an_expandable_pool_leaves_other_pools_cache_alone() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let cached = core.malloc(20 * MIB, s).unwrap();
+    core.free(cached.ptr).unwrap();
+    let kv = core.create_named_pool("kv_cache", quota(20 * MIB));
+    let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    let err = core.malloc_in(kv, 4 * MIB, s).unwrap_err();
+    assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
+    assert_eq!(
+        core.reserved_bytes(),
+        40 * MIB,
+        "the default pool's 20 MiB stay"
+    );
+    assert_eq!(backend.counts().unmaps, 0);
+    assert_eq!(backend.counts().device_syncs, 0);
+    core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
