@@ -29,6 +29,7 @@ use crate::expandable::ExpandableSegment;
 use crate::mem_pools::PoolUsage;
 use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
+use crate::sleep::PoolState;
 use crate::stats::{for_pool, DeviceStats};
 use crate::trace::{TraceAction, TraceEntry, TraceRing};
 
@@ -453,6 +454,9 @@ impl DeviceCore {
             route,
             any_fit: false,
         };
+        if let Some(e) = self.asleep_error(params.pool) {
+            return Err(e);
+        }
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
         {
@@ -769,7 +773,7 @@ impl DeviceCore {
         let candidates: Vec<usize> = self
             .private
             .values()
-            .filter(|p| p.use_on_oom && !p.released)
+            .filter(|p| p.use_on_oom && !p.released && p.usage.state == PoolState::Awake)
             .map(|p| {
                 if is_small(params.size) {
                     p.small

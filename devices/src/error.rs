@@ -5,6 +5,7 @@ use std::fmt;
 use gpualloc_runtime::{BackendError, DeviceId, DevicePtr};
 
 use crate::config::ConfigError;
+use crate::sleep::PoolState;
 
 /// What a device allocator call can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -52,6 +53,39 @@ pub enum AllocError {
         /// Bytes the request asked for.
         requested: u64,
     },
+    /// A named pool that is asleep, falling asleep or waking (`sleep.rs`) was asked to
+    /// allocate, or to sleep again.
+    #[error("memory pool {pool:?} is {state}: it serves no allocations until it is awake")]
+    PoolAsleep {
+        /// The pool's name.
+        pool: String,
+        /// Where it is in its sleep cycle.
+        state: PoolState,
+    },
+    /// A pool cannot sleep now: pages of its segments are being mapped or unmapped by a
+    /// request in flight. Retrying shortly succeeds.
+    #[error("memory pool {pool:?} has pages being mapped or unmapped; try again")]
+    PoolBusy {
+        /// The pool's name.
+        pool: String,
+    },
+    /// Waking a pool found too little device memory: the pool stays asleep, its data kept.
+    #[error(
+        "waking memory pool {pool:?} needs {} of device memory, {} free: it stays asleep, its data kept",
+        format_size(*needed),
+        format_size(*free)
+    )]
+    WakeOutOfMemory {
+        /// The pool's name.
+        pool: String,
+        /// Bytes the wake maps.
+        needed: u64,
+        /// Bytes it could have (free device memory, or room under the memory-fraction cap).
+        free: u64,
+    },
+    /// The operation needs something this allocator's configuration or backend lacks.
+    #[error("not supported: {0}")]
+    NotSupported(&'static str),
     /// The allocator has been shut down.
     #[error("the allocator has been shut down")]
     Shutdown,
@@ -65,11 +99,24 @@ pub enum AllocError {
 
 impl AllocError {
     /// True for [`AllocError::OutOfMemory`] and [`AllocError::PoolQuota`] (a pool out of
-    /// its memory: waiting for frees can help both).
+    /// its memory: waiting for frees can help both), and [`AllocError::WakeOutOfMemory`].
     pub fn is_oom(&self) -> bool {
         matches!(
             self,
-            AllocError::OutOfMemory(_) | AllocError::PoolQuota { .. }
+            AllocError::OutOfMemory(_)
+                | AllocError::PoolQuota { .. }
+                | AllocError::WakeOutOfMemory { .. }
+        )
+    }
+
+    /// True when waiting can make a malloc that failed with this succeed: out of memory (a
+    /// free makes room) or a sleeping pool (a wake).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            AllocError::OutOfMemory(_)
+                | AllocError::PoolQuota { .. }
+                | AllocError::PoolAsleep { .. }
         )
     }
 }

@@ -48,6 +48,9 @@ pub(crate) struct ExpandableSegment {
     /// reservation of 9/8 of the device has hundreds of thousands of 2 MiB pages.)
     pub runs: BTreeMap<usize, (PhysHandle, usize)>,
     pub stream: StreamHandle,
+    /// While its pool sleeps (`sleep.rs`): the runs it had, whose handles are released; the
+    /// wake maps new handles over the same pages. `runs` is empty meanwhile.
+    pub slept: Option<BTreeMap<usize, (PhysHandle, usize)>>,
 }
 
 impl ExpandableSegment {
@@ -115,11 +118,7 @@ impl ExpandableSegment {
 
     /// The run mapping page `i`: (its first page, its handle, its pages).
     pub(crate) fn run_at(&self, i: usize) -> Option<(usize, PhysHandle, usize)> {
-        self.runs
-            .range(..=i)
-            .next_back()
-            .filter(|(s, (_, n))| *s + n > i)
-            .map(|(s, (h, n))| (*s, *h, *n))
+        run_at(&self.runs, i)
     }
 
     /// Stretches of mapped pages (adjacent runs joined) as (first page, pages), in order.
@@ -137,27 +136,53 @@ impl ExpandableSegment {
     /// True when `[addr, addr + len)` lies on pages that all have (`want`) or all lack
     /// (`!want`) physical memory.
     pub fn pages_are(&self, addr: u64, len: u64, want: bool) -> bool {
+        self.pages_of_are(&self.runs, addr, len, want)
+    }
+
+    /// [`ExpandableSegment::pages_are`] by the runs the segment has, or, while its pool
+    /// sleeps, had: what its blocks' books describe.
+    pub(crate) fn booked_pages_are(&self, addr: u64, len: u64, want: bool) -> bool {
+        self.pages_of_are(self.slept.as_ref().unwrap_or(&self.runs), addr, len, want)
+    }
+
+    fn pages_of_are(
+        &self,
+        runs: &BTreeMap<usize, (PhysHandle, usize)>,
+        addr: u64,
+        len: u64,
+        want: bool,
+    ) -> bool {
         let (first, last) = (self.page_left(addr), self.page_right(addr + len));
         if last > self.pages {
             return false;
         }
         if !want {
             // No run reaches into [first, last).
-            return self
-                .runs
+            return runs
                 .range(..last)
                 .next_back()
                 .is_none_or(|(s, (_, n))| s + n <= first);
         }
         let mut i = first;
         while i < last {
-            match self.run_at(i) {
+            match run_at(runs, i) {
                 Some((s, _, n)) => i = s + n,
                 None => return false,
             }
         }
         true
     }
+}
+
+/// The run of `runs` mapping page `i`: (its first page, its handle, its pages).
+fn run_at(
+    runs: &BTreeMap<usize, (PhysHandle, usize)>,
+    i: usize,
+) -> Option<(usize, PhysHandle, usize)> {
+    runs.range(..=i)
+        .next_back()
+        .filter(|(s, (_, n))| *s + n > i)
+        .map(|(s, (h, n))| (*s, *h, *n))
 }
 
 impl DeviceCore {
@@ -274,6 +299,7 @@ impl DeviceCore {
                 pages: pages as usize,
                 runs: BTreeMap::new(),
                 stream,
+                slept: None,
             },
         );
         self.segments
@@ -751,6 +777,7 @@ mod tests {
                 device: DeviceId(0),
                 raw: 0,
             },
+            slept: None,
         };
         assert_eq!(es.mapped_stretches(), vec![]);
         for (s, n) in [(1, 1), (2, 1), (5, 1), (7, 2), (9, 1)] {

@@ -20,6 +20,10 @@ impl DeviceCore {
         for (&base, meta) in &self.segments {
             let mut ids = by_segment.remove(&base).unwrap_or_default();
             ids.sort_by_key(|&id| self.blocks.get(id).addr);
+            let asleep = self
+                .expandable
+                .get(&base)
+                .is_some_and(|es| es.slept.is_some());
             let infos: Vec<BlockInfo> = ids
                 .iter()
                 .map(|&id| {
@@ -35,7 +39,8 @@ impl DeviceCore {
                                 BlockStateName::Inactive
                             }
                         },
-                        mapped: b.mapped,
+                        // A sleeping pool's blocks keep their books but have no memory.
+                        mapped: b.mapped && !asleep,
                     }
                 })
                 .collect();
@@ -155,7 +160,7 @@ impl DeviceCore {
                 }
                 if let Some(es) = es {
                     // Mapped blocks lie on mapped pages; unmapped blocks are whole unmapped pages.
-                    if !es.pages_are(b.addr, b.size, b.mapped) {
+                    if !es.booked_pages_are(b.addr, b.size, b.mapped) {
                         return Err(format!(
                             "block at {:#x} (mapped: {}) crosses pages of the other kind",
                             b.addr, b.mapped

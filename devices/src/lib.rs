@@ -30,6 +30,7 @@ mod restore;
 mod round_trips;
 mod shrink;
 pub mod sizes;
+mod sleep;
 pub mod snapshot;
 pub mod stats;
 mod streams;
@@ -52,6 +53,10 @@ pub use policy::Policy;
 pub use restore::RestoredBlock;
 pub use round_trips::RoundTrips;
 pub use shrink::{release_pages, PageRelease};
+pub use sleep::{
+    map_wake, release_slept_pages, wait_for_pool_streams, Leftovers, PoolState, SleepMode,
+    SleepPlan, WakePlan, WokenPages,
+};
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatArray, StatType};
 pub use summary::memory_summary;

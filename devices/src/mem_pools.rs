@@ -31,6 +31,7 @@ use crate::core::{
 };
 use crate::error::AllocError;
 use crate::pool::PoolOwner;
+use crate::sleep::PoolState;
 use crate::snapshot::{BlockStateName, DeviceSnapshot};
 use crate::stats::{DeviceStats, StatArray, StatType};
 
@@ -57,6 +58,10 @@ pub struct PoolUsage {
     pub allocated: StatArray,
     /// Its ordinary segments (expandable ones count none, as in the device's statistics).
     pub segments: StatArray,
+    /// Where it is in its sleep cycle (`sleep.rs`).
+    pub state: PoolState,
+    /// Bytes of physical memory its sleep released, which its wake maps back (0 when awake).
+    pub asleep_bytes: u64,
 }
 
 impl DeviceCore {

@@ -29,6 +29,14 @@ impl Stat {
         self.freed += n;
     }
 
+    /// Takes back a [`Stat::decrease`] of `n` (a release that was rolled back): as if it had
+    /// not happened, peak included.
+    pub fn undo_decrease(&mut self, n: u64) {
+        self.current += n;
+        self.freed = self.freed.saturating_sub(n);
+        self.peak = self.peak.max(self.current);
+    }
+
     /// Counts `n` added and removed again, with `current` (and so `peak`) as it was: what an
     /// increase followed at once by an equal decrease leaves behind.
     pub fn round_trip(&mut self, n: u64) {
