@@ -49,6 +49,7 @@ mod fork;
 mod options;
 mod pinned;
 mod pool;
+mod pool_sleep;
 
 pub use actor::DeviceActor;
 pub use allocator::Allocator;
@@ -56,6 +57,7 @@ pub use buffer::DeviceBuffer;
 pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACKEND_ENV};
 pub use error::Error;
 pub use gpualloc_devices::memory_summary;
+pub use gpualloc_devices::{PoolState, SleepMode};
 pub use options::MallocOptions;
 pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 pub use pool::{Pool, PoolOptions, PoolUsage};

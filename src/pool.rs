@@ -36,6 +36,7 @@ use gpualloc_runtime::{DeviceId, Stream};
 
 pub use gpualloc_devices::{PoolOptions, PoolUsage};
 
+use crate::pool_sleep::{HostCopies, HostSlot};
 use crate::{Allocator, DeviceBuffer, Error, MallocOptions};
 
 /// A named memory pool on every device of an [`Allocator`]. Cheap to clone; see the module
@@ -69,6 +70,8 @@ struct PoolInner {
     alloc: Allocator,
     /// The pool's id on each device, by device index.
     ids: Vec<MemPoolId>,
+    /// Its data while asleep, per device (`pool_sleep.rs`).
+    host_copies: HostCopies,
 }
 
 impl Drop for PoolInner {
@@ -99,6 +102,7 @@ impl Allocator {
             inner: Arc::new(PoolInner {
                 name: name.to_string(),
                 alloc: self.clone(),
+                host_copies: ids.iter().map(|_| Arc::default()).collect(),
                 ids,
             }),
         })
@@ -177,7 +181,20 @@ impl Pool {
         Ok(out)
     }
 
-    fn id(&self, device: DeviceId) -> Result<MemPoolId, Error> {
+    pub(crate) fn allocator(&self) -> &Allocator {
+        &self.inner.alloc
+    }
+
+    /// Devices the pool is on.
+    pub(crate) fn devices(&self) -> u32 {
+        self.inner.ids.len() as u32
+    }
+
+    pub(crate) fn host_copy(&self, device: DeviceId) -> HostSlot {
+        self.inner.host_copies[device.0 as usize].clone()
+    }
+
+    pub(crate) fn id(&self, device: DeviceId) -> Result<MemPoolId, Error> {
         self.inner
             .ids
             .get(device.0 as usize)

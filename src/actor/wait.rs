@@ -71,7 +71,7 @@ impl DeviceActor {
                     }
                     return Ok(buf);
                 }
-                Err(e) if e.is_oom() => {
+                Err(e) if e.is_oom() || matches!(&e, Error::Alloc(a) if a.is_retryable()) => {
                     if tokio::time::Instant::now() >= deadline || never_fits(&e) {
                         return Err(e);
                     }

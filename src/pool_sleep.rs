@@ -1,0 +1,366 @@
+//! [`Pool::sleep`] and [`Pool::wake`]: a pool's physical memory released and mapped back at
+//! the same addresses (vLLM's sleep mode; the core's rules are in `gpualloc_devices`'
+//! `sleep.rs`).
+//!
+//! - Needs `expandable_segments:True`; otherwise `AllocError::NotSupported`.
+//! - [`SleepMode::Offload`] copies every live block (the bytes its user asked for, no
+//!   rounding) into pinned host memory from the allocator's pinned pool, packed into
+//!   power-of-two chunks that the pool serves at their exact size: the host memory held is
+//!   the data rounded up to 4 KiB, whatever the block sizes. [`SleepMode::Discard`] copies
+//!   nothing.
+//! - The sleep waits for the work queued on every stream that used the pool (an event on
+//!   each, not a device-wide synchronize), copies, then releases the physical memory; the
+//!   wake maps new memory at the same addresses and resolves once the data is back.
+//! - Neither holds the device's gate while it waits, copies or makes driver calls: other
+//!   pools (and the default pools) keep serving meanwhile.
+//! - While a pool is not awake its mallocs fail with `AllocError::PoolAsleep`, or with
+//!   [`MallocOptions::wait_for`](crate::MallocOptions::wait_for) wait for the wake. Its live
+//!   buffers stay valid handles (and can be dropped) but device work on their memory fails
+//!   until the wake.
+//! - A wake without enough device memory leaves the pool asleep, with its host copy, and
+//!   fails with `AllocError::WakeOutOfMemory` (what it needed, what was free): free memory
+//!   and wake again.
+//! - Dropping a `sleep()` or `wake()` future does not stop it: once begun it runs to its end
+//!   on the allocator's runtime (asleep, awake, or rolled back), so the pool is never left
+//!   half asleep. Calls on the same pool and device run one at a time.
+//! - A pool dropped while asleep drops its host copy; its address ranges stay reserved until
+//!   the allocator shuts down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc_devices::{
+    map_wake, release_slept_pages, wait_for_pool_streams, AllocError, DeviceCore, Leftovers,
+    MemPoolId, PoolState, SleepMode, SleepPlan,
+};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use tokio::sync::Mutex;
+
+use crate::actor::DeviceActor;
+use crate::pinned::PinnedBuffer;
+use crate::pool::Pool;
+use crate::{Error, HostAllocator};
+
+/// How long a sleep waits before asking again when pages of the pool are being mapped or
+/// unmapped by a request in flight (`AllocError::PoolBusy`).
+const BUSY_RETRY: Duration = Duration::from_micros(200);
+
+/// Host memory is packed in chunks of whole multiples of this.
+const HOST_GRANULE: u64 = 4096;
+
+/// A pool's data on one device while it sleeps.
+#[derive(Debug, Default)]
+pub(crate) struct HostCopy {
+    chunks: Vec<PinnedBuffer>,
+    copies: Vec<(DevicePtr, u64)>,
+}
+
+/// A device's [`HostCopy`] behind a lock that serializes the pool's sleeps and wakes there.
+pub(crate) type HostSlot = Arc<Mutex<HostCopy>>;
+
+/// One [`HostSlot`] per device.
+pub(crate) type HostCopies = Vec<HostSlot>;
+
+impl Pool {
+    /// Puts the pool to sleep on every device (see the module docs).
+    pub async fn sleep(&self, mode: SleepMode) -> Result<(), Error> {
+        for device in 0..self.devices() {
+            self.sleep_on(DeviceId(device), mode).await?;
+        }
+        Ok(())
+    }
+
+    /// Wakes the pool on every device (see the module docs); nothing to do where it is awake.
+    pub async fn wake(&self) -> Result<(), Error> {
+        for device in 0..self.devices() {
+            self.wake_on(DeviceId(device)).await?;
+        }
+        Ok(())
+    }
+
+    /// Where the pool is in its sleep cycle on `device`.
+    pub async fn state(&self, device: DeviceId) -> Result<PoolState, Error> {
+        Ok(self.usage(device).await?.state)
+    }
+
+    /// Puts the pool to sleep on `device`.
+    pub async fn sleep_on(&self, device: DeviceId, mode: SleepMode) -> Result<(), Error> {
+        let (actor, id, slot) = self.sleep_parts(device)?;
+        let host = self.allocator().host();
+        let runtime = actor.runtime.clone();
+        runtime
+            .spawn(sleep_task(actor, id, mode, host, slot))
+            .await
+            .map_err(|e| Error::Internal(format!("sleep task failed: {e}")))?
+    }
+
+    /// Wakes the pool on `device`.
+    pub async fn wake_on(&self, device: DeviceId) -> Result<(), Error> {
+        let (actor, id, slot) = self.sleep_parts(device)?;
+        let runtime = actor.runtime.clone();
+        runtime
+            .spawn(wake_task(actor, id, slot))
+            .await
+            .map_err(|e| Error::Internal(format!("wake task failed: {e}")))?
+    }
+
+    fn sleep_parts(
+        &self,
+        device: DeviceId,
+    ) -> Result<(Arc<DeviceActor>, MemPoolId, HostSlot), Error> {
+        self.allocator().check()?;
+        let id = self.id(device)?;
+        let actor = self.allocator().device_actor(device)?.clone();
+        Ok((actor, id, self.host_copy(device)))
+    }
+}
+
+async fn sleep_task(
+    actor: Arc<DeviceActor>,
+    id: MemPoolId,
+    mode: SleepMode,
+    host: HostAllocator,
+    slot: HostSlot,
+) -> Result<(), Error> {
+    let mut held = slot.lock_owned().await;
+    let plan = loop {
+        match actor.call(move |st| st.core.begin_sleep(id, mode)).await? {
+            Ok(plan) => break plan,
+            Err(AllocError::PoolBusy { .. }) => tokio::time::sleep(BUSY_RETRY).await,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let total: u64 = plan.copies().iter().map(|c| c.1).sum();
+    let mut chunks = Vec::new();
+    for size in chunk_sizes(total) {
+        match host.malloc(size).await {
+            Ok(c) => chunks.push(c),
+            Err(e) => {
+                let left = actor.call(move |st| st.core.abort_sleep(plan)).await?;
+                release_leftovers(&actor, left).await;
+                return Err(e);
+            }
+        }
+    }
+    let backend = actor.backend.clone();
+    let device = actor.device;
+    let (plan, chunks, copied) = actor
+        .runtime
+        .spawn_blocking(move || {
+            let copied = wait_for_pool_streams(backend.as_ref(), &plan)
+                .and_then(|()| copy_out(backend.as_ref(), device, plan.copies(), &chunks));
+            if copied.is_ok() {
+                release_slept_pages(backend.as_ref(), &plan);
+            }
+            (plan, chunks, copied)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("sleep copy failed: {e}")))?;
+    let copies = plan.copies().to_vec();
+    let ok = copied.is_ok();
+    let left = actor
+        .call(move |st| finish_or_abort(&mut st.core, plan, ok))
+        .await?;
+    release_leftovers(&actor, left).await;
+    copied.map_err(|e| Error::Alloc(AllocError::Backend(e)))?;
+    *held = HostCopy { chunks, copies };
+    Ok(())
+}
+
+async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Result<(), Error> {
+    let mut held = slot.lock_owned().await;
+    let Some(plan) = actor.call(move |st| st.core.begin_wake(id)).await?? else {
+        return Ok(());
+    };
+    let backend = actor.backend.clone();
+    let device = actor.device;
+    let copy = std::mem::take(&mut *held);
+    let (plan, copy, woken) = actor
+        .runtime
+        .spawn_blocking(move || {
+            let woken = map_wake(backend.as_ref(), &plan).and_then(|woken| {
+                match copy_in(backend.as_ref(), device, &copy.copies, &copy.chunks) {
+                    Ok(()) => Ok(woken),
+                    Err(e) => {
+                        woken.release(backend.as_ref());
+                        Err(e)
+                    }
+                }
+            });
+            (plan, copy, woken)
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("wake failed: {e}")))?;
+    match woken {
+        Ok(woken) => {
+            let left = actor
+                .call(move |st| st.core.finish_wake(plan, woken))
+                .await?;
+            release_leftovers(&actor, left).await;
+            // Requests waiting for the pool may go now; the host copy goes back to the
+            // pinned pool.
+            actor.signals.waiters.wake_head();
+            drop(copy);
+            Ok(())
+        }
+        Err(e) => {
+            *held = copy;
+            let needed = plan.bytes();
+            let name = actor
+                .call(move |st| {
+                    let name = st.core.pool_name(id).unwrap_or_default().to_string();
+                    (name, st.core.abort_wake(plan))
+                })
+                .await?;
+            release_leftovers(&actor, name.1).await;
+            if !e.is_oom() {
+                return Err(Error::Alloc(AllocError::Backend(e)));
+            }
+            let free = actor.backend.mem_info(device).map(|m| m.free).unwrap_or(0);
+            Err(Error::Alloc(AllocError::WakeOutOfMemory {
+                pool: name.0,
+                needed,
+                free,
+            }))
+        }
+    }
+}
+
+fn finish_or_abort(core: &mut DeviceCore, plan: SleepPlan, ok: bool) -> Leftovers {
+    if ok {
+        core.finish_sleep(plan)
+    } else {
+        core.abort_sleep(plan)
+    }
+}
+
+/// Releases what a finish or abort left (a shutdown meanwhile), off the async runtime.
+async fn release_leftovers(actor: &Arc<DeviceActor>, left: Leftovers) {
+    if left.is_empty() {
+        return;
+    }
+    let backend = actor.backend.clone();
+    let _ = actor
+        .runtime
+        .spawn_blocking(move || left.release(backend.as_ref()))
+        .await;
+}
+
+/// Chunk sizes holding `total` bytes: `total` rounded up to [`HOST_GRANULE`], split into its
+/// powers of two, largest first, so each chunk is one size class of the pinned pool.
+pub(crate) fn chunk_sizes(total: u64) -> Vec<u64> {
+    let rounded = total.div_ceil(HOST_GRANULE) * HOST_GRANULE;
+    (0..64)
+        .rev()
+        .map(|bit| 1u64 << bit)
+        .filter(|b| rounded & b != 0)
+        .collect()
+}
+
+/// The copies of `copies` packed one after another into `chunks`: (device address, chunk,
+/// offset in the chunk, bytes), a copy crossing a chunk's end split in two.
+pub(crate) fn pieces(copies: &[(DevicePtr, u64)], chunks: &[u64]) -> Vec<(u64, usize, u64, u64)> {
+    let mut out = Vec::new();
+    let (mut chunk, mut offset) = (0usize, 0u64);
+    for &(ptr, len) in copies {
+        let mut done = 0;
+        while done < len {
+            let Some(&cap) = chunks.get(chunk) else {
+                return out; // the chunks were sized for the copies: never reached
+            };
+            if offset == cap {
+                chunk += 1;
+                offset = 0;
+                continue;
+            }
+            let n = (len - done).min(cap - offset);
+            out.push((ptr.0 + done, chunk, offset, n));
+            done += n;
+            offset += n;
+        }
+    }
+    out
+}
+
+/// Copies the live blocks into the chunks on a stream of the allocator's own, and waits.
+fn copy_out(
+    backend: &dyn Backend,
+    device: DeviceId,
+    copies: &[(DevicePtr, u64)],
+    chunks: &[PinnedBuffer],
+) -> Result<(), gpualloc_runtime::BackendError> {
+    copy(backend, device, copies, chunks, true)
+}
+
+/// Copies the chunks back into the blocks, and waits.
+fn copy_in(
+    backend: &dyn Backend,
+    device: DeviceId,
+    copies: &[(DevicePtr, u64)],
+    chunks: &[PinnedBuffer],
+) -> Result<(), gpualloc_runtime::BackendError> {
+    copy(backend, device, copies, chunks, false)
+}
+
+fn copy(
+    backend: &dyn Backend,
+    device: DeviceId,
+    copies: &[(DevicePtr, u64)],
+    chunks: &[PinnedBuffer],
+    out: bool,
+) -> Result<(), gpualloc_runtime::BackendError> {
+    if copies.is_empty() {
+        return Ok(());
+    }
+    let sizes: Vec<u64> = chunks.iter().map(PinnedBuffer::len).collect();
+    let stream = backend.stream_create(device)?;
+    let mut result = Ok(());
+    for (dev, chunk, offset, len) in pieces(copies, &sizes) {
+        let host = chunks[chunk].ptr().0 + offset;
+        let (dst, src) = if out { (host, dev) } else { (dev, host) };
+        result = backend.memcpy_async(stream, dst, src, len);
+        if result.is_err() {
+            break;
+        }
+    }
+    let synced = backend.stream_synchronize(stream);
+    let _ = backend.stream_destroy(stream);
+    result.and(synced)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_powers_of_two_summing_to_the_data_in_pages() {
+        assert_eq!(chunk_sizes(0), Vec::<u64>::new());
+        assert_eq!(chunk_sizes(1), vec![4096]);
+        assert_eq!(chunk_sizes(4096 * 3 + 1), vec![16384]);
+        assert_eq!(chunk_sizes(4096 * 3), vec![8192, 4096]);
+        let total = (1u64 << 30) + 5 * (1 << 20) + 17;
+        let c = chunk_sizes(total);
+        assert!(c.iter().all(|s| s.is_power_of_two()));
+        assert_eq!(c.iter().sum::<u64>(), total.div_ceil(4096) * 4096);
+        assert_eq!(c[0], 1 << 30);
+    }
+
+    #[test]
+    fn pieces_pack_copies_in_order_and_split_at_chunk_ends() {
+        let copies = [
+            (DevicePtr(1000), 5000),
+            (DevicePtr(90_000), 100),
+            (DevicePtr(50), 3100),
+        ];
+        let chunks = chunk_sizes(8200); // 8192 + 4096
+        assert_eq!(
+            pieces(&copies, &chunks),
+            vec![
+                (1000, 0, 0, 5000),
+                (90_000, 0, 5000, 100),
+                (50, 0, 5100, 3092),
+                (50 + 3092, 1, 0, 8),
+            ]
+        );
+    }
+}

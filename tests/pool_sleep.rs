@@ -1,0 +1,316 @@
+//! Sleep and wake of a pool through the public API (issue 19, section 2): 1,000 buffers keep
+//! their bytes at the same addresses, the device has the memory back while the pool sleeps,
+//! other pools keep serving, a wake without memory keeps the pool asleep with its data, a
+//! waiting malloc resumes at the wake, and dropped sleep and wake futures still finish.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{build, sim, MIB};
+use gpualloc::{
+    AllocError, Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, PoolOptions, PoolState,
+    SleepMode, Stream,
+};
+
+const D0: DeviceId = DeviceId(0);
+
+const CONFIGS: [&str; 3] = [
+    "expandable_segments:True",
+    "expandable_segments:True,thread_cache:False",
+    "expandable_segments:True,garbage_collection_threshold:0.8,per_process_memory_fraction:0.9",
+];
+
+fn pattern(ptr: u64, len: u64, salt: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((ptr >> 12) as u8) ^ (i as u8).wrapping_mul(31) ^ (i >> 8) as u8 ^ salt)
+        .collect()
+}
+
+fn write(alloc: &Allocator, s: &Stream, b: &DeviceBuffer, salt: u8) {
+    alloc
+        .backend()
+        .copy_to_device(s.handle(), b.ptr(), &pattern(b.ptr().0, b.len(), salt))
+        .unwrap();
+}
+
+fn holds(alloc: &Allocator, s: &Stream, b: &DeviceBuffer, salt: u8) -> bool {
+    let mut v = vec![0u8; b.len() as usize];
+    alloc
+        .backend()
+        .copy_from_device(s.handle(), &mut v, b.ptr())
+        .unwrap();
+    v == pattern(b.ptr().0, b.len(), salt)
+}
+
+fn free_bytes(alloc: &Allocator) -> u64 {
+    alloc.backend().mem_info(D0).unwrap().free
+}
+
+/// 1,000 buffers of mixed sizes: 100 of about 1 MiB, 200 of about 128 KiB, 700 under 20 KiB.
+fn size_of(i: u64) -> u64 {
+    match i % 10 {
+        0 => MIB + i * 13,
+        1 | 2 => (128 << 10) + i,
+        _ => (i * 37) % 20_000 + 1,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_buffers_keep_their_bytes_at_the_same_addresses() {
+    for conf in CONFIGS {
+        let alloc = build(sim(4 << 30), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let kv = alloc
+            .pool("kv_cache", PoolOptions::default())
+            .await
+            .unwrap();
+        let weights = alloc.pool("weights", PoolOptions::default()).await.unwrap();
+        let w = weights.malloc(16 * MIB, &s).await.unwrap();
+        write(&alloc, &s, &w, 9);
+        let mut bufs = Vec::new();
+        for i in 0..1000u64 {
+            let b = kv.malloc(size_of(i), &s).await.unwrap();
+            write(&alloc, &s, &b, i as u8);
+            bufs.push(b);
+        }
+        let addrs: Vec<u64> = bufs.iter().map(|b| b.ptr().0).collect();
+        let reserved = kv.usage(D0).await.unwrap().reserved.all().current;
+        let stats = alloc.stats(D0).await.unwrap();
+        let free = free_bytes(&alloc);
+
+        let host = alloc.host().stats().await.unwrap().allocated_bytes.current;
+        kv.sleep(SleepMode::Offload).await.unwrap();
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep, "[{conf}]");
+        // The host copy holds the bytes asked for, rounded up to 4 KiB in all.
+        let data: u64 = bufs.iter().map(|b| b.len()).sum();
+        let pinned = alloc.host().stats().await.unwrap().allocated_bytes.current - host;
+        assert_eq!(pinned, data.div_ceil(4096) * 4096, "[{conf}] pinned bytes");
+        let usage = kv.usage(D0).await.unwrap();
+        assert_eq!(
+            (usage.reserved.all().current, usage.asleep_bytes),
+            (0, reserved)
+        );
+        assert_eq!(free_bytes(&alloc), free + reserved, "[{conf}] mem_info");
+        let now = alloc.stats(D0).await.unwrap();
+        assert_eq!(
+            now.reserved_bytes.all().current,
+            stats.reserved_bytes.all().current - reserved
+        );
+        match kv.malloc(4096, &s).await {
+            Err(Error::Alloc(AllocError::PoolAsleep { pool, state })) => {
+                assert_eq!((pool.as_str(), state), ("kv_cache", PoolState::Asleep))
+            }
+            other => panic!("[{conf}] {other:?}"),
+        }
+        // Other pools keep serving, and the weights are untouched.
+        let w2 = weights.malloc(MIB, &s).await.unwrap();
+        let d = alloc.malloc(3 * MIB, &s).await.unwrap();
+        assert!(holds(&alloc, &s, &w, 9));
+        drop((w2, d));
+        // A buffer dropped while asleep is freed like any other.
+        let dropped = bufs.pop().unwrap();
+        drop(dropped);
+
+        kv.wake().await.unwrap();
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+        assert_eq!(kv.usage(D0).await.unwrap().reserved.all().current, reserved);
+        let after = alloc.host().stats().await.unwrap().allocated_bytes.current;
+        assert_eq!(
+            after, host,
+            "[{conf}] the host copy went back to the pinned pool"
+        );
+        for (i, b) in bufs.iter().enumerate() {
+            assert_eq!(b.ptr().0, addrs[i]);
+            assert!(holds(&alloc, &s, b, i as u8), "[{conf}] buffer {i} changed");
+        }
+        assert!(holds(&alloc, &s, &w, 9));
+        let again = kv.malloc(size_of(999), &s).await.unwrap();
+        assert_eq!(
+            again.ptr().0,
+            addrs[999],
+            "[{conf}] the freed block is served again"
+        );
+        drop((bufs, again, w));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_needs_expandable_segments() {
+    let alloc = build(sim(1 << 30), "");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let _b = kv.malloc(MIB, &s).await.unwrap();
+    let err = kv.sleep(SleepMode::Offload).await.unwrap_err();
+    assert!(
+        matches!(err, Error::Alloc(AllocError::NotSupported(_))),
+        "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("expandable_segments:True"),
+        "{err}"
+    );
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+    kv.wake().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_without_memory_keeps_the_pool_asleep_with_its_data() {
+    let alloc = build(sim(256 * MIB), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let b = kv.malloc(100 * MIB, &s).await.unwrap();
+    write(&alloc, &s, &b, 3);
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    let hog = alloc.malloc(200 * MIB, &s).await.unwrap();
+    let free = free_bytes(&alloc);
+    match kv.wake().await {
+        Err(Error::Alloc(AllocError::WakeOutOfMemory {
+            pool,
+            needed,
+            free: f,
+        })) => {
+            assert_eq!(pool, "kv");
+            assert!(needed >= 100 * MIB && f < needed, "{needed} {f}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
+    assert_eq!(free_bytes(&alloc), free, "nothing half-mapped");
+    drop(hog);
+    alloc.empty_cache().await.unwrap();
+    kv.wake().await.unwrap();
+    assert!(holds(&alloc, &s, &b, 3));
+    drop(b);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_malloc_resumes_when_the_pool_wakes() {
+    let alloc = build(sim(1 << 30), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let b = kv.malloc(8 * MIB, &s).await.unwrap();
+    kv.sleep(SleepMode::Discard).await.unwrap();
+    let (kv2, s2) = (kv.clone(), s.clone());
+    let waiting = tokio::spawn(async move {
+        kv2.malloc_with(MIB, &s2, MallocOptions::wait_for(Duration::from_secs(10)))
+            .await
+    });
+    common::until_waiting(&alloc, 1).await;
+    kv.wake().await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("woken by the wake")
+        .unwrap()
+        .unwrap();
+    assert_eq!(kv.usage(D0).await.unwrap().allocated.all().current, 9 * MIB);
+    drop((b, got));
+    // Without waiting long enough it fails with the typed error.
+    kv.sleep(SleepMode::Discard).await.unwrap();
+    let err = kv
+        .malloc_with(MIB, &s, MallocOptions::wait_for(Duration::from_millis(20)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Alloc(AllocError::PoolAsleep { .. })),
+        "{err:?}"
+    );
+    alloc.shutdown().await.unwrap();
+}
+
+/// Sleep and wake futures dropped at awkward moments: whatever began finishes, so the pool
+/// ends asleep or awake, never in between, and its data survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_sleep_and_wake_futures_leave_a_consistent_pool() {
+    let alloc = build(sim(1 << 30), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let bufs: Vec<DeviceBuffer> = {
+        let mut v = Vec::new();
+        for i in 0..50u64 {
+            let b = kv.malloc(size_of(i * 3), &s).await.unwrap();
+            write(&alloc, &s, &b, i as u8);
+            v.push(b);
+        }
+        v
+    };
+    let settled = |kv: gpualloc::Pool| async move {
+        loop {
+            match kv.state(D0).await.unwrap() {
+                PoolState::FallingAsleep | PoolState::Waking => {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                }
+                state => return state,
+            }
+        }
+    };
+    for round in 0..6u64 {
+        let cut = Duration::from_micros(round * 300);
+        let _ = tokio::time::timeout(cut, kv.sleep(SleepMode::Offload)).await;
+        let state = settled(kv.clone()).await;
+        assert!(
+            matches!(state, PoolState::Asleep | PoolState::Awake),
+            "{state}"
+        );
+        let _ = tokio::time::timeout(cut, kv.wake()).await;
+        settled(kv.clone()).await;
+        kv.wake().await.unwrap();
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(holds(&alloc, &s, b, i as u8), "round {round}: buffer {i}");
+        }
+    }
+    drop(bufs);
+    alloc.shutdown().await.unwrap();
+}
+
+/// Hits of another pool keep flowing while a pool of 256 MiB sleeps and wakes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_pools_serve_during_a_sleep_and_a_wake() {
+    let alloc = build(sim(2 << 30), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let big = alloc.pool("weights", PoolOptions::default()).await.unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(big.malloc(32 * MIB, &s).await.unwrap());
+    }
+    drop(kv.malloc(MIB, &s).await.unwrap());
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (kv2, s2, stop2) = (kv.clone(), s.clone(), stop.clone());
+    let hits = tokio::spawn(async move {
+        let mut n = 0u64;
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            drop(kv2.malloc(MIB, &s2).await.unwrap());
+            n += 1;
+            tokio::task::yield_now().await;
+        }
+        n
+    });
+    big.sleep(SleepMode::Offload).await.unwrap();
+    big.wake().await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = hits.await.unwrap();
+    assert!(n > 0, "no hit served during the sleep and wake");
+    assert_eq!(kv.usage(D0).await.unwrap().reserved.all().current, 2 * MIB);
+    drop(held);
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_dropped_while_asleep_and_shutdown_release_everything() {
+    let backend = sim(1 << 30);
+    let alloc = build(backend.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let b = kv.malloc(30 * MIB, &s).await.unwrap();
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    drop(kv);
+    drop(b);
+    alloc.empty_cache().await.unwrap();
+    alloc.shutdown().await.unwrap();
+    assert_eq!(backend.used_bytes(D0).unwrap(), 0);
+}
