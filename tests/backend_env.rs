@@ -210,6 +210,46 @@ async fn pools_keep_their_memory_apart() {
     }
 }
 
+/// A pool sleeps and wakes (issue 19, section 2): its memory goes back to the device while it
+/// sleeps and its data is back at the same addresses after the wake, on this backend's
+/// virtual memory (the CUDA driver's `cuMemUnmap` / `cuMemMap` under the emulator).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
+    use gpualloc::{PoolOptions, PoolState, SleepMode};
+    let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
+    let s = alloc.new_stream(dev()).unwrap();
+    let kv = alloc
+        .pool("kv_cache", PoolOptions::default())
+        .await
+        .unwrap();
+    let bufs: Vec<DeviceBuffer> = {
+        let mut v = Vec::new();
+        for i in 0..40u64 {
+            let b = kv.malloc((i % 7) * MIB + i * 1000 + 1, &s).await.unwrap();
+            write(&alloc, &s, &b, &pattern(b.len(), i as u64));
+            v.push(b);
+        }
+        v
+    };
+    let addrs: Vec<_> = bufs.iter().map(DeviceBuffer::ptr).collect();
+    let reserved = kv.usage(dev()).await.unwrap().reserved.all().current;
+    let free = alloc.backend().mem_info(dev()).unwrap().free;
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    assert_eq!(kv.state(dev()).await.unwrap(), PoolState::Asleep);
+    assert!(alloc.backend().mem_info(dev()).unwrap().free >= free + reserved);
+    kv.wake().await.unwrap();
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(b.ptr(), addrs[i]);
+        assert_eq!(
+            read(&alloc, &s, b),
+            pattern(b.len(), i as u64),
+            "buffer {i}"
+        );
+    }
+    drop(bufs);
+    alloc.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_live_buffers_returns_everything() {
     let alloc = alloc_from_env(AllocatorConfig::default());
