@@ -226,7 +226,7 @@ async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
         let mut v = Vec::new();
         for i in 0..40u64 {
             let b = kv.malloc((i % 7) * MIB + i * 1000 + 1, &s).await.unwrap();
-            write(&alloc, &s, &b, &pattern(b.len(), i as u64));
+            write(&alloc, &s, &b, &pattern(b.len(), i));
             v.push(b);
         }
         v

@@ -26,8 +26,11 @@
 //!   `varying_sizes_pairs_per_s`: one task whose sizes never repeat, default vs
 //!   `thread_cache:False` (what the cache costs where it cannot help).
 //! - the pinned-host figures (section `host`): see `host.rs`.
+//! - sleep and wake of a 1 GiB pool, and other pools' hits meanwhile (section `sleep`): see
+//!   `sleep.rs`.
 //!
-//! Sections can be picked by name: `bench hit throughput miss flood slowcalls contention host`
+//! Sections can be picked by name: `bench hit throughput miss flood slowcalls contention host
+//! pool sleep`
 //! (default: all).
 //!
 //! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
@@ -35,6 +38,7 @@
 //! real device malloc instead of the sim's 10 ms one, and the flood only with 2+ GPUs.
 
 mod host;
+mod sleep;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -770,6 +774,9 @@ fn main() {
         }
         if run("pool") {
             pool_hit_latency(&mut figures).await;
+        }
+        if run("sleep") {
+            sleep::sleep_figures(&mut figures).await;
         }
         if run("contention") {
             core_contention(&mut figures).await;
