@@ -1,5 +1,5 @@
 //! An inference-server-like workload on the simulated GPU, with no setup:
-//! `cargo run --release --example serve [-- --requests N --concurrency C]`.
+//! `cargo run --release --example serve [-- --requests N --concurrency C --pools]`.
 //!
 //! Concurrent requests of varying sizes (input activations, outputs, scratch) run on two
 //! simulated devices with four streams each. Every request's kernels write a pattern of its
@@ -7,6 +7,12 @@
 //! second stream (`record_stream`) for post-processing. Any memory handed out while another
 //! stream still uses it shows up as a mismatch. The devices are small, so requests also wait
 //! for memory (`MallocOptions::wait_for`) instead of failing.
+//!
+//! `--pools` (with `expandable_segments:True`): two memory pools per device, as a server with
+//! two models has. Requests allocate from a `kv_cache` pool; a second model's `weights` pool
+//! (written with a pattern at the start) is put to sleep a third of the way through the run,
+//! offloaded to pinned host memory while the requests go on, and woken two thirds of the way
+//! through; its bytes are then checked at the same addresses.
 //!
 //! Prints malloc and request latency percentiles and the PyTorch-style memory summary;
 //! exits non-zero on any data mismatch, failed kernel, error or leak.
@@ -17,7 +23,10 @@ use std::time::{Duration, Instant};
 
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
 use gpualloc::runtime::BackendError;
-use gpualloc::{Allocator, DeviceBuffer, DeviceId, DevicePtr, Error, MallocOptions, Stream};
+use gpualloc::{
+    Allocator, AllocatorConfig, DeviceBuffer, DeviceId, DevicePtr, Error, MallocOptions, Pool,
+    PoolOptions, SleepMode, Stream,
+};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -29,15 +38,22 @@ const CAPACITY: u64 = 320 * MIB;
 struct Args {
     requests: u64,
     concurrency: usize,
+    /// Two pools per device, one put to sleep and woken mid-run.
+    pools: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         requests: 20_000,
         concurrency: 48,
+        pools: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--pools" {
+            args.pools = true;
+            continue;
+        }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         let parse = |v: &str| v.parse::<u64>().map_err(|e| format!("{flag} {v}: {e}"));
         match flag.as_str() {
@@ -45,7 +61,7 @@ fn parse_args() -> Result<Args, String> {
             "--concurrency" => args.concurrency = parse(&value)?.max(1) as usize,
             other => {
                 return Err(format!(
-                    "unknown flag {other} (use --requests N --concurrency C)"
+                    "unknown flag {other} (use --requests N --concurrency C --pools)"
                 ))
             }
         }
@@ -145,6 +161,7 @@ struct Timing {
 async fn request(
     id: u64,
     alloc: Allocator,
+    pool: Option<Pool>,
     sim: Arc<SimBackend>,
     streams: Arc<Vec<Vec<Stream>>>,
     budgets: Arc<Vec<Arc<tokio::sync::Semaphore>>>,
@@ -174,7 +191,10 @@ async fn request(
     let mut bufs = Vec::with_capacity(3);
     for size in sizes {
         let t = Instant::now();
-        let buf = alloc.malloc_with(size, stream, wait).await?;
+        let buf = match &pool {
+            Some(pool) => pool.malloc_with(size, stream, wait).await?,
+            None => alloc.malloc_with(size, stream, wait).await?,
+        };
         let ns = t.elapsed().as_nanos() as u64;
         if ns > 1_000_000 {
             counters.waited.fetch_add(1, Ordering::Relaxed);
@@ -280,8 +300,16 @@ async fn run(args: Args) -> Result<bool, Error> {
         capacity_per_device: CAPACITY,
         ..SimConfig::default()
     })?;
-    // GPUALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) applies if set.
-    let alloc = Allocator::builder().backend_instance(sim.clone()).build()?;
+    // GPUALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) applies if set; `--pools` needs expandable
+    // segments (a pool sleeps by unmapping its pages).
+    let mut builder = Allocator::builder().backend_instance(sim.clone());
+    if args.pools {
+        let config = AllocatorConfig::from_env()
+            .map_err(|e| Error::Internal(format!("GPUALLOC_CONF: {e}")))?
+            .with_expandable_segments(true);
+        builder = builder.config(config);
+    }
+    let alloc = builder.build()?;
     let streams: Vec<Vec<Stream>> = (0..DEVICES)
         .map(|d| {
             (0..STREAMS_PER_DEVICE)
@@ -298,7 +326,17 @@ async fn run(args: Args) -> Result<bool, Error> {
         .config()
         .per_process_memory_fraction
         .map_or(CAPACITY, |f| (CAPACITY as f64 * f) as u64);
-    let budget_mib = (allowed / MIB) as usize * 3 / 5;
+    let weights = if args.pools {
+        Some(load_weights(&alloc, &sim, &streams).await?)
+    } else {
+        None
+    };
+    let weight_bytes = weights.as_ref().map_or(0, |w| w.bytes_per_device);
+    let budget_mib = ((allowed - weight_bytes) / MIB) as usize * 3 / 5;
+    let kv = match args.pools {
+        true => Some(alloc.pool("kv_cache", PoolOptions::default()).await?),
+        false => None,
+    };
     let budgets: Arc<Vec<_>> = Arc::new(
         (0..DEVICES)
             .map(|_| Arc::new(tokio::sync::Semaphore::new(budget_mib)))
@@ -332,6 +370,10 @@ async fn run(args: Args) -> Result<bool, Error> {
         })
     };
     let started = Instant::now();
+    let sleeper = weights.map(|w| {
+        let (done, requests) = (done.clone(), args.requests);
+        tokio::spawn(sleep_and_wake(w, done, requests))
+    });
     let mut handles = Vec::with_capacity(args.requests as usize);
     for id in 0..args.requests {
         let permit = limit
@@ -339,16 +381,17 @@ async fn run(args: Args) -> Result<bool, Error> {
             .acquire_owned()
             .await
             .map_err(|e| Error::Internal(e.to_string()))?;
-        let (alloc, sim, streams, budgets, counters) = (
+        let (alloc, sim, streams, budgets, counters, kv) = (
             alloc.clone(),
             sim.clone(),
             streams.clone(),
             budgets.clone(),
             counters.clone(),
+            kv.clone(),
         );
         let done = done.clone();
         handles.push(tokio::spawn(async move {
-            let r = request(id, alloc, sim, streams, budgets, counters).await;
+            let r = request(id, alloc, kv, sim, streams, budgets, counters).await;
             done.fetch_add(1, Ordering::Relaxed);
             drop(permit);
             r
@@ -375,6 +418,22 @@ async fn run(args: Args) -> Result<bool, Error> {
     }
     let wall = started.elapsed();
     watchdog.abort();
+    let slept = match sleeper {
+        Some(task) => match task.await {
+            Ok(Ok(w)) => Some(w),
+            Ok(Err(e)) => {
+                errors += 1;
+                eprintln!("sleep and wake failed: {e}");
+                None
+            }
+            Err(e) => {
+                errors += 1;
+                eprintln!("sleep task failed: {e}");
+                None
+            }
+        },
+        None => None,
+    };
 
     println!(
         "done in {:.2} s: {:.0} requests/s, {} mallocs",
@@ -402,8 +461,39 @@ async fn run(args: Args) -> Result<bool, Error> {
         100.0 * (1.0 - device_mallocs as f64 / mallocs.len().max(1) as f64),
         counters.waited.load(Ordering::Relaxed)
     );
+    if let Some(w) = &slept {
+        let r = &w.report;
+        println!(
+            "weights pool ({:.1} MiB per device): slept at request {} ({:.1} ms, MiB freed per device {:?}), woken at request {} ({:.1} ms); {} requests finished while it slept",
+            w.bytes_per_device as f64 / MIB as f64,
+            r.slept_at,
+            r.sleep_ms,
+            r.freed.iter().map(|b| b / MIB).collect::<Vec<_>>(),
+            r.woken_at,
+            r.wake_ms,
+            r.woken_at - r.slept_at
+        );
+        if let Some(kv) = &kv {
+            for d in 0..DEVICES {
+                let u = kv.usage(DeviceId(d)).await?;
+                println!(
+                    "kv_cache pool, device {d}: peak reserved {:.1} MiB, peak allocated {:.1} MiB",
+                    u.reserved.all().peak as f64 / MIB as f64,
+                    u.allocated.all().peak as f64 / MIB as f64
+                );
+            }
+        }
+        let bad = check_weights(&sim, w).await?;
+        if bad > 0 {
+            counters.mismatches.fetch_add(bad, Ordering::Relaxed);
+            eprintln!("weights: {bad} buffers changed across the sleep");
+        } else {
+            println!("weights: every byte back at the same address after the wake");
+        }
+    }
     println!();
     print!("{}", alloc.memory_summary().await?);
+    drop((slept, kv));
 
     let mismatches = counters.mismatches.load(Ordering::Relaxed);
     let failures = sim.kernel_failures();
@@ -412,6 +502,107 @@ async fn run(args: Args) -> Result<bool, Error> {
     let leaked = sim.live_allocations();
     println!("data mismatches: {mismatches}, failed kernels: {failures}, errors: {errors}, leaked allocations: {leaked}");
     Ok(mismatches == 0 && failures == 0 && errors == 0 && leaked == 0)
+}
+
+/// A second model's weights: a pool per device of buffers written with a pattern.
+struct Weights {
+    pool: Pool,
+    /// (buffer, its stream, the byte it holds).
+    buffers: Vec<(DeviceBuffer, Stream, u8)>,
+    bytes_per_device: u64,
+    report: SleepReport,
+}
+
+#[derive(Default)]
+struct SleepReport {
+    slept_at: u64,
+    woken_at: u64,
+    sleep_ms: f64,
+    wake_ms: f64,
+    /// Physical memory the sleep gave back, per device.
+    freed: Vec<u64>,
+}
+
+const WEIGHT_BUFFERS: u64 = 8;
+
+async fn load_weights(
+    alloc: &Allocator,
+    sim: &Arc<SimBackend>,
+    streams: &[Vec<Stream>],
+) -> Result<Weights, Error> {
+    let pool = alloc.pool("weights", PoolOptions::default()).await?;
+    let mut buffers = Vec::new();
+    let mut bytes_per_device = 0;
+    for (d, device_streams) in streams.iter().enumerate() {
+        let stream = &device_streams[0];
+        bytes_per_device = 0;
+        for i in 0..WEIGHT_BUFFERS {
+            let buf = pool.malloc(6 * MIB + i * 4097, stream).await?;
+            bytes_per_device += buf.len();
+            let (ptr, len, byte) = (buf.ptr(), buf.len(), (d as u64 * 16 + i + 1) as u8);
+            sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+                m.fill(ptr, len, byte)
+            })?;
+            buffers.push((buf, stream.clone(), byte));
+        }
+        stream.completed().await?;
+    }
+    Ok(Weights {
+        pool,
+        buffers,
+        bytes_per_device,
+        report: SleepReport::default(),
+    })
+}
+
+/// Puts the weights to sleep once a third of the requests are done and wakes them at two
+/// thirds, while the requests go on.
+async fn sleep_and_wake(
+    mut w: Weights,
+    done: Arc<AtomicU64>,
+    requests: u64,
+) -> Result<Weights, Error> {
+    let until = |n: u64| {
+        let done = done.clone();
+        async move {
+            while done.load(Ordering::Relaxed) < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            done.load(Ordering::Relaxed)
+        }
+    };
+    w.report.slept_at = until(requests / 3).await;
+    let t = Instant::now();
+    w.pool.sleep(SleepMode::Offload).await?;
+    w.report.sleep_ms = t.elapsed().as_secs_f64() * 1e3;
+    for d in 0..DEVICES {
+        w.report
+            .freed
+            .push(w.pool.usage(DeviceId(d)).await?.asleep_bytes);
+    }
+    w.report.woken_at = until(requests * 2 / 3).await;
+    let t = Instant::now();
+    w.pool.wake().await?;
+    w.report.wake_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(w)
+}
+
+/// Checks every byte of the weights on the device; returns how many buffers changed.
+async fn check_weights(sim: &Arc<SimBackend>, w: &Weights) -> Result<u64, Error> {
+    let bad = Arc::new(AtomicU64::new(0));
+    for (buf, stream, byte) in &w.buffers {
+        let (ptr, len, byte, bad) = (buf.ptr(), buf.len(), *byte, bad.clone());
+        sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+            if !m.check(ptr, len, byte)? {
+                bad.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })?;
+    }
+    for (_, stream, _) in &w.buffers {
+        stream.completed().await?;
+    }
+    Ok(bad.load(Ordering::Relaxed))
 }
 
 fn main() {
