@@ -46,6 +46,7 @@ mod cuda;
 mod error;
 mod export;
 mod fork;
+mod observer;
 mod options;
 mod pinned;
 mod pool;
@@ -58,6 +59,7 @@ pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACK
 pub use error::Error;
 pub use gpualloc_devices::memory_summary;
 pub use gpualloc_devices::{PoolState, SleepMode};
+pub use observer::{SegmentAction, SegmentRange, SegmentWatch, SEGMENT_EVENTS_BUFFERED};
 pub use options::MallocOptions;
 pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 pub use pool::{Pool, PoolOptions, PoolUsage};
@@ -67,7 +69,7 @@ pub use cudarc;
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{
     format_size, AllocError, AllocatorConfig, ConfigError, CrossStreamFree, DeviceSnapshot,
-    DeviceStats, OomReport, Stat, StatArray, StatType,
+    DeviceStats, MemPoolId, OomReport, SegmentEvent, Stat, StatArray, StatType,
 };
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};

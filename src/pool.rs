@@ -23,6 +23,10 @@
 //!   the pool's requests on other streams.
 //! - Pool blocks bypass the thread cache (a block parked there could be handed to a request
 //!   of another pool); a pool's hits take the actor's gate, as `thread_cache:False` does.
+//! - [`PoolOptions::unsplit`]`: Some(g)` (with `expandable_segments:True`) gives every block of
+//!   the pool a range of its own, aligned to `g` and a multiple of it, never split: what
+//!   NCCL's NVLS registration needs (pytorch#148374). [`Allocator::watch_segments`] announces
+//!   each such range with the buffer's own address and size.
 //! - Dropping the last handle of a pool releases it, as PyTorch's `MemPool` does: its live
 //!   buffers stay valid, and its cached segments go back to the device on the next
 //!   [`Allocator::empty_cache`] once they are free.
@@ -47,7 +51,7 @@ use crate::{Allocator, DeviceBuffer, Error, MallocOptions};
 /// use gpualloc::{MallocOptions, PoolOptions};
 /// let weights = alloc.pool("weights", PoolOptions::default()).await?;
 /// let kv = alloc
-///     .pool("kv_cache", PoolOptions { quota: Some(8 << 30), use_on_oom: false })
+///     .pool("kv_cache", PoolOptions { quota: Some(8 << 30), ..Default::default() })
 ///     .await?;
 /// let w = weights.malloc(1 << 30, &stream).await?;
 /// // Past 8 GiB reserved: Error::Alloc(AllocError::PoolQuota { pool, quota, reserved, .. }),
@@ -88,6 +92,13 @@ impl Allocator {
     /// Creates a memory pool called `name` on every device (see [`Pool`]).
     pub async fn pool(&self, name: &str, options: PoolOptions) -> Result<Pool, Error> {
         self.check()?;
+        // Refused before any device has it (e.g. `unsplit` without expandable segments).
+        for device in 0..self.device_count() {
+            let options = options.clone();
+            self.device_actor(DeviceId(device))?
+                .call(move |st| st.core.check_pool_options(&options))
+                .await??;
+        }
         let mut ids = Vec::new();
         for device in 0..self.device_count() {
             let actor = self.device_actor(DeviceId(device))?;
@@ -194,7 +205,8 @@ impl Pool {
         self.inner.host_copies[device.0 as usize].clone()
     }
 
-    pub(crate) fn id(&self, device: DeviceId) -> Result<MemPoolId, Error> {
+    /// The pool's id on `device` (what [`SegmentEvent::pool`](crate::SegmentEvent) names).
+    pub fn id(&self, device: DeviceId) -> Result<MemPoolId, Error> {
         self.inner
             .ids
             .get(device.0 as usize)

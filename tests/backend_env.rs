@@ -176,6 +176,7 @@ async fn pools_keep_their_memory_apart() {
                 PoolOptions {
                     quota: Some(40 * MIB),
                     use_on_oom: false,
+                    unsplit: None,
                 },
             )
             .await

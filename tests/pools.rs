@@ -22,6 +22,7 @@ async fn kv_pool(alloc: &gpualloc::Allocator, quota: u64) -> gpualloc::Pool {
     let options = PoolOptions {
         quota: Some(quota),
         use_on_oom: false,
+        unsplit: None,
     };
     alloc.pool("kv_cache", options).await.unwrap()
 }

@@ -27,6 +27,7 @@ use crate::cross_stream::CrossStreamLog;
 use crate::error::{AllocError, OomReport};
 use crate::expandable::ExpandableSegment;
 use crate::mem_pools::PoolUsage;
+use crate::observer::SegmentSink;
 use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::sleep::PoolState;
@@ -75,6 +76,8 @@ pub(crate) struct PrivatePool {
     /// Bytes of segments being allocated for it off the core
     /// ([`SegmentRequest::claim_fraction`]).
     pub claimed: u64,
+    /// Granularity of its unsplit blocks, or why the one asked for cannot be (`unsplit.rs`).
+    pub unsplit: Option<Result<u64, &'static str>>,
 }
 
 /// Parameters of one malloc on its way through the chain.
@@ -135,6 +138,8 @@ pub struct DeviceCore {
     pub(crate) trace: Option<TraceRing>,
     pub(crate) now_us: u64,
     callbacks: Vec<FreeMemoryCallback>,
+    /// Told of every segment change (`observer.rs`).
+    pub(crate) segment_sink: Option<SegmentSink>,
     /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
     pub(crate) cross_stream: CrossStreamLog,
     pub(crate) shut_down: bool,
@@ -212,6 +217,7 @@ impl DeviceCore {
             trace: None,
             now_us: 0,
             callbacks: Vec::new(),
+            segment_sink: None,
             cross_stream: CrossStreamLog::default(),
             shut_down: false,
             peers: Vec::new(),
@@ -281,6 +287,8 @@ impl DeviceCore {
         self.pending.values().map(VecDeque::len).sum()
     }
 
+    /// Records a trace entry (when history is on) and announces a segment change to the
+    /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
         if let Some(ring) = &mut self.trace {
             ring.push(TraceEntry {
@@ -291,6 +299,7 @@ impl DeviceCore {
                 time_us: self.now_us,
             });
         }
+        self.announce(action, addr, size, stream);
     }
 
     fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {
@@ -331,6 +340,7 @@ impl DeviceCore {
                 },
                 named: false,
                 claimed: 0,
+                unsplit: None,
             },
         );
         MemPoolId(id)
@@ -457,6 +467,7 @@ impl DeviceCore {
         if let Some(e) = self.asleep_error(params.pool) {
             return Err(e);
         }
+        self.unsplit_params(&mut params)?;
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
         {
@@ -622,6 +633,15 @@ impl DeviceCore {
         };
         if k.0 != stream {
             return false;
+        }
+        if self.unsplit_of(params.pool).is_some() {
+            // A block of its own: only one of exactly the rounded size serves the request.
+            if k.1 != params.size {
+                return false;
+            }
+            self.pools[params.pool].free.remove(&k);
+            params.block = Some(id);
+            return true;
         }
         #[cfg(feature = "rule-knobs")]
         if self.knobs.tie_break_high_address {

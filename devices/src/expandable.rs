@@ -279,18 +279,28 @@ impl DeviceCore {
     }
 
     /// Reserves a new expandable segment for `stream` in `pool`; returns its one unmapped block.
+    /// For a pool of unsplit blocks (`unsplit.rs`) the reservation is `exact` bytes aligned to
+    /// the pool's granularity; else 9/8 of the device.
     fn new_expandable_segment(
         &mut self,
         stream: StreamHandle,
         pool: usize,
+        exact: Option<u64>,
     ) -> Result<BlockId, AllocError> {
         let page = self.segment_page_size(pool);
-        let pages = (self.device_total + self.device_total / 8)
-            .div_ceil(page)
-            .max(1);
+        let pages = match exact {
+            Some(bytes) => bytes.div_ceil(page),
+            None => (self.device_total + self.device_total / 8).div_ceil(page),
+        }
+        .max(1);
         let size = pages * page;
         let granularity = self.backend.vmm_granularity(self.device)?;
-        let base = self.backend.va_reserve(self.device, size, granularity)?;
+        let alignment = if exact.is_some() {
+            granularity.max(page)
+        } else {
+            granularity
+        };
+        let base = self.backend.va_reserve(self.device, size, alignment)?;
         self.expandable.insert(
             base.0,
             ExpandableSegment {
@@ -333,6 +343,10 @@ impl DeviceCore {
         pool: usize,
         size: u64,
     ) -> Result<BlockId, AllocError> {
+        if self.unsplit_of(pool).is_some() {
+            // A range of its own for every block.
+            return self.new_expandable_segment(stream, pool, Some(size));
+        }
         let candidates: Vec<BlockId> = self.pools[pool]
             .unmapped
             .range((stream.raw, 0, 0)..)
@@ -354,7 +368,7 @@ impl DeviceCore {
                 return Ok(c);
             }
         }
-        self.new_expandable_segment(stream, pool)
+        self.new_expandable_segment(stream, pool, None)
     }
 
     /// Maps the front `size` bytes (rounded to pages) of unmapped block `id` and merges it with
@@ -796,5 +810,12 @@ mod tests {
         assert_eq!(es.mapped_bytes(), 6);
         assert_eq!(es.runs_inside(6, 10), vec![7, 9]);
         assert_eq!(es.runs_inside(8, 10), vec![9]);
+        // Asleep: no runs, the books follow the layout kept.
+        es.slept = Some(std::mem::take(&mut es.runs));
+        assert!(!es.pages_are(7, 3, true));
+        assert!(es.booked_pages_are(7, 3, true));
+        assert!(!es.booked_pages_are(1, 3, true));
+        assert!(es.booked_pages_are(3, 2, false));
+        assert!(!es.booked_pages_are(3, 3, false));
     }
 }

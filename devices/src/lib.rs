@@ -20,6 +20,7 @@ mod growth;
 mod inspect;
 pub mod map_ahead;
 mod mem_pools;
+mod observer;
 pub mod orphans;
 mod pages;
 pub mod placement;
@@ -36,6 +37,7 @@ pub mod stats;
 mod streams;
 mod summary;
 pub mod trace;
+mod unsplit;
 
 #[cfg(feature = "rule-knobs")]
 pub use crate::core::RuleKnobs;
@@ -49,6 +51,7 @@ pub use error::{format_size, AllocError, OomReport};
 pub use expandable::MappedPages;
 pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
 pub use mem_pools::{PoolOptions, PoolUsage};
+pub use observer::{SegmentAction, SegmentEvent, SegmentRange, SegmentSink};
 pub use policy::Policy;
 pub use restore::RestoredBlock;
 pub use round_trips::RoundTrips;

@@ -34,7 +34,9 @@ pub const MAP_AHEAD_DIVISOR: u64 = 8;
 impl DeviceCore {
     /// The page size of `pool`'s expandable segments.
     pub(crate) fn segment_page_size(&self, pool: usize) -> u64 {
-        if self.pools[pool].is_small {
+        if let Some(g) = self.unsplit_of(pool) {
+            g
+        } else if self.pools[pool].is_small {
             SMALL_BUFFER
         } else if self.config.policy.fine_large_pages() {
             LARGE_POOL_PAGE
@@ -45,7 +47,9 @@ impl DeviceCore {
 
     /// Pages of `pool` one physical handle may cover.
     pub(crate) fn pages_per_handle(&self, pool: usize) -> usize {
-        if self.config.policy.fine_large_pages() {
+        if self.unsplit_of(pool).is_some() {
+            usize::MAX // one handle for a block's whole range
+        } else if self.config.policy.fine_large_pages() {
             (self.config.large_segment_size / self.segment_page_size(pool)).max(1) as usize
         } else {
             1
@@ -67,7 +71,10 @@ impl DeviceCore {
             return (need, need);
         };
         let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);
-        if self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
+        if self.pools[pool].is_small
+            || !self.config.policy.fine_large_pages()
+            || self.unsplit_of(pool).is_some()
+        {
             return (want, want);
         }
         let big = self.config.large_segment_size;

@@ -43,6 +43,9 @@ pub struct PoolOptions {
     /// Lend free blocks to requests of the device that would otherwise fail (PyTorch's
     /// `use_on_oom`).
     pub use_on_oom: bool,
+    /// Keep every block unsplit, in a range of its own aligned to this many bytes
+    /// (`unsplit.rs`; `None`: blocks are split and merged as usual).
+    pub unsplit: Option<u64>,
 }
 
 /// What a pool holds, for [`DeviceCore::pool_usage`].
@@ -73,6 +76,10 @@ impl DeviceCore {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
             p.named = true;
+        }
+        let checked = options.unsplit.map(|g| self.unsplit_granularity(g));
+        if let Some(p) = self.private.get_mut(&id.0) {
+            p.unsplit = checked;
         }
         id
     }

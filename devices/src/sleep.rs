@@ -57,6 +57,7 @@ use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, MappedPages};
 use crate::growth::release_reservation;
+use crate::observer::SegmentAction;
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 
@@ -100,7 +101,6 @@ impl fmt::Display for PoolState {
 #[must_use = "a begun sleep must be finished or aborted"]
 pub struct SleepPlan {
     pool: MemPoolId,
-    device: DeviceId,
     events: Vec<EventHandle>,
     /// Per segment: the runs taken out, as (segment, first page, pages).
     pages: Vec<(u64, usize, MappedPages)>,
@@ -117,11 +117,6 @@ impl SleepPlan {
     /// Bytes of physical memory the sleep releases.
     pub fn bytes(&self) -> u64 {
         self.pages.iter().map(|(_, _, m)| m.bytes()).sum()
-    }
-
-    /// The device.
-    pub fn device(&self) -> DeviceId {
-        self.device
     }
 }
 
@@ -140,11 +135,6 @@ impl WakePlan {
     /// Bytes of physical memory the wake maps.
     pub fn bytes(&self) -> u64 {
         self.bytes
-    }
-
-    /// The device.
-    pub fn device(&self) -> DeviceId {
-        self.device
     }
 }
 
@@ -311,7 +301,6 @@ impl DeviceCore {
         );
         Ok(SleepPlan {
             pool,
-            device: self.device,
             events,
             pages,
             copies,
@@ -334,6 +323,7 @@ impl DeviceCore {
             if p.usage.state == PoolState::FallingAsleep {
                 p.usage.state = PoolState::Asleep;
                 p.usage.asleep_bytes = bytes;
+                self.announce_pool(SegmentAction::PoolAsleep, plan.pool, bytes);
             }
         }
         left
@@ -349,14 +339,15 @@ impl DeviceCore {
             if let Some(r) = self.end_off_core(seg) {
                 left.reservations.push(r);
             }
+            // A shutdown meanwhile took the segment out of the books (`release_all_expandable`).
             match self.expandable.get_mut(&seg) {
-                Some(es) if !self.shut_down => {
+                Some(es) => {
                     es.install(first, &m);
                     es.slept = None;
                     let (start, len) = (m.start, m.bytes());
                     self.book_pages(seg, start, len, Booking::Restored);
                 }
-                _ => left.pages.push(m),
+                None => left.pages.push(m),
             }
         }
         self.set_state(plan.pool, PoolState::Awake);
@@ -438,26 +429,29 @@ impl DeviceCore {
                 .private
                 .get(&plan.pool.0)
                 .is_some_and(|p| p.usage.state == PoolState::Waking);
+        if !live {
+            left.pages
+                .extend(woken.pages.into_iter().map(|(_, _, m)| m));
+            return left;
+        }
         for (seg, first, m) in woken.pages {
-            match self.expandable.get_mut(&seg) {
-                Some(es) if live => {
-                    es.install(first, &m);
-                    es.slept = None;
-                    let (start, len) = (m.start, m.bytes());
-                    // A peer added while these pages were being mapped gets access now.
-                    for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
-                        if let Err(e) = self.backend.set_access(*peer, DevicePtr(start), len) {
-                            tracing::warn!(peer = peer.0, addr = start, error = %e, "peer access to woken pages failed");
-                        }
-                    }
-                    self.book_pages(seg, start, len, Booking::Mapped);
+            let Some(es) = self.expandable.get_mut(&seg) else {
+                left.pages.push(m);
+                continue;
+            };
+            es.install(first, &m);
+            es.slept = None;
+            let (start, len) = (m.start, m.bytes());
+            // A peer added while these pages were being mapped gets access now.
+            for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
+                if let Err(e) = self.backend.set_access(*peer, DevicePtr(start), len) {
+                    tracing::warn!(peer = peer.0, addr = start, error = %e, "peer access to woken pages failed");
                 }
-                _ => left.pages.push(m),
             }
+            self.book_pages(seg, start, len, Booking::Mapped);
         }
-        if live {
-            self.set_state(plan.pool, PoolState::Awake);
-        }
+        self.set_state(plan.pool, PoolState::Awake);
+        self.announce_pool(SegmentAction::PoolAwake, plan.pool, plan.bytes);
         left
     }
 

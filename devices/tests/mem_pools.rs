@@ -27,6 +27,7 @@ fn quota(q: u64) -> PoolOptions {
     PoolOptions {
         quota: Some(q),
         use_on_oom: false,
+        unsplit: None,
     }
 }
 
@@ -235,6 +236,7 @@ fn use_on_oom_lends_free_blocks_and_they_return() {
             PoolOptions {
                 quota: None,
                 use_on_oom: lend,
+                unsplit: None,
             },
         );
         let p = core.malloc_in(spare, 20 * MIB, s).unwrap();

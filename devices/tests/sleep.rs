@@ -377,6 +377,11 @@ fn sleep_waits_for_every_stream_that_used_the_pool() {
         "events, not the device"
     );
     assert!(sim.counts().get(Op::EventSynchronize) >= 2, "both streams");
+    // The events go back to the core's event pool: the next sleep creates none.
+    wake(&mut core, kv, &data, s0);
+    let created = sim.counts().get(Op::EventCreate);
+    sleep(&mut core, kv, SleepMode::Offload, s0);
+    assert_eq!(sim.counts().get(Op::EventCreate), created);
 }
 
 #[test]
@@ -428,9 +433,12 @@ fn a_failed_sleep_puts_the_pages_back() {
     let stats = core.stats().clone();
     let before = used(&sim);
     let plan = core.begin_sleep(kv, SleepMode::Offload).unwrap();
+    assert_eq!(core.stats().num_device_free, stats.num_device_free + 1);
     assert!(core.abort_sleep(plan).is_empty());
     assert_eq!(core.pool_state(kv), Some(PoolState::Awake));
     assert_eq!(core.stats().reserved_bytes, stats.reserved_bytes);
+    assert_eq!(core.stats().num_device_free, stats.num_device_free);
+    assert_eq!(core.stats().num_device_alloc, stats.num_device_alloc);
     assert_eq!(used(&sim), before);
     core.check_invariants().unwrap();
     core.backend().copy_to_device(s, a.ptr, &[1; 64]).unwrap();
@@ -464,6 +472,20 @@ fn shutdown_releases_a_sleeping_pool_and_one_falling_asleep() {
     assert_eq!(used(&sim), 0);
     let c = sim.counts();
     assert_eq!(c.get(Op::VaReserve), c.get(Op::VaFree));
+
+    // Finished after the shutdown: the pages are gone, the reservation is left to free.
+    let (sim, mut core, s, _) = rig(1 << 30, ES);
+    let kv = core.create_named_pool("kv", PoolOptions::default());
+    core.malloc_in(kv, 30 * MIB, s).unwrap();
+    let plan = core.begin_sleep(kv, SleepMode::Discard).unwrap();
+    core.shutdown().unwrap();
+    release_slept_pages(core.backend().as_ref(), &plan);
+    let left = core.finish_sleep(plan);
+    assert!(!left.is_empty(), "the reservation");
+    left.release(core.backend().as_ref());
+    let c = sim.counts();
+    assert_eq!(c.get(Op::VaReserve), c.get(Op::VaFree));
+    assert_eq!(used(&sim), 0);
 }
 
 #[test]
@@ -474,6 +496,7 @@ fn a_sleeping_use_on_oom_pool_lends_nothing() {
         PoolOptions {
             quota: None,
             use_on_oom: true,
+            unsplit: None,
         },
     );
     let a = core.malloc_in(lender, 100 * MIB, s).unwrap();
@@ -483,4 +506,139 @@ fn a_sleeping_use_on_oom_pool_lends_nothing() {
     let b = core.malloc(100 * MIB, s).unwrap();
     assert_eq!(core.allocation(b.ptr).unwrap().pool, None);
     core.check_invariants().unwrap();
+}
+
+#[test]
+fn errors_say_where_the_pool_is_and_which_may_be_waited_out() {
+    let names: Vec<String> = [
+        PoolState::Awake,
+        PoolState::FallingAsleep,
+        PoolState::Asleep,
+        PoolState::Waking,
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    assert_eq!(names, ["awake", "falling asleep", "asleep", "waking"]);
+    let asleep = AllocError::PoolAsleep {
+        pool: "kv".into(),
+        state: PoolState::Asleep,
+    };
+    assert_eq!(
+        asleep.to_string(),
+        "memory pool \"kv\" is asleep: it serves no allocations until it is awake"
+    );
+    let wake = AllocError::WakeOutOfMemory {
+        pool: "kv".into(),
+        needed: 3 * MIB,
+        free: MIB,
+    };
+    assert!(wake.to_string().contains("needs 3.00 MiB"), "{wake}");
+    assert!(wake.is_oom() && !wake.is_retryable());
+    assert!(asleep.is_retryable() && !asleep.is_oom());
+    for e in [
+        AllocError::Shutdown,
+        AllocError::UnknownPool(1),
+        AllocError::PoolBusy { pool: "kv".into() },
+        AllocError::NotSupported("x"),
+    ] {
+        assert!(!e.is_retryable() && !e.is_oom(), "{e:?}");
+    }
+    let quota = AllocError::PoolQuota {
+        pool: "kv".into(),
+        quota: 1,
+        reserved: 1,
+        requested: 1,
+    };
+    assert!(quota.is_retryable());
+}
+
+#[test]
+fn a_wake_claims_its_bytes_and_fits_the_fraction_exactly() {
+    // A cap of 64 MiB: a pool of 40 MiB asleep, 24 MiB held by the default pool.
+    let (_sim, mut core, s, _) = rig(
+        256 * MIB,
+        "expandable_segments:True,per_process_memory_fraction:0.25",
+    );
+    let kv = core.create_named_pool("kv", PoolOptions::default());
+    core.malloc_in(kv, 40 * MIB, s).unwrap();
+    let bytes = core.pool_usage(kv).unwrap().reserved.all().current;
+    sleep(&mut core, kv, SleepMode::Discard, s);
+    let hog = core.malloc(64 * MIB - bytes, s).unwrap();
+    let held = core.stats().reserved_bytes[ALL].current;
+    assert_eq!(held + bytes, 64 * MIB, "the wake fits the cap exactly");
+    let allocs = core.stats().num_device_alloc;
+    let plan = core.begin_wake(kv).unwrap().unwrap();
+    assert_eq!(core.growing_bytes(), bytes, "claimed while being mapped");
+    assert_eq!(
+        core.pool_usage(kv).unwrap().asleep_bytes,
+        bytes,
+        "until it is awake"
+    );
+    assert_eq!(core.pool_name(kv), Some("kv"));
+    let woken = map_wake(core.backend().as_ref(), &plan).unwrap();
+    assert!(core.finish_wake(plan, woken).is_empty());
+    assert_eq!(core.growing_bytes(), 0);
+    assert_eq!(core.pool_usage(kv).unwrap().asleep_bytes, 0);
+    assert!(
+        core.stats().num_device_alloc > allocs,
+        "the wake's maps are counted"
+    );
+    core.free(hog.ptr).unwrap();
+    // Released while asleep: no wake.
+    sleep(&mut core, kv, SleepMode::Discard, s);
+    core.release_pool(kv).unwrap();
+    assert!(matches!(
+        core.begin_wake(kv),
+        Err(AllocError::UnknownPool(_))
+    ));
+}
+
+#[test]
+fn a_wake_finished_after_a_shutdown_leaves_its_pages_to_release() {
+    let (sim, mut core, s, _) = rig(1 << 30, ES);
+    let kv = core.create_named_pool("kv", PoolOptions::default());
+    core.malloc_in(kv, 30 * MIB, s).unwrap();
+    sleep(&mut core, kv, SleepMode::Discard, s);
+    let log: Arc<std::sync::Mutex<Vec<gpualloc_devices::SegmentEvent>>> = Arc::default();
+    let sink = log.clone();
+    core.set_segment_sink(Some(Box::new(move |e| sink.lock().unwrap().push(e))));
+    let plan = core.begin_wake(kv).unwrap().unwrap();
+    let woken = map_wake(core.backend().as_ref(), &plan).unwrap();
+    core.shutdown().unwrap();
+    let left = core.finish_wake(plan, woken);
+    assert!(!left.is_empty());
+    assert_ne!(core.pool_state(kv), Some(PoolState::Awake));
+    assert!(
+        log.lock().unwrap().is_empty(),
+        "nothing announced after the shutdown"
+    );
+    left.release(core.backend().as_ref());
+    assert_eq!(used(&sim), 0);
+    let c = sim.counts();
+    assert_eq!(c.get(Op::VaReserve), c.get(Op::VaFree));
+}
+
+#[test]
+fn a_peer_added_while_a_pool_wakes_gets_access_to_its_pages() {
+    let sim = SimBackend::new(SimConfig {
+        capacity_per_device: 1 << 30,
+        ..SimConfig::fast(2)
+    })
+    .unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s = dynb.stream_create(DeviceId(0)).unwrap();
+    let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(ES).unwrap()).unwrap();
+    let kv = core.create_named_pool("kv", PoolOptions::default());
+    core.malloc_in(kv, 30 * MIB, s).unwrap();
+    sleep(&mut core, kv, SleepMode::Discard, s);
+    let plan = core.begin_wake(kv).unwrap().unwrap();
+    let woken = map_wake(core.backend().as_ref(), &plan).unwrap();
+    core.add_peer(DeviceId(1)).unwrap();
+    let before = sim.counts().get(Op::SetAccess);
+    assert!(core.finish_wake(plan, woken).is_empty());
+    assert!(
+        sim.counts().get(Op::SetAccess) > before,
+        "the new peer's access"
+    );
 }

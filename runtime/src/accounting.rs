@@ -269,8 +269,14 @@ impl AccountingBackend {
         Ok(rounded)
     }
 
-    /// Lowest `ALIGNMENT`-aligned gap of `size` bytes in the device's window, or `want` if free.
-    fn find_gap(dev: &DeviceState, index: u32, size: u64, want: Option<u64>) -> Option<u64> {
+    /// Lowest `align`-aligned gap of `size` bytes in the device's window, or `want` if free.
+    fn find_gap(
+        dev: &DeviceState,
+        index: u32,
+        size: u64,
+        want: Option<u64>,
+        align: u64,
+    ) -> Option<u64> {
         let lo = BASE + u64::from(index) * WINDOW;
         let hi = lo + WINDOW;
         let free_at = |start: u64| {
@@ -286,12 +292,12 @@ impl AccountingBackend {
                 return Some(addr);
             }
         }
-        let mut cursor = lo;
+        let mut cursor = lo.next_multiple_of(align);
         for (&s, &len) in dev.ranges.range(lo..hi) {
             if s >= cursor + size {
                 break;
             }
-            cursor = cursor.max((s + len).next_multiple_of(ALIGNMENT));
+            cursor = cursor.max((s + len).next_multiple_of(align));
         }
         (cursor + size <= hi).then_some(cursor)
     }
@@ -347,11 +353,12 @@ impl Backend for AccountingBackend {
                 what: device.to_string(),
             });
         }
-        let addr =
-            Self::find_gap(dev, device.0, size, want).ok_or_else(|| BackendError::OutOfMemory {
+        let addr = Self::find_gap(dev, device.0, size, want, ALIGNMENT).ok_or_else(|| {
+            BackendError::OutOfMemory {
                 requested: size,
                 what: device.to_string(),
-            })?;
+            }
+        })?;
         dev.ranges.insert(addr, size);
         dev.used += rounded;
         state.counts.mallocs += 1;
@@ -581,13 +588,13 @@ impl Backend for AccountingBackend {
 
     fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
         let rounded = Self::check_size(size)?;
-        if alignment > ALIGNMENT || (alignment != 0 && !alignment.is_power_of_two()) {
+        if alignment != 0 && !alignment.is_power_of_two() {
             return Err(BackendError::invalid(format!("alignment {alignment}")));
         }
         let mut state = lock(&self.state);
         let dev = Self::device(&mut state, device)?;
         let want = dev.place_next.take();
-        let addr = Self::find_gap(dev, device.0, rounded, want)
+        let addr = Self::find_gap(dev, device.0, rounded, want, alignment.max(ALIGNMENT))
             .ok_or_else(|| BackendError::invalid("address space exhausted"))?;
         dev.ranges.insert(addr, rounded);
         dev.reservations.insert(addr, rounded);

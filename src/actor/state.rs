@@ -30,6 +30,8 @@ pub(crate) struct DeviceState {
     pub streams: KeptStreams,
     /// Scratch for the parked blocks a collection frees (kept to never allocate).
     parked: Vec<DevicePtr>,
+    /// Where the core's segment events go once someone watches (`observer.rs`).
+    pub segment_tx: Option<tokio::sync::broadcast::Sender<gpualloc_devices::SegmentEvent>>,
 }
 
 /// A queued message. Requests with replies travel as jobs.
@@ -54,6 +56,7 @@ impl DeviceState {
             signals,
             streams: KeptStreams::default(),
             parked: Vec::with_capacity(capacity),
+            segment_tx: None,
         }
     }
 

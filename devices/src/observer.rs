@@ -1,0 +1,165 @@
+//! What the device maps and unmaps, for those who must know every range of device memory the
+//! allocator holds: NCCL's user-buffer registration (`ncclCommRegister`, PyTorch's allocator
+//! trace tracker), UCX's registration cache (invalidated when a range is released),
+//! NVSHMEM. (issue 19, section 4.)
+//!
+//! - [`DeviceCore::set_segment_sink`] installs a function the core calls with a
+//!   [`SegmentEvent`] whenever a segment is allocated or freed, pages of an expandable segment
+//!   are mapped or unmapped, or a named pool falls asleep or wakes. The owner's sink must be
+//!   quick and must not block (the device actor's sends on a `tokio::sync::broadcast`
+//!   channel, so user code runs in the receivers' tasks, never under the core).
+//! - [`DeviceCore::segment_ranges`] lists the ranges held now, for a late subscriber: taken
+//!   in the same hold of the core as its subscription, it is exactly what the events that
+//!   follow change.
+//! - When an event is sent: a range is announced mapped (or allocated) once the driver call
+//!   that made it has returned and before any block of it is handed out; it is announced
+//!   unmapped (or freed) when it leaves the books, before or (in place, under the core)
+//!   just after the driver call that releases it, and never after the range could have been
+//!   handed out again. A sleep announces its unmaps when it begins, its
+//!   [`SegmentAction::PoolAsleep`] when it ends; a wake announces its maps and then
+//!   [`SegmentAction::PoolAwake`] when it ends.
+//! - A shutdown returns every segment without events (the allocator is gone).
+
+use gpualloc_runtime::DeviceId;
+
+use crate::core::{DeviceCore, MemPoolId};
+use crate::trace::TraceAction;
+
+/// What happened to a range of device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentAction {
+    /// An ordinary segment was allocated from the device (`cudaMalloc`).
+    Alloc,
+    /// An ordinary segment went back to the device.
+    Free,
+    /// Physical memory was mapped into an expandable segment at this range.
+    Map,
+    /// The physical memory at this range was unmapped.
+    Unmap,
+    /// A named pool is asleep (`size`: the bytes its sleep released; `addr` 0).
+    PoolAsleep,
+    /// A named pool is awake again (`size`: the bytes its wake mapped; `addr` 0).
+    PoolAwake,
+}
+
+/// One change of the device memory the allocator holds. See the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// What happened.
+    pub action: SegmentAction,
+    /// The device.
+    pub device: DeviceId,
+    /// First address of the range.
+    pub addr: u64,
+    /// Bytes of the range.
+    pub size: u64,
+    /// The stream the segment belongs to (its raw handle).
+    pub stream: u64,
+    /// The named or private pool whose segment it is (`None`: the default pools).
+    pub pool: Option<MemPoolId>,
+}
+
+/// A range of device memory held now, for [`DeviceCore::segment_ranges`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentRange {
+    /// First address.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// The stream the segment belongs to (its raw handle).
+    pub stream: u64,
+    /// Its pool (`None`: the default pools).
+    pub pool: Option<MemPoolId>,
+    /// Mapped pages of an expandable segment (else a whole ordinary segment).
+    pub expandable: bool,
+}
+
+/// The function a core calls with each [`SegmentEvent`].
+pub type SegmentSink = Box<dyn FnMut(SegmentEvent) + Send>;
+
+impl DeviceCore {
+    /// Installs (or with `None` removes) the segment sink (see the module docs).
+    pub fn set_segment_sink(&mut self, sink: Option<SegmentSink>) {
+        self.segment_sink = sink;
+    }
+
+    /// The ranges of device memory held now, in address order: each ordinary segment whole,
+    /// each stretch of mapped pages of an expandable segment.
+    pub fn segment_ranges(&self) -> Vec<SegmentRange> {
+        let mut out = Vec::new();
+        for (&base, meta) in &self.segments {
+            let pool = self.owner_of(meta.pool);
+            let stream = meta.stream.raw;
+            match self.expandable.get(&base) {
+                Some(es) => {
+                    out.extend(
+                        es.mapped_stretches()
+                            .into_iter()
+                            .map(|(first, n)| SegmentRange {
+                                addr: es.page_addr(first),
+                                size: n as u64 * es.page,
+                                stream,
+                                pool,
+                                expandable: true,
+                            }),
+                    )
+                }
+                None => out.push(SegmentRange {
+                    addr: base,
+                    size: meta.size,
+                    stream,
+                    pool,
+                    expandable: false,
+                }),
+            }
+        }
+        out
+    }
+
+    /// Sends the segment event of trace action `action`, if it is one and a sink is set.
+    pub(crate) fn announce(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
+        if self.segment_sink.is_none() {
+            return;
+        }
+        let action = match action {
+            TraceAction::SegmentAlloc => SegmentAction::Alloc,
+            TraceAction::SegmentFree => SegmentAction::Free,
+            TraceAction::SegmentMap => SegmentAction::Map,
+            TraceAction::SegmentUnmap => SegmentAction::Unmap,
+            _ => return,
+        };
+        let pool = self
+            .segments
+            .range(..=addr)
+            .next_back()
+            .filter(|(base, meta)| addr < *base + meta.size)
+            .and_then(|(_, meta)| self.owner_of(meta.pool));
+        self.send_event(action, addr, size, stream, pool);
+    }
+
+    /// Sends a pool's sleep or wake.
+    pub(crate) fn announce_pool(&mut self, action: SegmentAction, pool: MemPoolId, size: u64) {
+        self.send_event(action, 0, size, 0, Some(pool));
+    }
+
+    fn send_event(
+        &mut self,
+        action: SegmentAction,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        pool: Option<MemPoolId>,
+    ) {
+        let device = self.device;
+        if let Some(sink) = &mut self.segment_sink {
+            sink(SegmentEvent {
+                action,
+                device,
+                addr,
+                size,
+                stream,
+                pool,
+            });
+        }
+    }
+}
