@@ -251,6 +251,43 @@ async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
     alloc.shutdown().await.unwrap();
 }
 
+/// A pool of unsplit blocks (issue 19, section 4): each buffer a range of its own, aligned to
+/// the pool's granularity, announced to a segment watcher with the buffer's address and size,
+/// and its data intact, on this backend's virtual memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsplit_pool_ranges_are_aligned_and_announced() {
+    use gpualloc::{PoolOptions, SegmentAction};
+    let g = 8 * MIB;
+    let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
+    let s = alloc.new_stream(dev()).unwrap();
+    let nvls = alloc
+        .pool(
+            "nvls",
+            PoolOptions {
+                unsplit: Some(g),
+                ..PoolOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    let mut watch = alloc.watch_segments(dev()).await.unwrap();
+    let mut bufs = Vec::new();
+    for (i, size) in [1000, 3 * MIB, g, g + 1].into_iter().enumerate() {
+        let b = nvls.malloc(size, &s).await.unwrap();
+        assert_eq!(b.ptr().0 % g, 0, "{size}");
+        write(&alloc, &s, &b, &pattern(b.len(), i as u64));
+        bufs.push(b);
+    }
+    for (i, b) in bufs.iter().enumerate() {
+        assert_eq!(read(&alloc, &s, b), pattern(b.len(), i as u64));
+        let e = watch.events.try_recv().unwrap();
+        assert_eq!(e.action, SegmentAction::Map);
+        assert_eq!((e.addr, e.size), (b.ptr().0, b.len().div_ceil(g) * g));
+    }
+    drop(bufs);
+    alloc.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_live_buffers_returns_everything() {
     let alloc = alloc_from_env(AllocatorConfig::default());
