@@ -71,10 +71,8 @@ impl DeviceCore {
             return (need, need);
         };
         let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);
-        if self.pools[pool].is_small
-            || !self.config.policy.fine_large_pages()
-            || self.unsplit_of(pool).is_some()
-        {
+        // (A pool of unsplit blocks needs no rule here: its segment is exactly the block.)
+        if self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
             return (want, want);
         }
         let big = self.config.large_segment_size;

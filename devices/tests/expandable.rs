@@ -365,3 +365,22 @@ fn a_peer_gets_access_to_mapped_and_later_pages() {
     core.free(b.ptr).unwrap();
     core.empty_cache().unwrap();
 }
+
+/// A segment reserves 9/8 of the device's memory (PyTorch's rule): the next segment's
+/// reservation starts right after it.
+#[test]
+fn a_segment_reserves_nine_eighths_of_the_device() {
+    let (_b, mut core, s) = rig(16 << 30, "expandable_segments:True");
+    let s2 = core.backend().stream_create(DeviceId(0)).unwrap();
+    core.malloc(3 * MIB, s).unwrap();
+    core.malloc(3 * MIB, s2).unwrap();
+    let starts: Vec<u64> = core
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|seg| !seg.is_small)
+        .map(|seg| seg.address)
+        .collect();
+    assert_eq!(starts.len(), 2, "{starts:?}");
+    assert_eq!(starts[1] - starts[0], 18 << 30);
+}
