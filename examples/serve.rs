@@ -333,9 +333,18 @@ async fn run(args: Args) -> Result<bool, Error> {
     };
     let weight_bytes = weights.as_ref().map_or(0, |w| w.bytes_per_device);
     let budget_mib = ((allowed - weight_bytes) / MIB) as usize * 3 / 5;
-    let kv = match args.pools {
-        true => Some(alloc.pool("kv_cache", PoolOptions::default()).await?),
-        false => None,
+    // The KV cache's quota leaves room for the weights to come back: without it, requests
+    // could fill the memory the sleep freed and the wake would find none.
+    let kv = match &weights {
+        Some(w) => {
+            let quota = allowed.saturating_sub(w.reserved_per_device + 16 * MIB);
+            let options = PoolOptions {
+                quota: Some(quota),
+                ..PoolOptions::default()
+            };
+            Some(alloc.pool("kv_cache", options).await?)
+        }
+        None => None,
     };
     let budgets: Arc<Vec<_>> = Arc::new(
         (0..DEVICES)
@@ -464,13 +473,14 @@ async fn run(args: Args) -> Result<bool, Error> {
     if let Some(w) = &slept {
         let r = &w.report;
         println!(
-            "weights pool ({:.1} MiB per device): slept at request {} ({:.1} ms, MiB freed per device {:?}), woken at request {} ({:.1} ms); {} requests finished while it slept",
+            "weights pool ({:.1} MiB per device): slept at request {} ({:.1} ms, MiB freed per device {:?}), woken at request {} ({:.1} ms, {} retries for memory); {} requests finished while it slept",
             w.bytes_per_device as f64 / MIB as f64,
             r.slept_at,
             r.sleep_ms,
             r.freed.iter().map(|b| b / MIB).collect::<Vec<_>>(),
             r.woken_at,
             r.wake_ms,
+            r.wake_retries,
             r.woken_at - r.slept_at
         );
         if let Some(kv) = &kv {
@@ -510,6 +520,8 @@ struct Weights {
     /// (buffer, its stream, the byte it holds).
     buffers: Vec<(DeviceBuffer, Stream, u8)>,
     bytes_per_device: u64,
+    /// Memory the pool reserves on a device (the most of any device).
+    reserved_per_device: u64,
     report: SleepReport,
 }
 
@@ -521,6 +533,8 @@ struct SleepReport {
     wake_ms: f64,
     /// Physical memory the sleep gave back, per device.
     freed: Vec<u64>,
+    /// Wakes that found too little memory and were tried again.
+    wake_retries: u64,
 }
 
 const WEIGHT_BUFFERS: u64 = 8;
@@ -547,10 +561,16 @@ async fn load_weights(
         }
         stream.completed().await?;
     }
+    let mut reserved_per_device = 0;
+    for d in 0..streams.len() as u32 {
+        let reserved = pool.usage(DeviceId(d)).await?.reserved.all().current;
+        reserved_per_device = reserved_per_device.max(reserved);
+    }
     Ok(Weights {
         pool,
         buffers,
         bytes_per_device,
+        reserved_per_device,
         report: SleepReport::default(),
     })
 }
@@ -582,7 +602,17 @@ async fn sleep_and_wake(
     }
     w.report.woken_at = until(requests * 2 / 3).await;
     let t = Instant::now();
-    w.pool.wake().await?;
+    // A wake that finds too little memory leaves the pool asleep with its data: try again
+    // while requests free theirs (bounded).
+    loop {
+        match w.pool.wake().await {
+            Err(e) if e.is_oom() && t.elapsed() < Duration::from_secs(10) => {
+                w.report.wake_retries += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            r => break r?,
+        }
+    }
     w.report.wake_ms = t.elapsed().as_secs_f64() * 1e3;
     Ok(w)
 }
