@@ -296,3 +296,54 @@ impl DeviceCore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use gpualloc_runtime::accounting::AccountingBackend;
+    use gpualloc_runtime::{Backend, DeviceId};
+
+    use crate::{AllocatorConfig, DeviceCore};
+
+    fn core(conf: &str) -> (DeviceCore, gpualloc_runtime::StreamHandle) {
+        let backend: Arc<dyn Backend> = Arc::new(AccountingBackend::new(1, 1 << 30));
+        let s = backend.stream_create(DeviceId(0)).unwrap();
+        let core =
+            DeviceCore::new(backend, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+        (core, s)
+    }
+
+    /// The checker bites: books that disagree with the pools are reported.
+    #[test]
+    fn broken_books_are_reported() {
+        let (mut c, s) = core("");
+        c.malloc(3 << 20, s).unwrap();
+        c.check_invariants().unwrap();
+        c.total_reserved += 1;
+        assert!(c.check_invariants().unwrap_err().contains("total_reserved"));
+
+        let (mut c, s) = core("");
+        c.malloc(3 << 20, s).unwrap();
+        c.stats.allocated_bytes[0].current += 512;
+        assert!(c
+            .check_invariants()
+            .unwrap_err()
+            .contains("allocated_bytes"));
+
+        // Expandable pages taken away without the layout a sleep keeps: the blocks that say
+        // they are mapped now lie on unmapped pages.
+        let (mut c, s) = core("expandable_segments:True");
+        c.malloc(3 << 20, s).unwrap();
+        let seg = *c.expandable.keys().next().unwrap();
+        let es = c.expandable.get_mut(&seg).unwrap();
+        let runs = std::mem::take(&mut es.runs);
+        let err = c.check_invariants().unwrap_err();
+        assert!(err.contains("crosses pages"), "{err}");
+        // With the layout kept (asleep), the books are consistent again, but for the bytes.
+        let es = c.expandable.get_mut(&seg).unwrap();
+        es.slept = Some(runs);
+        let err = c.check_invariants().unwrap_err();
+        assert!(err.contains("total_reserved"), "{err}");
+    }
+}
