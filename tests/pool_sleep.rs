@@ -314,3 +314,58 @@ async fn a_pool_dropped_while_asleep_and_shutdown_release_everything() {
     alloc.shutdown().await.unwrap();
     assert_eq!(backend.used_bytes(D0).unwrap(), 0);
 }
+
+/// A copy that fails in the middle of a sleep puts everything back (the pool awake, its memory
+/// mapped, its bytes intact); one that fails in the middle of a wake leaves the pool asleep
+/// with its host copy, and the next wake brings the bytes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_copy_rolls_a_sleep_or_a_wake_back() {
+    use gpualloc::runtime::sim::{Fault, Op};
+    let backend = sim(1 << 30);
+    let alloc = build(backend.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let mut bufs = Vec::new();
+    for i in 0..6u64 {
+        let b = kv.malloc(size_of(i * 7), &s).await.unwrap();
+        write(&alloc, &s, &b, i as u8);
+        bufs.push(b);
+    }
+    let reserved = kv.usage(D0).await.unwrap().reserved.all().current;
+    let fail = |skip| Fault::FailNext {
+        skip,
+        count: 1,
+        error: gpualloc::BackendError::invalid("injected copy failure"),
+    };
+
+    backend.inject(Op::MemcpyAsync, fail(2));
+    let err = kv.sleep(SleepMode::Offload).await.unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    backend.clear_faults();
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+    assert_eq!(kv.usage(D0).await.unwrap().reserved.all().current, reserved);
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(
+            holds(&alloc, &s, b, i as u8),
+            "sleep rolled back: buffer {i}"
+        );
+    }
+
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    let free = free_bytes(&alloc);
+    backend.inject(Op::MemcpyAsync, fail(3));
+    let err = kv.wake().await.unwrap_err();
+    assert!(err.to_string().contains("injected"), "{err}");
+    backend.clear_faults();
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
+    assert_eq!(free_bytes(&alloc), free, "the wake's pages released again");
+    kv.wake().await.unwrap();
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(
+            holds(&alloc, &s, b, i as u8),
+            "after the second wake: buffer {i}"
+        );
+    }
+    drop(bufs);
+    alloc.shutdown().await.unwrap();
+}
