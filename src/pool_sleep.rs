@@ -147,8 +147,10 @@ async fn sleep_task(
     let (plan, chunks, copied) = actor
         .runtime
         .spawn_blocking(move || {
-            let copied = wait_for_pool_streams(backend.as_ref(), &plan)
-                .and_then(|()| copy_out(backend.as_ref(), device, plan.copies(), &chunks));
+            let copied = wait_for_pool_streams(backend.as_ref(), &plan).and_then(|()| {
+                let copies = plan.copies();
+                copy(backend.as_ref(), device, copies, &chunks, Direction::Out)
+            });
             if copied.is_ok() {
                 release_slept_pages(backend.as_ref(), &plan);
             }
@@ -179,7 +181,8 @@ async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Re
         .runtime
         .spawn_blocking(move || {
             let woken = map_wake(backend.as_ref(), &plan).and_then(|woken| {
-                match copy_in(backend.as_ref(), device, &copy.copies, &copy.chunks) {
+                let (copies, chunks) = (&copy.copies, &copy.chunks);
+                match self::copy(backend.as_ref(), device, copies, chunks, Direction::In) {
                     Ok(()) => Ok(woken),
                     Err(e) => {
                         woken.release(backend.as_ref());
@@ -208,7 +211,7 @@ async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Re
             let needed = plan.bytes();
             let name = actor
                 .call(move |st| {
-                    let name = st.core.pool_name(id).unwrap_or_default().to_string();
+                    let name = st.core.pool_usage(id).map(|u| u.name).unwrap_or_default();
                     (name, st.core.abort_wake(plan))
                 })
                 .await?;
@@ -282,32 +285,23 @@ pub(crate) fn pieces(copies: &[(DevicePtr, u64)], chunks: &[u64]) -> Vec<(u64, u
     out
 }
 
-/// Copies the live blocks into the chunks on a stream of the allocator's own, and waits.
-fn copy_out(
-    backend: &dyn Backend,
-    device: DeviceId,
-    copies: &[(DevicePtr, u64)],
-    chunks: &[PinnedBuffer],
-) -> Result<(), gpualloc_runtime::BackendError> {
-    copy(backend, device, copies, chunks, true)
+/// Which way [`copy`] copies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// The live blocks into the chunks (a sleep).
+    Out,
+    /// The chunks back into the blocks (a wake).
+    In,
 }
 
-/// Copies the chunks back into the blocks, and waits.
-fn copy_in(
-    backend: &dyn Backend,
-    device: DeviceId,
-    copies: &[(DevicePtr, u64)],
-    chunks: &[PinnedBuffer],
-) -> Result<(), gpualloc_runtime::BackendError> {
-    copy(backend, device, copies, chunks, false)
-}
-
+/// Copies between the blocks of `copies` and the chunks they are packed into, on a stream of
+/// the allocator's own, and waits.
 fn copy(
     backend: &dyn Backend,
     device: DeviceId,
     copies: &[(DevicePtr, u64)],
     chunks: &[PinnedBuffer],
-    out: bool,
+    direction: Direction,
 ) -> Result<(), gpualloc_runtime::BackendError> {
     if copies.is_empty() {
         return Ok(());
@@ -317,7 +311,10 @@ fn copy(
     let mut result = Ok(());
     for (dev, chunk, offset, len) in pieces(copies, &sizes) {
         let host = chunks[chunk].ptr().0 + offset;
-        let (dst, src) = if out { (host, dev) } else { (dev, host) };
+        let (dst, src) = match direction {
+            Direction::Out => (host, dev),
+            Direction::In => (dev, host),
+        };
         result = backend.memcpy_async(stream, dst, src, len);
         if result.is_err() {
             break;

@@ -464,10 +464,7 @@ impl DeviceCore {
             route,
             any_fit: false,
         };
-        if let Some(e) = self.asleep_error(params.pool) {
-            return Err(e);
-        }
-        self.unsplit_params(&mut params)?;
+        self.apply_pool_rules(&mut params)?;
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
         {

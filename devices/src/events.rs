@@ -5,6 +5,8 @@
 //! Pending frees are kept per stream in record order, so one busy stream does not hold up
 //! the others (PyTorch's `cuda_events`).
 
+use gpualloc_runtime::{BackendError, EventHandle, StreamHandle};
+
 use crate::block::BlockId;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
@@ -16,24 +18,7 @@ impl DeviceCore {
     pub(crate) fn insert_events(&mut self, id: BlockId) {
         let uses = std::mem::take(&mut self.blocks.get_mut(id).stream_uses);
         for stream in uses {
-            let event = match self.event_pool.pop() {
-                Some(e) if e.device == stream.device => Ok(e),
-                Some(e) => {
-                    self.event_pool.push(e);
-                    self.backend.event_create(stream.device)
-                }
-                None => self.backend.event_create(stream.device),
-            };
-            // An event whose record failed goes back to the pool (it is still a valid event).
-            let recorded = event.and_then(|e| {
-                self.backend
-                    .event_record(e, stream)
-                    .map(|()| e)
-                    .inspect_err(|_| {
-                        self.event_pool.push(e);
-                    })
-            });
-            match recorded {
+            match self.record_event(stream) {
                 Ok(event) => {
                     self.blocks.get_mut(id).event_count += 1;
                     self.pending
@@ -52,6 +37,26 @@ impl DeviceCore {
         if self.blocks.get(id).event_count == 0 {
             self.free_block(id);
         }
+    }
+
+    /// Records an event on `stream`: one of its device from the event pool, else a new one.
+    /// An event whose record failed goes back to the pool (it is still a valid event).
+    pub(crate) fn record_event(
+        &mut self,
+        stream: StreamHandle,
+    ) -> Result<EventHandle, BackendError> {
+        let event = match self
+            .event_pool
+            .iter()
+            .rposition(|e| e.device == stream.device)
+        {
+            Some(i) => self.event_pool.swap_remove(i),
+            None => self.backend.event_create(stream.device)?,
+        };
+        self.backend
+            .event_record(event, stream)
+            .map(|()| event)
+            .inspect_err(|_| self.event_pool.push(event))
     }
 
     /// Completes the frees whose events have all completed; returns how many blocks went back

@@ -460,14 +460,7 @@ impl DeviceCore {
         blk.gc_base = gc_base;
         let k = key(blk.stream.raw, blk.size, blk.addr);
         self.pools[pool].free.insert(k, id);
-        self.total_reserved += len;
-        let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(len));
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.reserved, small, |s| s.increase(len));
-        }
-        self.stats.num_device_alloc += 1;
-        self.record(TraceAction::SegmentMap, start, len, b.stream.raw);
+        self.book_pages(pool, b.stream.raw, start, len, Booking::Mapped);
     }
 
     /// Finds or makes room for `params.size` bytes in an expandable segment, mapping pages as
@@ -580,14 +573,43 @@ impl DeviceCore {
         } else {
             self.file_unmapped(id);
         }
-        self.total_reserved -= len;
+        self.book_pages(pool, b.stream.raw, start, len, Booking::Released);
+    }
+
+    /// Counts `len` bytes of pages of block pool `pool` from `start` as mapped, released, or
+    /// restored (a release rolled back, `sleep.rs`: the counters as before it; the trace
+    /// shows the pages mapped again after the unmap it showed): reserved bytes of the device
+    /// and of the pool, driver calls, trace and segment events.
+    pub(crate) fn book_pages(
+        &mut self,
+        pool: usize,
+        stream: u64,
+        start: u64,
+        len: u64,
+        booking: Booking,
+    ) {
         let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(len));
+        let change = |s: &mut crate::stats::Stat| match booking {
+            Booking::Mapped => s.increase(len),
+            Booking::Released => s.decrease(len),
+            Booking::Restored => s.undo_decrease(len),
+        };
+        for_pool(&mut self.stats.reserved_bytes, small, change);
         if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.reserved, small, |s| s.decrease(len));
+            for_pool(&mut u.reserved, small, change);
         }
-        self.stats.num_device_free += 1;
-        self.record(TraceAction::SegmentUnmap, start, len, b.stream.raw);
+        match booking {
+            Booking::Mapped => self.stats.num_device_alloc += 1,
+            Booking::Released => self.stats.num_device_free += 1,
+            Booking::Restored => self.stats.num_device_free -= 1,
+        }
+        if booking == Booking::Released {
+            self.total_reserved -= len;
+            self.record(TraceAction::SegmentUnmap, start, len, stream);
+        } else {
+            self.total_reserved += len;
+            self.record(TraceAction::SegmentMap, start, len, stream);
+        }
     }
 
     /// Files free unmapped block `id` in its pool's unmapped set, merged with free unmapped
@@ -669,6 +691,14 @@ impl DeviceCore {
         }
         first_err
     }
+}
+
+/// How [`DeviceCore::book_pages`] counts pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Booking {
+    Mapped,
+    Released,
+    Restored,
 }
 
 /// Physical memory mapped contiguously from an address, as (handle, pages) pieces in address

@@ -55,11 +55,9 @@ use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, EventHandle, 
 use crate::block::BlockState;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
-use crate::expandable::{map_pages, unmap_pages, MappedPages};
+use crate::expandable::{map_pages, unmap_pages, Booking, MappedPages};
 use crate::growth::release_reservation;
 use crate::observer::SegmentAction;
-use crate::stats::for_pool;
-use crate::trace::TraceAction;
 
 /// What happens to the data of a pool's live blocks while it sleeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,10 +163,10 @@ impl WokenPages {
 
 /// Driver work left by a finish or abort that met a shut-down core: run it off the core with
 /// [`Leftovers::release`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 #[must_use = "leftover pages and reservations must be released"]
 pub struct Leftovers {
-    device: Option<DeviceId>,
+    device: DeviceId,
     pages: Vec<MappedPages>,
     reservations: Vec<(DevicePtr, u64)>,
 }
@@ -179,10 +177,8 @@ impl Leftovers {
         for m in &self.pages {
             unmap_pages(backend, m);
         }
-        if let Some(device) = self.device {
-            for r in self.reservations {
-                release_reservation(backend, device, r);
-            }
+        for r in self.reservations {
+            release_reservation(backend, self.device, r);
         }
     }
 
@@ -196,15 +192,6 @@ impl DeviceCore {
     /// Where `pool` is in its sleep cycle; `None` for an unknown pool.
     pub fn pool_state(&self, pool: MemPoolId) -> Option<PoolState> {
         self.private.get(&pool.0).map(|p| p.usage.state)
-    }
-
-    /// The error of a request for block pool `index` while its pool is not awake.
-    pub(crate) fn asleep_error(&self, index: usize) -> Option<AllocError> {
-        let p = self.private.get(&self.owner_of(index)?.0)?;
-        (p.usage.state != PoolState::Awake).then(|| AllocError::PoolAsleep {
-            pool: p.usage.name.clone(),
-            state: p.usage.state,
-        })
     }
 
     /// Sleep step 1 (see the module docs).
@@ -290,7 +277,7 @@ impl DeviceCore {
             self.begin_off_core(seg);
         }
         for (seg, _, m) in &pages {
-            self.book_pages(*seg, m.start, m.bytes(), Booking::Released);
+            self.book_segment_pages(*seg, m.start, m.bytes(), Booking::Released);
         }
         let name = self.set_state(pool, PoolState::FallingAsleep);
         tracing::debug!(
@@ -345,7 +332,7 @@ impl DeviceCore {
                     es.install(first, &m);
                     es.slept = None;
                     let (start, len) = (m.start, m.bytes());
-                    self.book_pages(seg, start, len, Booking::Restored);
+                    self.book_segment_pages(seg, start, len, Booking::Restored);
                 }
                 None => left.pages.push(m),
             }
@@ -448,7 +435,7 @@ impl DeviceCore {
                     tracing::warn!(peer = peer.0, addr = start, error = %e, "peer access to woken pages failed");
                 }
             }
-            self.book_pages(seg, start, len, Booking::Mapped);
+            self.book_segment_pages(seg, start, len, Booking::Mapped);
         }
         self.set_state(plan.pool, PoolState::Awake);
         self.announce_pool(SegmentAction::PoolAwake, plan.pool, plan.bytes);
@@ -467,11 +454,6 @@ impl DeviceCore {
         left
     }
 
-    /// The name of `pool` for [`AllocError::WakeOutOfMemory`].
-    pub fn pool_name(&self, pool: MemPoolId) -> Option<&str> {
-        self.private.get(&pool.0).map(|p| p.usage.name.as_str())
-    }
-
     fn end_wake(&mut self, plan: &WakePlan) -> Leftovers {
         self.growing_bytes = self.growing_bytes.saturating_sub(plan.bytes);
         let mut left = self.leftovers();
@@ -485,8 +467,9 @@ impl DeviceCore {
 
     fn leftovers(&self) -> Leftovers {
         Leftovers {
-            device: Some(self.device),
-            ..Leftovers::default()
+            device: self.device,
+            pages: Vec::new(),
+            reservations: Vec::new(),
         }
     }
 
@@ -502,60 +485,12 @@ impl DeviceCore {
         p.usage.name.clone()
     }
 
-    /// Books `len` bytes of segment `seg` from `start` as mapped, released, or restored (a
-    /// release rolled back: the counters as before it; the trace shows the pages mapped
-    /// again, after the unmap it showed).
-    fn book_pages(&mut self, seg: u64, start: u64, len: u64, booking: Booking) {
-        let Some(meta) = self.segments.get(&seg).copied() else {
-            return;
-        };
-        let small = self.pools[meta.pool].is_small;
-        let change = |s: &mut crate::stats::Stat| match booking {
-            Booking::Mapped => s.increase(len),
-            Booking::Released => s.decrease(len),
-            Booking::Restored => s.undo_decrease(len),
-        };
-        for_pool(&mut self.stats.reserved_bytes, small, change);
-        if let Some(u) = self.usage_mut(meta.pool) {
-            for_pool(&mut u.reserved, small, change);
-        }
-        match booking {
-            Booking::Mapped => self.stats.num_device_alloc += 1,
-            Booking::Released => self.stats.num_device_free += 1,
-            Booking::Restored => self.stats.num_device_free -= 1,
-        }
-        if booking == Booking::Released {
-            self.total_reserved -= len;
-            self.record(TraceAction::SegmentUnmap, start, len, meta.stream.raw);
-        } else {
-            self.total_reserved += len;
-            self.record(TraceAction::SegmentMap, start, len, meta.stream.raw);
+    /// [`DeviceCore::book_pages`] for pages of segment `seg`.
+    fn book_segment_pages(&mut self, seg: u64, start: u64, len: u64, booking: Booking) {
+        if let Some(meta) = self.segments.get(&seg).copied() {
+            self.book_pages(meta.pool, meta.stream.raw, start, len, booking);
         }
     }
-
-    /// Records an event on `stream`, from the event pool when it has one of its device.
-    fn record_event(&mut self, stream: StreamHandle) -> Result<EventHandle, BackendError> {
-        let event = match self
-            .event_pool
-            .iter()
-            .position(|e| e.device == stream.device)
-        {
-            Some(i) => self.event_pool.swap_remove(i),
-            None => self.backend.event_create(stream.device)?,
-        };
-        self.backend
-            .event_record(event, stream)
-            .map(|()| event)
-            .inspect_err(|_| self.event_pool.push(event))
-    }
-}
-
-/// How [`DeviceCore::book_pages`] books pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Booking {
-    Mapped,
-    Released,
-    Restored,
 }
 
 /// Sleep step 2a, off the core: waits for the events [`DeviceCore::begin_sleep`] recorded,

@@ -16,6 +16,7 @@
 
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
+use crate::sleep::PoolState;
 
 impl DeviceCore {
     /// The granularity of the unsplit blocks of block pool `index`, if its pool keeps them.
@@ -51,15 +52,23 @@ impl DeviceCore {
         }
     }
 
-    /// A request of a pool of unsplit blocks: its size rounded up to the pool's granularity,
-    /// in its large block pool. Fails for a pool whose granularity could not be taken.
-    pub(crate) fn unsplit_params(&self, params: &mut AllocParams) -> Result<(), AllocError> {
+    /// The rules a named pool sets for a request, in one lookup (the default pools pay one
+    /// comparison): a pool that is not awake serves none (`sleep.rs`); a pool of unsplit
+    /// blocks rounds its size up to the pool's granularity, in its large block pool, or fails
+    /// when its granularity could not be taken.
+    pub(crate) fn apply_pool_rules(&self, params: &mut AllocParams) -> Result<(), AllocError> {
         let Some(id) = self.owner_of(params.pool) else {
             return Ok(());
         };
         let Some(p) = self.private.get(&id.0) else {
             return Ok(());
         };
+        if p.usage.state != PoolState::Awake {
+            return Err(AllocError::PoolAsleep {
+                pool: p.usage.name.clone(),
+                state: p.usage.state,
+            });
+        }
         let g = match p.unsplit {
             None => return Ok(()),
             Some(Err(why)) => return Err(AllocError::NotSupported(why)),

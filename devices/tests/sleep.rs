@@ -575,7 +575,7 @@ fn a_wake_claims_its_bytes_and_fits_the_fraction_exactly() {
         bytes,
         "until it is awake"
     );
-    assert_eq!(core.pool_name(kv), Some("kv"));
+    assert_eq!(core.pool_usage(kv).unwrap().name, "kv");
     let woken = map_wake(core.backend().as_ref(), &plan).unwrap();
     assert!(core.finish_wake(plan, woken).is_empty());
     assert_eq!(core.growing_bytes(), 0);
