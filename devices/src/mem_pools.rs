@@ -71,15 +71,13 @@ impl DeviceCore {
     /// Creates a named private pool (see the module docs). Names need not be unique; the id
     /// is.
     pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {
+        let unsplit = options.unsplit.map(|g| self.unsplit_granularity(g));
         let id = self.create_pool(options.use_on_oom);
         if let Some(p) = self.private.get_mut(&id.0) {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
             p.named = true;
-        }
-        let checked = options.unsplit.map(|g| self.unsplit_granularity(g));
-        if let Some(p) = self.private.get_mut(&id.0) {
-            p.unsplit = checked;
+            p.unsplit = unsplit;
         }
         id
     }
