@@ -51,6 +51,7 @@ mod options;
 mod pinned;
 mod pool;
 mod pool_sleep;
+mod registration;
 
 pub use actor::DeviceActor;
 pub use allocator::Allocator;
@@ -63,6 +64,7 @@ pub use observer::{SegmentAction, SegmentRange, SegmentWatch, SEGMENT_EVENTS_BUF
 pub use options::MallocOptions;
 pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 pub use pool::{Pool, PoolOptions, PoolUsage};
+pub use registration::{RegistrationStats, SegmentRegistrar, SegmentRegistration};
 
 #[cfg(feature = "cuda")]
 pub use cudarc;

@@ -42,7 +42,9 @@ use tokio::sync::broadcast;
 
 pub use gpualloc_devices::{SegmentAction, SegmentRange};
 
-use crate::{Allocator, Error};
+use std::sync::Arc;
+
+use crate::{Allocator, DeviceActor, Error};
 
 /// Events an observer may fall behind before it gets `RecvError::Lagged`.
 pub const SEGMENT_EVENTS_BUFFERED: usize = 1024;
@@ -60,27 +62,31 @@ impl Allocator {
     /// Watches the device memory of `device` (see the module docs).
     pub async fn watch_segments(&self, device: DeviceId) -> Result<SegmentWatch, Error> {
         self.check()?;
-        let actor = self.device_actor(device)?;
-        actor
-            .call(|st| {
-                let tx = match &st.segment_tx {
-                    Some(tx) => tx.clone(),
-                    None => {
-                        let (tx, _) = broadcast::channel(SEGMENT_EVENTS_BUFFERED);
-                        let sender = tx.clone();
-                        st.core.set_segment_sink(Some(Box::new(move |e| {
-                            // No receiver: nobody watches now; nothing to do.
-                            let _ = sender.send(e);
-                        })));
-                        st.segment_tx = Some(tx.clone());
-                        tx
-                    }
-                };
-                SegmentWatch {
-                    ranges: st.core.segment_ranges(),
-                    events: tx.subscribe(),
-                }
-            })
-            .await
+        watch_actor(self.device_actor(device)?).await
     }
+}
+
+/// [`Allocator::watch_segments`] on one device's actor.
+pub(crate) async fn watch_actor(actor: &Arc<DeviceActor>) -> Result<SegmentWatch, Error> {
+    actor
+        .call(|st| {
+            let tx = match &st.segment_tx {
+                Some(tx) => tx.clone(),
+                None => {
+                    let (tx, _) = broadcast::channel(SEGMENT_EVENTS_BUFFERED);
+                    let sender = tx.clone();
+                    st.core.set_segment_sink(Some(Box::new(move |e| {
+                        // No receiver: nobody watches now; nothing to do.
+                        let _ = sender.send(e);
+                    })));
+                    st.segment_tx = Some(tx.clone());
+                    tx
+                }
+            };
+            SegmentWatch {
+                ranges: st.core.segment_ranges(),
+                events: tx.subscribe(),
+            }
+        })
+        .await
 }

@@ -60,6 +60,13 @@ pub trait Backend: Send + Sync + 'static {
         let _ = device;
         None
     }
+    /// The hooks this backend runs around every [`Backend::unmap`] and [`Backend::free`]
+    /// ([`crate::release_hooks`]): how a registration cache outside the allocator (NCCL's
+    /// user buffers) drops a range before its memory goes. `None` (the default): the backend
+    /// has none, and the allocator's registration adapters refuse it with `NotSupported`.
+    fn release_hooks(&self) -> Option<&crate::release_hooks::ReleaseHooks> {
+        None
+    }
     /// Allocates `size` bytes of device memory, synchronously (`cuMemAlloc`).
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr>;
     /// The allocation that contains `ptr` (from [`Backend::malloc`] or

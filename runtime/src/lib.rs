@@ -21,6 +21,7 @@ pub mod conformance;
 pub mod cuda;
 pub mod error;
 pub mod procmaps;
+pub mod release_hooks;
 pub mod sim;
 pub mod stat;
 pub mod stream;

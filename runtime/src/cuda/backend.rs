@@ -45,6 +45,8 @@ pub struct CudaBackend {
     /// Legacy IPC mappings this backend opened, by address: the device whose context opened
     /// each (only that context may close it; the pointer's own device is the exporter's).
     pub(crate) ipc_opened: std::sync::Mutex<std::collections::HashMap<u64, DeviceId>>,
+    /// Run around every unmap and free (`crate::release_hooks`).
+    pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -142,6 +144,7 @@ impl CudaBackend {
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
             page_size: rustix::param::page_size() as u64,
             ipc_opened: std::sync::Mutex::new(std::collections::HashMap::new()),
+            release_hooks: Default::default(),
         }
     }
 
@@ -310,6 +313,9 @@ impl Backend for CudaBackend {
     fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
         self.health
             .seen(handle.device, self.cu_map(ptr, size, offset, handle))
+    }
+    fn release_hooks(&self) -> Option<&crate::release_hooks::ReleaseHooks> {
+        Some(&self.release_hooks)
     }
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         self.cu_unmap(ptr, size)

@@ -198,12 +198,15 @@ impl CudaBackend {
     pub(crate) fn cu_unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let bytes = alloc_size("unmap", size)?;
         range("unmap", ptr.0, size)?;
-        self.bind_any()?;
-        drv("cuMemUnmap", || {
-            // SAFETY: by-value arguments; the driver checks the range is exactly mapped
-            // (CUDA_ERROR_INVALID_VALUE otherwise). The caller has finished all work using it,
-            // as the trait requires.
-            unsafe { sys::cuMemUnmap(ptr.0, bytes) }
+        let release = crate::release_hooks::Release::Unmap { addr: ptr.0, size };
+        self.release_hooks.around(release, || {
+            self.bind_any()?;
+            drv("cuMemUnmap", || {
+                // SAFETY: by-value arguments; the driver checks the range is exactly mapped
+                // (CUDA_ERROR_INVALID_VALUE otherwise). The caller has finished all work using
+                // it, as the trait requires.
+                unsafe { sys::cuMemUnmap(ptr.0, bytes) }
+            })
         })
     }
 

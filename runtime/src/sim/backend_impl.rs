@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
+use crate::release_hooks::{Release, ReleaseHooks};
 use crate::sim::ipc::IpcInfo;
 use crate::sim::memory::{Region, RegionKind};
 use crate::sim::os::{self, Mapping};
@@ -90,9 +91,19 @@ impl Backend for SimBackend {
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
         self.enter(Op::Free)?;
         self.check_allocation_of(device, ptr)?;
-        // cuMemFree semantics: the device is synchronized first.
-        self.drain_device(device);
-        self.free_region(device, ptr)
+        let release = Release::Free {
+            device,
+            addr: ptr.0,
+        };
+        self.release_hooks.around(release, || {
+            // cuMemFree semantics: the device is synchronized first.
+            self.drain_device(device);
+            self.free_region(device, ptr)
+        })
+    }
+
+    fn release_hooks(&self) -> Option<&ReleaseHooks> {
+        Some(&self.release_hooks)
     }
 
     fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
@@ -467,7 +478,9 @@ impl Backend for SimBackend {
 
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         self.enter(Op::Unmap)?;
-        self.vmm_unmap(ptr, size)
+        let release = Release::Unmap { addr: ptr.0, size };
+        self.release_hooks
+            .around(release, || self.vmm_unmap(ptr, size))
     }
 
     fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {

@@ -109,6 +109,7 @@ pub struct SimBackend {
     vmm: Mutex<VmmState>,
     next_id: AtomicU64,
     page: u64,
+    release_hooks: crate::release_hooks::ReleaseHooks,
 }
 
 impl SimBackend {
@@ -143,6 +144,7 @@ impl SimBackend {
             vmm: Mutex::new(VmmState::default()),
             next_id: AtomicU64::new(1),
             page,
+            release_hooks: Default::default(),
         }))
     }
 
