@@ -30,14 +30,16 @@
 # (GPU_CHECK_BUILD=1 builds with cargo instead, which needs the crates there).
 #
 # Environment: OUT (log folder), GPU_CHECK_BUDGET_S (total seconds), GPU_BIN_DIR (prebuilt
-# folder), GPU_CHECK_FEATURES (cargo features, default "cuda"), GPU_CHECK_BENCH_ARGS
-# (arguments for the bench binary), GPU_CHECK_BUILD=1 (build even if prebuilt ones exist).
+# folder), GPU_CHECK_FEATURES (cargo features, default "cuda nccl": with `nccl`,
+# tests/nccl.rs registers a pool with a one-rank NCCL communicator, all-reduces on it, sleeps
+# and wakes it, where libnccl is installed), GPU_CHECK_BENCH_ARGS (arguments for the bench
+# binary), GPU_CHECK_BUILD=1 (build even if prebuilt ones exist).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-FEATURES="${GPU_CHECK_FEATURES:-cuda}"
+FEATURES="${GPU_CHECK_FEATURES:-cuda nccl}"
 BIN_DIR="${GPU_BIN_DIR:-$ROOT/target/gpu-bin}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
 BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-}"

@@ -46,6 +46,8 @@ mod cuda;
 mod error;
 mod export;
 mod fork;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod observer;
 mod options;
 mod pinned;

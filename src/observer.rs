@@ -32,8 +32,9 @@
 //!   is announced once mapped and before any of it is handed out; an unmap or free is
 //!   announced when the range leaves the allocator's books, around the driver call, and
 //!   delivered asynchronously, so treat it as an invalidation (UCX's model). An observer
-//!   that must finish before the memory goes (NCCL's deregistration) needs the pool to stay
-//!   mapped meanwhile: sleep it or stop freeing into it first.
+//!   that must finish before the memory goes (NCCL's deregistration) uses
+//!   [`Allocator::register_segments`] instead, whose deregistration runs just before the
+//!   driver call.
 //! - A shutdown returns every segment without events.
 
 use gpualloc_devices::SegmentEvent;

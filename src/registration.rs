@@ -1,7 +1,7 @@
 //! Keeping an outside registration cache in step with the allocator's segments: every range
 //! the allocator maps is registered, and every registration is dropped *before* its memory is
 //! unmapped or freed. This is what NCCL's user-buffer registration (`ncclCommRegister`,
-//! the `nccl` feature's [`crate::nccl`]), UCX's memory registration and NVSHMEM need
+//! the `nccl` feature's `gpualloc::nccl`), UCX's memory registration and NVSHMEM need
 //! (issue 19, section 4). The registrar itself is a trait, [`SegmentRegistrar`], so the rules
 //! are tested on the sim with a fake one.
 //!

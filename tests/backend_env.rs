@@ -304,3 +304,92 @@ async fn shutdown_with_live_buffers_returns_everything() {
     std::thread::spawn(move || drop(bufs)).join().unwrap();
     assert!(alloc.shutdown().await.is_ok(), "idempotent");
 }
+
+/// Segment registration (issue 19, section 4; what the NCCL adapter is built on) on this
+/// backend's unmap and free: a fake registrar follows a pool's ranges, and a second release
+/// hook finds no registration left on memory at the moment it is unmapped or freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registrations_are_dropped_before_the_backend_releases_their_memory() {
+    use gpualloc::runtime::release_hooks::{Release, ReleaseHook};
+    use gpualloc::{PoolOptions, SegmentRegistrar, SleepMode};
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    type Books = Arc<Mutex<BTreeMap<u64, u64>>>;
+    struct Fake(Books);
+    impl SegmentRegistrar for Fake {
+        type Handle = ();
+        fn register(&mut self, addr: u64, size: u64) -> Result<(), String> {
+            self.0.lock().unwrap().insert(addr, size);
+            Ok(())
+        }
+        fn deregister(&mut self, addr: u64, _: u64, _: ()) -> Result<(), String> {
+            self.0
+                .lock()
+                .unwrap()
+                .remove(&addr)
+                .map(|_| ())
+                .ok_or("unknown".into())
+        }
+    }
+    struct Checker(Books, AtomicU64, AtomicU64);
+    impl ReleaseHook for Checker {
+        fn before_release(&self, r: Release) {
+            self.1.fetch_add(1, Ordering::SeqCst);
+            if self
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(&a, &s)| r.touches(a, s))
+            {
+                self.2.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    for expandable in [true, false] {
+        let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(expandable));
+        let s = alloc.new_stream(dev()).unwrap();
+        let pool = alloc.pool("comm", PoolOptions::default()).await.unwrap();
+        let books = Books::default();
+        let reg = alloc
+            .register_segments(dev(), Some(&pool), Fake(books.clone()))
+            .await
+            .unwrap();
+        let checker = Arc::new(Checker(books.clone(), AtomicU64::new(0), AtomicU64::new(0)));
+        let hooks = alloc.backend().release_hooks().expect("release hooks");
+        let id = hooks.add(checker.clone());
+        let mut bufs = Vec::new();
+        for i in 0..12u64 {
+            bufs.push(pool.malloc((i % 5) * 3 * MIB + 1, &s).await.unwrap());
+        }
+        let reserved = pool.usage(dev()).await.unwrap().reserved.all().current;
+        for _ in 0..1000 {
+            if reg.stats().live_bytes == reserved {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(reg.stats().live_bytes, reserved, "expandable={expandable}");
+        if expandable {
+            pool.sleep(SleepMode::Discard).await.unwrap();
+            assert!(books.lock().unwrap().is_empty());
+            pool.wake().await.unwrap();
+        }
+        drop((bufs, pool));
+        alloc.empty_cache().await.unwrap();
+        assert!(books.lock().unwrap().is_empty(), "expandable={expandable}");
+        assert!(checker.1.load(Ordering::SeqCst) > 0);
+        assert_eq!(
+            checker.2.load(Ordering::SeqCst),
+            0,
+            "expandable={expandable}"
+        );
+        let st = reg.close();
+        assert_eq!((st.live, st.failures), (0, 0), "{st:?}");
+        assert!(hooks.remove(id));
+        alloc.shutdown().await.unwrap();
+    }
+}
