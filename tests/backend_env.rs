@@ -11,6 +11,10 @@
 use gpualloc::runtime::sim::{SimBackend, SimConfig};
 use gpualloc::{Allocator, AllocatorConfig, BackendKind, DeviceBuffer, DeviceId, Stream};
 
+/// On CUDA every test of this binary shares the device: a test that reads the device's free
+/// memory holds this for writing, every other test for reading.
+static DEVICE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 /// The device under test (`GPUALLOC_TEST_DEVICE`, default 0).
@@ -65,6 +69,7 @@ fn read(alloc: &Allocator, s: &Stream, buf: &DeviceBuffer) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_reuse_blocks_and_data_survives() {
+    let _device = DEVICE.read().await;
     let alloc = alloc_from_env(AllocatorConfig::default());
     let s = alloc.new_stream(dev()).unwrap();
     let a = alloc.malloc(3000, &s).await.unwrap();
@@ -84,6 +89,7 @@ async fn hits_reuse_blocks_and_data_survives() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_buffers_never_overlap() {
+    let _device = DEVICE.read().await;
     let alloc = alloc_from_env(AllocatorConfig::default());
     let tasks: Vec<_> = (0..8u64)
         .map(|t| {
@@ -124,6 +130,7 @@ async fn concurrent_buffers_never_overlap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_memory_is_a_typed_error() {
+    let _device = DEVICE.read().await;
     let alloc = alloc_from_env(AllocatorConfig::default());
     let s = alloc.new_stream(dev()).unwrap();
     let keep = alloc.malloc(MIB, &s).await.unwrap();
@@ -138,6 +145,7 @@ async fn out_of_memory_is_a_typed_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expandable_segments_grow_and_give_memory_back() {
+    let _device = DEVICE.read().await;
     let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
     let s = alloc.new_stream(dev()).unwrap();
     let mut bufs = Vec::new();
@@ -166,6 +174,7 @@ async fn expandable_segments_grow_and_give_memory_back() {
 /// pool's memory goes back on empty_cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_keep_their_memory_apart() {
+    let _device = DEVICE.read().await;
     use gpualloc::{AllocError, Error, PoolOptions};
     for expandable in [false, true] {
         let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(expandable));
@@ -216,6 +225,8 @@ async fn pools_keep_their_memory_apart() {
 /// virtual memory (the CUDA driver's `cuMemUnmap` / `cuMemMap` under the emulator).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
+    // Reads the device's free memory: no other test may use the device meanwhile.
+    let _device = DEVICE.write().await;
     use gpualloc::{PoolOptions, PoolState, SleepMode};
     let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
     let s = alloc.new_stream(dev()).unwrap();
@@ -256,6 +267,7 @@ async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
 /// and its data intact, on this backend's virtual memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsplit_pool_ranges_are_aligned_and_announced() {
+    let _device = DEVICE.read().await;
     use gpualloc::{PoolOptions, SegmentAction};
     let g = 8 * MIB;
     let alloc = alloc_from_env(AllocatorConfig::default().with_expandable_segments(true));
@@ -290,6 +302,7 @@ async fn unsplit_pool_ranges_are_aligned_and_announced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_with_live_buffers_returns_everything() {
+    let _device = DEVICE.read().await;
     let alloc = alloc_from_env(AllocatorConfig::default());
     let s = alloc.new_stream(dev()).unwrap();
     let bufs: Vec<DeviceBuffer> = futures::future::join_all((1..=16).map(|i| {
@@ -310,6 +323,7 @@ async fn shutdown_with_live_buffers_returns_everything() {
 /// hook finds no registration left on memory at the moment it is unmapped or freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registrations_are_dropped_before_the_backend_releases_their_memory() {
+    let _device = DEVICE.read().await;
     use gpualloc::runtime::release_hooks::{Release, ReleaseHook};
     use gpualloc::{PoolOptions, SegmentRegistrar, SleepMode};
     use std::collections::BTreeMap;
