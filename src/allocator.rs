@@ -13,6 +13,7 @@ use crate::buffer::DeviceBuffer;
 use crate::builder::AllocatorBuilder;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
+use crate::oom::OomObservers;
 use crate::options::MallocOptions;
 use crate::pinned::{HostActor, HostAllocator};
 use gpualloc_devices::memory_summary;
@@ -25,6 +26,9 @@ struct Inner {
     shut_down: AtomicBool,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     config: AllocatorConfig,
+    oom: OomObservers,
+    /// Snapshots written on out-of-memory go one at a time (`oom.rs`).
+    oom_dump: tokio::sync::Mutex<()>,
 }
 
 impl Drop for Inner {
@@ -68,6 +72,7 @@ impl Allocator {
         process: ProcessGuard,
         tasks: Vec<JoinHandle<()>>,
         config: AllocatorConfig,
+        oom: OomObservers,
     ) -> Self {
         Allocator {
             inner: Arc::new(Inner {
@@ -78,6 +83,8 @@ impl Allocator {
                 shut_down: AtomicBool::new(false),
                 tasks: Mutex::new(tasks),
                 config,
+                oom,
+                oom_dump: tokio::sync::Mutex::new(()),
             }),
         }
     }
@@ -96,6 +103,14 @@ impl Allocator {
     /// The configuration in force.
     pub fn config(&self) -> &AllocatorConfig {
         &self.inner.config
+    }
+
+    pub(crate) fn oom_observers(&self) -> &OomObservers {
+        &self.inner.oom
+    }
+
+    pub(crate) fn oom_dump_lock(&self) -> &tokio::sync::Mutex<()> {
+        &self.inner.oom_dump
     }
 
     /// Number of devices.
@@ -149,7 +164,8 @@ impl Allocator {
     /// instead of failing, use [`Allocator::malloc_with`] and [`MallocOptions::wait_for`].
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        self.actor_for(stream)?.malloc(size, stream, None).await
+        let r = self.actor_for(stream)?.malloc(size, stream, None).await;
+        self.observe_oom(stream.device(), size, r).await
     }
 
     /// [`Allocator::malloc`] with options (e.g. wait for memory instead of failing).
@@ -160,9 +176,11 @@ impl Allocator {
         options: MallocOptions,
     ) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        self.actor_for(stream)?
+        let r = self
+            .actor_for(stream)?
             .malloc_with(size, stream, None, options)
-            .await
+            .await;
+        self.observe_oom(stream.device(), size, r).await
     }
 
     /// Marks `buffer` as used on `stream` (see [`DeviceBuffer::record_stream`]).

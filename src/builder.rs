@@ -20,6 +20,7 @@ use crate::actor::{spawn_actor_task, DeviceActor};
 use crate::allocator::Allocator;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
+use crate::oom::{OomEvent, OomObservers};
 use crate::pinned::HostActor;
 
 /// Which GPU runtime the allocator runs on.
@@ -94,6 +95,7 @@ pub struct AllocatorBuilder {
     config_str: Option<String>,
     backend: BackendKind,
     reaper_interval: Duration,
+    oom: OomObservers,
 }
 
 impl Default for AllocatorBuilder {
@@ -103,6 +105,7 @@ impl Default for AllocatorBuilder {
             config_str: None,
             backend: BackendKind::Auto,
             reaper_interval: Duration::from_millis(1),
+            oom: OomObservers::default(),
         }
     }
 }
@@ -188,6 +191,14 @@ impl AllocatorBuilder {
         }
     }
 
+    /// Calls `observer` whenever a `malloc` fails with an out-of-memory error (see
+    /// [`OomEvent`] and `oom.rs`: after the failure, off the device's gate, before the
+    /// `malloc` returns). May be called more than once; observers run in that order.
+    pub fn on_oom(mut self, observer: impl Fn(&OomEvent) + Send + Sync + 'static) -> Self {
+        self.oom.0.push(Arc::new(observer));
+        self
+    }
+
     /// Builds the allocator: one device actor per device of the backend, each with its task
     /// on the current tokio runtime (so call this from inside one).
     pub fn build(self) -> Result<Allocator, Error> {
@@ -228,7 +239,7 @@ impl AllocatorBuilder {
             "gpualloc allocator ready"
         );
         Ok(Allocator::from_parts(
-            backend, devices, host, process, tasks, config,
+            backend, devices, host, process, tasks, config, self.oom,
         ))
     }
 }

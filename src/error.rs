@@ -67,6 +67,16 @@ pub enum Error {
     /// A blocking-pool task of the allocator failed (it panicked or the runtime is stopping).
     #[error("internal error: {0}")]
     Internal(String),
+    /// Writing a file the allocator was asked to write (a snapshot) failed.
+    #[error("writing {path}: {kind} ({message})")]
+    Write {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the OS said.
+        kind: std::io::ErrorKind,
+        /// The OS's message.
+        message: String,
+    },
 }
 
 impl From<IpcError> for Error {

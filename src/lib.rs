@@ -46,9 +46,11 @@ mod cuda;
 mod error;
 mod export;
 mod fork;
+mod history;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod observer;
+mod oom;
 mod options;
 mod pinned;
 mod pool;
@@ -62,7 +64,9 @@ pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACK
 pub use error::Error;
 pub use gpualloc_devices::memory_summary;
 pub use gpualloc_devices::{PoolState, SleepMode};
+pub use history::HistoryOptions;
 pub use observer::{SegmentAction, SegmentRange, SegmentWatch, SEGMENT_EVENTS_BUFFERED};
+pub use oom::OomEvent;
 pub use options::MallocOptions;
 pub use pinned::{CopyError, HostActor, HostAllocator, PinnedBuffer, PinnedCopy};
 pub use pool::{Pool, PoolOptions, PoolUsage};
@@ -80,3 +84,4 @@ pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 pub use gpualloc_ipc as ipc;
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};
+pub use gpualloc_trace as trace;

@@ -142,10 +142,11 @@ impl Pool {
         let alloc = &self.inner.alloc;
         alloc.check()?;
         let id = self.id(stream.device())?;
-        alloc
+        let r = alloc
             .actor_for(stream)?
             .malloc_with(size, stream, Some(id), options)
-            .await
+            .await;
+        alloc.observe_oom(stream.device(), size, r).await
     }
 
     /// What the pool holds on `device`.

@@ -92,6 +92,10 @@ pub struct AllocatorConfig {
     pub debug_cross_stream_frees: bool,
     /// Whose rules answer where gpualloc's and PyTorch's differ (see [`crate::policy`]).
     pub policy: Policy,
+    /// Where the facade writes a snapshot pickle when a `malloc` runs out of memory
+    /// (`oom_snapshot_path:/path/file.pickle`; the core ignores it). The path cannot hold a
+    /// comma (the config's separator).
+    pub oom_snapshot_path: Option<String>,
     /// `pinned_*` entries, passed unparsed to the pinned-host allocator.
     pub pinned: Vec<(String, String)>,
 }
@@ -110,6 +114,7 @@ impl Default for AllocatorConfig {
             thread_cache: true,
             debug_cross_stream_frees: false,
             policy: Policy::default(),
+            oom_snapshot_path: None,
             pinned: Vec::new(),
         }
     }
@@ -173,6 +178,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if self.policy != d.policy {
             parts.push(format!("policy:{}", self.policy));
+        }
+        if let Some(path) = &self.oom_snapshot_path {
+            parts.push(format!("oom_snapshot_path:{path}"));
         }
         for (k, v) in &self.pinned {
             parts.push(format!("{k}:{v}"));
@@ -312,6 +320,12 @@ impl AllocatorConfig {
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             "debug_cross_stream_frees" => {
                 self.debug_cross_stream_frees = parse_bool(key, value)?;
+            }
+            "oom_snapshot_path" => {
+                if value.is_empty() {
+                    return Err(invalid(key, value, "a file path"));
+                }
+                self.oom_snapshot_path = Some(value.to_string());
             }
             "policy" => {
                 self.policy = Policy::from_name(value)
@@ -487,6 +501,29 @@ fn parse_divisions(key: &str, value: &str) -> Result<[u64; ROUNDUP_BANDS], Confi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn oom_snapshot_path_is_a_path_and_round_trips() {
+        let c =
+            AllocatorConfig::parse("expandable_segments:True, oom_snapshot_path:/tmp/o o.pickle")
+                .unwrap();
+        assert_eq!(c.oom_snapshot_path.as_deref(), Some("/tmp/o o.pickle"));
+        assert_eq!(
+            c.to_string(),
+            "expandable_segments:True,oom_snapshot_path:/tmp/o o.pickle"
+        );
+        assert_eq!(AllocatorConfig::parse(&c.to_string()).unwrap(), c);
+        assert_eq!(AllocatorConfig::default().oom_snapshot_path, None);
+        match AllocatorConfig::parse("oom_snapshot_path:") {
+            Err(ConfigError::InvalidValue { key, expected, .. }) => {
+                assert_eq!(
+                    (key.as_str(), expected),
+                    ("oom_snapshot_path", "a file path")
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn parses_pytorch_strings() {

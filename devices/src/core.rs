@@ -58,6 +58,9 @@ pub struct Allocation {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MemPoolId(pub u64);
 
+/// A clock for trace entries, in microseconds (see [`DeviceCore::set_trace_clock`]).
+pub type TraceClock = Box<dyn Fn() -> u64 + Send>;
+
 /// A callback run when the pools have no block for a request, before a device malloc. It
 /// returns pointers of this allocator's live allocations that may now be freed (e.g. blocks
 /// another process has released); the core frees them and searches again.
@@ -137,6 +140,8 @@ pub struct DeviceCore {
     pub(crate) device_total: u64,
     pub(crate) trace: Option<TraceRing>,
     pub(crate) now_us: u64,
+    /// Where trace times come from when set (the facade's wall clock); else `now_us`.
+    clock: Option<TraceClock>,
     callbacks: Vec<FreeMemoryCallback>,
     /// Told of every segment change (`observer.rs`).
     pub(crate) segment_sink: Option<SegmentSink>,
@@ -216,6 +221,7 @@ impl DeviceCore {
             device_total: total,
             trace: None,
             now_us: 0,
+            clock: None,
             callbacks: Vec::new(),
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),
@@ -250,6 +256,13 @@ impl DeviceCore {
     /// Sets the time stamped on trace entries from now on (the core has no clock).
     pub fn set_time_us(&mut self, now_us: u64) {
         self.now_us = now_us;
+    }
+
+    /// Stamps trace entries with `clock()` (microseconds) instead of the time last set with
+    /// [`DeviceCore::set_time_us`]; `None` goes back to that. A live allocator passes its
+    /// wall clock; a replay keeps the trace's own times.
+    pub fn set_trace_clock(&mut self, clock: Option<TraceClock>) {
+        self.clock = clock;
     }
 
     /// Starts recording history into a ring of `max_entries` (None stops and clears it).
@@ -291,12 +304,13 @@ impl DeviceCore {
     /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
         if let Some(ring) = &mut self.trace {
+            let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
             ring.push(TraceEntry {
                 action,
                 addr,
                 size,
                 stream,
-                time_us: self.now_us,
+                time_us,
             });
         }
         self.announce(action, addr, size, stream);

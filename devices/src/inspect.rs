@@ -8,8 +8,16 @@ use crate::core::DeviceCore;
 use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 use crate::stats::StatType;
+use crate::trace::TraceAction;
 
 impl DeviceCore {
+    /// Records a `snapshot` trace entry (when history is on): PyTorch's mark that a snapshot
+    /// was taken here, to line snapshots up with the history (`size`: allocated bytes).
+    pub fn record_snapshot_taken(&mut self) {
+        let allocated = self.stats.allocated_bytes[StatType::All as usize].current;
+        self.record(TraceAction::Snapshot, 0, allocated, 0);
+    }
+
     /// The segments and blocks right now, plus the trace history.
     pub fn snapshot(&self) -> DeviceSnapshot {
         let mut by_segment: BTreeMap<u64, Vec<BlockId>> = BTreeMap::new();

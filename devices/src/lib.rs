@@ -43,6 +43,7 @@ mod unsplit;
 pub use crate::core::RuleKnobs;
 pub use crate::core::{
     Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
+    TraceClock,
 };
 pub use config::{AllocatorConfig, ConfigError};
 pub use cross_stream::{CrossStreamFree, CROSS_STREAM_LOG};

@@ -368,15 +368,21 @@ impl DeviceActor {
         if let Some(cache) = &self.signals.thread_cache {
             // A private pool's block goes back to its pool through the core: a parked block
             // could be revived for a request of another pool.
-            if !used_elsewhere && self.signals.waiters.is_empty() && a.pool.is_none() {
+            let recording = || self.signals.recording.load(Ordering::Relaxed);
+            if !used_elsewhere
+                && self.signals.waiters.is_empty()
+                && a.pool.is_none()
+                && !recording()
+            {
                 if let Some(back) = cache.park(a) {
                     self.mailbox.post(DeviceMsg::Free(back.ptr));
                 }
                 // A request that starts waiting for memory sweeps every slot right after it
-                // joined (`wait.rs`). If its sweep locked this slot before the park, this
-                // check sees it waiting (the slot's mutex orders the two): free the parked
-                // blocks through the core, whose frees wake it.
-                if !self.signals.waiters.is_empty() {
+                // joined (`wait.rs`), and so does the start of a history recording
+                // (`history.rs`). If its sweep locked this slot before the park, this check
+                // sees it (the slot's mutex orders the two): free the parked blocks through
+                // the core, whose frees wake the waiter or are recorded.
+                if !self.signals.waiters.is_empty() || recording() {
                     for ptr in cache.unpark_mine() {
                         self.mailbox.post(DeviceMsg::Free(ptr));
                     }
@@ -427,7 +433,11 @@ impl DeviceActor {
 
     /// Segments and blocks of this device.
     pub(crate) async fn snapshot(&self) -> Result<DeviceSnapshot, Error> {
-        self.call(|st| st.core.snapshot()).await
+        self.call(|st| {
+            st.core.record_snapshot_taken();
+            st.core.snapshot()
+        })
+        .await
     }
 }
 

@@ -20,6 +20,9 @@ pub(crate) struct Signals {
     pub reaper: ReaperArm,
     /// Blocks parked by the threads that freed them (`None`: `thread_cache:False`).
     pub thread_cache: Option<ThreadCache<DeviceActor>>,
+    /// History is being recorded (`history.rs`): the thread cache steps aside, so every
+    /// malloc and free goes through the core, which records it.
+    pub recording: std::sync::atomic::AtomicBool,
 }
 
 /// One device's core, plus the signals its handlers raise.

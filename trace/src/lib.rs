@@ -7,6 +7,7 @@
 //!   imported from and exported to pickles MemoryViz.js opens.
 //! - [`rmm_csv`]: RMM's `logging_resource_adaptor` CSV logs.
 //! - [`jsonl`]: a documented JSON Lines trace format.
+//! - [`from_allocator`]: the allocator's own snapshots written as PyTorch's.
 //!
 //! All of them produce [`TraceEntry`] lists.
 //!
@@ -26,6 +27,7 @@
 
 mod error;
 mod event;
+pub mod from_allocator;
 pub mod jsonl;
 pub mod pickle;
 pub mod rmm_csv;

@@ -1,0 +1,125 @@
+//! What a live service did with its memory (issue 23): record the allocator's history, dump
+//! a snapshot PyTorch's memory viewer opens, get called when a `malloc` runs out of memory.
+//!
+//! The three steps PyTorch's users know (`_record_memory_history`, `_dump_snapshot`, drag the
+//! file into MemoryViz):
+//!
+//! ```no_run
+//! # async fn demo(alloc: gpualloc::Allocator) -> Result<(), gpualloc::Error> {
+//! use gpualloc::HistoryOptions;
+//! alloc.record_history(HistoryOptions { max_entries: 100_000 }).await?;
+//! // ... the service runs ...
+//! alloc.dump_snapshot("memory.pickle").await?; // open it in PyTorch's memory viewer
+//! alloc.stop_history().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! - The history is a ring per device of at most `max_entries` entries (PyTorch's
+//!   `max_entries`; the oldest fall off): `alloc`, `free_requested`, `free_completed`,
+//!   `segment_alloc` / `segment_free`, `segment_map` / `segment_unmap`, `oom`, `snapshot`,
+//!   each with `time_us` (wall clock, microseconds since the Unix epoch) and the stream.
+//! - **The thread cache steps aside while recording**: a dropped buffer is freed through the
+//!   device's core instead of being parked for its thread, so every malloc and free is
+//!   recorded (round trips through the cache would be invisible). Starting a recording
+//!   returns the blocks parked so far to the core first. The cost: while recording, each
+//!   malloc and free takes the device's gate, as with `thread_cache:False`; when not
+//!   recording, a free pays one relaxed atomic load.
+//! - [`Allocator::stop_history`] stops and clears the rings.
+//! - [`Allocator::snapshot_pickle`] writes segments, blocks, `device_traces` and
+//!   `allocator_settings` as PyTorch's `_dump_snapshot` does, with only the pickle opcodes
+//!   MemoryViz.js reads (`gpualloc_trace::from_allocator`).
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use crate::{Allocator, Error};
+
+/// How [`Allocator::record_history`] records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryOptions {
+    /// Entries kept per device; the oldest fall off past it (at least 1).
+    pub max_entries: usize,
+}
+
+impl Default for HistoryOptions {
+    /// 100,000 entries per device (PyTorch's own default keeps every entry; a service runs
+    /// for days, so ours is bounded: about 4 MB per device).
+    fn default() -> Self {
+        HistoryOptions {
+            max_entries: 100_000,
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch, from a monotonic clock started now.
+fn wall_clock() -> gpualloc_devices::TraceClock {
+    let start = Instant::now();
+    let base = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    Box::new(move || base + start.elapsed().as_micros() as u64)
+}
+
+impl Allocator {
+    /// Starts recording every device's history (see the module docs); a recording already
+    /// running starts over with the new options.
+    pub async fn record_history(&self, options: HistoryOptions) -> Result<(), Error> {
+        self.check()?;
+        for d in 0..self.device_count() {
+            let actor = self.device_actor(gpualloc_runtime::DeviceId(d))?;
+            let signals = actor.signals.clone();
+            actor
+                .call(move |st| {
+                    // Set before the sweep: a park racing it sees the flag after its park
+                    // (the slot's mutex orders the two) and frees through the core.
+                    signals.recording.store(true, Ordering::Relaxed);
+                    st.sweep_thread_cache();
+                    st.core.set_trace_clock(Some(wall_clock()));
+                    st.core.record_history(Some(options.max_entries.max(1)));
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Stops recording and clears every device's history; the thread cache parks again.
+    pub async fn stop_history(&self) -> Result<(), Error> {
+        self.check()?;
+        for d in 0..self.device_count() {
+            let actor = self.device_actor(gpualloc_runtime::DeviceId(d))?;
+            let signals = actor.signals.clone();
+            actor
+                .call(move |st| {
+                    st.core.record_history(None);
+                    st.core.set_trace_clock(None);
+                    signals.recording.store(false, Ordering::Relaxed);
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Every device's segments, blocks and history as PyTorch's `_dump_snapshot` pickle,
+    /// which PyTorch's memory viewer opens.
+    pub async fn snapshot_pickle(&self) -> Result<Vec<u8>, Error> {
+        let devices = self.snapshot().await?;
+        gpualloc_trace::from_allocator::to_pickle(&devices, self.config())
+            .map_err(|e| Error::Internal(format!("writing the snapshot pickle: {e}")))
+    }
+
+    /// [`Allocator::snapshot_pickle`] written to `path` (off the async runtime).
+    pub async fn dump_snapshot(&self, path: impl AsRef<Path>) -> Result<(), Error> {
+        let bytes = self.snapshot_pickle().await?;
+        let path = path.as_ref().to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            std::fs::write(&path, bytes).map_err(|e| Error::Write {
+                path,
+                kind: e.kind(),
+                message: e.to_string(),
+            })
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("writing the snapshot: {e}")))?
+    }
+}

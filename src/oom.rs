@@ -1,0 +1,92 @@
+//! Out-of-memory observers (issue 23): [`AllocatorBuilder::on_oom`](crate::AllocatorBuilder::on_oom)
+//! callbacks and the `oom_snapshot_path` config key, PyTorch's
+//! `_cuda_attach_out_of_memory_observer` plus the `_dump_snapshot` its users call from it.
+//!
+//! - They run when a `malloc` (of the allocator or of a pool) *fails* with an out-of-memory
+//!   error (`Error::is_oom`): after the out-of-memory chain, and with `wait_for` only once the
+//!   wait is over. Never for a wait that ends in a buffer.
+//! - They run in the task of the failing `malloc`, after the device's actor answered: never
+//!   while the device's gate is held, so an observer may call the allocator (take a
+//!   snapshot, free a cache of its own). The `malloc` returns its error after them.
+//! - With `oom_snapshot_path:/path/file.pickle` the snapshot (history included when one is
+//!   being recorded, [`Allocator::record_history`]) is written there first, so the
+//!   callbacks find it ([`OomEvent::snapshot`]). A failure to write it is logged, and the
+//!   malloc's error is returned as it was. Concurrent failures write one after the other.
+//! - An observer that panics is caught and logged; the others still run.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gpualloc_runtime::DeviceId;
+
+use crate::{Allocator, DeviceBuffer, Error};
+
+/// What an out-of-memory observer is told.
+#[derive(Debug, Clone)]
+pub struct OomEvent {
+    /// The device of the failed request.
+    pub device: DeviceId,
+    /// Bytes requested.
+    pub size: u64,
+    /// The error the `malloc` returns (PyTorch's report in `Error::oom_report`).
+    pub error: Error,
+    /// The snapshot written for it (`oom_snapshot_path`), if one was.
+    pub snapshot: Option<PathBuf>,
+}
+
+/// An out-of-memory observer.
+pub(crate) type OomObserver = Arc<dyn Fn(&OomEvent) + Send + Sync>;
+
+/// The observers of an allocator.
+#[derive(Clone, Default)]
+pub(crate) struct OomObservers(pub(crate) Vec<OomObserver>);
+
+impl std::fmt::Debug for OomObservers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} out-of-memory observers", self.0.len())
+    }
+}
+
+impl Allocator {
+    /// Runs the out-of-memory observers if `result` is an out-of-memory error; returns it.
+    pub(crate) async fn observe_oom(
+        &self,
+        device: DeviceId,
+        size: u64,
+        result: Result<DeviceBuffer, Error>,
+    ) -> Result<DeviceBuffer, Error> {
+        let Err(error) = &result else {
+            return result;
+        };
+        let path = self.config().oom_snapshot_path.as_ref();
+        let observers = self.oom_observers();
+        if !error.is_oom() || (path.is_none() && observers.0.is_empty()) {
+            return result;
+        }
+        let mut snapshot = None;
+        if let Some(path) = path {
+            let _one_at_a_time = self.oom_dump_lock().lock().await;
+            match self.dump_snapshot(path).await {
+                Ok(()) => snapshot = Some(PathBuf::from(path)),
+                Err(e) => tracing::warn!(error = %e, "out of memory: the snapshot was not written"),
+            }
+        }
+        let event = OomEvent {
+            device,
+            size,
+            error: error.clone(),
+            snapshot,
+        };
+        for observer in &observers.0 {
+            if catch_unwind(AssertUnwindSafe(|| observer(&event))).is_err() {
+                tracing::error!(
+                    device = device.0,
+                    size,
+                    "an out-of-memory observer panicked"
+                );
+            }
+        }
+        result
+    }
+}
