@@ -1,5 +1,5 @@
 //! An inference-server-like workload on the simulated GPU, with no setup:
-//! `cargo run --release --example serve [-- --requests N --concurrency C --pools]`.
+//! `cargo run --release --example serve [-- --requests N --concurrency C --pools --history F]`.
 //!
 //! Concurrent requests of varying sizes (input activations, outputs, scratch) run on two
 //! simulated devices with four streams each. Every request's kernels write a pattern of its
@@ -14,6 +14,11 @@
 //! offloaded to pinned host memory while the requests go on, and woken two thirds of the way
 //! through; its bytes are then checked at the same addresses.
 //!
+//! `--history out.pickle`: records the allocator's history during the run
+//! (`Allocator::record_history`) and writes it with the segments at the end
+//! (`Allocator::dump_snapshot`), a file PyTorch's memory viewer opens; the file is read back
+//! and its segments checked against `stats()`.
+//!
 //! Prints malloc and request latency percentiles and the PyTorch-style memory summary;
 //! exits non-zero on any data mismatch, failed kernel, error or leak.
 
@@ -24,8 +29,8 @@ use std::time::{Duration, Instant};
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
 use gpualloc::runtime::BackendError;
 use gpualloc::{
-    Allocator, AllocatorConfig, DeviceBuffer, DeviceId, DevicePtr, Error, MallocOptions, Pool,
-    PoolOptions, SleepMode, Stream,
+    Allocator, AllocatorConfig, DeviceBuffer, DeviceId, DevicePtr, Error, HistoryOptions,
+    MallocOptions, Pool, PoolOptions, SleepMode, Stream,
 };
 
 const KIB: u64 = 1 << 10;
@@ -40,6 +45,8 @@ struct Args {
     concurrency: usize,
     /// Two pools per device, one put to sleep and woken mid-run.
     pools: bool,
+    /// Record the history and write it here at the end.
+    history: Option<std::path::PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -47,6 +54,7 @@ fn parse_args() -> Result<Args, String> {
         requests: 20_000,
         concurrency: 48,
         pools: false,
+        history: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,14 +67,48 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--requests" => args.requests = parse(&value)?,
             "--concurrency" => args.concurrency = parse(&value)?.max(1) as usize,
+            "--history" => args.history = Some(value.into()),
             other => {
                 return Err(format!(
-                    "unknown flag {other} (use --requests N --concurrency C --pools)"
+                    "unknown flag {other} (use --requests N --concurrency C --pools --history F)"
                 ))
             }
         }
     }
     Ok(args)
+}
+
+/// Writes the snapshot with the recorded history to `path`, reads it back and checks its
+/// segments against `stats()`. False on a mismatch.
+async fn write_history(alloc: &Allocator, path: &std::path::Path) -> Result<bool, Error> {
+    alloc.dump_snapshot(path).await?;
+    let bytes = std::fs::read(path).map_err(|e| Error::Internal(format!("{e}")))?;
+    let snap = gpualloc::trace::Snapshot::from_pickle(&bytes)
+        .map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
+    let mut ok = true;
+    for d in 0..DEVICES {
+        let reserved: u64 = snap
+            .segments
+            .iter()
+            .filter(|s| s.device == i64::from(d))
+            .map(|s| s.total_size)
+            .sum();
+        let stats = alloc.stats(DeviceId(d)).await?;
+        if reserved != stats.reserved_bytes[0].current {
+            eprintln!(
+                "history: device {d}: the snapshot's segments hold {reserved} bytes, stats() {}",
+                stats.reserved_bytes[0].current
+            );
+            ok = false;
+        }
+    }
+    let entries: Vec<usize> = snap.device_traces.iter().map(Vec::len).collect();
+    println!(
+        "history: {} bytes written to {} (entries per device: {entries:?}); open it in PyTorch's memory viewer",
+        bytes.len(),
+        path.display()
+    );
+    Ok(ok)
 }
 
 /// A small deterministic generator (xorshift), one per request.
@@ -378,6 +420,9 @@ async fn run(args: Args) -> Result<bool, Error> {
             }
         })
     };
+    if args.history.is_some() {
+        alloc.record_history(HistoryOptions::default()).await?;
+    }
     let started = Instant::now();
     let sleeper = weights.map(|w| {
         let (done, requests) = (done.clone(), args.requests);
@@ -503,6 +548,11 @@ async fn run(args: Args) -> Result<bool, Error> {
     }
     println!();
     print!("{}", alloc.memory_summary().await?);
+    if let Some(path) = &args.history {
+        if !write_history(&alloc, path).await? {
+            errors += 1;
+        }
+    }
     drop((slept, kv));
 
     let mismatches = counters.mismatches.load(Ordering::Relaxed);
