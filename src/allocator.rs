@@ -165,7 +165,12 @@ impl Allocator {
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
         let r = self.actor_for(stream)?.malloc(size, stream, None).await;
-        self.observe_oom(stream.device(), size, r).await
+        if self.oom_to_observe(&r) {
+            if let Err(e) = r {
+                return Err(self.observe_oom(stream.device(), size, e).await);
+            }
+        }
+        r
     }
 
     /// [`Allocator::malloc`] with options (e.g. wait for memory instead of failing).
@@ -180,7 +185,12 @@ impl Allocator {
             .actor_for(stream)?
             .malloc_with(size, stream, None, options)
             .await;
-        self.observe_oom(stream.device(), size, r).await
+        if self.oom_to_observe(&r) {
+            if let Err(e) = r {
+                return Err(self.observe_oom(stream.device(), size, e).await);
+            }
+        }
+        r
     }
 
     /// Marks `buffer` as used on `stream` (see [`DeviceBuffer::record_stream`]).

@@ -146,7 +146,12 @@ impl Pool {
             .actor_for(stream)?
             .malloc_with(size, stream, Some(id), options)
             .await;
-        alloc.observe_oom(stream.device(), size, r).await
+        if alloc.oom_to_observe(&r) {
+            if let Err(e) = r {
+                return Err(alloc.observe_oom(stream.device(), size, e).await);
+            }
+        }
+        r
     }
 
     /// What the pool holds on `device`.

@@ -28,15 +28,17 @@
 //! - the pinned-host figures (section `host`): see `host.rs`.
 //! - sleep and wake of a 1 GiB pool, and other pools' hits meanwhile (section `sleep`): see
 //!   `sleep.rs`.
+//! - hits while the history is recorded (section `history`): see `history.rs`.
 //!
 //! Sections can be picked by name: `bench hit throughput miss flood slowcalls contention host
-//! pool sleep`
+//! pool sleep history`
 //! (default: all).
 //!
 //! `GPUALLOC_BACKEND=cuda` runs them on the GPU (scripts/gpu-check.sh): hits and throughput
 //! on CUDA instead of the accounting backend (the direct reference too), misses with the
 //! real device malloc instead of the sim's 10 ms one, and the flood only with 2+ GPUs.
 
+mod history;
 mod host;
 mod sleep;
 
@@ -777,6 +779,9 @@ fn main() {
         }
         if run("sleep") {
             sleep::sleep_figures(&mut figures).await;
+        }
+        if run("history") {
+            history::history_figures(&mut figures).await;
         }
         if run("contention") {
             core_contention(&mut figures).await;
