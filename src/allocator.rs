@@ -164,7 +164,11 @@ impl Allocator {
     /// instead of failing, use [`Allocator::malloc_with`] and [`MallocOptions::wait_for`].
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        let r = self.actor_for(stream)?.malloc(size, stream, None).await;
+        let actor = self.actor_for(stream)?;
+        let r = actor.malloc(size, stream, None).await;
+        if let (Ok(b), true) = (&r, actor.wants_frames()) {
+            actor.attach_frames(b).await;
+        }
         if self.oom_to_observe(&r) {
             if let Err(e) = r {
                 return Err(self.observe_oom(stream.device(), size, e).await);
@@ -181,10 +185,11 @@ impl Allocator {
         options: MallocOptions,
     ) -> Result<DeviceBuffer, Error> {
         self.check()?;
-        let r = self
-            .actor_for(stream)?
-            .malloc_with(size, stream, None, options)
-            .await;
+        let actor = self.actor_for(stream)?;
+        let r = actor.malloc_with(size, stream, None, options).await;
+        if let (Ok(b), true) = (&r, actor.wants_frames()) {
+            actor.attach_frames(b).await;
+        }
         if self.oom_to_observe(&r) {
             if let Err(e) = r {
                 return Err(self.observe_oom(stream.device(), size, e).await);

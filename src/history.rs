@@ -7,7 +7,7 @@
 //! ```no_run
 //! # async fn demo(alloc: gpualloc::Allocator) -> Result<(), gpualloc::Error> {
 //! use gpualloc::HistoryOptions;
-//! alloc.record_history(HistoryOptions { max_entries: 100_000 }).await?;
+//! alloc.record_history(HistoryOptions { max_entries: 100_000, ..Default::default() }).await?;
 //! // ... the service runs ...
 //! alloc.dump_snapshot("memory.pickle").await?; // open it in PyTorch's memory viewer
 //! alloc.stop_history().await?;
@@ -24,6 +24,9 @@
 //!   returns the blocks parked so far to the core first. The cost: while recording, each
 //!   malloc and free takes the device's gate, as with `thread_cache:False`; when not
 //!   recording, a free pays one relaxed atomic load.
+//! - Frames: with [`HistoryOptions::spans`] each allocation carries the `tracing` span stack
+//!   current at its `malloc` (and with [`HistoryOptions::backtraces`] a backtrace), in its
+//!   `alloc` entry and in its block while it lives (`history_frames.rs`).
 //! - [`Allocator::stop_history`] stops and clears the rings.
 //! - [`Allocator::snapshot_pickle`] writes segments, blocks, `device_traces` and
 //!   `allocator_settings` as PyTorch's `_dump_snapshot` does, with only the pickle opcodes
@@ -33,6 +36,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use crate::history_frames::{FRAMES_OFF, FRAMES_SPANS, FRAMES_SPANS_AND_BACKTRACE};
 use crate::{Allocator, Error};
 
 /// How [`Allocator::record_history`] records.
@@ -40,14 +44,21 @@ use crate::{Allocator, Error};
 pub struct HistoryOptions {
     /// Entries kept per device; the oldest fall off past it (at least 1).
     pub max_entries: usize,
+    /// Give each allocation the `tracing` span stack current at its `malloc` as its frames
+    /// (needs `tracing_error::ErrorLayer` in the subscriber: see `history_frames.rs`).
+    pub spans: bool,
+    /// Also a backtrace (implies `spans`; slow: for debugging sessions).
+    pub backtraces: bool,
 }
 
 impl Default for HistoryOptions {
     /// 100,000 entries per device (PyTorch's own default keeps every entry; a service runs
-    /// for days, so ours is bounded: about 4 MB per device).
+    /// for days, so ours is bounded: about 4 MB per device), no frames.
     fn default() -> Self {
         HistoryOptions {
             max_entries: 100_000,
+            spans: false,
+            backtraces: false,
         }
     }
 }
@@ -77,6 +88,14 @@ impl Allocator {
                     st.sweep_thread_cache();
                     st.core.set_trace_clock(Some(wall_clock()));
                     st.core.record_history(Some(options.max_entries.max(1)));
+                    let frames = if options.backtraces {
+                        FRAMES_SPANS_AND_BACKTRACE
+                    } else if options.spans {
+                        FRAMES_SPANS
+                    } else {
+                        FRAMES_OFF
+                    };
+                    signals.frames.store(frames, Ordering::Relaxed);
                 })
                 .await?;
         }
@@ -91,6 +110,7 @@ impl Allocator {
             let signals = actor.signals.clone();
             actor
                 .call(move |st| {
+                    signals.frames.store(FRAMES_OFF, Ordering::Relaxed);
                     st.core.record_history(None);
                     st.core.set_trace_clock(None);
                     signals.recording.store(false, Ordering::Relaxed);

@@ -47,6 +47,7 @@ mod error;
 mod export;
 mod fork;
 mod history;
+mod history_frames;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod observer;

@@ -142,10 +142,11 @@ impl Pool {
         let alloc = &self.inner.alloc;
         alloc.check()?;
         let id = self.id(stream.device())?;
-        let r = alloc
-            .actor_for(stream)?
-            .malloc_with(size, stream, Some(id), options)
-            .await;
+        let actor = alloc.actor_for(stream)?;
+        let r = actor.malloc_with(size, stream, Some(id), options).await;
+        if let (Ok(b), true) = (&r, actor.wants_frames()) {
+            actor.attach_frames(b).await;
+        }
         if alloc.oom_to_observe(&r) {
             if let Err(e) = r {
                 return Err(alloc.observe_oom(stream.device(), size, e).await);

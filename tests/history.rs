@@ -128,7 +128,10 @@ async fn the_ring_keeps_the_newest_entries_and_stop_clears_it() {
     let alloc = build(sim(1 << 30), "");
     let s = alloc.new_stream(D0).unwrap();
     alloc
-        .record_history(HistoryOptions { max_entries: 5 })
+        .record_history(HistoryOptions {
+            max_entries: 5,
+            ..HistoryOptions::default()
+        })
         .await
         .unwrap();
     let mut last = 0;

@@ -32,7 +32,7 @@ use crate::pool::{key, BlockPool, PoolOwner};
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::sleep::PoolState;
 use crate::stats::{for_pool, DeviceStats};
-use crate::trace::{TraceAction, TraceEntry, TraceRing};
+use crate::trace::{Frames, TraceAction, TraceEntry, TraceRing};
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,9 @@ pub struct Allocation {
 /// Id of a private memory pool (PyTorch's `MempoolId_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct MemPoolId(pub u64);
+
+/// How far back [`DeviceCore::attach_frames`] looks for an allocation's entry.
+pub const ATTACH_WITHIN: usize = 4096;
 
 /// A clock for trace entries, in microseconds (see [`DeviceCore::set_trace_clock`]).
 pub type TraceClock = Box<dyn Fn() -> u64 + Send>;
@@ -142,6 +145,8 @@ pub struct DeviceCore {
     pub(crate) now_us: u64,
     /// Where trace times come from when set (the facade's wall clock); else `now_us`.
     clock: Option<TraceClock>,
+    /// Frames of live allocations, by address (`attach_frames`), for snapshots.
+    pub(crate) live_frames: HashMap<u64, Frames>,
     callbacks: Vec<FreeMemoryCallback>,
     /// Told of every segment change (`observer.rs`).
     pub(crate) segment_sink: Option<SegmentSink>,
@@ -222,6 +227,7 @@ impl DeviceCore {
             trace: None,
             now_us: 0,
             clock: None,
+            live_frames: HashMap::new(),
             callbacks: Vec::new(),
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),
@@ -265,9 +271,31 @@ impl DeviceCore {
         self.clock = clock;
     }
 
-    /// Starts recording history into a ring of `max_entries` (None stops and clears it).
+    /// Starts recording history into a ring of `max_entries` (None stops and clears it,
+    /// and forgets the frames of live blocks).
     pub fn record_history(&mut self, max_entries: Option<usize>) {
         self.trace = max_entries.map(TraceRing::new);
+        if self.trace.is_none() {
+            self.live_frames.clear();
+        }
+    }
+
+    /// Attaches `frames` to the live allocation at `addr`: to its `alloc` entry (the newest
+    /// for that address among the last [`ATTACH_WITHIN`] entries) and to its block in
+    /// snapshots until it is freed. Nothing when history is off or `addr` is not live.
+    pub fn attach_frames(&mut self, addr: u64, frames: Frames) {
+        let Some(ring) = &mut self.trace else {
+            return;
+        };
+        if !self.active.contains_key(&addr) {
+            return;
+        }
+        if let Some(e) = ring.newest_mut(ATTACH_WITHIN, |e| {
+            e.action == TraceAction::Alloc && e.addr == addr
+        }) {
+            e.frames = Some(frames.clone());
+        }
+        self.live_frames.insert(addr, frames);
     }
 
     /// Adds a callback run on a cache miss (see [`FreeMemoryCallback`]).
@@ -311,7 +339,11 @@ impl DeviceCore {
                 size,
                 stream,
                 time_us,
+                frames: None,
             });
+        }
+        if action == TraceAction::FreeRequested && !self.live_frames.is_empty() {
+            self.live_frames.remove(&addr);
         }
         self.announce(action, addr, size, stream);
     }

@@ -49,6 +49,11 @@ impl DeviceCore {
                         },
                         // A sleeping pool's blocks keep their books but have no memory.
                         mapped: b.mapped && !asleep,
+                        frames: if b.state == BlockState::Allocated {
+                            self.live_frames.get(&b.addr).cloned()
+                        } else {
+                            None
+                        },
                     }
                 })
                 .collect();
@@ -98,7 +103,7 @@ impl DeviceCore {
         let trace = self
             .trace
             .as_ref()
-            .map(|t| t.iter().copied().collect())
+            .map(|t| t.iter().cloned().collect())
             .unwrap_or_default();
         DeviceSnapshot { segments, trace }
     }

@@ -64,4 +64,4 @@ pub use sleep::{
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatArray, StatType};
 pub use summary::memory_summary;
-pub use trace::{TraceAction, TraceEntry};
+pub use trace::{Frame, Frames, TraceAction, TraceEntry};

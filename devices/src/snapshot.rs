@@ -38,6 +38,9 @@ pub struct BlockInfo {
     pub state: BlockStateName,
     /// False for unmapped parts of an expandable segment.
     pub mapped: bool,
+    /// Where it was allocated, for a live block whose frames were attached
+    /// (`DeviceCore::attach_frames`).
+    pub frames: Option<crate::trace::Frames>,
 }
 
 /// One segment.

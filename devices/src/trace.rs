@@ -46,8 +46,23 @@ impl TraceAction {
     }
 }
 
+/// One frame of the context an allocation was made in: PyTorch's `frames` entries
+/// (`name`, `filename`, `line`). The facade fills them from `tracing` spans or a backtrace.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// The function, or the span with its fields (`handle_request{model="llama"}`).
+    pub name: String,
+    /// Source file.
+    pub filename: String,
+    /// Line in it.
+    pub line: u32,
+}
+
+/// The frames of one allocation, innermost first, shared by its trace entry and its block.
+pub type Frames = std::sync::Arc<[Frame]>;
+
 /// One entry of the history.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceEntry {
     /// What happened.
     pub action: TraceAction,
@@ -59,6 +74,9 @@ pub struct TraceEntry {
     pub stream: u64,
     /// Caller-supplied time in microseconds.
     pub time_us: u64,
+    /// Where the allocation was made (`alloc` entries, when the owner attached them:
+    /// [`crate::DeviceCore::attach_frames`]).
+    pub frames: Option<Frames>,
 }
 
 /// Bounded history; the oldest entries fall off.
@@ -91,6 +109,15 @@ impl TraceRing {
         self.entries.iter()
     }
 
+    /// The newest of the last `within` entries that matches `pred`.
+    pub fn newest_mut(
+        &mut self,
+        within: usize,
+        pred: impl Fn(&TraceEntry) -> bool,
+    ) -> Option<&mut TraceEntry> {
+        self.entries.iter_mut().rev().take(within).find(|e| pred(e))
+    }
+
     /// Number of entries held.
     pub fn len(&self) -> usize {
         self.entries.len()
@@ -111,6 +138,7 @@ mod tests {
         let mut r = TraceRing::new(2);
         for i in 0..5 {
             r.push(TraceEntry {
+                frames: None,
                 action: TraceAction::Alloc,
                 addr: i,
                 size: 1,

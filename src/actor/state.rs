@@ -23,6 +23,8 @@ pub(crate) struct Signals {
     /// History is being recorded (`history.rs`): the thread cache steps aside, so every
     /// malloc and free goes through the core, which records it.
     pub recording: std::sync::atomic::AtomicBool,
+    /// What a malloc captures for the history while recording (`history_frames.rs`).
+    pub frames: std::sync::atomic::AtomicU8,
 }
 
 /// One device's core, plus the signals its handlers raise.

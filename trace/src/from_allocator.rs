@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 
 use crate::pickle::Value;
-use crate::{Action, Block, BlockState, Segment, SegmentType, Snapshot, TraceEntry, TraceError};
+use crate::{
+    Action, Block, BlockState, Frame, Segment, SegmentType, Snapshot, TraceEntry, TraceError,
+};
 use gpualloc_devices::{AllocatorConfig, BlockStateName, DeviceSnapshot, TraceAction};
 
 fn action(a: TraceAction) -> Action {
@@ -22,6 +24,19 @@ fn action(a: TraceAction) -> Action {
         TraceAction::Oom => Action::Oom,
         TraceAction::Snapshot => Action::Snapshot,
     }
+}
+
+/// The allocator's frames in PyTorch's form.
+fn frames(frames: Option<&[gpualloc_devices::Frame]>) -> Vec<Frame> {
+    frames
+        .unwrap_or_default()
+        .iter()
+        .map(|f| Frame {
+            filename: f.filename.as_str().into(),
+            line: i64::from(f.line),
+            name: f.name.as_str().into(),
+        })
+        .collect()
 }
 
 /// PyTorch's `allocator_settings` dict for `config`.
@@ -96,7 +111,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                             BlockStateName::ActivePendingFree => BlockState::ActivePendingFree,
                             BlockStateName::Inactive => BlockState::Inactive,
                         },
-                        frames: Vec::new(),
+                        frames: frames(b.frames.as_deref()),
                     })
                     .collect(),
             });
@@ -107,6 +122,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                 .map(|e| {
                     let mut t = TraceEntry::new(action(e.action), e.addr, e.size, e.stream);
                     t.time_us = i64::try_from(e.time_us).ok();
+                    t.frames = frames(e.frames.as_deref());
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);
                     }

@@ -7,6 +7,11 @@
 //! - `hit_pair_history_on_gate_median_ns`: the same with `thread_cache:False` on both sides
 //!   (the ring's own cost: three entries per pair).
 //!
+//! - `hit_pair_history_spans_median_ns`: recording with `HistoryOptions::spans`, inside two
+//!   nested spans (a subscriber with `tracing_error::ErrorLayer`), against recording without
+//!   frames (default config); `hit_pair_history_backtraces_median_ns`: the same with
+//!   `backtraces` (fewer pairs: each captures a backtrace).
+//!
 //! What history *off* costs (one relaxed load per free) is measured by comparing
 //! `hit_pair_median_ns` across commits (BENCHMARKS.md).
 
@@ -47,4 +52,62 @@ pub(crate) async fn history_figures(figures: &mut Vec<Figure>) {
         );
         let _ = alloc.shutdown().await;
     }
+    frames_figures(figures).await;
+}
+
+/// Recording with span frames, and with backtraces, against recording without frames.
+async fn frames_figures(figures: &mut Vec<Figure>) {
+    use tracing::Instrument;
+    use tracing_subscriber::layer::SubscriberExt;
+    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
+    if tracing::subscriber::set_global_default(subscriber).is_err() {
+        eprintln!("bench: a global subscriber is set already; span figures skipped");
+        return;
+    }
+    let alloc = build(hit_backend(), Path::ThreadCache);
+    let stream = alloc.new_stream(DeviceId(0)).expect("stream");
+    let pairs = |n: usize, alloc: gpualloc::Allocator, stream: gpualloc::Stream| async move {
+        async move { actor_pairs(&alloc, &stream, n).await }
+            .instrument(tracing::info_span!("request", id = 42u64, model = "llama"))
+            .await
+    };
+    let mut medians = Vec::new();
+    for (spans, backtraces, n) in [
+        (false, false, 50_000),
+        (true, false, 50_000),
+        (false, true, 2_000),
+    ] {
+        alloc
+            .record_history(HistoryOptions {
+                spans,
+                backtraces,
+                ..HistoryOptions::default()
+            })
+            .await
+            .expect("record_history");
+        let _fill = pairs(
+            HistoryOptions::default().max_entries / 2,
+            alloc.clone(),
+            stream.clone(),
+        )
+        .instrument(tracing::info_span!("handler"))
+        .await;
+        let mut on = pairs(n, alloc.clone(), stream.clone())
+            .instrument(tracing::info_span!("handler"))
+            .await;
+        medians.push(super::percentile(&mut on, 0.5));
+    }
+    let _ = alloc.stop_history().await;
+    for (name, value) in [
+        ("hit_pair_history_spans_median_ns", medians[1]),
+        ("hit_pair_history_backtraces_median_ns", medians[2]),
+    ] {
+        figures.push(Figure {
+            name,
+            value,
+            unit: "ns",
+            reference: medians[0],
+        });
+    }
+    let _ = alloc.shutdown().await;
 }

@@ -1,0 +1,119 @@
+//! The frames a recorded allocation carries (issue 23): the `tracing` span stack current at
+//! the `malloc`, and optionally a backtrace. PyTorch records Python and C++ stacks; a Rust
+//! service's useful context is its spans (which request, which model, which handler), and
+//! they survive `.await` points, where a backtrace shows only the executor's frames.
+//!
+//! - Spans come from `tracing-error`'s `SpanTrace`, which needs its layer in the user's
+//!   subscriber: `tracing_subscriber::registry().with(tracing_error::ErrorLayer::default())`
+//!   (plus their own layers). Without it an allocation carries no span frames.
+//! - A span frame's name is the span's name with its fields (`request{id=42 model="llama"}`),
+//!   its file and line where the span was declared.
+//! - Backtraces (`HistoryOptions::backtraces`) are `std::backtrace::Backtrace::force_capture`
+//!   (symbolized when the snapshot is taken: costly, for debugging sessions); their frames
+//!   come first (innermost first, as PyTorch's), then the spans from the innermost out.
+//! - Frames are attached after the `malloc` succeeded, in one more turn of the device's gate;
+//!   only while recording with frames on (otherwise a `malloc` pays one relaxed load).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use gpualloc_devices::{Frame, Frames};
+
+use crate::actor::DeviceActor;
+use crate::DeviceBuffer;
+
+/// [`Signals::frames`](crate::actor) values: what a malloc captures.
+pub(crate) const FRAMES_OFF: u8 = 0;
+pub(crate) const FRAMES_SPANS: u8 = 1;
+pub(crate) const FRAMES_SPANS_AND_BACKTRACE: u8 = 2;
+
+/// The frames of the current context at `level` (innermost first).
+fn capture(level: u8) -> Frames {
+    let mut frames = Vec::new();
+    if level >= FRAMES_SPANS_AND_BACKTRACE {
+        backtrace_frames(&std::backtrace::Backtrace::force_capture(), &mut frames);
+    }
+    tracing_error::SpanTrace::capture().with_spans(|meta, fields| {
+        let name = if fields.is_empty() {
+            meta.name().to_string()
+        } else {
+            format!("{}{{{fields}}}", meta.name())
+        };
+        frames.push(Frame {
+            name,
+            filename: meta.file().unwrap_or("<unknown>").to_string(),
+            line: meta.line().unwrap_or(0),
+        });
+        true
+    });
+    frames.into()
+}
+
+/// Parses `Backtrace`'s display ("  N: function" lines, each maybe followed by
+/// "at file:line:column") into frames.
+fn backtrace_frames(bt: &std::backtrace::Backtrace, out: &mut Vec<Frame>) {
+    let text = bt.to_string();
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some((n, name)) = line.split_once(": ") {
+            if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) {
+                out.push(Frame {
+                    name: name.to_string(),
+                    filename: "??".to_string(),
+                    line: 0,
+                });
+                continue;
+            }
+        }
+        if let (Some(at), Some(last)) = (line.strip_prefix("at "), out.last_mut()) {
+            // file:line:column
+            let mut parts = at.rsplitn(3, ':');
+            let (_col, line_no, file) = (parts.next(), parts.next(), parts.next());
+            if let (Some(file), Some(line_no)) = (file, line_no.and_then(|l| l.parse().ok())) {
+                last.filename = file.to_string();
+                last.line = line_no;
+            }
+        }
+    }
+}
+
+impl DeviceActor {
+    /// True when mallocs must capture frames now (one relaxed load).
+    pub(crate) fn wants_frames(&self) -> bool {
+        self.signals.frames.load(Ordering::Relaxed) != FRAMES_OFF
+    }
+
+    /// Captures the caller's frames and attaches them to `buffer`'s allocation.
+    pub(crate) async fn attach_frames(self: &Arc<Self>, buffer: &DeviceBuffer) {
+        let level = self.signals.frames.load(Ordering::Relaxed);
+        if level == FRAMES_OFF || buffer.ptr().0 == 0 {
+            return;
+        }
+        let frames = capture(level);
+        let addr = buffer.ptr().0;
+        let attach = self.call(move |st| st.core.attach_frames(addr, frames));
+        // Boxed: the malloc's future stays small on its usual path.
+        if let Err(e) = Box::pin(attach).await {
+            tracing::debug!(error = %e, "frames not attached");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backtrace_parses_into_named_frames_with_files() {
+        let bt = std::backtrace::Backtrace::force_capture();
+        let mut frames = Vec::new();
+        backtrace_frames(&bt, &mut frames);
+        assert!(!frames.is_empty());
+        assert!(
+            frames.iter().any(|f| f.name.contains("a_backtrace_parses")
+                && f.filename.ends_with("history_frames.rs")
+                && f.line > 0),
+            "{frames:?}"
+        );
+    }
+}

@@ -1,0 +1,142 @@
+//! Frames of recorded allocations (issue 23): with `HistoryOptions::spans` each allocation
+//! carries the `tracing` span stack current at its `malloc` (names with fields, innermost
+//! first, across `.await` points), in its `alloc` entry, in its block while it lives and in the
+//! dumped pickle; with `backtraces` a backtrace comes first; without the options, none.
+//! (A current-thread runtime: the subscriber set for this thread is the one the mallocs see.)
+
+mod common;
+
+use common::{build, sim, MIB};
+use gpualloc::devices::TraceAction;
+use gpualloc::{DeviceId, HistoryOptions};
+use tracing::Instrument;
+use tracing_subscriber::layer::SubscriberExt;
+
+const D0: DeviceId = DeviceId(0);
+
+fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
+    frames
+        .unwrap_or_default()
+        .iter()
+        .map(|f| f.name.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn allocations_carry_the_span_stack_of_their_malloc() {
+    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
+    let _guard = tracing::subscriber::set_default(subscriber);
+    for conf in ["", "thread_cache:False", "expandable_segments:True"] {
+        let alloc = build(sim(1 << 30), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        alloc
+            .record_history(HistoryOptions {
+                spans: true,
+                ..HistoryOptions::default()
+            })
+            .await
+            .unwrap();
+        // The request span is made inside the handler's: its parent.
+        let (kept, freed) = async {
+            async {
+                tokio::task::yield_now().await;
+                let kept = alloc.malloc(3 * MIB, &s).await.unwrap();
+                let freed = alloc.malloc(4096, &s).await.unwrap();
+                (kept, freed.ptr().0)
+            }
+            .instrument(tracing::info_span!("request", id = 42, model = "llama"))
+            .await
+        }
+        .instrument(tracing::info_span!("handler"))
+        .await;
+        let outside = alloc.malloc(MIB, &s).await.unwrap();
+        let snap = alloc.snapshot().await.unwrap().remove(0);
+        let allocs: Vec<_> = snap
+            .trace
+            .iter()
+            .filter(|e| e.action == TraceAction::Alloc)
+            .collect();
+        assert_eq!(allocs.len(), 3, "[{conf}]");
+        let want = vec![
+            "request{id=42 model=\"llama\"}".to_string(),
+            "handler".to_string(),
+        ];
+        assert_eq!(names(allocs[0].frames.as_deref()), want, "[{conf}]");
+        assert_eq!(allocs[1].addr, freed);
+        assert_eq!(names(allocs[1].frames.as_deref()), want, "[{conf}]");
+        assert_eq!(names(allocs[2].frames.as_deref()), Vec::<String>::new());
+        let frame = &allocs[0].frames.as_ref().unwrap()[0];
+        assert!(
+            frame.filename.ends_with("history_frames.rs") && frame.line > 0,
+            "{frame:?}"
+        );
+        // The live block carries them too; in the pickle as PyTorch's frames.
+        let block = snap
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .find(|b| b.address == kept.ptr().0)
+            .unwrap();
+        assert_eq!(names(block.frames.as_deref()), want, "[{conf}]");
+        let pickle =
+            gpualloc::trace::Snapshot::from_pickle(&alloc.snapshot_pickle().await.unwrap())
+                .unwrap();
+        let alloc0 = pickle.device_traces[0]
+            .iter()
+            .find(|e| e.action == gpualloc::trace::Action::Alloc)
+            .unwrap();
+        let pickled: Vec<&str> = alloc0.frames.iter().map(|f| &*f.name).collect();
+        assert_eq!(pickled, want, "[{conf}]");
+        drop((kept, outside));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn backtraces_come_first_and_no_options_no_frames() {
+    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let alloc = build(sim(1 << 30), "");
+    let s = alloc.new_stream(D0).unwrap();
+    alloc
+        .record_history(HistoryOptions {
+            backtraces: true,
+            ..HistoryOptions::default()
+        })
+        .await
+        .unwrap();
+    let b = async { alloc.malloc(MIB, &s).await.unwrap() }
+        .instrument(tracing::info_span!("job"))
+        .await;
+    let snap = alloc.snapshot().await.unwrap().remove(0);
+    let frames = snap
+        .trace
+        .iter()
+        .find(|e| e.action == TraceAction::Alloc)
+        .and_then(|e| e.frames.clone())
+        .unwrap();
+    assert_eq!(
+        frames.last().unwrap().name,
+        "job",
+        "the span after the backtrace"
+    );
+    assert!(
+        frames
+            .iter()
+            .any(|f| f.name.contains("backtraces_come_first") && f.line > 0),
+        "{frames:?}"
+    );
+    drop(b);
+    // Recording without frames: none captured.
+    alloc
+        .record_history(HistoryOptions::default())
+        .await
+        .unwrap();
+    let b = async { alloc.malloc(MIB, &s).await.unwrap() }
+        .instrument(tracing::info_span!("job"))
+        .await;
+    let snap = alloc.snapshot().await.unwrap().remove(0);
+    assert!(snap.trace.iter().all(|e| e.frames.is_none()));
+    drop(b);
+    alloc.shutdown().await.unwrap();
+}
