@@ -218,6 +218,15 @@ async fn a_dumped_snapshot_reads_back_and_agrees_with_stats() {
             gpualloc_trace::Snapshot::from_pickle(&alloc.snapshot_pickle().await.unwrap()).unwrap();
         assert_eq!(again.segments, snap.segments);
         assert_eq!(again.device_traces[0].len(), trace.len() + 1);
+        // Read back, the pickle is exactly the typed snapshot it was written from.
+        let snaps = alloc.snapshot().await.unwrap();
+        let typed = gpualloc::trace::from_allocator::to_snapshot(&snaps, alloc.config());
+        let written = gpualloc::trace::from_allocator::to_pickle(&snaps, alloc.config()).unwrap();
+        assert_eq!(
+            gpualloc_trace::Snapshot::from_pickle(&written).unwrap(),
+            typed,
+            "[{conf}]"
+        );
         // A path that cannot be written is a typed error naming it.
         let bad = dir.join("no/such/folder/x.pickle");
         match alloc.dump_snapshot(&bad).await {
