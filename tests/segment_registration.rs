@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use common::{build, sim, MIB};
+use common::{build, joined, sim, MIB};
 use gpualloc::runtime::release_hooks::{Release, ReleaseHook};
 use gpualloc::{
     Allocator, BackendError, BackendKind, DeviceId, Error, Pool, PoolOptions, SegmentRegistrar,
@@ -82,17 +82,6 @@ impl ReleaseHook for Checker {
             self.violations.fetch_add(1, Ordering::SeqCst);
         }
     }
-}
-
-fn joined(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for (a, s) in ranges {
-        match out.last_mut() {
-            Some(last) if last.0 + last.1 == a => last.1 += s,
-            _ => out.push((a, s)),
-        }
-    }
-    out
 }
 
 /// The pool's ranges now, joined where they touch.

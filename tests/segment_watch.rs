@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{build, sim, MIB};
+use common::{build, joined, sim, MIB};
 use gpualloc::{
     Allocator, DeviceId, PoolOptions, SegmentAction, SegmentEvent, SegmentWatch, SleepMode,
     SEGMENT_EVENTS_BUFFERED,
@@ -59,17 +59,6 @@ fn held(watch: &mut SegmentWatch) -> Vec<(u64, u64)> {
         }
     }
     joined(map)
-}
-
-fn joined(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for (a, s) in ranges {
-        match out.last_mut() {
-            Some(last) if last.0 + last.1 == a => last.1 += s,
-            _ => out.push((a, s)),
-        }
-    }
-    out
 }
 
 async fn now(alloc: &Allocator) -> Vec<(u64, u64)> {

@@ -46,3 +46,15 @@ pub async fn until_waiting(alloc: &Allocator, n: usize) {
     }
     panic!("expected {n} waiters, found {}", actor.waiting());
 }
+
+/// Ranges `(addr, size)` in address order with the ones that touch joined into one.
+pub fn joined(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for (a, s) in ranges {
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 == a => last.1 += s,
+            _ => out.push((a, s)),
+        }
+    }
+    out
+}
