@@ -12,7 +12,10 @@
 //!   (symbolized when the snapshot is taken: costly, for debugging sessions); their frames
 //!   come first (innermost first, as PyTorch's), then the spans from the innermost out.
 //! - Frames are attached after the `malloc` succeeded, in one more turn of the device's gate;
-//!   only while recording with frames on (otherwise a `malloc` pays one relaxed load).
+//!   only while recording with frames on (otherwise a `malloc` pays one relaxed load). A
+//!   `malloc` future dropped during that turn frees its buffer; the attach then finds the
+//!   address no longer live and does nothing (or, if another request got the same address
+//!   in between, gives it these frames: a wrong label, never a wrong book).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

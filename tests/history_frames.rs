@@ -140,3 +140,53 @@ async fn backtraces_come_first_and_no_options_no_frames() {
     drop(b);
     alloc.shutdown().await.unwrap();
 }
+
+/// Malloc futures dropped at every point (before, during and after the frames are attached)
+/// while recording with frames: nothing leaks, every block goes back, the history still
+/// dumps, and every entry that has frames has this test's span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malloc_futures_dropped_while_frames_are_attached_leave_nothing_behind() {
+    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
+    let _guard = tracing::subscriber::set_global_default(subscriber);
+    for conf in ["", "expandable_segments:True"] {
+        let alloc = build(sim(1 << 30), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        alloc
+            .record_history(HistoryOptions {
+                spans: true,
+                ..HistoryOptions::default()
+            })
+            .await
+            .unwrap();
+        for round in 0..200u64 {
+            let (alloc2, s2) = (alloc.clone(), s.clone());
+            let task = tokio::spawn(
+                async move {
+                    let b = alloc2.malloc((round % 9) * MIB + 4096, &s2).await.unwrap();
+                    tokio::task::yield_now().await;
+                    drop(b);
+                }
+                .instrument(tracing::info_span!("dropped", round)),
+            );
+            if round % 3 != 0 {
+                // Let it start, then abort it wherever it is.
+                for _ in 0..(round % 4) {
+                    tokio::task::yield_now().await;
+                }
+                task.abort();
+            }
+            let _ = task.await;
+        }
+        let st = alloc.stats(D0).await.unwrap();
+        assert_eq!(st.allocated_bytes.all().current, 0, "[{conf}]");
+        let snap = gpualloc::trace::Snapshot::from_pickle(&alloc.snapshot_pickle().await.unwrap())
+            .unwrap();
+        let trace = &snap.device_traces[0];
+        assert!(trace.iter().any(|e| !e.frames.is_empty()), "[{conf}]");
+        assert!(trace
+            .iter()
+            .flat_map(|e| e.frames.iter())
+            .all(|f| f.name.starts_with("dropped{round=")));
+        alloc.shutdown().await.unwrap();
+    }
+}
