@@ -166,13 +166,8 @@ impl Allocator {
         self.check()?;
         let actor = self.actor_for(stream)?;
         let r = actor.malloc(size, stream, None).await;
-        if let (Ok(b), true) = (&r, actor.wants_frames()) {
-            actor.attach_frames(b).await;
-        }
-        if self.oom_to_observe(&r) {
-            if let Err(e) = r {
-                return Err(self.observe_oom(stream.device(), size, e).await);
-            }
+        if self.malloc_follow_up(actor, &r) {
+            return Box::pin(self.follow_up(actor, stream.device(), size, r)).await;
         }
         r
     }
@@ -187,13 +182,8 @@ impl Allocator {
         self.check()?;
         let actor = self.actor_for(stream)?;
         let r = actor.malloc_with(size, stream, None, options).await;
-        if let (Ok(b), true) = (&r, actor.wants_frames()) {
-            actor.attach_frames(b).await;
-        }
-        if self.oom_to_observe(&r) {
-            if let Err(e) = r {
-                return Err(self.observe_oom(stream.device(), size, e).await);
-            }
+        if self.malloc_follow_up(actor, &r) {
+            return Box::pin(self.follow_up(actor, stream.device(), size, r)).await;
         }
         r
     }

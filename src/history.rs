@@ -36,7 +36,7 @@ use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::history_frames::{FRAMES_OFF, FRAMES_SPANS, FRAMES_SPANS_AND_BACKTRACE};
+use crate::actor::{DeviceState, Signals};
 use crate::{Allocator, Error};
 
 /// How [`Allocator::record_history`] records.
@@ -63,6 +63,26 @@ impl Default for HistoryOptions {
     }
 }
 
+/// [`Signals::history`] levels: not recording, recording, recording with span frames, and
+/// with a backtrace too (each level includes the ones below it).
+pub(crate) const HISTORY_OFF: u8 = 0;
+pub(crate) const HISTORY_PLAIN: u8 = 1;
+pub(crate) const HISTORY_SPANS: u8 = 2;
+pub(crate) const HISTORY_BACKTRACES: u8 = 3;
+
+impl HistoryOptions {
+    /// The [`Signals::history`] level these options record at.
+    fn level(&self) -> u8 {
+        if self.backtraces {
+            HISTORY_BACKTRACES
+        } else if self.spans {
+            HISTORY_SPANS
+        } else {
+            HISTORY_PLAIN
+        }
+    }
+}
+
 /// Microseconds since the Unix epoch, from a monotonic clock started now.
 fn wall_clock() -> gpualloc_devices::TraceClock {
     let start = Instant::now();
@@ -76,46 +96,39 @@ impl Allocator {
     /// Starts recording every device's history (see the module docs); a recording already
     /// running starts over with the new options.
     pub async fn record_history(&self, options: HistoryOptions) -> Result<(), Error> {
-        self.check()?;
-        for d in 0..self.device_count() {
-            let actor = self.device_actor(gpualloc_runtime::DeviceId(d))?;
-            let signals = actor.signals.clone();
-            actor
-                .call(move |st| {
-                    // Set before the sweep: a park racing it sees the flag after its park
-                    // (the slot's mutex orders the two) and frees through the core.
-                    signals.recording.store(true, Ordering::Relaxed);
-                    st.sweep_thread_cache();
-                    st.core.set_trace_clock(Some(wall_clock()));
-                    st.core.record_history(Some(options.max_entries.max(1)));
-                    let frames = if options.backtraces {
-                        FRAMES_SPANS_AND_BACKTRACE
-                    } else if options.spans {
-                        FRAMES_SPANS
-                    } else {
-                        FRAMES_OFF
-                    };
-                    signals.frames.store(frames, Ordering::Relaxed);
-                })
-                .await?;
-        }
-        Ok(())
+        let level = options.level();
+        let max_entries = options.max_entries.max(1);
+        self.on_every_device(move |st, signals| {
+            // Set before the sweep: a park racing it sees the level after its park (the
+            // slot's mutex orders the two) and frees through the core.
+            signals.history.store(level, Ordering::Relaxed);
+            st.sweep_thread_cache();
+            st.core.set_trace_clock(Some(wall_clock()));
+            st.core.record_history(Some(max_entries));
+        })
+        .await
     }
 
     /// Stops recording and clears every device's history; the thread cache parks again.
     pub async fn stop_history(&self) -> Result<(), Error> {
+        self.on_every_device(|st, signals| {
+            st.core.record_history(None);
+            st.core.set_trace_clock(None);
+            signals.history.store(HISTORY_OFF, Ordering::Relaxed);
+        })
+        .await
+    }
+
+    /// Runs `f` on every device's state, under its gate, one device after the other.
+    async fn on_every_device(
+        &self,
+        f: impl Fn(&mut DeviceState, &Signals) + Clone + Send + 'static,
+    ) -> Result<(), Error> {
         self.check()?;
         for d in 0..self.device_count() {
             let actor = self.device_actor(gpualloc_runtime::DeviceId(d))?;
-            let signals = actor.signals.clone();
-            actor
-                .call(move |st| {
-                    signals.frames.store(FRAMES_OFF, Ordering::Relaxed);
-                    st.core.record_history(None);
-                    st.core.set_trace_clock(None);
-                    signals.recording.store(false, Ordering::Relaxed);
-                })
-                .await?;
+            let (signals, f) = (actor.signals.clone(), f.clone());
+            actor.call(move |st| f(st, &signals)).await?;
         }
         Ok(())
     }

@@ -23,17 +23,13 @@ use std::sync::Arc;
 use gpualloc_devices::{Frame, Frames};
 
 use crate::actor::DeviceActor;
+use crate::history::{HISTORY_BACKTRACES, HISTORY_SPANS};
 use crate::DeviceBuffer;
-
-/// [`Signals::frames`](crate::actor) values: what a malloc captures.
-pub(crate) const FRAMES_OFF: u8 = 0;
-pub(crate) const FRAMES_SPANS: u8 = 1;
-pub(crate) const FRAMES_SPANS_AND_BACKTRACE: u8 = 2;
 
 /// The frames of the current context at `level` (innermost first).
 fn capture(level: u8) -> Frames {
     let mut frames = Vec::new();
-    if level >= FRAMES_SPANS_AND_BACKTRACE {
+    if level >= HISTORY_BACKTRACES {
         backtrace_frames(&std::backtrace::Backtrace::force_capture(), &mut frames);
     }
     tracing_error::SpanTrace::capture().with_spans(|meta, fields| {
@@ -83,20 +79,21 @@ fn backtrace_frames(bt: &std::backtrace::Backtrace, out: &mut Vec<Frame>) {
 impl DeviceActor {
     /// True when mallocs must capture frames now (one relaxed load).
     pub(crate) fn wants_frames(&self) -> bool {
-        self.signals.frames.load(Ordering::Relaxed) != FRAMES_OFF
+        self.signals.history.load(Ordering::Relaxed) >= HISTORY_SPANS
     }
 
     /// Captures the caller's frames and attaches them to `buffer`'s allocation.
     pub(crate) async fn attach_frames(self: &Arc<Self>, buffer: &DeviceBuffer) {
-        let level = self.signals.frames.load(Ordering::Relaxed);
-        if level == FRAMES_OFF || buffer.ptr().0 == 0 {
+        let level = self.signals.history.load(Ordering::Relaxed);
+        if level < HISTORY_SPANS || buffer.ptr().0 == 0 {
             return;
         }
         let frames = capture(level);
         let addr = buffer.ptr().0;
-        let attach = self.call(move |st| st.core.attach_frames(addr, frames));
-        // Boxed: the malloc's future stays small on its usual path.
-        if let Err(e) = Box::pin(attach).await {
+        if let Err(e) = self
+            .call(move |st| st.core.attach_frames(addr, frames))
+            .await
+        {
             tracing::debug!(error = %e, "frames not attached");
         }
     }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use gpualloc_runtime::DeviceId;
 
-use crate::{Allocator, DeviceBuffer, Error};
+use crate::{Allocator, DeviceActor, DeviceBuffer, Error};
 
 /// What an out-of-memory observer is told.
 #[derive(Debug, Clone)]
@@ -49,18 +49,42 @@ impl std::fmt::Debug for OomObservers {
 }
 
 impl Allocator {
-    /// True if `result` is an out-of-memory error the observers must see (then call
-    /// [`Allocator::observe_oom`]). Plain code, no future: a successful `malloc` pays one test
-    /// of its result (an `.await` on the successful path cost ~10% of a hit pair).
-    pub(crate) fn oom_to_observe(&self, result: &Result<DeviceBuffer, Error>) -> bool {
-        matches!(result, Err(e) if e.is_oom())
-            && (self.config().oom_snapshot_path.is_some() || !self.oom_observers().0.is_empty())
+    /// True if a `malloc`'s `result` needs [`Allocator::follow_up`]: frames to attach
+    /// (recording with frames, `history_frames.rs`) or out-of-memory observers to run. Plain
+    /// code, no future: the usual `malloc` pays one test of its result and one relaxed load
+    /// (an `.await` on the successful path cost ~10% of a hit pair).
+    pub(crate) fn malloc_follow_up(
+        &self,
+        actor: &DeviceActor,
+        result: &Result<DeviceBuffer, Error>,
+    ) -> bool {
+        match result {
+            Ok(_) => actor.wants_frames(),
+            Err(e) => {
+                e.is_oom()
+                    && (self.config().oom_snapshot_path.is_some()
+                        || !self.oom_observers().0.is_empty())
+            }
+        }
     }
 
-    /// Runs the out-of-memory observers for `error` (boxed, so a `malloc`'s future stays as
-    /// small as without them); returns the error.
-    pub(crate) async fn observe_oom(&self, device: DeviceId, size: u64, error: Error) -> Error {
-        Box::pin(self.run_oom_observers(device, size, error)).await
+    /// What a `malloc` does after [`Allocator::malloc_follow_up`] said so (callers box it, so
+    /// their futures stay as small as without it): attach the caller's frames to the buffer,
+    /// or run the out-of-memory observers; returns `result`.
+    pub(crate) async fn follow_up(
+        &self,
+        actor: &Arc<DeviceActor>,
+        device: DeviceId,
+        size: u64,
+        result: Result<DeviceBuffer, Error>,
+    ) -> Result<DeviceBuffer, Error> {
+        match result {
+            Ok(buffer) => {
+                actor.attach_frames(&buffer).await;
+                Ok(buffer)
+            }
+            Err(error) => Err(self.run_oom_observers(device, size, error).await),
+        }
     }
 
     async fn run_oom_observers(&self, device: DeviceId, size: u64, error: Error) -> Error {

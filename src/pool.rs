@@ -144,13 +144,8 @@ impl Pool {
         let id = self.id(stream.device())?;
         let actor = alloc.actor_for(stream)?;
         let r = actor.malloc_with(size, stream, Some(id), options).await;
-        if let (Ok(b), true) = (&r, actor.wants_frames()) {
-            actor.attach_frames(b).await;
-        }
-        if alloc.oom_to_observe(&r) {
-            if let Err(e) = r {
-                return Err(alloc.observe_oom(stream.device(), size, e).await);
-            }
+        if alloc.malloc_follow_up(actor, &r) {
+            return Box::pin(alloc.follow_up(actor, stream.device(), size, r)).await;
         }
         r
     }

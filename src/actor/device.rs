@@ -27,6 +27,7 @@ use crate::actor::thread_cache::{Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
+use crate::history::HISTORY_OFF;
 
 /// Tries of the gate, with exponential backoff (1, 2, 4 ... 128 pauses: a few microseconds in
 /// all), before a request is queued. Backing off keeps waiting threads from stealing the
@@ -368,7 +369,7 @@ impl DeviceActor {
         if let Some(cache) = &self.signals.thread_cache {
             // A private pool's block goes back to its pool through the core: a parked block
             // could be revived for a request of another pool.
-            let recording = || self.signals.recording.load(Ordering::Relaxed);
+            let recording = || self.signals.history.load(Ordering::Relaxed) != HISTORY_OFF;
             if !used_elsewhere
                 && self.signals.waiters.is_empty()
                 && a.pool.is_none()

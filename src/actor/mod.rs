@@ -25,6 +25,6 @@ mod thread_cache;
 mod wait;
 
 pub use device::DeviceActor;
-pub(crate) use state::DeviceMsg;
+pub(crate) use state::{DeviceMsg, DeviceState, Signals};
 pub(crate) use task::{spawn_actor_task, ActorParts};
 pub(crate) use thread_cache::Lane;

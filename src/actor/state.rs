@@ -20,11 +20,10 @@ pub(crate) struct Signals {
     pub reaper: ReaperArm,
     /// Blocks parked by the threads that freed them (`None`: `thread_cache:False`).
     pub thread_cache: Option<ThreadCache<DeviceActor>>,
-    /// History is being recorded (`history.rs`): the thread cache steps aside, so every
+    /// Whether history is being recorded, and with which frames (`history.rs`, the
+    /// `HISTORY_*` levels). While it is not off the thread cache steps aside, so every
     /// malloc and free goes through the core, which records it.
-    pub recording: std::sync::atomic::AtomicBool,
-    /// What a malloc captures for the history while recording (`history_frames.rs`).
-    pub frames: std::sync::atomic::AtomicU8,
+    pub history: std::sync::atomic::AtomicU8,
 }
 
 /// One device's core, plus the signals its handlers raise.
