@@ -105,7 +105,8 @@ impl<R: SegmentRegistrar> Table<R> {
         }
         // A registration the range overlaps is stale (its memory went and came back while
         // the events were on their way): replace it.
-        self.deregister_where(|a, s| a < addr + size && addr < a + s, false);
+        let this = Release::Unmap { addr, size };
+        self.deregister_where(|a, s| this.touches(a, s), false);
         let registrar = &mut self.registrar;
         match catch_unwind(AssertUnwindSafe(|| registrar.register(addr, size))) {
             Ok(Ok(handle)) => {

@@ -14,6 +14,11 @@ use tracing_subscriber::layer::SubscriberExt;
 
 const D0: DeviceId = DeviceId(0);
 
+/// A subscriber whose span stacks `SpanTrace` can read (what a user adds).
+fn span_subscriber() -> impl tracing::Subscriber + Send + Sync {
+    tracing_subscriber::registry().with(tracing_error::ErrorLayer::default())
+}
+
 fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
     frames
         .unwrap_or_default()
@@ -24,8 +29,7 @@ fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
 
 #[tokio::test(flavor = "current_thread")]
 async fn allocations_carry_the_span_stack_of_their_malloc() {
-    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = tracing::subscriber::set_default(span_subscriber());
     for conf in ["", "thread_cache:False", "expandable_segments:True"] {
         let alloc = build(sim(1 << 30), conf);
         let s = alloc.new_stream(D0).unwrap();
@@ -94,8 +98,7 @@ async fn allocations_carry_the_span_stack_of_their_malloc() {
 
 #[tokio::test(flavor = "current_thread")]
 async fn backtraces_come_first_and_no_options_no_frames() {
-    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = tracing::subscriber::set_default(span_subscriber());
     let alloc = build(sim(1 << 30), "");
     let s = alloc.new_stream(D0).unwrap();
     alloc
@@ -146,8 +149,7 @@ async fn backtraces_come_first_and_no_options_no_frames() {
 /// dumps, and every entry that has frames has this test's span.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malloc_futures_dropped_while_frames_are_attached_leave_nothing_behind() {
-    let subscriber = tracing_subscriber::registry().with(tracing_error::ErrorLayer::default());
-    let _guard = tracing::subscriber::set_global_default(subscriber);
+    let _guard = tracing::subscriber::set_global_default(span_subscriber());
     for conf in ["", "expandable_segments:True"] {
         let alloc = build(sim(1 << 30), conf);
         let s = alloc.new_stream(D0).unwrap();

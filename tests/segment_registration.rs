@@ -14,8 +14,8 @@ use std::time::Duration;
 use common::{build, joined, sim, MIB};
 use gpualloc::runtime::release_hooks::{Release, ReleaseHook};
 use gpualloc::{
-    Allocator, BackendError, BackendKind, DeviceId, Error, Pool, PoolOptions, SegmentRegistrar,
-    SegmentRegistration, SleepMode,
+    Allocator, BackendError, BackendKind, DeviceId, Error, Pool, PoolOptions, RegistrationStats,
+    SegmentRegistrar, SegmentRegistration, SleepMode,
 };
 
 const D0: DeviceId = DeviceId(0);
@@ -112,6 +112,16 @@ async fn until_registered(alloc: &Allocator, pool: &Pool, books: &Books, what: &
         "{what}: the pool holds {:x?}, registered {:x?}",
         last.0, last.1
     );
+}
+
+/// Waits (up to 5 s) until the registration's stats satisfy `done` (the caller asserts).
+async fn until_stats(reg: &SegmentRegistration, done: impl Fn(&RegistrationStats) -> bool) {
+    for _ in 0..1000 {
+        if done(&reg.stats()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
 
 fn install_checker(alloc: &Allocator, books: &Books) -> Arc<Checker> {
@@ -252,12 +262,7 @@ async fn registering_every_segment_of_a_device_and_a_shutdown_dropping_them() {
     let _a = alloc.malloc(30 * MIB, &s).await.unwrap();
     let _b = kv.malloc(50 * MIB, &s).await.unwrap();
     let reserved = alloc.stats(D0).await.unwrap().reserved_bytes.all().current;
-    for _ in 0..1000 {
-        if reg.stats().live_bytes == reserved {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_stats(&reg, |st| st.live_bytes == reserved).await;
     assert_eq!(reg.stats().live_bytes, reserved, "both pools registered");
     // A shutdown releases every segment without events: only the release hook can have
     // dropped the registrations, each just before its memory went.
@@ -294,13 +299,7 @@ async fn a_registrar_that_fails_or_panics_is_counted_and_the_allocator_goes_on()
         // Each a growth of its own: 9 maps, so 9 register calls.
         bufs.push(comm.malloc(20 * MIB + i, &s).await.unwrap());
     }
-    for _ in 0..1000 {
-        let st = reg.stats();
-        if st.registered + st.failures == 9 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_stats(&reg, |st| st.registered + st.failures == 9).await;
     let st = reg.stats();
     // Calls 2 (panic), 3, 6 and 9 (refused) fail.
     assert_eq!((st.registered, st.failures), (5, 4), "{st:?}");
