@@ -71,6 +71,11 @@ impl DeviceBuffer {
         }
     }
 
+    /// True for a buffer the thread cache handed back.
+    pub(crate) fn is_revived(&self) -> bool {
+        matches!(self.owner, Owner::Lane(_))
+    }
+
     /// The actor that owns the memory.
     pub(crate) fn actor(&self) -> &Arc<DeviceActor> {
         match &self.owner {

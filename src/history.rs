@@ -18,12 +18,20 @@
 //!   `max_entries`; the oldest fall off): `alloc`, `free_requested`, `free_completed`,
 //!   `segment_alloc` / `segment_free`, `segment_map` / `segment_unmap`, `oom`, `snapshot`,
 //!   each with `time_us` (wall clock, microseconds since the Unix epoch) and the stream.
-//! - **The thread cache steps aside while recording**: a dropped buffer is freed through the
-//!   device's core instead of being parked for its thread, so every malloc and free is
-//!   recorded (round trips through the cache would be invisible). Starting a recording
-//!   returns the blocks parked so far to the core first. The cost: while recording, each
-//!   malloc and free takes the device's gate, as with `thread_cache:False`; when not
-//!   recording, a free pays one relaxed atomic load.
+//! - **The thread cache keeps serving while recording, and records what it does**: a park
+//!   (a dropped buffer kept for its thread) writes the `free_requested` and `free_completed`
+//!   entries, a revive the `alloc` entry (with its frames, captured on the calling thread),
+//!   into the thread's slot, each with its place from the core's history counter
+//!   (`gpualloc_devices::DeviceCore::trace_sequence`, one `fetch_add`). Whoever next takes the
+//!   device's gate hands them to the core (`record_beside`), and a snapshot gives every entry
+//!   in the order it happened, so a buffer revived on one thread and dropped on another keeps
+//!   its order. A parked block freed in the core later records nothing more. A slot whose
+//!   log passes 1,024 entries asks for a collection (a thread whose every request is a round
+//!   trip never takes the gate), which also returns its parked block to the core: one round
+//!   trip in about 340 then goes through the core. Starting a recording returns the blocks
+//!   parked so far to the core (their frees happened before it), and a block parked
+//!   unrecorded as the recording started is returned by the thread that parked it. When not
+//!   recording, a park and a revive pay one relaxed load each.
 //! - Frames: with [`HistoryOptions::spans`] each allocation carries the `tracing` span stack
 //!   current at its `malloc` (and with [`HistoryOptions::backtraces`] a backtrace), in its
 //!   `alloc` entry and in its block while it lives (`history_frames.rs`).
@@ -34,6 +42,7 @@
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::actor::{DeviceState, Signals};
@@ -83,13 +92,17 @@ impl HistoryOptions {
     }
 }
 
-/// Microseconds since the Unix epoch, from a monotonic clock started now.
-fn wall_clock() -> gpualloc_devices::TraceClock {
-    let start = Instant::now();
-    let base = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64);
-    Box::new(move || base + start.elapsed().as_micros() as u64)
+/// Microseconds since the Unix epoch, from a monotonic clock started at the first call (one
+/// clock for the whole process: the core's entries and the thread cache's share it).
+pub(crate) fn now_us() -> u64 {
+    static START: OnceLock<(Instant, u64)> = OnceLock::new();
+    let (start, base) = START.get_or_init(|| {
+        let base = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        (Instant::now(), base)
+    });
+    base + start.elapsed().as_micros() as u64
 }
 
 impl Allocator {
@@ -103,7 +116,7 @@ impl Allocator {
             // slot's mutex orders the two) and frees through the core.
             signals.history.store(level, Ordering::Relaxed);
             st.sweep_thread_cache();
-            st.core.set_trace_clock(Some(wall_clock()));
+            st.core.set_trace_clock(Some(Box::new(now_us)));
             st.core.record_history(Some(max_entries));
         })
         .await

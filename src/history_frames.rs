@@ -11,7 +11,9 @@
 //! - Backtraces (`HistoryOptions::backtraces`) are `std::backtrace::Backtrace::force_capture`
 //!   (symbolized when the snapshot is taken: costly, for debugging sessions); their frames
 //!   come first (innermost first, as PyTorch's), then the spans from the innermost out.
-//! - Frames are attached after the `malloc` succeeded, in one more turn of the device's gate;
+//! - A block the thread cache hands back gets its frames captured on the calling thread,
+//!   into its `alloc` entry in the thread's slot (`history.rs`): no gate turn.
+//! - Other frames are attached after the `malloc` succeeded, in one more turn of the device's gate;
 //!   only while recording with frames on (otherwise a `malloc` pays one relaxed load). A
 //!   `malloc` future dropped during that turn frees its buffer; the attach then finds the
 //!   address no longer live and does nothing (or, if another request got the same address
@@ -22,9 +24,19 @@ use std::sync::Arc;
 
 use gpualloc_devices::{Frame, Frames};
 
-use crate::actor::DeviceActor;
-use crate::history::{HISTORY_BACKTRACES, HISTORY_SPANS};
+use crate::actor::{DeviceActor, Recording};
+use crate::history::{now_us, HISTORY_BACKTRACES, HISTORY_SPANS};
 use crate::DeviceBuffer;
+
+/// What a park (`alloc: false`) or revive of the thread cache records at `level` (not off):
+/// the time, and for a revive recorded with frames the caller's frames, captured on its
+/// own thread (no gate turn, unlike a `malloc` through the core).
+pub(crate) fn recording(level: u8, alloc: bool) -> Recording {
+    Recording {
+        time_us: now_us(),
+        frames: (alloc && level >= HISTORY_SPANS).then(|| capture(level)),
+    }
+}
 
 /// The frames of the current context at `level` (innermost first).
 fn capture(level: u8) -> Frames {

@@ -59,7 +59,8 @@ impl Allocator {
         result: &Result<DeviceBuffer, Error>,
     ) -> bool {
         match result {
-            Ok(_) => actor.wants_frames(),
+            // A revived buffer's frames went into its slot's entry (`history_frames.rs`).
+            Ok(buffer) => actor.wants_frames() && !buffer.is_revived(),
             Err(e) => {
                 e.is_oom()
                     && (self.config().oom_snapshot_path.is_some()

@@ -1,6 +1,7 @@
 //! Recording a live allocator's history and dumping it as PyTorch's snapshot pickle, through
 //! the public API (issue 23): the history has exactly the events a workload caused, in order,
-//! in every config (the thread cache's round trips included: it steps aside while recording);
+//! in every config (the thread cache's round trips included: its slots record them, and a
+//! block freed on one thread after another revived it keeps its order);
 //! the ring keeps the newest entries; the pickle reads back with segments that agree with
 //! `stats()`; a bad path is a typed error.
 
@@ -37,6 +38,10 @@ fn block_events(trace: &[TraceEntry]) -> Vec<(TraceAction, u64, u64)> {
         .collect()
 }
 
+fn revivals(alloc: &Allocator) -> u64 {
+    alloc.device_actor(D0).unwrap().thread_cache_revivals()
+}
+
 fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -65,6 +70,7 @@ async fn a_history_has_exactly_the_events_the_workload_caused() {
             .await
             .unwrap();
         let mut want = Vec::new();
+        let revived_before = revivals(&alloc);
         // Round trips of one size on one thread and stream: the cache's case.
         for _ in 0..3 {
             let b = alloc.malloc(MIB, &s1).await.unwrap();
@@ -73,6 +79,13 @@ async fn a_history_has_exactly_the_events_the_workload_caused() {
             drop(b);
             want.push((TraceAction::FreeRequested, p, n));
             want.push((TraceAction::FreeCompleted, p, n));
+        }
+        if !conf.contains("thread_cache:False") {
+            // (Two when the task stays on its worker thread, as it does unless stolen.)
+            assert!(
+                revivals(&alloc) > revived_before,
+                "[{conf}] the cache served round trips while recording"
+            );
         }
         // A large block used on another stream: its free completes once that stream's work
         // is done.

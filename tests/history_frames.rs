@@ -192,3 +192,67 @@ async fn malloc_futures_dropped_while_frames_are_attached_leave_nothing_behind()
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// A block the thread cache hands back gets the frames of the `malloc` that revived it, not
+/// those of its first `malloc`, in its entry and on its block; no gate turn attaches them.
+#[tokio::test(flavor = "current_thread")]
+async fn a_revived_block_carries_the_frames_of_the_malloc_that_revived_it() {
+    let _guard = tracing::subscriber::set_default(span_subscriber());
+    let alloc = build(sim(1 << 30), "");
+    let s = alloc.new_stream(D0).unwrap();
+    alloc
+        .record_history(HistoryOptions {
+            spans: true,
+            ..HistoryOptions::default()
+        })
+        .await
+        .unwrap();
+    let revived_before = alloc.device_actor(D0).unwrap().thread_cache_revivals();
+    let first = alloc
+        .malloc(MIB, &s)
+        .instrument(tracing::info_span!("load", model = "a"))
+        .await
+        .unwrap();
+    let ptr = first.ptr().0;
+    drop(first);
+    let again = alloc
+        .malloc(MIB, &s)
+        .instrument(tracing::info_span!("request", id = 7))
+        .await
+        .unwrap();
+    assert_eq!(again.ptr().0, ptr);
+    assert_eq!(
+        alloc.device_actor(D0).unwrap().thread_cache_revivals(),
+        revived_before + 1,
+        "revived by the thread cache"
+    );
+    let snap = alloc.snapshot().await.unwrap().remove(0);
+    let allocs: Vec<_> = snap
+        .trace
+        .iter()
+        .filter(|e| e.action == TraceAction::Alloc)
+        .collect();
+    assert_eq!(allocs.len(), 2);
+    assert_eq!(
+        names(allocs[0].frames.as_deref()),
+        vec!["load{model=\"a\"}"]
+    );
+    assert_eq!(names(allocs[1].frames.as_deref()), vec!["request{id=7}"]);
+    let block = snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == ptr)
+        .unwrap();
+    assert_eq!(names(block.frames.as_deref()), vec!["request{id=7}"]);
+    drop(again);
+    let snap = alloc.snapshot().await.unwrap().remove(0);
+    let block = snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == ptr)
+        .unwrap();
+    assert!(block.frames.is_none(), "freed (parked): no frames");
+    alloc.shutdown().await.unwrap();
+}

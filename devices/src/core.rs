@@ -16,6 +16,7 @@
 //! (snapshot, invariants). Nothing here reads a clock or blocks on anything but the backend.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use gpualloc_runtime::addr_map::AddrMap;
@@ -145,6 +146,12 @@ pub struct DeviceCore {
     pub(crate) now_us: u64,
     /// Where trace times come from when set (the facade's wall clock); else `now_us`.
     clock: Option<TraceClock>,
+    /// The place of the next trace entry in the order things happened, shared with whoever
+    /// records beside the core (`beside.rs`).
+    pub(crate) trace_seq: Arc<AtomicU64>,
+    /// A block whose `free_requested` / `free_completed` were recorded beside the core: the
+    /// core does not record them again (`beside.rs`).
+    pub(crate) free_recorded_beside: Option<u64>,
     /// Frames of live allocations, by address (`attach_frames`), for snapshots.
     pub(crate) live_frames: HashMap<u64, Frames>,
     callbacks: Vec<FreeMemoryCallback>,
@@ -227,6 +234,8 @@ impl DeviceCore {
             trace: None,
             now_us: 0,
             clock: None,
+            trace_seq: Arc::new(AtomicU64::new(0)),
+            free_recorded_beside: None,
             live_frames: HashMap::new(),
             callbacks: Vec::new(),
             segment_sink: None,
@@ -331,16 +340,25 @@ impl DeviceCore {
     /// Records a trace entry (when history is on) and announces a segment change to the
     /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
-        if let Some(ring) = &mut self.trace {
-            let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
-            ring.push(TraceEntry {
+        let already = self.free_recorded_beside == Some(addr)
+            && matches!(
                 action,
-                addr,
-                size,
-                stream,
-                time_us,
-                frames: None,
-            });
+                TraceAction::FreeRequested | TraceAction::FreeCompleted
+            );
+        if let Some(ring) = self.trace.as_mut().filter(|_| !already) {
+            let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
+            let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
+            ring.push(
+                seq,
+                TraceEntry {
+                    action,
+                    addr,
+                    size,
+                    stream,
+                    time_us,
+                    frames: None,
+                },
+            );
         }
         if action == TraceAction::FreeRequested && !self.live_frames.is_empty() {
             self.live_frames.remove(&addr);

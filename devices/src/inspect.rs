@@ -8,7 +8,7 @@ use crate::core::DeviceCore;
 use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
 use crate::stats::StatType;
-use crate::trace::TraceAction;
+use crate::trace::{TraceAction, TraceRing};
 
 impl DeviceCore {
     /// Records a `snapshot` trace entry (when history is on): PyTorch's mark that a snapshot
@@ -103,7 +103,7 @@ impl DeviceCore {
         let trace = self
             .trace
             .as_ref()
-            .map(|t| t.iter().cloned().collect())
+            .map(TraceRing::in_order)
             .unwrap_or_default();
         DeviceSnapshot { segments, trace }
     }

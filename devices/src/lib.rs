@@ -8,6 +8,7 @@
 //! [`gpualloc_runtime::Backend`], and takes time stamps from the caller. Async, waiting and
 //! concurrency live in the actor that owns a core (facade crate).
 
+mod beside;
 mod block;
 pub mod config;
 mod core;

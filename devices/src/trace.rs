@@ -80,10 +80,18 @@ pub struct TraceEntry {
 }
 
 /// Bounded history; the oldest entries fall off.
+///
+/// Each entry comes with its place in the order things happened (`seq`, from
+/// [`crate::DeviceCore::trace_sequence`]). Entries recorded beside the core (the facade's
+/// thread cache) arrive later than entries the core recorded after them; the ring keeps them
+/// in arrival order (what falls off first) and [`TraceRing::in_order`] gives them in the order
+/// they happened.
 #[derive(Debug, Clone)]
 pub struct TraceRing {
-    entries: VecDeque<TraceEntry>,
+    entries: VecDeque<(u64, TraceEntry)>,
     capacity: usize,
+    /// Whether entries were recorded beside the core ([`TraceRing::push_beside`]).
+    beside: bool,
 }
 
 impl TraceRing {
@@ -93,20 +101,55 @@ impl TraceRing {
         TraceRing {
             entries: VecDeque::with_capacity(capacity.min(1 << 16)),
             capacity,
+            beside: false,
         }
     }
 
-    /// Appends an entry, dropping the oldest when full.
-    pub fn push(&mut self, entry: TraceEntry) {
+    /// Appends an entry that happened `seq`-th, dropping the one that arrived first when full.
+    pub fn push(&mut self, seq: u64, entry: TraceEntry) {
         if self.entries.len() == self.capacity {
             self.entries.pop_front();
         }
-        self.entries.push_back(entry);
+        self.entries.push_back((seq, entry));
     }
 
-    /// Entries, oldest first.
+    /// [`TraceRing::push`] for an entry recorded beside the core, stamped by another thread.
+    pub fn push_beside(&mut self, seq: u64, entry: TraceEntry) {
+        self.beside = true;
+        self.push(seq, entry);
+    }
+
+    /// Entries in the order they arrived.
     pub fn iter(&self) -> impl Iterator<Item = &TraceEntry> {
-        self.entries.iter()
+        self.entries.iter().map(|(_, e)| e)
+    }
+
+    /// Entries in the order they happened (by `seq`; arrival order among equal ones). Once
+    /// entries were recorded beside the core their times never go back: an entry stamped a
+    /// microsecond before one that took its place first (two threads reading the clock and
+    /// the counter at once) gets the earlier one's time, so viewers that expect times in
+    /// order get them. (Times the core was given, e.g. a replayed trace's, are kept as they
+    /// are.)
+    pub fn in_order(&self) -> Vec<TraceEntry> {
+        let mut out: Vec<&(u64, TraceEntry)> = self.entries.iter().collect();
+        // Already sorted unless entries came from beside the core: one pass then.
+        if !out.windows(2).all(|w| w[0].0 <= w[1].0) {
+            out.sort_by_key(|(seq, _)| *seq);
+        }
+        let mut time_us = 0;
+        out.into_iter()
+            .map(|(_, e)| {
+                time_us = if self.beside {
+                    time_us.max(e.time_us)
+                } else {
+                    e.time_us
+                };
+                TraceEntry {
+                    time_us,
+                    ..e.clone()
+                }
+            })
+            .collect()
     }
 
     /// The newest of the last `within` entries that matches `pred`.
@@ -115,7 +158,12 @@ impl TraceRing {
         within: usize,
         pred: impl Fn(&TraceEntry) -> bool,
     ) -> Option<&mut TraceEntry> {
-        self.entries.iter_mut().rev().take(within).find(|e| pred(e))
+        self.entries
+            .iter_mut()
+            .rev()
+            .take(within)
+            .map(|(_, e)| e)
+            .find(|e| pred(e))
     }
 
     /// Number of entries held.
@@ -137,17 +185,58 @@ mod tests {
     fn ring_keeps_the_newest() {
         let mut r = TraceRing::new(2);
         for i in 0..5 {
-            r.push(TraceEntry {
-                frames: None,
-                action: TraceAction::Alloc,
-                addr: i,
-                size: 1,
-                stream: 0,
-                time_us: i,
-            });
+            r.push(
+                i,
+                TraceEntry {
+                    frames: None,
+                    action: TraceAction::Alloc,
+                    addr: i,
+                    size: 1,
+                    stream: 0,
+                    time_us: i,
+                },
+            );
         }
         let addrs: Vec<u64> = r.iter().map(|e| e.addr).collect();
         assert_eq!(addrs, vec![3, 4]);
+        assert_eq!(r.in_order(), r.iter().cloned().collect::<Vec<_>>());
         assert_eq!(TraceAction::FreeCompleted.as_str(), "free_completed");
+    }
+
+    #[test]
+    fn late_arrivals_are_given_in_the_order_they_happened() {
+        let mut r = TraceRing::new(3);
+        let entry = |addr| TraceEntry {
+            frames: None,
+            action: TraceAction::Alloc,
+            addr,
+            size: 1,
+            stream: 0,
+            time_us: 100 - addr,
+        };
+        // Arrivals 5, 2, 9, 1: the first to arrive (5) falls off, not the oldest (1).
+        for seq in [5, 2, 9, 1] {
+            r.push(seq, entry(seq));
+        }
+        let happened: Vec<(u64, u64)> = r.in_order().iter().map(|e| (e.addr, e.time_us)).collect();
+        assert_eq!(happened, vec![(1, 99), (2, 98), (9, 91)], "times as given");
+        r.push_beside(9, entry(9));
+        r.push(9, entry(9));
+        r.push_beside(1, entry(1));
+        let arrived: Vec<u64> = r.iter().map(|e| e.addr).collect();
+        assert_eq!(arrived, vec![9, 9, 1]);
+        let happened: Vec<(u64, u64)> = r.in_order().iter().map(|e| (e.addr, e.time_us)).collect();
+        assert_eq!(
+            happened,
+            vec![(1, 99), (9, 99), (9, 99)],
+            "times never go back once entries came from beside the core"
+        );
+        // Equal places keep their arrival order.
+        let mut r = TraceRing::new(4);
+        r.push(3, entry(30));
+        r.push(1, entry(10));
+        r.push(3, entry(31));
+        let happened: Vec<u64> = r.in_order().iter().map(|e| e.addr).collect();
+        assert_eq!(happened, vec![10, 30, 31]);
     }
 }

@@ -23,11 +23,12 @@ use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
 
 use crate::actor::landing::{CancelOnDrop, Landing};
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
-use crate::actor::thread_cache::{Revived, ThreadCache};
+use crate::actor::thread_cache::{Park, Recording, Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
 use crate::history::HISTORY_OFF;
+use crate::history_frames::recording;
 
 /// Tries of the gate, with exponential backoff (1, 2, 4 ... 128 pauses: a few microseconds in
 /// all), before a request is queued. Backing off keeps waiting threads from stealing the
@@ -92,7 +93,7 @@ impl DeviceActor {
         let thread_cache = (config.thread_cache
             && config.garbage_collection_threshold == 0.0
             && !config.debug_cross_stream_frees)
-            .then(ThreadCache::new);
+            .then(|| ThreadCache::new(core.trace_sequence()));
         let signals = Arc::new(Signals {
             thread_cache,
             ..Signals::default()
@@ -154,7 +155,7 @@ impl DeviceActor {
     pub(crate) fn close_thread_cache(&self) {
         if let Some(cache) = &self.signals.thread_cache {
             for ptr in cache.close() {
-                self.mailbox.post(DeviceMsg::Free(ptr));
+                self.mailbox.post(DeviceMsg::FreeParked(ptr));
             }
         }
     }
@@ -306,9 +307,14 @@ impl DeviceActor {
             .as_ref()
             .filter(|_| pool.is_none())
         {
-            match cache.revive(self, size, handle) {
+            // While recording, a revive writes its `alloc` entry into the thread's slot
+            // (`history.rs`).
+            let level = self.signals.history.load(Ordering::Relaxed);
+            let make = || recording(level, true);
+            let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
+            match cache.revive(self, size, handle, record) {
                 Revived::Hit(a, lane) => return Ok(DeviceBuffer::revived(a, lane, stream.clone())),
-                Revived::Free(ptr) => self.mailbox.post(DeviceMsg::Free(ptr)),
+                Revived::Free(ptr) => self.mailbox.post(DeviceMsg::FreeParked(ptr)),
                 Revived::Miss => {}
             }
         }
@@ -369,23 +375,34 @@ impl DeviceActor {
         if let Some(cache) = &self.signals.thread_cache {
             // A private pool's block goes back to its pool through the core: a parked block
             // could be revived for a request of another pool.
-            let recording = || self.signals.history.load(Ordering::Relaxed) != HISTORY_OFF;
-            if !used_elsewhere
-                && self.signals.waiters.is_empty()
-                && a.pool.is_none()
-                && !recording()
-            {
-                if let Some(back) = cache.park(a) {
-                    self.mailbox.post(DeviceMsg::Free(back.ptr));
+            if !used_elsewhere && self.signals.waiters.is_empty() && a.pool.is_none() {
+                // While recording, the park writes the free's entries into the thread's
+                // slot (`history.rs`).
+                let level = self.signals.history.load(Ordering::Relaxed);
+                let record = (level != HISTORY_OFF).then(|| recording(level, false));
+                match cache.park(a, record) {
+                    Park::Declined(a) => self.mailbox.post(DeviceMsg::Free(a.ptr)),
+                    Park::Parked { evicted, flush } => {
+                        if let Some(old) = evicted {
+                            self.mailbox.post(DeviceMsg::FreeParked(old.ptr));
+                        }
+                        if flush {
+                            // Any job collects the thread cache first (`state.rs`).
+                            self.mailbox.post(DeviceMsg::Job(Box::new(|_| {})));
+                        }
+                    }
                 }
                 // A request that starts waiting for memory sweeps every slot right after it
                 // joined (`wait.rs`), and so does the start of a history recording
                 // (`history.rs`). If its sweep locked this slot before the park, this check
                 // sees it (the slot's mutex orders the two): free the parked blocks through
-                // the core, whose frees wake the waiter or are recorded.
-                if !self.signals.waiters.is_empty() || recording() {
+                // the core, whose frees wake the waiter, and a block parked unrecorded
+                // does not stay parked into the recording.
+                let started = level == HISTORY_OFF
+                    && self.signals.history.load(Ordering::Relaxed) != HISTORY_OFF;
+                if !self.signals.waiters.is_empty() || started {
                     for ptr in cache.unpark_mine() {
-                        self.mailbox.post(DeviceMsg::Free(ptr));
+                        self.mailbox.post(DeviceMsg::FreeParked(ptr));
                     }
                 }
                 return;

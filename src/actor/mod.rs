@@ -27,4 +27,4 @@ mod wait;
 pub use device::DeviceActor;
 pub(crate) use state::{DeviceMsg, DeviceState, Signals};
 pub(crate) use task::{spawn_actor_task, ActorParts};
-pub(crate) use thread_cache::Lane;
+pub(crate) use thread_cache::{Lane, Recording};

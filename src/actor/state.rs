@@ -9,7 +9,7 @@ use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::actor::streams::KeptStreams;
-use crate::actor::thread_cache::{ThreadCache, PARKED_AT_MOST};
+use crate::actor::thread_cache::{Logged, ThreadCache, PARKED_AT_MOST};
 
 /// Signals shared between the guarded state and the actor's users.
 #[derive(Debug, Default)]
@@ -21,8 +21,8 @@ pub(crate) struct Signals {
     /// Blocks parked by the threads that freed them (`None`: `thread_cache:False`).
     pub thread_cache: Option<ThreadCache<DeviceActor>>,
     /// Whether history is being recorded, and with which frames (`history.rs`, the
-    /// `HISTORY_*` levels). While it is not off the thread cache steps aside, so every
-    /// malloc and free goes through the core, which records it.
+    /// `HISTORY_*` levels). While it is not off the thread cache records its parks and
+    /// revives in its slots, and collections hand them to the core.
     pub history: std::sync::atomic::AtomicU8,
 }
 
@@ -34,6 +34,8 @@ pub(crate) struct DeviceState {
     pub streams: KeptStreams,
     /// Scratch for the parked blocks a collection frees (kept to never allocate).
     parked: Vec<DevicePtr>,
+    /// Scratch for the history entries a collection hands to the core.
+    logged: Vec<Logged>,
     /// Where the core's segment events go once someone watches (`observer.rs`).
     pub segment_tx: Option<tokio::sync::broadcast::Sender<gpualloc_devices::SegmentEvent>>,
 }
@@ -42,6 +44,9 @@ pub(crate) struct DeviceState {
 pub(crate) enum DeviceMsg {
     /// A buffer was dropped.
     Free(DevicePtr),
+    /// A block the thread cache had parked goes back to the core; its free was recorded when
+    /// it was parked (or happened before the recording), so the core records nothing.
+    FreeParked(DevicePtr),
     /// A buffer is used on another stream (kept alive while the core names it).
     RecordStream(DevicePtr, Stream),
     /// Any other request (malloc, stats, snapshot, ...), with its reply inside.
@@ -60,13 +65,14 @@ impl DeviceState {
             signals,
             streams: KeptStreams::default(),
             parked: Vec::with_capacity(capacity),
+            logged: Vec::new(),
             segment_tx: None,
         }
     }
 
     /// Frees `ptr`; wakes the reaper if the free now waits on events, and the head waiter.
     pub fn free(&mut self, ptr: DevicePtr) {
-        free(&mut self.core, &self.signals, ptr);
+        free(&mut self.core, &self.signals, ptr, false);
     }
 
     /// Folds the thread cache into the core (see `thread_cache.rs`): the round trips of
@@ -88,18 +94,22 @@ impl DeviceState {
             core,
             signals,
             parked,
+            logged,
             ..
         } = self;
         let Some(cache) = &signals.thread_cache else {
             return;
         };
         let mut trips = RoundTrips::default();
-        cache.collect(all, &mut trips, parked);
+        cache.collect(all, &mut trips, parked, logged);
         if !trips.is_empty() {
             core.account_round_trips(&trips);
         }
+        if !logged.is_empty() {
+            core.record_beside(logged);
+        }
         for ptr in parked.drain(..) {
-            free(core, signals, ptr);
+            free(core, signals, ptr, true);
         }
     }
 
@@ -141,9 +151,16 @@ impl DeviceState {
     }
 }
 
-fn free(core: &mut DeviceCore, signals: &Signals, ptr: DevicePtr) {
+/// Frees `ptr` in `core`; `parked`: a block the thread cache had parked, whose free the core
+/// does not record (`DeviceMsg::FreeParked`).
+fn free(core: &mut DeviceCore, signals: &Signals, ptr: DevicePtr, parked: bool) {
     let pending_before = core.pending_frees();
-    if let Err(e) = core.free(ptr) {
+    let freed = if parked {
+        core.free_recorded_beside(ptr)
+    } else {
+        core.free(ptr)
+    };
+    if let Err(e) = freed {
         // After shutdown every segment went back already; a late free is expected.
         if !core.is_shut_down() {
             tracing::warn!(device = core.device().0, %ptr, error = %e, "free failed");
@@ -162,6 +179,7 @@ impl Actor for DeviceState {
     fn handle(&mut self, msg: DeviceMsg) {
         match msg {
             DeviceMsg::Free(ptr) => self.free(ptr),
+            DeviceMsg::FreeParked(ptr) => free(&mut self.core, &self.signals, ptr, true),
             DeviceMsg::RecordStream(ptr, stream) => {
                 match self.core.record_stream(ptr, stream.handle()) {
                     Ok(()) => self.streams.keep(&stream),

@@ -44,13 +44,14 @@
 //! always uses the core directly). Blocks parked by a thread stay parked while the device is
 //! idle; anything that touches the device collects them first. The cache is off with
 //! `garbage_collection_threshold` (the core ages cached blocks by its own lookups, which
-//! round trips skip); the core's history recording (`DeviceCore::record_history`), which the
-//! facade does not expose, would miss the round trips too.
+//! round trips skip). While history is recorded, parks and revives write their entries into
+//! the slot, and collections hand them to the core (`history.rs`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
-use gpualloc_devices::{Allocation, RoundTrips};
+use gpualloc_devices::{Allocation, Frames, RoundTrips, TraceAction, TraceEntry};
 use gpualloc_runtime::actor::thread_slots::{thread_index, SlotState, ThreadSlots, MAX_SLOTS};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
@@ -59,6 +60,14 @@ pub(crate) const PARKED_PER_THREAD: usize = 8;
 
 /// Blocks all threads together keep parked at most: what one collection can free.
 pub(crate) const PARKED_AT_MOST: usize = PARKED_PER_THREAD * MAX_SLOTS;
+
+/// A slot asks for a collection each time its history log grows past a multiple of this
+/// many entries (`ThreadCache::park`): a thread whose every malloc is a round trip never
+/// takes the gate, so nothing else would collect its log.
+pub(crate) const LOG_FLUSH: usize = 1024;
+
+/// A history entry recorded in a slot, with its place in the order things happened.
+pub(crate) type Logged = (u64, TraceEntry);
 
 /// Bounds of a slot's score (see [`ParkedBlocks::score`]).
 const SCORE_LIMIT: i32 = 16;
@@ -74,6 +83,9 @@ pub(crate) struct ParkedBlocks<O> {
     parked: ArrayVec<Allocation, PARKED_PER_THREAD>,
     /// Round trips of revived blocks not yet added to the core's totals.
     trips: RoundTrips,
+    /// History entries of parks and revives made while recording, not yet handed to the
+    /// core (`gpualloc_devices::DeviceCore::record_beside`).
+    log: Vec<Logged>,
     /// Blocks revived from this slot, ever (for diagnostics and tests).
     revived: u64,
     /// Whether parking pays for this thread, within ±[`SCORE_LIMIT`]: a revive lifts it to
@@ -97,7 +109,7 @@ impl<O> ParkedBlocks<O> {
 
 impl<O: Send + Sync> SlotState for ParkedBlocks<O> {
     fn is_empty(&self) -> bool {
-        self.parked.is_empty() && self.trips.is_empty()
+        self.parked.is_empty() && self.trips.is_empty() && self.log.is_empty()
     }
 }
 
@@ -108,6 +120,22 @@ impl<O: Send + Sync> SlotState for ParkedBlocks<O> {
 /// of its own, like the slots.
 #[repr(align(128))]
 pub(crate) struct Lane<O>(pub Arc<O>);
+
+/// What [`ThreadCache::park`] did.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Park {
+    /// Not parked (parking has not paid off for this thread lately, the thread is exiting,
+    /// or the device shut down): free it through the core, as without the cache.
+    Declined(Allocation),
+    /// Parked.
+    Parked {
+        /// The oldest parked block, when the slot was full: free it through the core,
+        /// recording nothing (its free was recorded when it was parked).
+        evicted: Option<Allocation>,
+        /// The slot's history log is long: ask for a collection.
+        flush: bool,
+    },
+}
 
 /// What [`ThreadCache::revive`] found.
 pub(crate) enum Revived<O> {
@@ -125,6 +153,33 @@ pub(crate) enum Revived<O> {
 /// shutdown calls it, and so does the allocator when its last handle goes.
 pub(crate) struct ThreadCache<O> {
     slots: ThreadSlots<ParkedBlocks<O>>,
+    /// The device core's history order (`DeviceCore::trace_sequence`).
+    trace_seq: Arc<AtomicU64>,
+}
+
+/// What a recorded revive or park writes into its slot's log (`None`: history is off).
+pub(crate) struct Recording {
+    /// Microseconds since the Unix epoch (`history.rs`).
+    pub time_us: u64,
+    /// The frames of an `alloc` (revives only, when recording with frames).
+    pub frames: Option<Frames>,
+}
+
+fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Logged {
+    let frames = if action == TraceAction::Alloc {
+        rec.frames.clone()
+    } else {
+        None
+    };
+    let entry = TraceEntry {
+        action,
+        addr: a.ptr.0,
+        size: a.size,
+        stream: a.stream.raw,
+        time_us: rec.time_us,
+        frames,
+    };
+    (seq, entry)
 }
 
 impl<O> std::fmt::Debug for ThreadCache<O> {
@@ -134,11 +189,15 @@ impl<O> std::fmt::Debug for ThreadCache<O> {
 }
 
 impl<O: Send + Sync> ThreadCache<O> {
-    pub fn new() -> Self {
+    /// A cache whose history entries take their places from `trace_seq` (the device core's
+    /// `trace_sequence`).
+    pub fn new(trace_seq: Arc<AtomicU64>) -> Self {
         ThreadCache {
+            trace_seq,
             slots: ThreadSlots::new(MAX_SLOTS, || ParkedBlocks {
                 parked: ArrayVec::new(),
                 trips: RoundTrips::default(),
+                log: Vec::new(),
                 revived: 0,
                 score: 0,
                 declined: 0,
@@ -149,8 +208,16 @@ impl<O: Send + Sync> ThreadCache<O> {
 
     /// Takes the block the calling thread parked most recently with exactly `size` bytes
     /// requested on `stream`, and counts the round trip. `owner` makes the slot's lane the
-    /// first time one is needed.
-    pub fn revive(&self, owner: &Arc<O>, size: u64, stream: StreamHandle) -> Revived<O> {
+    /// first time one is needed. While recording, `record` makes the `alloc` entry's time
+    /// and frames (called only for a hit, under the slot's lock, which only collections
+    /// contend).
+    pub fn revive(
+        &self,
+        owner: &Arc<O>,
+        size: u64,
+        stream: StreamHandle,
+        record: Option<&dyn Fn() -> Recording>,
+    ) -> Revived<O> {
         let Some(index) = thread_index() else {
             return Revived::Miss;
         };
@@ -169,6 +236,11 @@ impl<O: Send + Sync> ThreadCache<O> {
                 return None;
             };
             let a = slot.parked.remove(pos);
+            if let Some(record) = record {
+                let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
+                slot.log
+                    .push(logged(seq, TraceAction::Alloc, &a, &record()));
+            }
             slot.trips.record(&a);
             slot.revived += 1;
             slot.score = slot.score.max(0);
@@ -194,30 +266,38 @@ impl<O: Send + Sync> ThreadCache<O> {
         Revived::Hit(a, lane)
     }
 
-    /// Parks `a` in the calling thread's slot. Returns a block the caller must free through
-    /// the core: the oldest parked one when the slot was full, or `a` itself when it is not
-    /// parked (parking has not paid off for this thread lately, the thread is exiting, or
-    /// the device shut down).
-    pub fn park(&self, a: Allocation) -> Option<Allocation> {
+    /// Parks `a` in the calling thread's slot; while recording, `record` stamps its
+    /// `free_requested` and `free_completed` entries.
+    pub fn park(&self, a: Allocation, record: Option<Recording>) -> Park {
         let Some(index) = thread_index() else {
-            return Some(a);
+            return Park::Declined(a);
         };
         if self.slots.is_closed() {
-            return Some(a);
+            return Park::Declined(a);
         }
         self.slots.update(index, |slot| {
             if slot.score < 0 {
                 slot.declined = slot.declined.wrapping_add(1);
                 if slot.declined % PROBE_EVERY != 0 {
-                    return Some(a);
+                    return Park::Declined(a);
                 }
             }
             let evicted = slot.parked.is_full().then(|| slot.parked.remove(0));
             if evicted.is_some() {
                 slot.adjust(-1);
             }
+            let mut flush = false;
+            if let Some(rec) = &record {
+                let seq = self.trace_seq.fetch_add(2, Ordering::Relaxed);
+                slot.log
+                    .push(logged(seq, TraceAction::FreeRequested, &a, rec));
+                slot.log
+                    .push(logged(seq + 1, TraceAction::FreeCompleted, &a, rec));
+                // Crossed a multiple of LOG_FLUSH just now.
+                flush = slot.log.len() % LOG_FLUSH < 2;
+            }
             slot.parked.push(a);
-            evicted
+            Park::Parked { evicted, flush }
         })
     }
 
@@ -233,13 +313,22 @@ impl<O: Send + Sync> ThreadCache<O> {
     }
 
     /// Gate holder: empties every marked slot (every slot with `all`: a request that just
-    /// started waiting for memory), adding its round trips to `trips` and its parked blocks
-    /// to `parked` for the caller to free.
-    pub fn collect(&self, all: bool, trips: &mut RoundTrips, parked: &mut Vec<DevicePtr>) {
+    /// started waiting for memory), adding its round trips to `trips`, its parked blocks
+    /// to `parked` for the caller to free (recording nothing: a parked block's free was
+    /// recorded when it was parked, or happened before the recording) and its history
+    /// entries to `log`.
+    pub fn collect(
+        &self,
+        all: bool,
+        trips: &mut RoundTrips,
+        parked: &mut Vec<DevicePtr>,
+        log: &mut Vec<Logged>,
+    ) {
         let take = |slot: &mut ParkedBlocks<O>| {
             trips.merge(&slot.trips);
             slot.trips = RoundTrips::default();
             parked.extend(slot.parked.drain(..).map(|a| a.ptr));
+            log.append(&mut slot.log);
         };
         if all {
             self.slots.collect_all(take);
@@ -263,6 +352,7 @@ impl<O: Send + Sync> ThreadCache<O> {
         let mut parked = Vec::new();
         self.slots.collect_all(|slot| {
             slot.lane = None;
+            slot.log = Vec::new();
             parked.extend(slot.parked.drain(..).map(|a| a.ptr));
         });
         parked
@@ -291,13 +381,29 @@ mod tests {
 
     type Cache = ThreadCache<()>;
 
+    fn new_cache() -> Cache {
+        Cache::new(Arc::new(AtomicU64::new(0)))
+    }
+
+    /// Parks `a` unrecorded: the block to free through the core, if any (`a` itself when
+    /// declined, the oldest when evicted).
+    fn park(cache: &Cache, a: Allocation) -> Option<Allocation> {
+        match cache.park(a, None) {
+            Park::Declined(a) => Some(a),
+            Park::Parked { evicted, flush } => {
+                assert!(!flush, "nothing recorded");
+                evicted
+            }
+        }
+    }
+
     fn owner() -> Arc<()> {
         Arc::new(())
     }
 
     /// The block a revive handed back, if any.
     fn revive(cache: &Cache, size: u64, stream: StreamHandle) -> Option<Allocation> {
-        match cache.revive(&owner(), size, stream) {
+        match cache.revive(&owner(), size, stream, None) {
             Revived::Hit(a, _lane) => Some(a),
             Revived::Free(_) | Revived::Miss => None,
         }
@@ -305,14 +411,16 @@ mod tests {
 
     fn collect(cache: &Cache) -> (RoundTrips, Vec<DevicePtr>) {
         let (mut trips, mut parked) = (RoundTrips::default(), Vec::new());
-        cache.collect(false, &mut trips, &mut parked);
+        let mut log = Vec::new();
+        cache.collect(false, &mut trips, &mut parked, &mut log);
+        assert!(log.is_empty(), "nothing recorded");
         (trips, parked)
     }
 
     #[test]
     fn revives_the_same_size_and_stream_only_and_evicts_the_oldest() {
-        let cache = Cache::new();
-        assert!(cache.park(block(0, 1000)).is_none());
+        let cache = new_cache();
+        assert!(park(&cache, block(0, 1000)).is_none());
         let other_stream = StreamHandle {
             device: DeviceId(0),
             raw: 2,
@@ -328,10 +436,10 @@ mod tests {
             "taken once"
         );
         for i in 1..=PARKED_PER_THREAD as u64 {
-            assert!(cache.park(block(i, 10 * i)).is_none());
+            assert!(park(&cache, block(i, 10 * i)).is_none());
         }
         assert_eq!(
-            cache.park(block(99, 7)),
+            park(&cache, block(99, 7)),
             Some(block(1, 10)),
             "the oldest goes"
         );
@@ -344,13 +452,13 @@ mod tests {
 
     #[test]
     fn a_thread_whose_parks_never_pay_stops_parking_until_a_probe_does() {
-        let cache = Cache::new();
+        let cache = new_cache();
         // Parked, then a request of another size: the score goes negative.
-        assert!(cache.park(block(0, 100)).is_none());
+        assert!(park(&cache, block(0, 100)).is_none());
         assert!(revive(&cache, 200, block(0, 0).stream).is_none());
         collect(&cache);
         let declined = (1..=40)
-            .filter(|&i| cache.park(block(i, 100 + i)).is_some())
+            .filter(|&i| park(&cache, block(i, 100 + i)).is_some())
             .count();
         // 40 drops while declining: every 16th parks (a probe).
         assert_eq!(declined, 40 - 2);
@@ -358,25 +466,25 @@ mod tests {
         assert_eq!(parked.len(), 2, "the two probes");
         // A probe that is revived turns parking back on at once.
         let probe = (41..)
-            .find(|&i| cache.park(block(i, 500)).is_none())
+            .find(|&i| park(&cache, block(i, 500)).is_none())
             .unwrap();
         assert_eq!(
             revive(&cache, 500, block(0, 0).stream),
             Some(block(probe, 500))
         );
-        assert!(cache.park(block(200, 600)).is_none());
-        assert!(cache.park(block(201, 700)).is_none());
+        assert!(park(&cache, block(200, 600)).is_none());
+        assert!(park(&cache, block(201, 700)).is_none());
     }
 
     #[test]
     fn lanes_are_made_once_per_slot_and_dropped_by_close() {
-        let cache = Cache::new();
+        let cache = new_cache();
         let owner = owner();
         let stream = block(0, 0).stream;
         let mut lanes = Vec::new();
         for i in 0..3 {
-            assert!(cache.park(block(i, 100)).is_none());
-            match cache.revive(&owner, 100, stream) {
+            assert!(park(&cache, block(i, 100)).is_none());
+            match cache.revive(&owner, 100, stream, None) {
                 Revived::Hit(_, lane) => lanes.push(lane),
                 _ => panic!("parked just now"),
             }
@@ -392,11 +500,11 @@ mod tests {
             4,
             "the slot and three buffers"
         );
-        assert!(cache.park(block(9, 100)).is_none());
+        assert!(park(&cache, block(9, 100)).is_none());
         cache.close();
         assert_eq!(Arc::strong_count(&lanes[0]), 3, "the slot let go");
         assert!(matches!(
-            cache.revive(&owner, 100, stream),
+            cache.revive(&owner, 100, stream, None),
             Revived::Miss | Revived::Free(_)
         ));
         drop(lanes);
@@ -405,16 +513,91 @@ mod tests {
 
     #[test]
     fn nothing_is_parked_or_revived_after_close() {
-        let cache = Cache::new();
-        assert!(cache.park(block(0, 1000)).is_none());
-        assert!(cache.park(block(1, 2000)).is_none());
+        let cache = new_cache();
+        assert!(park(&cache, block(0, 1000)).is_none());
+        assert!(park(&cache, block(1, 2000)).is_none());
         assert_eq!(
             cache.close(),
             vec![block(0, 0).ptr, block(1, 0).ptr],
             "handed back"
         );
         assert!(revive(&cache, 1000, block(0, 0).stream).is_none());
-        assert_eq!(cache.park(block(2, 1000)), Some(block(2, 1000)));
+        assert_eq!(park(&cache, block(2, 1000)), Some(block(2, 1000)));
         assert!(cache.unpark_mine().is_empty());
+    }
+
+    #[test]
+    fn recorded_parks_and_revives_are_logged_in_order_and_long_logs_ask_for_a_collection() {
+        let seq = Arc::new(AtomicU64::new(100));
+        let cache = Cache::new(seq.clone());
+        let at = |time_us| Recording {
+            time_us,
+            frames: None,
+        };
+        let a = block(0, 1000);
+        assert_eq!(
+            cache.park(a, Some(at(5))),
+            Park::Parked {
+                evicted: None,
+                flush: false
+            }
+        );
+        let frames: Frames = vec![gpualloc_devices::Frame {
+            name: "request".into(),
+            filename: "x.rs".into(),
+            line: 1,
+        }]
+        .into();
+        let with_frames = || Recording {
+            time_us: 6,
+            frames: Some(frames.clone()),
+        };
+        assert!(matches!(
+            cache.revive(&owner(), 1000, a.stream, Some(&with_frames)),
+            Revived::Hit(..)
+        ));
+        // Unrecorded ones write nothing.
+        assert!(park(&cache, a).is_none());
+        assert!(revive(&cache, 1000, a.stream).is_some());
+        let (mut trips, mut parked, mut log) = (RoundTrips::default(), Vec::new(), Vec::new());
+        cache.collect(false, &mut trips, &mut parked, &mut log);
+        let got: Vec<(u64, TraceAction, u64, u64, bool)> = log
+            .iter()
+            .map(|(s, e)| (*s, e.action, e.addr, e.time_us, e.frames.is_some()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (100, TraceAction::FreeRequested, a.ptr.0, 5, false),
+                (101, TraceAction::FreeCompleted, a.ptr.0, 5, false),
+                (102, TraceAction::Alloc, a.ptr.0, 6, true),
+            ]
+        );
+        assert_eq!(log[2].1.size, 1000);
+        assert_eq!(seq.load(Ordering::Relaxed), 103);
+        // A park that takes the log past a multiple of LOG_FLUSH asks for a collection, once
+        // per multiple.
+        let mut flushes = Vec::new();
+        for i in 0..LOG_FLUSH {
+            match cache.park(block(0, 1000), Some(at(7))) {
+                Park::Parked { flush, .. } => {
+                    if flush {
+                        flushes.push(i)
+                    }
+                }
+                Park::Declined(_) => panic!("parks pay here"),
+            }
+            assert!(revive(&cache, 1000, a.stream).is_some());
+        }
+        assert_eq!(
+            flushes,
+            vec![LOG_FLUSH / 2 - 1, LOG_FLUSH - 1],
+            "at 1024 and 2048 entries"
+        );
+        // Closing drops what was logged.
+        cache.close();
+        let mut log = Vec::new();
+        cache.collect(true, &mut trips, &mut parked, &mut log);
+        assert!(log.is_empty());
     }
 }
