@@ -147,6 +147,14 @@ mod tests {
             stamp(entry(TraceAction::FreeCompleted, a.ptr.0, 1000)),
         ];
         core.record_beside(&mut again);
+        let snap = core.snapshot();
+        assert!(
+            snap.segments[0]
+                .blocks
+                .iter()
+                .all(|blk| blk.frames.is_none()),
+            "a parked block's frames are forgotten"
+        );
         core.free_recorded_beside(a.ptr).unwrap();
         core.free(b.ptr).unwrap();
         use TraceAction::*;
@@ -165,14 +173,6 @@ mod tests {
                 (FreeCompleted, b.ptr.0),
             ],
             "the block parked and freed in the core has one free per park, the other its own"
-        );
-        let snap = core.snapshot();
-        assert!(
-            snap.segments[0]
-                .blocks
-                .iter()
-                .all(|blk| blk.frames.is_none()),
-            "a parked block's frames are forgotten"
         );
         assert_eq!(
             core.stats().allocated_bytes[0].current,

@@ -238,5 +238,12 @@ mod tests {
         r.push(3, entry(31));
         let happened: Vec<u64> = r.in_order().iter().map(|e| e.addr).collect();
         assert_eq!(happened, vec![10, 30, 31]);
+        // Arrived in reverse.
+        let mut r = TraceRing::new(4);
+        for seq in [3, 2, 1] {
+            r.push(seq, entry(seq));
+        }
+        let happened: Vec<u64> = r.in_order().iter().map(|e| e.addr).collect();
+        assert_eq!(happened, vec![1, 2, 3]);
     }
 }
