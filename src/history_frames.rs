@@ -13,8 +13,8 @@
 //!   come first (innermost first, as PyTorch's), then the spans from the innermost out.
 //! - A block the thread cache hands back gets its frames captured on the calling thread,
 //!   into its `alloc` entry in the thread's slot (`history.rs`): no gate turn.
-//! - Other frames are attached after the `malloc` succeeded, in one more turn of the device's gate;
-//!   only while recording with frames on (otherwise a `malloc` pays one relaxed load). A
+//! - Other frames are attached after the `malloc` succeeded, in one more turn of the device's
+//!   gate; only while recording with frames on (otherwise a `malloc` pays one relaxed load). A
 //!   `malloc` future dropped during that turn frees its buffer; the attach then finds the
 //!   address no longer live and does nothing (or, if another request got the same address
 //!   in between, gives it these frames: a wrong label, never a wrong book).
