@@ -9,20 +9,11 @@ mod common;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use common::{build, sim, MIB};
+use common::{build, history, revivals, sim, MIB};
 use gpualloc::devices::{TraceAction, TraceEntry};
-use gpualloc::{Allocator, DeviceId, Error, HistoryOptions};
+use gpualloc::{DeviceId, Error, HistoryOptions};
 
 const D0: DeviceId = DeviceId(0);
-
-async fn history(alloc: &Allocator) -> Vec<TraceEntry> {
-    let mut snaps = alloc.snapshot().await.unwrap();
-    let mut trace = snaps.remove(0).trace;
-    // The last entry is the mark of the snapshot just taken.
-    let mark = trace.pop().unwrap();
-    assert_eq!(mark.action, TraceAction::Snapshot);
-    trace
-}
 
 /// The entries about blocks (not segments), as (action, addr, size).
 fn block_events(trace: &[TraceEntry]) -> Vec<(TraceAction, u64, u64)> {
@@ -36,10 +27,6 @@ fn block_events(trace: &[TraceEntry]) -> Vec<(TraceAction, u64, u64)> {
         })
         .map(|e| (e.action, e.addr, e.size))
         .collect()
-}
-
-fn revivals(alloc: &Allocator) -> u64 {
-    alloc.device_actor(D0).unwrap().thread_cache_revivals()
 }
 
 fn now_us() -> u64 {

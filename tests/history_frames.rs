@@ -19,6 +19,15 @@ fn span_subscriber() -> impl tracing::Subscriber + Send + Sync {
     tracing_subscriber::registry().with(tracing_error::ErrorLayer::default())
 }
 
+/// The block at `addr` in a device's snapshot.
+fn block_at(snap: &gpualloc::devices::DeviceSnapshot, addr: u64) -> &gpualloc::devices::BlockInfo {
+    snap.segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == addr)
+        .unwrap()
+}
+
 fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
     frames
         .unwrap_or_default()
@@ -75,12 +84,7 @@ async fn allocations_carry_the_span_stack_of_their_malloc() {
             "{frame:?}"
         );
         // The live block carries them too; in the pickle as PyTorch's frames.
-        let block = snap
-            .segments
-            .iter()
-            .flat_map(|s| &s.blocks)
-            .find(|b| b.address == kept.ptr().0)
-            .unwrap();
+        let block = block_at(&snap, kept.ptr().0);
         assert_eq!(names(block.frames.as_deref()), want, "[{conf}]");
         let pickle =
             gpualloc::trace::Snapshot::from_pickle(&alloc.snapshot_pickle().await.unwrap())
@@ -238,21 +242,11 @@ async fn a_revived_block_carries_the_frames_of_the_malloc_that_revived_it() {
         vec!["load{model=\"a\"}"]
     );
     assert_eq!(names(allocs[1].frames.as_deref()), vec!["request{id=7}"]);
-    let block = snap
-        .segments
-        .iter()
-        .flat_map(|s| &s.blocks)
-        .find(|b| b.address == ptr)
-        .unwrap();
+    let block = block_at(&snap, ptr);
     assert_eq!(names(block.frames.as_deref()), vec!["request{id=7}"]);
     drop(again);
     let snap = alloc.snapshot().await.unwrap().remove(0);
-    let block = snap
-        .segments
-        .iter()
-        .flat_map(|s| &s.blocks)
-        .find(|b| b.address == ptr)
-        .unwrap();
+    let block = block_at(&snap, ptr);
     assert!(block.frames.is_none(), "freed (parked): no frames");
     alloc.shutdown().await.unwrap();
 }

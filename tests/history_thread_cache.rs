@@ -9,21 +9,11 @@ mod common;
 use std::collections::HashMap;
 use std::sync::mpsc;
 
-use common::{build, sim, MIB};
+use common::{build, history, revivals, sim, MIB};
 use gpualloc::devices::{TraceAction, TraceEntry};
-use gpualloc::{Allocator, DeviceBuffer, DeviceId, HistoryOptions};
+use gpualloc::{DeviceBuffer, DeviceId, HistoryOptions};
 
 const D0: DeviceId = DeviceId(0);
-
-fn revivals(alloc: &Allocator) -> u64 {
-    alloc.device_actor(D0).unwrap().thread_cache_revivals()
-}
-
-async fn history(alloc: &Allocator) -> Vec<TraceEntry> {
-    let mut trace = alloc.snapshot().await.unwrap().remove(0).trace;
-    assert_eq!(trace.pop().unwrap().action, TraceAction::Snapshot);
-    trace
-}
 
 /// Checks that every address goes alloc → free_requested → free_completed → alloc ..., and
 /// returns the number of allocs per address.

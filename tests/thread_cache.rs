@@ -3,8 +3,11 @@
 //! device (stats, snapshots, `empty_cache`, other threads' requests, shutdown) sees the free
 //! as if the core had done it.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::revivals;
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::{AllocError, Allocator, AllocatorConfig, DeviceId, DeviceStats, Error};
 
@@ -18,13 +21,6 @@ fn build(thread_cache: bool) -> (Arc<AccountingBackend>, Allocator) {
         .build()
         .expect("build");
     (acc, alloc)
-}
-
-fn revivals(alloc: &Allocator) -> u64 {
-    alloc
-        .device_actor(DeviceId(0))
-        .unwrap()
-        .thread_cache_revivals()
 }
 
 /// Statistics with `inactive_split`'s running totals set aside: the core merges a freed

@@ -37,6 +37,8 @@ impl DeviceCore {
             entries.clear();
             return;
         };
+        // In order, so the frames of a block freed on one thread and revived on another end
+        // up as the last of them left them (the ring itself is sorted at snapshots).
         entries.sort_by_key(|(seq, _)| *seq);
         for (seq, entry) in entries.drain(..) {
             match entry.action {

@@ -340,25 +340,28 @@ impl DeviceCore {
     /// Records a trace entry (when history is on) and announces a segment change to the
     /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
-        let already = self.free_recorded_beside == Some(addr)
-            && matches!(
-                action,
-                TraceAction::FreeRequested | TraceAction::FreeCompleted
-            );
-        if let Some(ring) = self.trace.as_mut().filter(|_| !already) {
-            let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
-            let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
-            ring.push(
-                seq,
-                TraceEntry {
+        if let Some(ring) = &mut self.trace {
+            // A parked block's free was recorded beside the core (`beside.rs`).
+            let already = self.free_recorded_beside == Some(addr)
+                && matches!(
                     action,
-                    addr,
-                    size,
-                    stream,
-                    time_us,
-                    frames: None,
-                },
-            );
+                    TraceAction::FreeRequested | TraceAction::FreeCompleted
+                );
+            if !already {
+                let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
+                let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
+                ring.push(
+                    seq,
+                    TraceEntry {
+                        action,
+                        addr,
+                        size,
+                        stream,
+                        time_us,
+                        frames: None,
+                    },
+                );
+            }
         }
         if action == TraceAction::FreeRequested && !self.live_frames.is_empty() {
             self.live_frames.remove(&addr);

@@ -161,23 +161,19 @@ pub(crate) struct ThreadCache<O> {
 pub(crate) struct Recording {
     /// Microseconds since the Unix epoch (`history.rs`).
     pub time_us: u64,
-    /// The frames of an `alloc` (revives only, when recording with frames).
+    /// The frames of an `alloc` (revives only, when recording with frames; a park's are
+    /// `None`).
     pub frames: Option<Frames>,
 }
 
 fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Logged {
-    let frames = if action == TraceAction::Alloc {
-        rec.frames.clone()
-    } else {
-        None
-    };
     let entry = TraceEntry {
         action,
         addr: a.ptr.0,
         size: a.size,
         stream: a.stream.raw,
         time_us: rec.time_us,
-        frames,
+        frames: rec.frames.clone(),
     };
     (seq, entry)
 }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
 use gpualloc::{Allocator, Backend, DeviceId};
 
@@ -57,4 +58,20 @@ pub fn joined(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
         }
     }
     out
+}
+
+/// Blocks device 0's thread cache handed straight back so far.
+pub fn revivals(alloc: &Allocator) -> u64 {
+    alloc
+        .device_actor(DeviceId(0))
+        .unwrap()
+        .thread_cache_revivals()
+}
+
+/// Device 0's recorded history, less the mark of the snapshot that read it (its last entry).
+pub async fn history(alloc: &Allocator) -> Vec<TraceEntry> {
+    let mut trace = alloc.snapshot().await.unwrap().remove(0).trace;
+    let mark = trace.pop().unwrap();
+    assert_eq!(mark.action, TraceAction::Snapshot);
+    trace
 }
