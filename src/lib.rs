@@ -78,7 +78,8 @@ pub use cudarc;
 pub use gpualloc_devices as devices;
 pub use gpualloc_devices::{
     format_size, AllocError, AllocatorConfig, ConfigError, CrossStreamFree, DeviceSnapshot,
-    DeviceStats, MemPoolId, OomReport, SegmentEvent, Stat, StatArray, StatType,
+    DeviceStats, HeldRanges, HeldRangesError, MemPoolId, OomReport, SegmentEvent, Stat, StatArray,
+    StatType,
 };
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};

@@ -5,13 +5,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{build, joined, sim, MIB};
 use gpualloc::{
-    Allocator, DeviceId, PoolOptions, SegmentAction, SegmentEvent, SegmentWatch, SleepMode,
-    SEGMENT_EVENTS_BUFFERED,
+    Allocator, DeviceId, HeldRanges, PoolOptions, SegmentAction, SegmentEvent, SegmentWatch,
+    SleepMode, SEGMENT_EVENTS_BUFFERED,
 };
 use tokio::sync::broadcast::error::TryRecvError;
 
@@ -31,34 +30,11 @@ fn drain(watch: &mut SegmentWatch) -> Vec<SegmentEvent> {
 
 /// The bytes held per page-joined range, from a watch's ranges and its events.
 fn held(watch: &mut SegmentWatch) -> Vec<(u64, u64)> {
-    let mut map: BTreeMap<u64, u64> = watch.ranges.iter().map(|r| (r.addr, r.size)).collect();
+    let mut held = HeldRanges::new(watch.ranges.iter().map(|r| (r.addr, r.size)));
     for e in drain(watch) {
-        match e.action {
-            SegmentAction::Alloc | SegmentAction::Map => {
-                assert!(map.insert(e.addr, e.size).is_none(), "{e:?}");
-            }
-            SegmentAction::Free | SegmentAction::Unmap => {
-                let end = e.addr + e.size;
-                let inside: Vec<(u64, u64)> = map
-                    .range(..end)
-                    .filter(|(a, s)| **a + **s > e.addr)
-                    .map(|(a, s)| (*a, *s))
-                    .collect();
-                assert!(!inside.is_empty(), "released what was not held: {e:?}");
-                for (a, s) in inside {
-                    map.remove(&a);
-                    if a < e.addr {
-                        map.insert(a, e.addr - a);
-                    }
-                    if a + s > end {
-                        map.insert(end, a + s - end);
-                    }
-                }
-            }
-            SegmentAction::PoolAsleep | SegmentAction::PoolAwake => {}
-        }
+        held.apply(&e).unwrap();
     }
-    joined(map)
+    joined(held.ranges())
 }
 
 async fn now(alloc: &Allocator) -> Vec<(u64, u64)> {

@@ -53,7 +53,9 @@ pub use error::{format_size, AllocError, OomReport};
 pub use expandable::MappedPages;
 pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
 pub use mem_pools::{PoolOptions, PoolUsage};
-pub use observer::{SegmentAction, SegmentEvent, SegmentRange, SegmentSink};
+pub use observer::{
+    HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
+};
 pub use policy::Policy;
 pub use restore::RestoredBlock;
 pub use round_trips::RoundTrips;

@@ -19,6 +19,10 @@
 //!   [`SegmentAction::PoolAsleep`] when it ends; a wake announces its maps and then
 //!   [`SegmentAction::PoolAwake`] when it ends.
 //! - A shutdown returns every segment without events (the allocator is gone).
+//! - [`HeldRanges`] keeps the ranges held from such a list and the events after it, for a
+//!   watcher that must know them (a registration cache).
+
+use std::collections::BTreeMap;
 
 use gpualloc_runtime::DeviceId;
 
@@ -161,5 +165,112 @@ impl DeviceCore {
                 pool,
             });
         }
+    }
+}
+
+/// The ranges of device memory held, kept from a list of ranges
+/// ([`DeviceCore::segment_ranges`], or a watch's) and the [`SegmentEvent`]s after it. An unmap
+/// may cover several announced ranges, or part of one (a sleep, a release of whole handles):
+/// what it covers goes, the rest stays.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeldRanges(BTreeMap<u64, u64>);
+
+/// An event that contradicts what [`HeldRanges`] holds (a watcher that missed events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HeldRangesError {
+    /// A range was announced mapped (or allocated) where one is held already.
+    #[error("mapped twice: {0:?}")]
+    MappedTwice(SegmentEvent),
+    /// A range was announced unmapped (or freed) where nothing is held.
+    #[error("released what was not held: {0:?}")]
+    NotHeld(SegmentEvent),
+}
+
+impl HeldRanges {
+    /// Starts from `ranges`, as `(addr, size)`.
+    pub fn new(ranges: impl IntoIterator<Item = (u64, u64)>) -> Self {
+        HeldRanges(ranges.into_iter().collect())
+    }
+
+    /// Applies one event (sleeps and wakes change nothing: their maps and unmaps are
+    /// announced one by one).
+    pub fn apply(&mut self, e: &SegmentEvent) -> Result<(), HeldRangesError> {
+        match e.action {
+            SegmentAction::Alloc | SegmentAction::Map => {
+                if self.0.contains_key(&e.addr) {
+                    return Err(HeldRangesError::MappedTwice(*e));
+                }
+                self.0.insert(e.addr, e.size);
+            }
+            SegmentAction::Free | SegmentAction::Unmap => {
+                let end = e.addr + e.size;
+                let inside: Vec<(u64, u64)> = self
+                    .0
+                    .range(..end)
+                    .filter(|(a, s)| **a + **s > e.addr)
+                    .map(|(a, s)| (*a, *s))
+                    .collect();
+                if inside.is_empty() {
+                    return Err(HeldRangesError::NotHeld(*e));
+                }
+                for (a, s) in inside {
+                    self.0.remove(&a);
+                    if a < e.addr {
+                        self.0.insert(a, e.addr - a);
+                    }
+                    if a + s > end {
+                        self.0.insert(end, a + s - end);
+                    }
+                }
+            }
+            SegmentAction::PoolAsleep | SegmentAction::PoolAwake => {}
+        }
+        Ok(())
+    }
+
+    /// The ranges held, as `(addr, size)` in address order.
+    pub fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().map(|(a, s)| (*a, *s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(action: SegmentAction, addr: u64, size: u64) -> SegmentEvent {
+        SegmentEvent {
+            action,
+            device: DeviceId(0),
+            addr,
+            size,
+            stream: 0,
+            pool: None,
+        }
+    }
+
+    #[test]
+    fn held_ranges_follow_maps_and_unmaps_that_cover_several_or_part() {
+        let mut held = HeldRanges::new([(100, 10)]);
+        held.apply(&event(SegmentAction::Map, 110, 10)).unwrap();
+        held.apply(&event(SegmentAction::Alloc, 200, 50)).unwrap();
+        held.apply(&event(SegmentAction::PoolAsleep, 0, 20))
+            .unwrap();
+        // One unmap over the end of one range and the start of the next.
+        held.apply(&event(SegmentAction::Unmap, 105, 10)).unwrap();
+        assert_eq!(
+            held.ranges().collect::<Vec<_>>(),
+            vec![(100, 5), (115, 5), (200, 50)]
+        );
+        held.apply(&event(SegmentAction::Free, 200, 50)).unwrap();
+        assert_eq!(held.ranges().collect::<Vec<_>>(), vec![(100, 5), (115, 5)]);
+        let twice = event(SegmentAction::Map, 100, 5);
+        assert_eq!(held.apply(&twice), Err(HeldRangesError::MappedTwice(twice)));
+        let unheld = event(SegmentAction::Unmap, 105, 10);
+        assert_eq!(held.apply(&unheld), Err(HeldRangesError::NotHeld(unheld)));
+        assert!(HeldRangesError::NotHeld(unheld)
+            .to_string()
+            .starts_with("released what was not held"));
+        assert_eq!(held.ranges().count(), 2, "a refused event changes nothing");
     }
 }

@@ -2,12 +2,11 @@
 //! every range it releases, with its pool; a late subscriber's snapshot plus the events after
 //! it always equals what the core holds.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use gpualloc_devices::{
-    map_wake, release_slept_pages, wait_for_pool_streams, AllocatorConfig, DeviceCore, MemPoolId,
-    PoolOptions, SegmentAction, SegmentEvent, SleepMode,
+    map_wake, release_slept_pages, wait_for_pool_streams, AllocatorConfig, DeviceCore, HeldRanges,
+    MemPoolId, PoolOptions, SegmentAction, SegmentEvent, SleepMode,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
@@ -39,36 +38,12 @@ fn take(log: &Log) -> Vec<(SegmentAction, u64, u64, Option<MemPoolId>)> {
 }
 
 /// The ranges held, rebuilt from a snapshot and the events after it.
-fn replay(start: &[(u64, u64)], events: &[SegmentEvent]) -> BTreeMap<u64, u64> {
-    let mut held: BTreeMap<u64, u64> = start.iter().copied().collect();
+fn replay(start: &[(u64, u64)], events: &[SegmentEvent]) -> Vec<(u64, u64)> {
+    let mut held = HeldRanges::new(start.iter().copied());
     for e in events {
-        match e.action {
-            SegmentAction::Alloc | SegmentAction::Map => {
-                assert!(held.insert(e.addr, e.size).is_none(), "mapped twice: {e:?}");
-            }
-            SegmentAction::Free | SegmentAction::Unmap => {
-                // An unmap may cover several announced ranges, or part of one.
-                let end = e.addr + e.size;
-                let inside: Vec<(u64, u64)> = held
-                    .range(..end)
-                    .filter(|(a, s)| **a + **s > e.addr)
-                    .map(|(a, s)| (*a, *s))
-                    .collect();
-                assert!(!inside.is_empty(), "released what was not held: {e:?}");
-                for (a, s) in inside {
-                    held.remove(&a);
-                    if a < e.addr {
-                        held.insert(a, e.addr - a);
-                    }
-                    if a + s > end {
-                        held.insert(end, a + s - end);
-                    }
-                }
-            }
-            SegmentAction::PoolAsleep | SegmentAction::PoolAwake => {}
-        }
+        held.apply(e).unwrap();
     }
-    held
+    held.ranges().collect()
 }
 
 /// Adjacent ranges joined, for comparing layouts.
@@ -152,7 +127,7 @@ fn expandable_pages_are_announced_mapped_and_unmapped() {
     assert!(after.iter().any(|e| e.action == SegmentAction::Unmap));
     let rebuilt = replay(&snapshot, &after);
     assert_eq!(
-        joined(rebuilt.into_iter()),
+        joined(rebuilt),
         joined(held_now(&core)),
         "snapshot + events = what the core holds"
     );
