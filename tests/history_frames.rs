@@ -6,13 +6,21 @@
 
 mod common;
 
-use common::{build, sim, MIB};
+use common::{recording, MIB};
 use gpualloc::devices::TraceAction;
 use gpualloc::{DeviceId, HistoryOptions};
 use tracing::Instrument;
 use tracing_subscriber::layer::SubscriberExt;
 
 const D0: DeviceId = DeviceId(0);
+
+/// Recording with span frames.
+fn spans() -> HistoryOptions {
+    HistoryOptions {
+        spans: true,
+        ..HistoryOptions::default()
+    }
+}
 
 /// A subscriber whose span stacks `SpanTrace` can read (what a user adds).
 fn span_subscriber() -> impl tracing::Subscriber + Send + Sync {
@@ -40,15 +48,7 @@ fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
 async fn allocations_carry_the_span_stack_of_their_malloc() {
     let _guard = tracing::subscriber::set_default(span_subscriber());
     for conf in ["", "thread_cache:False", "expandable_segments:True"] {
-        let alloc = build(sim(1 << 30), conf);
-        let s = alloc.new_stream(D0).unwrap();
-        alloc
-            .record_history(HistoryOptions {
-                spans: true,
-                ..HistoryOptions::default()
-            })
-            .await
-            .unwrap();
+        let (alloc, s) = recording(conf, spans()).await;
         // The request span is made inside the handler's: its parent.
         let (kept, freed) = async {
             async {
@@ -103,15 +103,11 @@ async fn allocations_carry_the_span_stack_of_their_malloc() {
 #[tokio::test(flavor = "current_thread")]
 async fn backtraces_come_first_and_no_options_no_frames() {
     let _guard = tracing::subscriber::set_default(span_subscriber());
-    let alloc = build(sim(1 << 30), "");
-    let s = alloc.new_stream(D0).unwrap();
-    alloc
-        .record_history(HistoryOptions {
-            backtraces: true,
-            ..HistoryOptions::default()
-        })
-        .await
-        .unwrap();
+    let options = HistoryOptions {
+        backtraces: true,
+        ..HistoryOptions::default()
+    };
+    let (alloc, s) = recording("", options).await;
     let b = async { alloc.malloc(MIB, &s).await.unwrap() }
         .instrument(tracing::info_span!("job"))
         .await;
@@ -155,15 +151,7 @@ async fn backtraces_come_first_and_no_options_no_frames() {
 async fn malloc_futures_dropped_while_frames_are_attached_leave_nothing_behind() {
     let _guard = tracing::subscriber::set_global_default(span_subscriber());
     for conf in ["", "expandable_segments:True"] {
-        let alloc = build(sim(1 << 30), conf);
-        let s = alloc.new_stream(D0).unwrap();
-        alloc
-            .record_history(HistoryOptions {
-                spans: true,
-                ..HistoryOptions::default()
-            })
-            .await
-            .unwrap();
+        let (alloc, s) = recording(conf, spans()).await;
         for round in 0..200u64 {
             let (alloc2, s2) = (alloc.clone(), s.clone());
             let task = tokio::spawn(
@@ -202,15 +190,7 @@ async fn malloc_futures_dropped_while_frames_are_attached_leave_nothing_behind()
 #[tokio::test(flavor = "current_thread")]
 async fn a_revived_block_carries_the_frames_of_the_malloc_that_revived_it() {
     let _guard = tracing::subscriber::set_default(span_subscriber());
-    let alloc = build(sim(1 << 30), "");
-    let s = alloc.new_stream(D0).unwrap();
-    alloc
-        .record_history(HistoryOptions {
-            spans: true,
-            ..HistoryOptions::default()
-        })
-        .await
-        .unwrap();
+    let (alloc, s) = recording("", spans()).await;
     let revived_before = alloc.device_actor(D0).unwrap().thread_cache_revivals();
     let first = alloc
         .malloc(MIB, &s)

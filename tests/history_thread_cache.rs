@@ -9,7 +9,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::mpsc;
 
-use common::{build, history, revivals, sim, MIB};
+use common::{build, history, recording, revivals, sim, MIB};
 use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::{DeviceBuffer, DeviceId, HistoryOptions};
 
@@ -115,12 +115,7 @@ fn a_buffer_passed_between_threads_keeps_its_order_while_others_take_the_gate() 
 
 #[tokio::test(flavor = "current_thread")]
 async fn a_block_evicted_from_a_full_slot_is_freed_once() {
-    let alloc = build(sim(1 << 30), "");
-    let s = alloc.new_stream(D0).unwrap();
-    alloc
-        .record_history(HistoryOptions::default())
-        .await
-        .unwrap();
+    let (alloc, s) = recording("", HistoryOptions::default()).await;
     // More distinct sizes than a slot parks: dropping them all evicts the oldest ones,
     // which the core frees without recording their frees again.
     let mut bufs = Vec::new();
@@ -153,12 +148,7 @@ async fn a_block_evicted_from_a_full_slot_is_freed_once() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_thread_that_only_revives_has_every_round_trip_recorded() {
     const TRIPS: usize = 3000;
-    let alloc = build(sim(1 << 30), "");
-    let s = alloc.new_stream(D0).unwrap();
-    alloc
-        .record_history(HistoryOptions::default())
-        .await
-        .unwrap();
+    let (alloc, s) = recording("", HistoryOptions::default()).await;
     let before = revivals(&alloc);
     let mut buf = alloc.malloc(MIB, &s).await.unwrap();
     for _ in 0..TRIPS {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
-use gpualloc::{Allocator, Backend, DeviceId};
+use gpualloc::{Allocator, Backend, DeviceId, HistoryOptions, Stream};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -74,4 +74,13 @@ pub async fn history(alloc: &Allocator) -> Vec<TraceEntry> {
     let mark = trace.pop().unwrap();
     assert_eq!(mark.action, TraceAction::Snapshot);
     trace
+}
+
+/// An allocator with config `conf` on a 1 GiB sim, a stream of device 0, and the history
+/// being recorded with `options`.
+pub async fn recording(conf: &str, options: HistoryOptions) -> (Allocator, Stream) {
+    let alloc = build(sim(1 << 30), conf);
+    let stream = alloc.new_stream(DeviceId(0)).unwrap();
+    alloc.record_history(options).await.unwrap();
+    (alloc, stream)
 }
