@@ -108,19 +108,10 @@ impl<R: SegmentRegistrar> Table<R> {
         let this = Release::Unmap { addr, size };
         self.deregister_where(|a, s| this.touches(a, s), false);
         let registrar = &mut self.registrar;
-        match catch_unwind(AssertUnwindSafe(|| registrar.register(addr, size))) {
-            Ok(Ok(handle)) => {
-                self.live.insert(addr, (size, handle));
-                self.stats.registered += 1;
-            }
-            Ok(Err(e)) => {
-                self.stats.failures += 1;
-                tracing::warn!(addr, size, error = %e, "segment registration failed");
-            }
-            Err(_) => {
-                self.stats.failures += 1;
-                tracing::error!(addr, size, "segment registrar panicked in register");
-            }
+        let call = || registrar.register(addr, size);
+        if let Some(handle) = guarded(&mut self.stats, "register", addr, size, call) {
+            self.live.insert(addr, (size, handle));
+            self.stats.registered += 1;
         }
     }
 
@@ -138,19 +129,8 @@ impl<R: SegmentRegistrar> Table<R> {
                 self.stats.deregistered_before_release += 1;
             }
             let registrar = &mut self.registrar;
-            match catch_unwind(AssertUnwindSafe(|| {
-                registrar.deregister(addr, size, handle)
-            })) {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    self.stats.failures += 1;
-                    tracing::warn!(addr, size, error = %e, "segment deregistration failed");
-                }
-                Err(_) => {
-                    self.stats.failures += 1;
-                    tracing::error!(addr, size, "segment registrar panicked in deregister");
-                }
-            }
+            let call = || registrar.deregister(addr, size, handle);
+            guarded(&mut self.stats, "deregister", addr, size, call);
         }
     }
 
@@ -169,6 +149,31 @@ impl<R: SegmentRegistrar> Table<R> {
             if !self.live.contains_key(&addr) {
                 self.register(addr, size);
             }
+        }
+    }
+}
+
+/// Runs the registrar's `call` (`what`: "register" or "deregister"): its value, or `None`
+/// with a failure counted when it returns an error or panics (a panic is caught: the
+/// allocator goes on).
+fn guarded<T>(
+    stats: &mut RegistrationStats,
+    what: &str,
+    addr: u64,
+    size: u64,
+    call: impl FnOnce() -> Result<T, String>,
+) -> Option<T> {
+    match catch_unwind(AssertUnwindSafe(call)) {
+        Ok(Ok(value)) => Some(value),
+        Ok(Err(e)) => {
+            stats.failures += 1;
+            tracing::warn!(addr, size, error = %e, "segment registrar's {what} failed");
+            None
+        }
+        Err(_) => {
+            stats.failures += 1;
+            tracing::error!(addr, size, "segment registrar panicked in {what}");
+            None
         }
     }
 }
