@@ -167,7 +167,7 @@ impl Allocator {
         let actor = self.actor_for(stream)?;
         let r = actor.malloc(size, stream, None).await;
         if self.malloc_follow_up(actor, &r) {
-            return Box::pin(self.follow_up(actor, stream.device(), size, r)).await;
+            return Box::pin(self.follow_up(actor, stream, size, r)).await;
         }
         r
     }
@@ -183,7 +183,7 @@ impl Allocator {
         let actor = self.actor_for(stream)?;
         let r = actor.malloc_with(size, stream, None, options).await;
         if self.malloc_follow_up(actor, &r) {
-            return Box::pin(self.follow_up(actor, stream.device(), size, r)).await;
+            return Box::pin(self.follow_up(actor, stream, size, r)).await;
         }
         r
     }

@@ -18,7 +18,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use gpualloc_runtime::DeviceId;
+use gpualloc_runtime::{DeviceId, Stream};
 
 use crate::{Allocator, DeviceActor, DeviceBuffer, Error};
 
@@ -50,7 +50,8 @@ impl std::fmt::Debug for OomObservers {
 
 impl Allocator {
     /// True if a `malloc`'s `result` needs [`Allocator::follow_up`]: frames to attach
-    /// (recording with frames, `history_frames.rs`) or out-of-memory observers to run. Plain
+    /// (recording with frames, `history_frames.rs`) or an out-of-memory failure to count and
+    /// observe. Plain
     /// code, no future: the usual `malloc` pays one test of its result and one relaxed load
     /// (an `.await` on the successful path cost ~10% of a hit pair).
     pub(crate) fn malloc_follow_up(
@@ -61,21 +62,18 @@ impl Allocator {
         match result {
             // A revived buffer's frames went into its slot's entry (`history_frames.rs`).
             Ok(buffer) => actor.wants_frames() && !buffer.is_revived(),
-            Err(e) => {
-                e.is_oom()
-                    && (self.config().oom_snapshot_path.is_some()
-                        || !self.oom_observers().0.is_empty())
-            }
+            // Counted (`follow_up`), then observed.
+            Err(e) => e.is_oom(),
         }
     }
 
     /// What a `malloc` does after [`Allocator::malloc_follow_up`] said so (callers box it, so
     /// their futures stay as small as without it): attach the caller's frames to the buffer,
-    /// or run the out-of-memory observers; returns `result`.
+    /// or count the out-of-memory failure and run the observers; returns `result`.
     pub(crate) async fn follow_up(
         &self,
         actor: &Arc<DeviceActor>,
-        device: DeviceId,
+        stream: &Stream,
         size: u64,
         result: Result<DeviceBuffer, Error>,
     ) -> Result<DeviceBuffer, Error> {
@@ -84,7 +82,18 @@ impl Allocator {
                 actor.attach_frames(&buffer).await;
                 Ok(buffer)
             }
-            Err(error) => Err(self.run_oom_observers(device, size, error).await),
+            Err(error) => {
+                // The device's malloc counts no out-of-memory failure itself (its attempts
+                // are retried): this is the one its user sees. Counted before the observers
+                // run, so their snapshot shows the `oom` entry.
+                if let Error::Alloc(e) = &error {
+                    actor.count_oom(e, stream).await;
+                }
+                if self.config().oom_snapshot_path.is_none() && self.oom_observers().0.is_empty() {
+                    return Err(error);
+                }
+                Err(self.run_oom_observers(stream.device(), size, error).await)
+            }
         }
     }
 

@@ -145,7 +145,7 @@ impl Pool {
         let actor = alloc.actor_for(stream)?;
         let r = actor.malloc_with(size, stream, Some(id), options).await;
         if alloc.malloc_follow_up(actor, &r) {
-            return Box::pin(alloc.follow_up(actor, stream.device(), size, r)).await;
+            return Box::pin(alloc.follow_up(actor, stream, size, r)).await;
         }
         r
     }

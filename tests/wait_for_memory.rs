@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{until_waiting, MIB};
+use gpualloc::devices::TraceAction;
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::runtime::actor::waiters::MAX_OVERTAKES;
-use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Stream};
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, HistoryOptions, MallocOptions, Stream};
 use tokio::task::JoinHandle;
 
 const LONG: Duration = Duration::from_secs(20);
@@ -130,4 +131,65 @@ async fn the_head_is_overtaken_at_most_max_overtakes_times() {
         .unwrap();
     drop((big, late));
     alloc.shutdown().await.unwrap();
+}
+
+/// Out-of-memory events of device 0: the stat, and the `oom` entries of its history.
+async fn ooms(alloc: &Allocator) -> (u64, usize) {
+    let stats = alloc.stats(DeviceId(0)).await.unwrap();
+    let entries = common::history(alloc)
+        .await
+        .iter()
+        .filter(|e| e.action == TraceAction::Oom)
+        .count();
+    (stats.num_ooms, entries)
+}
+
+/// A waiting malloc is one request: it counts as out of memory (`num_ooms`, one `oom` entry in
+/// the history, one warning) only when it fails, once, however often it tried before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_malloc_counts_one_oom_and_only_when_it_fails() {
+    for conf in ["", "thread_cache:False", "expandable_segments:True"] {
+        let alloc = build(conf, 64 * MIB);
+        alloc
+            .record_history(HistoryOptions::default())
+            .await
+            .unwrap();
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let x = alloc.malloc(40 * MIB, &s).await.unwrap();
+        let y = alloc.malloc(8 * MIB, &s).await.unwrap();
+        let served = waiter(&alloc, &s, 40 * MIB);
+        until_waiting(&alloc, 1).await;
+        // A free that is not enough: the waiter tries again and fails again.
+        drop(y);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(x);
+        let buf = tokio::time::timeout(Duration::from_secs(5), served)
+            .await
+            .unwrap_or_else(|_| panic!("{conf:?}: the waiter was not served"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(ooms(&alloc).await, (0, 0), "{conf:?}: a served waiter");
+
+        // Out of time: one failure, counted once.
+        let err = alloc
+            .malloc_with(
+                40 * MIB,
+                &s,
+                MallocOptions::wait_for(Duration::from_millis(100)),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.is_oom(), "{conf:?}: {err}");
+        assert_eq!(ooms(&alloc).await, (1, 1), "{conf:?}: a waiter out of time");
+        // A plain malloc that fails counts as before.
+        alloc.malloc(40 * MIB, &s).await.unwrap_err();
+        assert_eq!(ooms(&alloc).await, (2, 2), "{conf:?}: a plain malloc");
+        alloc
+            .malloc_with(40 * MIB, &s, MallocOptions::default())
+            .await
+            .unwrap_err();
+        assert_eq!(ooms(&alloc).await, (3, 3), "{conf:?}: malloc_with, no wait");
+        drop(buf);
+        alloc.shutdown().await.unwrap();
+    }
 }

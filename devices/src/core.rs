@@ -99,6 +99,9 @@ pub(crate) struct AllocParams {
     /// Set once the request may take any fitting block, a dead remainder included: after the
     /// segment could not grow for it (see `Policy::avoids_dead_remainders`).
     pub any_fit: bool,
+    /// Set by an owner that retries the request ([`SegmentRequest::quiet_oom`]): its
+    /// out-of-memory errors are returned but not counted, recorded or logged.
+    pub quiet_oom: bool,
 }
 
 /// The caching allocator of one device. See the module docs.
@@ -530,6 +533,7 @@ impl DeviceCore {
             block: None,
             route,
             any_fit: false,
+            quiet_oom: false,
         };
         self.apply_pool_rules(&mut params)?;
         if self.get_free_block(&mut params)
@@ -655,8 +659,6 @@ impl DeviceCore {
 
     fn out_of_memory(&mut self, size: u64, params: &AllocParams) -> AllocError {
         let info = self.backend.mem_info(self.device).unwrap_or_default();
-        self.stats.num_ooms += 1;
-        self.record(TraceAction::Oom, info.free, params.size, params.stream.raw);
         let report = OomReport {
             device: self.device,
             requested: size,
@@ -673,13 +675,45 @@ impl DeviceCore {
             in_flight: self.growing_bytes,
             process_used: self.backend.process_used(self.device).ok().flatten(),
         };
-        tracing::warn!(
-            device = self.device.0,
-            requested = size,
-            reserved = report.reserved,
-            "out of memory"
-        );
-        AllocError::OutOfMemory(Box::new(report))
+        let error = AllocError::OutOfMemory(Box::new(report));
+        if !params.quiet_oom {
+            self.count_oom_of(&error, params.size, params.stream);
+        }
+        error
+    }
+
+    /// Counts `error`, an out-of-memory error of a malloc on `stream`, as PyTorch does when a
+    /// malloc fails: `num_ooms`, an `oom` entry in the history (with the device's free bytes
+    /// and the rounded request) and a warning; a private pool's quota error counts in
+    /// `num_ooms` only. Other errors count nothing. The core does this itself for every
+    /// request except those an owner marked with [`SegmentRequest::quiet_oom`]: an owner that
+    /// retries a request (waiting for memory, for misses in flight) calls this once, for the
+    /// failure its user sees.
+    pub fn count_oom(&mut self, error: &AllocError, stream: StreamHandle) {
+        let requested = match error {
+            AllocError::OutOfMemory(report) => report.requested,
+            _ => 0,
+        };
+        let rounded = round_size(requested, &self.config).unwrap_or(requested);
+        self.count_oom_of(error, rounded, stream);
+    }
+
+    /// [`DeviceCore::count_oom`], the history entry naming `size` bytes.
+    pub(crate) fn count_oom_of(&mut self, error: &AllocError, size: u64, stream: StreamHandle) {
+        match error {
+            AllocError::OutOfMemory(report) => {
+                self.stats.num_ooms += 1;
+                self.record(TraceAction::Oom, report.device_free, size, stream.raw);
+                tracing::warn!(
+                    device = self.device.0,
+                    requested = report.requested,
+                    reserved = report.reserved,
+                    "out of memory"
+                );
+            }
+            AllocError::PoolQuota { .. } => self.stats.num_ooms += 1,
+            _ => {}
+        }
     }
 
     /// Best fit for `params` in its pool (PyTorch's `get_free_block`).
@@ -1067,6 +1101,14 @@ pub struct SegmentRequest {
 }
 
 impl SegmentRequest {
+    /// Marks the request as one its owner retries: an out-of-memory error it ends in is
+    /// returned but not counted (`num_ooms`), recorded (`oom` history entry) or logged; the
+    /// owner calls [`DeviceCore::count_oom`] for the failure its user sees. Retries made with
+    /// [`DeviceCore::retry_cached`] keep the mark.
+    pub fn quiet_oom(&mut self) {
+        self.params.quiet_oom = true;
+    }
+
     /// Bytes of the segment to allocate.
     pub fn alloc_size(&self) -> u64 {
         self.params.alloc_size

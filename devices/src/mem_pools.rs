@@ -181,7 +181,9 @@ impl DeviceCore {
     /// [`DeviceCore::quota_error`], counted as an out-of-memory error (a failed request).
     pub(crate) fn quota_failure(&mut self, params: &AllocParams, size: u64) -> Option<AllocError> {
         let e = self.quota_error(params, size)?;
-        self.stats.num_ooms += 1;
+        if !params.quiet_oom {
+            self.count_oom_of(&e, params.size, params.stream);
+        }
         Some(e)
     }
 
@@ -271,7 +273,15 @@ impl DeviceCore {
     /// Re-runs the cache lookup of a miss (the same size, stream and pool), e.g. after its
     /// owner released cached memory.
     pub fn retry_cached(&mut self, request: &SegmentRequest) -> Result<CachedOutcome, AllocError> {
-        self.try_cached_routed(request.size, request.params.stream, request.params.route)
+        let outcome =
+            self.try_cached_routed(request.size, request.params.stream, request.params.route)?;
+        Ok(match outcome {
+            CachedOutcome::Miss(mut retry) => {
+                retry.params.quiet_oom = request.params.quiet_oom;
+                CachedOutcome::Miss(retry)
+            }
+            hit => hit,
+        })
     }
 
     /// Counts `bytes` as claimed off the core for the pool of block pool `index`

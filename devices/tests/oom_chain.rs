@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, TraceAction};
+use gpualloc_devices::{AllocError, AllocatorConfig, CachedOutcome, DeviceCore, TraceAction};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
@@ -288,5 +288,48 @@ fn claimed_segments_count_against_the_cap_and_show_in_the_report() {
     let a = core.malloc_with_segment(req, ptr).unwrap();
     assert_eq!((core.growing_bytes(), core.reserved_bytes()), (0, 60 * MIB));
     core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+/// A request its owner retries (`SegmentRequest::quiet_oom`) fails without counting; the
+/// owner's `count_oom` counts the failure once, with the entry a counted failure has. The mark
+/// survives `retry_cached`.
+#[test]
+fn a_quiet_request_is_counted_once_by_its_owner() {
+    let (_, mut core, s0, _) = rig(40 * MIB, "", false);
+    let _a = core.malloc(19 * MIB + 512 * 1024, s0).unwrap();
+    let _b = core.malloc(14 * MIB + 1, s0).unwrap();
+    let miss = |core: &mut DeviceCore| match core.try_cached(10 * MIB, s0).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(_) => panic!("10 MiB cannot be cached"),
+    };
+    let mut req = miss(&mut core);
+    req.quiet_oom();
+    let err = core.malloc_after_miss(req).unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    // Retried: the retry keeps the mark.
+    let mut req = miss(&mut core);
+    req.quiet_oom();
+    let CachedOutcome::Miss(retry) = core.retry_cached(&req).unwrap() else {
+        panic!("10 MiB cannot be cached")
+    };
+    let err2 = core.malloc_without_device(retry).unwrap_err();
+    assert_eq!(core.stats().num_ooms, 0);
+    assert!(!actions(&core).contains(&TraceAction::Oom));
+    core.count_oom(&err2, s0);
+    assert_eq!(core.stats().num_ooms, 1);
+    let oom = core.snapshot().trace.pop().unwrap();
+    assert_eq!(oom.action, TraceAction::Oom);
+    assert_eq!((oom.size, oom.addr), (10 * MIB, 4 * MIB));
+    // A request not marked counts itself, with the same entry.
+    let req = miss(&mut core);
+    let err3 = core.malloc_after_miss(req).unwrap_err();
+    assert_eq!(err3, err2);
+    assert_eq!(core.stats().num_ooms, 2);
+    let counted = core.snapshot().trace.pop().unwrap();
+    assert_eq!((counted.size, counted.addr), (oom.size, oom.addr));
+    // Errors that are not out of memory count nothing.
+    core.count_oom(&AllocError::Shutdown, s0);
+    assert_eq!(core.stats().num_ooms, 2);
     core.check_invariants().unwrap();
 }

@@ -235,7 +235,10 @@ impl DeviceActor {
     /// `malloc` on this device: a hit inline, a miss on the blocking pool. Out of memory while
     /// other misses are in flight: wait for them to land and retry (bounded by
     /// `LANDING_RETRIES` × `LANDING_WAIT`). The out-of-memory report counts the bytes other
-    /// misses are obtaining (`OomReport::in_flight`).
+    /// misses are obtaining (`OomReport::in_flight`). A failure is not counted here
+    /// (`SegmentRequest::quiet_oom`): the facade counts the one its user sees
+    /// ([`DeviceActor::count_oom`], `oom.rs`), however often the request was tried (here, and
+    /// by a malloc waiting for memory, `wait.rs`).
     pub(crate) async fn malloc(
         self: &Arc<Self>,
         size: u64,
@@ -262,6 +265,16 @@ impl DeviceActor {
                 r => return r,
             }
         }
+    }
+
+    /// Counts `error`, the out-of-memory error a malloc on `stream` failed with, in the core
+    /// (`DeviceCore::count_oom`: `num_ooms`, an `oom` history entry, a warning). `malloc`'s
+    /// attempts mark their requests so the core does not count them itself. Only the error
+    /// path pays this gate turn.
+    pub(crate) async fn count_oom(&self, error: &AllocError, stream: &Stream) {
+        let (error, handle) = (error.clone(), stream.handle());
+        // A core that shut down meanwhile has no statistics left to count in.
+        let _ = self.call(move |st| st.core.count_oom(&error, handle)).await;
     }
 
     /// Waits until no miss is in flight, or `LANDING_WAIT` passed. Works from any executor:
@@ -346,7 +359,9 @@ impl DeviceActor {
         };
         match outcome {
             Cached::Hit(buf) => Ok(buf),
-            Cached::Miss(req) => {
+            Cached::Miss(mut req) => {
+                // Out of memory is counted once per user request, by the facade (`oom.rs`).
+                req.quiet_oom();
                 let actor = self.clone();
                 let stream = stream.clone();
                 // The blocking task runs to completion even if this future is dropped; the

@@ -36,6 +36,8 @@ impl DeviceActor {
 
     /// `malloc`, waiting up to `timeout` (first come, first served) for frees to make room
     /// when the device is full. On timeout: the same out-of-memory error as without waiting.
+    /// Like `malloc`, it counts no failure itself: the facade counts the one its user sees,
+    /// so a wait that ends served counts none, however often it tried (`oom.rs`).
     pub(crate) async fn malloc_waiting(
         self: &Arc<Self>,
         size: u64,
