@@ -107,7 +107,11 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
     (initial.into_values().collect(), unexplained)
 }
 
-/// The segments held when recording began (None without a final segment list).
+/// The segments held when recording began (None without a final segment list): the final
+/// segments, with the trace's segment events undone from the last to the first. An
+/// expandable segment shows as one segment per mapped run (as PyTorch's snapshots have it):
+/// undoing a `segment_map` takes its range out of the run holding it (which may split it or
+/// remove it), undoing a `segment_unmap` puts its range back as a run of its own.
 pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
     let finals = trace.final_segments.as_ref()?;
     let mut set: BTreeMap<u64, StartSegment> = finals
@@ -129,8 +133,13 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
             Action::SegmentAlloc => {
                 set.remove(&e.addr);
             }
-            Action::SegmentFree => {
-                let small = e.size == gpualloc_devices::sizes::SMALL_BUFFER;
+            Action::SegmentFree | Action::SegmentUnmap => {
+                let small = match e.action {
+                    Action::SegmentFree => e.size == gpualloc_devices::sizes::SMALL_BUFFER,
+                    // A run next to it tells its pool; else a small pool maps 2 MiB pages.
+                    _ => neighbour(&set, e.addr, e.size)
+                        .map_or(e.size == gpualloc_devices::sizes::SMALL_BUFFER, |n| n.small),
+                };
                 set.insert(
                     e.addr,
                     StartSegment {
@@ -141,10 +150,57 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
                     },
                 );
             }
+            Action::SegmentMap => take_range(&mut set, e.addr, e.size),
             _ => {}
         }
     }
     Some(set.into_values().collect())
+}
+
+/// A segment that ends where `[addr, addr + size)` starts or starts where it ends.
+fn neighbour(set: &BTreeMap<u64, StartSegment>, addr: u64, size: u64) -> Option<&StartSegment> {
+    let before = set
+        .range(..addr)
+        .next_back()
+        .map(|(_, s)| s)
+        .filter(|s| s.addr + s.size == addr);
+    before.or_else(|| set.get(&(addr + size)))
+}
+
+/// Takes `[addr, addr + size)` out of the segments it overlaps: their parts before and after
+/// it stay. (One map may be undone by several unmaps, each a run of its own by then.)
+fn take_range(set: &mut BTreeMap<u64, StartSegment>, addr: u64, size: u64) {
+    let end = addr.saturating_add(size);
+    let first = set
+        .range(..=addr)
+        .next_back()
+        .filter(|(_, s)| s.addr + s.size > addr)
+        .map(|(&a, _)| a)
+        .unwrap_or(addr);
+    let overlapping: Vec<u64> = set.range(first..end).map(|(&a, _)| a).collect();
+    for base in overlapping {
+        let seg = set.remove(&base).expect("just listed");
+        let seg_end = seg.addr + seg.size;
+        if seg.addr < addr {
+            set.insert(
+                seg.addr,
+                StartSegment {
+                    size: addr - seg.addr,
+                    ..seg
+                },
+            );
+        }
+        if end < seg_end {
+            set.insert(
+                end,
+                StartSegment {
+                    addr: end,
+                    size: seg_end - end,
+                    ..seg
+                },
+            );
+        }
+    }
 }
 
 /// PyTorch's reserved bytes after event `e`, from `reserved` before it (segment and page
@@ -244,4 +300,52 @@ pub fn deferred_frees(trace: &Trace) -> HashSet<usize> {
         }
     }
     deferred
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::input::FinalSegment;
+
+    const MIB: u64 = 1 << 20;
+
+    fn run(addr: u64, size: u64) -> FinalSegment {
+        FinalSegment {
+            addr,
+            size,
+            stream: 7,
+            small: false,
+            expandable: true,
+            blocks: Vec::new(),
+        }
+    }
+
+    /// An expandable segment's runs at the start: its maps undone, its unmaps put back, a map
+    /// undone across the runs two unmaps left.
+    #[test]
+    fn start_segments_undo_the_pages_an_expandable_segment_mapped() {
+        let base = 0x7000_0000_0000;
+        let trace = Trace {
+            name: "t".into(),
+            device: 0,
+            events: vec![
+                TraceEntry::new(Action::SegmentMap, base + 2 * MIB, 6 * MIB, 7),
+                TraceEntry::new(Action::SegmentUnmap, base + 4 * MIB, 2 * MIB, 7),
+                TraceEntry::new(Action::SegmentMap, base + 10 * MIB, 2 * MIB, 7),
+                TraceEntry::new(Action::SegmentUnmap, base + 12 * MIB, 4 * MIB, 7),
+            ],
+            // [base, +4) and [base + 6, +12) mapped at the end.
+            final_segments: Some(vec![run(base, 4 * MIB), run(base + 6 * MIB, 6 * MIB)]),
+        };
+        let start: Vec<(u64, u64)> = start_segments(&trace)
+            .unwrap()
+            .iter()
+            .map(|s| (s.addr - base, s.size / MIB))
+            .collect();
+        // Mapped during the trace: [base + 2, +6) and [base + 10, +2). So before it:
+        // [base, +2), [base + 8, +2) and the [base + 12, +4) unmapped at the end.
+        assert_eq!(start, vec![(0, 2), (8 * MIB, 2), (12 * MIB, 4)]);
+        let s = start_segments(&trace).unwrap();
+        assert!(s.iter().all(|s| s.stream == 7 && !s.small));
+    }
 }

@@ -5,7 +5,8 @@
 //! - `free_requested` → `free`; when the trace shows the block waited for other streams
 //!   (its `free_completed` comes later), the replay records a use on a private stream first
 //!   and completes that stream's event at the `free_completed`;
-//! - a run of `segment_free` events is the program calling `empty_cache()`: the replay does too;
+//! - a run of `segment_free` (or, with expandable segments, `segment_unmap`) events is the
+//!   program calling `empty_cache()`: the replay does too;
 //! - `free_completed` of a still-live address (RMM logs have no `free_requested`) frees it.
 //!
 //! Cold replay starts from nothing but the allocations alive at the start, allocated first,
@@ -192,10 +193,15 @@ pub fn replay_core(
         let segments = start_segments(trace)
             .filter(|s| {
                 !s.is_empty()
-                    || trace
-                        .events
-                        .iter()
-                        .any(|e| matches!(e.action, Action::SegmentAlloc | Action::SegmentFree))
+                    || trace.events.iter().any(|e| {
+                        matches!(
+                            e.action,
+                            Action::SegmentAlloc
+                                | Action::SegmentFree
+                                | Action::SegmentMap
+                                | Action::SegmentUnmap
+                        )
+                    })
             })
             .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
         let mut placed = 0usize;
@@ -240,6 +246,9 @@ pub fn replay_core(
     let deferred = deferred_frees(trace);
     // Warm: PyTorch's segment_alloc addresses not yet used, per size.
     let mut pending_segments: HashMap<u64, VecDeque<u64>> = HashMap::new();
+    // Warm, expandable segments: the recorded base of a reservation the replay has not made
+    // yet (a `segment_map` outside every reservation maps a new segment from its base).
+    let mut pending_reservation: Option<u64> = None;
     let mut report = ReplayReport::new(trace, options, torch);
     if options.record_history {
         // Every event the replay makes: at most one per trace event, plus the segment
@@ -257,6 +266,11 @@ pub fn replay_core(
             r.core.set_time_us(at.unwrap_or(i as u64));
         }
         match e.action {
+            Action::SegmentMap => {
+                if options.warm && r.backend.reservation_holding(DEVICE, e.addr).is_none() {
+                    pending_reservation = Some(e.addr);
+                }
+            }
             Action::SegmentAlloc => {
                 if options.warm {
                     pending_segments
@@ -294,11 +308,21 @@ pub fn replay_core(
                 };
                 if let Some((_, addr)) = placement {
                     r.backend.place_next(DEVICE, addr);
+                } else if let Some(addr) = pending_reservation {
+                    r.backend.place_next(DEVICE, addr);
                 }
                 let result = r.core.malloc(e.size, stream);
                 let mut new_segment = false;
                 if options.warm {
                     new_segment = r.backend.counts().mallocs > mallocs_before;
+                }
+                if let Some(addr) = pending_reservation {
+                    if placement.is_none() {
+                        r.backend.clear_placement(DEVICE);
+                    }
+                    if r.backend.reservation_holding(DEVICE, addr).is_some() {
+                        pending_reservation = None;
+                    }
                 }
                 if let Some((size, _)) = placement {
                     r.backend.clear_placement(DEVICE);
@@ -349,15 +373,17 @@ pub fn replay_core(
                     r.free(e.addr, false);
                 }
             }
-            Action::SegmentFree => {
-                let run_start = i == 0 || trace.events[i - 1].action != Action::SegmentFree;
+            Action::SegmentFree | Action::SegmentUnmap => {
+                // Expandable segments' pages go back as `segment_unmap` runs.
+                let releases = |a: Action| matches!(a, Action::SegmentFree | Action::SegmentUnmap);
+                let run_start = i == 0 || !releases(trace.events[i - 1].action);
                 if run_start {
                     r.core
                         .empty_cache()
                         .map_err(|source| ReplayError::Alloc { index: i, source })?;
                 }
             }
-            Action::SegmentMap | Action::SegmentUnmap | Action::Oom | Action::Snapshot => {}
+            Action::Oom | Action::Snapshot => {}
         }
         torch_reserved = torch_reserved.map(|t| torch_reserved_after(t, e));
         if options.sample_every > 0

@@ -1,8 +1,8 @@
 //! The allocator's own history replays to itself (issue 23): a workload run through the public
 //! API on the sim while recording (cross-stream frees, frees that wait, an out-of-memory
 //! request, `empty_cache`), dumped with `snapshot_pickle`, read back and replayed warm with the
-//! same config, puts every allocation at the address the live allocator gave it (ordinary
-//! segments; see the test for expandable ones).
+//! same config, puts every allocation at the address the live allocator gave it, with
+//! ordinary segments and with expandable ones.
 
 use gpualloc::{Allocator, DeviceId, HistoryOptions};
 use gpualloc_replay::input::from_bytes;
@@ -72,14 +72,18 @@ fn a_recorded_history_replays_warm_at_the_same_addresses() {
         .enable_all()
         .build()
         .unwrap();
-    // Ordinary segments. (Expandable segments do not replay warm at their addresses yet: the
-    // replay places a new ordinary segment at its recorded `segment_alloc` address, but not
-    // a new expandable segment's reservation at its first `segment_map`.)
+    // The replay places a new ordinary segment at its recorded `segment_alloc` address, and a
+    // new expandable segment's reservation at its first `segment_map` (which maps from the
+    // reservation's base); the device's capacity is the live one's, as an expandable
+    // segment reserves 9/8 of it.
     for conf in [
         "",
         "thread_cache:False",
         "garbage_collection_threshold:0.6",
         "max_split_size_mb:40",
+        "expandable_segments:True",
+        "expandable_segments:True,thread_cache:False",
+        "expandable_segments:True,max_split_size_mb:40",
     ] {
         let bytes = rt.block_on(recorded(conf));
         let traces = from_bytes("own.pickle", &bytes).unwrap();
@@ -87,6 +91,7 @@ fn a_recorded_history_replays_warm_at_the_same_addresses() {
         let options = ReplayOptions {
             warm: true,
             config: gpualloc::AllocatorConfig::parse(conf).unwrap(),
+            capacity: Some(1 << 30),
             ..ReplayOptions::default()
         };
         let report = replay(&traces[0], &options).unwrap();

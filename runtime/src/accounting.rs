@@ -238,6 +238,15 @@ impl AccountingBackend {
         lock(&self.state).counts
     }
 
+    /// The base of the address reservation (`va_reserve`) on `device` that holds `addr`, if
+    /// any.
+    pub fn reservation_holding(&self, device: DeviceId, addr: u64) -> Option<u64> {
+        let state = lock(&self.state);
+        let dev = state.devices.get(device.0 as usize)?;
+        let (&base, &len) = dev.reservations.range(..=addr).next_back()?;
+        (addr < base + len).then_some(base)
+    }
+
     /// Bytes in use on `device` (allocations plus physical memory for mappings).
     pub fn used(&self, device: DeviceId) -> u64 {
         lock(&self.state)
@@ -900,6 +909,17 @@ mod tests {
         b.place_next(d, BASE + 10 * ALIGNMENT);
         assert_eq!(b.malloc(d, 1 << 20).unwrap().0, BASE + 10 * ALIGNMENT);
         let va = b.va_reserve(d, 8 * ALIGNMENT, ALIGNMENT).unwrap();
+        assert_eq!(b.reservation_holding(d, va.0), Some(va.0));
+        assert_eq!(
+            b.reservation_holding(d, va.0 + 8 * ALIGNMENT - 1),
+            Some(va.0)
+        );
+        assert_eq!(b.reservation_holding(d, va.0 + 8 * ALIGNMENT), None);
+        assert_eq!(
+            b.reservation_holding(d, BASE + 10 * ALIGNMENT),
+            None,
+            "a malloc"
+        );
         let h = b.phys_create(d, ALIGNMENT).unwrap();
         b.map(va, ALIGNMENT, 0, h).unwrap();
         assert!(b.va_free(d, va, 8 * ALIGNMENT).is_err(), "still mapped");
@@ -907,6 +927,7 @@ mod tests {
         b.unmap(va, ALIGNMENT).unwrap();
         b.phys_release(h).unwrap();
         b.va_free(d, va, 8 * ALIGNMENT).unwrap();
+        assert_eq!(b.reservation_holding(d, va.0), None);
         assert_eq!(b.used(d), 2 << 20);
     }
 }
