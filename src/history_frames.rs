@@ -7,7 +7,8 @@
 //!   subscriber: `tracing_subscriber::registry().with(tracing_error::ErrorLayer::default())`
 //!   (plus their own layers). Without it an allocation carries no span frames.
 //! - A span frame's name is the span's name with its fields (`request{id=42 model="llama"}`),
-//!   its file and line where the span was declared.
+//!   its file and line where the span was declared. They are walked and formatted once per
+//!   innermost span and thread, and reused while that span is current (`span_frames`).
 //! - Backtraces (`HistoryOptions::backtraces`) are `std::backtrace::Backtrace::force_capture`
 //!   (symbolized when the snapshot is taken: costly, for debugging sessions); their frames
 //!   come first (innermost first, as PyTorch's), then the spans from the innermost out.
@@ -19,8 +20,12 @@
 //!   address no longer live and does nothing (or, if another request got the same address
 //!   in between, gives it these frames: a wrong label, never a wrong book).
 
+use std::cell::RefCell;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+use tracing::span::Id;
+use tracing::Metadata;
 
 use gpualloc_devices::{Frame, Frames};
 
@@ -40,10 +45,52 @@ pub(crate) fn recording(level: u8, alloc: bool) -> Recording {
 
 /// The frames of the current context at `level` (innermost first).
 fn capture(level: u8) -> Frames {
-    let mut frames = Vec::new();
-    if level >= HISTORY_BACKTRACES {
-        backtrace_frames(&std::backtrace::Backtrace::force_capture(), &mut frames);
+    if level < HISTORY_BACKTRACES {
+        return span_frames();
     }
+    let mut frames = Vec::new();
+    backtrace_frames(&std::backtrace::Backtrace::force_capture(), &mut frames);
+    frames.extend(span_frames().iter().cloned());
+    frames.into()
+}
+
+thread_local! {
+    /// The span frames this thread captured last, and the innermost span they were captured
+    /// in (its id and callsite).
+    static LAST_SPANS: RefCell<Option<(Id, &'static Metadata<'static>, Frames)>> =
+        const { RefCell::new(None) };
+}
+
+/// The span stack current on this thread as frames (innermost first). Mallocs in one span
+/// share its frames: they are walked and formatted once per innermost span and thread, and
+/// handed out again while that span is the current one (its id, with the registry's
+/// generation bits, and its callsite tell it from a later span reusing the slot). Nothing is
+/// lost by reusing them: `ErrorLayer` formats a span's fields once, when the span is made
+/// (fields `Span::record`ed later do not show). Costs: `bench history` (BENCHMARKS.md).
+fn span_frames() -> Frames {
+    let current = tracing::dispatcher::get_default(|d| d.current_span());
+    let (Some(id), Some(meta)) = (current.id(), current.metadata()) else {
+        return walk_spans();
+    };
+    LAST_SPANS.with(|last| {
+        // Nothing here calls back into a capture; a failed borrow just skips the cache.
+        let Ok(mut last) = last.try_borrow_mut() else {
+            return walk_spans();
+        };
+        if let Some((last_id, last_meta, frames)) = last.as_ref() {
+            if last_id == id && std::ptr::eq(*last_meta, meta) {
+                return frames.clone();
+            }
+        }
+        let frames = walk_spans();
+        *last = Some((id.clone(), meta, frames.clone()));
+        frames
+    })
+}
+
+/// Walks the span stack (`tracing-error`'s `SpanTrace`) into frames.
+fn walk_spans() -> Frames {
+    let mut frames = Vec::new();
     tracing_error::SpanTrace::capture().with_spans(|meta, fields| {
         let name = if fields.is_empty() {
             meta.name().to_string()

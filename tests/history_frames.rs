@@ -230,3 +230,59 @@ async fn a_revived_block_carries_the_frames_of_the_malloc_that_revived_it() {
     assert!(block.frames.is_none(), "freed (parked): no frames");
     alloc.shutdown().await.unwrap();
 }
+
+/// Span frames are walked once per innermost span and thread and reused while it is
+/// current: spans of one callsite made one after another (their registry slot reused) each
+/// give their own fields, and a parent's frames come back after its child's. (A field
+/// recorded into a span after it was made shows nowhere: `ErrorLayer` formats a span's
+/// fields when it is made, as it did before frames were reused.)
+#[tokio::test(flavor = "current_thread")]
+async fn each_span_gives_its_own_frames_when_frames_are_reused() {
+    let _guard = tracing::subscriber::set_default(span_subscriber());
+    for conf in ["", "thread_cache:False"] {
+        let (alloc, s) = recording(conf, spans()).await;
+        for id in 0..40u64 {
+            let b = alloc
+                .malloc(MIB, &s)
+                .instrument(tracing::info_span!("request", id))
+                .await
+                .unwrap();
+            drop(b);
+        }
+        let outer = tracing::info_span!("outer", status = tracing::field::Empty);
+        let held = async {
+            let a = alloc.malloc(2 * MIB, &s).await.unwrap();
+            let b = alloc
+                .malloc(2 * MIB, &s)
+                .instrument(tracing::info_span!("inner"))
+                .await
+                .unwrap();
+            let c = alloc.malloc(2 * MIB, &s).await.unwrap();
+            tracing::Span::current().record("status", 200);
+            let d = alloc
+                .malloc(2 * MIB, &s)
+                .instrument(tracing::info_span!("after"))
+                .await
+                .unwrap();
+            vec![a, b, c, d]
+        }
+        .instrument(outer)
+        .await;
+        let allocs: Vec<Vec<String>> = common::history(&alloc)
+            .await
+            .iter()
+            .filter(|e| e.action == TraceAction::Alloc)
+            .map(|e| names(e.frames.as_deref()))
+            .collect();
+        assert_eq!(allocs.len(), 44, "[{conf}]");
+        for (id, frames) in allocs[..40].iter().enumerate() {
+            assert_eq!(frames, &vec![format!("request{{id={id}}}")], "[{conf}]");
+        }
+        assert_eq!(allocs[40], vec!["outer"], "[{conf}]");
+        assert_eq!(allocs[41], vec!["inner", "outer"], "[{conf}]");
+        assert_eq!(allocs[42], vec!["outer"], "[{conf}]");
+        assert_eq!(allocs[43], vec!["after", "outer"], "[{conf}]");
+        drop(held);
+        alloc.shutdown().await.unwrap();
+    }
+}
