@@ -203,9 +203,12 @@ impl AllocatorBuilder {
     /// on the current tokio runtime (so call this from inside one).
     pub fn build(self) -> Result<Allocator, Error> {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::NoRuntime)?;
-        let config = self.resolve_config()?;
         let backend = self.resolve_backend()?;
         let count = backend.device_count()?;
+        // The `gpualloc` policy's default: expandable segments where every device has
+        // virtual memory, unless the config names them (`AllocatorConfig::resolved`).
+        let vmm = (0..count).all(|d| backend.has_vmm(DeviceId(d)));
+        let config = self.resolve_config()?.resolved(vmm);
         let process = ProcessGuard::current();
         let mut devices = Vec::with_capacity(count as usize);
         let mut tasks = Vec::with_capacity(count as usize);

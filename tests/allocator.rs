@@ -34,10 +34,12 @@ async fn hit_after_free_reuses_the_block_and_stats_add_up() {
     drop(a);
     let b = alloc.malloc(3000, &s).await.unwrap();
     assert_eq!(b.ptr(), p, "a hit reuses the cached block");
+    // The default config under the `gpualloc` policy runs expandable segments where the
+    // backend has virtual memory: one page mapped, no device malloc.
     assert_eq!(
-        acc.counts().mallocs,
-        1,
-        "one device malloc for two allocations"
+        (acc.counts().mallocs, acc.counts().maps),
+        (0, 1),
+        "one driver call for two allocations"
     );
     let st = alloc.stats(DeviceId(0)).await.unwrap();
     assert_eq!(st.allocated_bytes[0].current, 3072);

@@ -83,7 +83,8 @@ async fn hits_flow_during_a_garbage_collection_pass() {
     let sim = sim(100 * MIB);
     let alloc = build(
         sim.clone(),
-        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+        // Ordinary segments (the garbage collector frees whole segments).
+        "expandable_segments:False,garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
     );
     let s = alloc.new_stream(DeviceId(0)).unwrap();
     drop(alloc.malloc(512 << 10, &s).await.unwrap());
@@ -162,8 +163,9 @@ async fn hits_flow_while_empty_cache_waits_for_a_busy_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hits_flow_while_a_miss_over_the_memory_fraction_frees_the_cache() {
     for conf in [
-        "per_process_memory_fraction:0.5",
-        "per_process_memory_fraction:0.5,thread_cache:False",
+        // Ordinary segments (expandable ones: the test below).
+        "expandable_segments:False,per_process_memory_fraction:0.5",
+        "expandable_segments:False,per_process_memory_fraction:0.5,thread_cache:False",
     ] {
         // 1 GiB device, 512 MiB allowed; 400 MiB cached in two segments.
         let sim = sim(1 << 30);
@@ -209,9 +211,15 @@ async fn an_oom_on_a_full_device_makes_no_device_call_under_the_gate() {
     // creates two 20 MiB pages of the 56 MiB left and fails on the third (then rolls back).
     // Before the core's last step stopped calling the device, these were 3 and 9.
     for (conf, op, calls) in [
-        ("", Op::Malloc, 1),
-        ("thread_cache:False", Op::Malloc, 1),
+        ("expandable_segments:False", Op::Malloc, 1),
+        (
+            "expandable_segments:False,thread_cache:False",
+            Op::Malloc,
+            1,
+        ),
         ("expandable_segments:True", Op::PhysCreate, 3),
+        // The default config: expandable segments (the `gpualloc` policy, virtual memory).
+        ("", Op::PhysCreate, 3),
     ] {
         let sim = sim(256 * MIB);
         let alloc = build(sim.clone(), conf);

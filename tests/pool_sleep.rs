@@ -139,7 +139,7 @@ async fn a_thousand_buffers_keep_their_bytes_at_the_same_addresses() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_needs_expandable_segments() {
-    let alloc = build(sim(1 << 30), "");
+    let alloc = build(sim(1 << 30), "expandable_segments:False");
     let s = alloc.new_stream(D0).unwrap();
     let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
     let _b = kv.malloc(MIB, &s).await.unwrap();

@@ -167,7 +167,7 @@ async fn an_unsplit_pools_buffers_are_each_announced_as_their_own_range() {
         unsplit: Some(g),
         ..PoolOptions::default()
     };
-    let plain = build(sim(1 << 30), "");
+    let plain = build(sim(1 << 30), "expandable_segments:False");
     let err = plain.pool("nvls", options.clone()).await.unwrap_err();
     assert!(
         matches!(

@@ -297,35 +297,59 @@ async fn awaiting_gpu_work_does_not_block_the_runtime() {
     alloc.shutdown().await.unwrap();
 }
 
-/// Shutdown while a miss's device malloc is in flight on the blocking pool: the late segment
-/// is not adopted by the shut-down core but freed, so nothing leaks, and the request gets
-/// the shutdown error.
+/// Shutdown while a miss's device calls are in flight on the blocking pool (an ordinary
+/// segment's malloc; an expandable segment's physical pages, the default config on the sim):
+/// the late memory is not adopted by the shut-down core but goes back, so nothing leaks, and
+/// the request gets the shutdown error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_racing_an_in_flight_miss_leaks_nothing() {
-    let latency = gpualloc::runtime::sim::LatencyModel {
-        malloc: Duration::from_millis(50),
-        ..gpualloc::runtime::sim::LatencyModel::zero()
-    };
-    let sim = SimBackend::new(SimConfig {
-        latency,
-        ..SimConfig::fast(1)
-    })
-    .unwrap();
-    let alloc = build(&sim);
-    let s = alloc.new_stream(DeviceId(0)).unwrap();
-    let (a2, s2) = (alloc.clone(), s.clone());
-    let request = tokio::spawn(async move { a2.malloc(8 * MIB, &s2).await });
-    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
-    while actor.misses_in_flight() == 0 {
-        tokio::task::yield_now().await;
+    let slow = Duration::from_millis(50);
+    for (conf, latency) in [
+        (
+            "expandable_segments:False",
+            gpualloc::runtime::sim::LatencyModel {
+                malloc: slow,
+                ..gpualloc::runtime::sim::LatencyModel::zero()
+            },
+        ),
+        (
+            "",
+            gpualloc::runtime::sim::LatencyModel {
+                phys: slow,
+                ..gpualloc::runtime::sim::LatencyModel::zero()
+            },
+        ),
+    ] {
+        let sim = SimBackend::new(SimConfig {
+            latency,
+            ..SimConfig::fast(1)
+        })
+        .unwrap();
+        let alloc = Allocator::builder()
+            .config_str(conf)
+            .backend_instance(sim.clone())
+            .build()
+            .expect("build");
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let (a2, s2) = (alloc.clone(), s.clone());
+        let request = tokio::spawn(async move { a2.malloc(8 * MIB, &s2).await });
+        let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+        while actor.misses_in_flight() == 0 {
+            tokio::task::yield_now().await;
+        }
+        alloc.shutdown().await.unwrap();
+        let result = request.await.unwrap();
+        assert!(result.unwrap_err().is_shutdown(), "[{conf}]");
+        assert_eq!(actor.misses_in_flight(), 0, "[{conf}]");
+        assert_eq!(
+            sim.live_allocations(),
+            0,
+            "[{conf}]: the late segment went back to the device"
+        );
+        assert_eq!(
+            sim.used_bytes(DeviceId(0)).unwrap(),
+            0,
+            "[{conf}]: no page left"
+        );
     }
-    alloc.shutdown().await.unwrap();
-    let result = request.await.unwrap();
-    assert!(result.unwrap_err().is_shutdown());
-    assert_eq!(actor.misses_in_flight(), 0);
-    assert_eq!(
-        sim.live_allocations(),
-        0,
-        "the late segment went back to the device"
-    );
 }

@@ -9,7 +9,7 @@
 //! | `max_non_split_rounding_mb` | largest waste when a large request reuses an unsplittable block | 20 |
 //! | `roundup_power2_divisions` | `N` or `[MB:N,...,>:N]`, powers of two | none |
 //! | `garbage_collection_threshold` | in (0, 1): reclaim old cached blocks above this fraction of the allowed memory (needs `per_process_memory_fraction`) | off |
-//! | `expandable_segments` | `True`/`False` | `False` |
+//! | `expandable_segments` | `True`/`False` | `True` where the backend has virtual memory under the `gpualloc` policy (the facade and the replay resolve it: [`AllocatorConfig::resolved`]), else `False` |
 //! | `large_segment_size_mb` | segment size for 1–10 MiB requests (even, ≥ 2) | 20 |
 //! | `per_process_memory_fraction` | cap reserved memory at this fraction of the device, in (0, 1] | none |
 //! | `release_lock_on_cudamalloc` | `True`/`False`: let the actor serve other requests during a driver malloc | `True` |
@@ -34,6 +34,7 @@
 //! | `max_split_size` with expandable segments | limits expandable blocks as any other: a free block of at least `max_split_size` is not given to a smaller request, nor to a larger one it exceeds by more than `max_non_split_rounding` | limits only blocks of ordinary segments (the proposal of PyTorch PR #193400, not merged) | in an expandable segment a freed oversize block cannot be released while a live block follows it, so refusing it maps new pages for every such request: reserved memory grows without bound in a plain alloc/free cycle | `max_split_size_mb:128,expandable_segments:True`, peak reserved: llama-lora-finetune 5.74 GiB (PyTorch) vs 5.51 GiB, transformer-lm-train 13.26 GiB vs 12.98 GiB (`gpualloc replay --policy both`); 100 cycles of two 40 MiB buffers and a kept 2 MiB one, `max_split_size_mb:64`: 8,200 MiB vs 280 MiB (`devices/tests/expandable.rs`) |
 //! | best fit in expandable segments (dead remainders) | a large-pool request takes the smallest free block that holds it and splits off whatever remains, 512 B or more | a best fit that would leave under 512 KiB (and is not the segment's tail) is passed over for the tail, which grows if it must; where it cannot grow the passed-over block is taken after all, before any cache is released (`devices/src/placement.rs`) | every large-pool request is over 1 MiB, so such a remainder is dead until a neighbour is freed; kept activations landing in the holes of freed temporaries pile them up | `expandable_segments:True`, peak reserved: transformer-lm-forward-bf16 786 MiB (PyTorch) vs 766 MiB, fragmentation 5.38% vs 2.91%; the other two traces unchanged (`devices/tests/placement.rs`) |
 //! | large-pool pages of expandable segments | 20 MiB pages (`large_segment_size`), one physical handle each; a growth maps the pages the request needs | 2 MiB pages, one physical handle per growth of up to 20 MiB; a growth maps 1/8 of what the segment has mapped ahead of the request, and once that reaches 20 MiB grows to the next 20 MiB boundary as PyTorch does; the pages ahead are dropped where the device or `per_process_memory_fraction` has no room, and the fraction counts the pages mapped, not a 20 MiB segment (`devices/src/map_ahead.rs`) | on a small model a 20 MiB page is most of the memory reserved and unused; one handle per growth keeps the driver calls of 20 MiB pages, and the 20 MiB boundary keeps large segments as PyTorch lays them out | `expandable_segments:True`, peak reserved: a generated MiniLM-like inference (`replay/tests/small_model.rs`) 92 MiB (PyTorch) vs 84 MiB, fragmentation 14.05% vs 5.86%; the shared traces unchanged, driver map calls +1, +3, +1 (`devices/tests/map_ahead.rs`) |
+//! | segments under a config that does not name `expandable_segments` | ordinary segments (`cudaMalloc`); expandable ones only when asked | expandable segments where every device of the backend has virtual memory (asked without a context: CUDA's `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` attribute), with the rules above; `expandable_segments:False` keeps ordinary ones (`AllocatorConfig::resolved`) | an expandable segment grows where an ordinary one would allocate another segment, so the large pool's free memory is one block per stream instead of a remainder in each segment (PyTorch's own advice against fragmentation) | default config, peak reserved: llama-lora-finetune 6,192 MiB (PyTorch) vs 5,642 MiB, transformer-lm-forward-bf16 822 vs 766 MiB, transformer-lm-train 13,436 vs 13,296 MiB, a generated MiniLM-like inference 102 vs 84 MiB; driver calls during warm-up: 230 / 43 / 240 / 12 segment mallocs vs 329 / 45 / 673 / 16 page maps, none after (`replay/tests/real_traces.rs`, `small_model.rs`) |
 
 use std::fmt;
 
@@ -78,6 +79,11 @@ pub struct AllocatorConfig {
     pub garbage_collection_threshold: f64,
     /// Use expandable (virtual-memory) segments.
     pub expandable_segments: bool,
+    /// Whether the config names `expandable_segments` (parsed, or set with
+    /// [`AllocatorConfig::with_expandable_segments`]). Where it does not, the `gpualloc` policy
+    /// uses expandable segments on a backend with virtual memory
+    /// ([`AllocatorConfig::resolved`]).
+    pub expandable_segments_named: bool,
     /// Segment size for large-pool requests under 10 MiB.
     pub large_segment_size: u64,
     /// Cap on reserved memory as a fraction of the device's memory.
@@ -108,6 +114,7 @@ impl Default for AllocatorConfig {
             roundup_power2_divisions: [0; ROUNDUP_BANDS],
             garbage_collection_threshold: 0.0,
             expandable_segments: false,
+            expandable_segments_named: false,
             large_segment_size: LARGE_BUFFER,
             per_process_memory_fraction: None,
             release_lock_on_device_malloc: true,
@@ -157,6 +164,9 @@ impl fmt::Display for AllocatorConfig {
         }
         if self.expandable_segments {
             parts.push("expandable_segments:True".into());
+        } else if self.expandable_segments_named {
+            // Named: the `gpualloc` policy's default does not apply (`resolved`).
+            parts.push("expandable_segments:False".into());
         }
         if self.large_segment_size != d.large_segment_size {
             parts.push(format!(
@@ -297,7 +307,10 @@ impl AllocatorConfig {
                 }
                 self.garbage_collection_threshold = v;
             }
-            "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
+            "expandable_segments" => {
+                self.expandable_segments = parse_bool(key, value)?;
+                self.expandable_segments_named = true;
+            }
             "large_segment_size_mb" => {
                 let v = parse_mb(key, value, "an even number of MiB, at least 2")?;
                 if v < 2 * MIB || v % (2 * MIB) != 0 {
@@ -414,7 +427,20 @@ impl AllocatorConfig {
     /// Builder: `expandable_segments`.
     pub fn with_expandable_segments(mut self, on: bool) -> Self {
         self.expandable_segments = on;
+        self.expandable_segments_named = true;
         self
+    }
+
+    /// The config an allocator runs with on a backend that has virtual memory (`vmm`: its
+    /// `vmm_granularity` answers) or not. Under the `gpualloc` policy a config that does not
+    /// name `expandable_segments` gets them where there is virtual memory
+    /// ([`Policy::expandable_by_default`]); otherwise the config as it is.
+    pub fn resolved(&self, vmm: bool) -> AllocatorConfig {
+        let mut config = self.clone();
+        if vmm && !config.expandable_segments_named && config.policy.expandable_by_default() {
+            config.expandable_segments = true;
+        }
+        config
     }
 
     /// Builder: `garbage_collection_threshold` with the `per_process_memory_fraction` it needs.
@@ -618,6 +644,41 @@ mod tests {
         assert_eq!(off, AllocatorConfig::default().with_thread_cache(false));
         assert_eq!(off.to_string(), "thread_cache:False");
         assert_eq!(AllocatorConfig::parse(&off.to_string()).unwrap(), off);
+    }
+
+    #[test]
+    fn expandable_segments_by_default_under_the_gpualloc_policy() {
+        let plain = AllocatorConfig::parse("").unwrap();
+        assert!(!plain.expandable_segments, "the core runs what it is given");
+        assert!(plain.resolved(true).expandable_segments);
+        assert!(
+            !plain.resolved(false).expandable_segments,
+            "no virtual memory"
+        );
+        assert!(!plain.resolved(true).expandable_segments_named);
+        let off = AllocatorConfig::parse("expandable_segments:False").unwrap();
+        assert!(off.expandable_segments_named);
+        assert!(!off.resolved(true).expandable_segments, "named: kept");
+        assert_eq!(off.to_string(), "expandable_segments:False");
+        assert_eq!(AllocatorConfig::parse(&off.to_string()).unwrap(), off);
+        assert!(
+            !AllocatorConfig::default()
+                .with_expandable_segments(false)
+                .resolved(true)
+                .expandable_segments
+        );
+        let on = AllocatorConfig::parse("expandable_segments:True").unwrap();
+        assert_eq!(
+            on.resolved(false),
+            on,
+            "asked for: kept, as the backend will refuse"
+        );
+        let torch = AllocatorConfig::parse("policy:pytorch").unwrap();
+        assert!(
+            !torch.resolved(true).expandable_segments,
+            "PyTorch's default"
+        );
+        assert_eq!(plain.resolved(true).to_string(), "expandable_segments:True");
     }
 
     #[test]

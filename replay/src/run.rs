@@ -168,7 +168,8 @@ pub fn replay_core(
     let capacity = options.capacity.unwrap_or(1 << 40);
     let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
     let dynb: Arc<dyn Backend> = backend.clone();
-    let mut core = DeviceCore::new(dynb, DEVICE, options.config.clone())
+    // As the allocator runs it: the accounting backend has virtual memory.
+    let mut core = DeviceCore::new(dynb, DEVICE, options.config.resolved(true))
         .map_err(|source| ReplayError::Alloc { index: 0, source })?;
     if let Some(hook) = options.core_hook {
         hook(&mut core);

@@ -108,8 +108,9 @@ fn cold_replay_peak_is_at_most_pytorchs() {
 }
 
 /// The configs the replay issue names (the gc one with a device capacity, below).
-const CONFIGS: [&str; 6] = [
+const CONFIGS: [&str; 7] = [
     "",
+    "expandable_segments:False",
     "expandable_segments:True",
     "max_split_size_mb:128",
     "max_split_size_mb:128,expandable_segments:True",
@@ -118,10 +119,12 @@ const CONFIGS: [&str; 6] = [
 ];
 
 /// The two policies answer alike except where a documented deviation applies: on these
-/// traces, only with expandable segments (`max_split_size` there, the placement rule for dead
+/// traces, only with expandable segments (which the `gpualloc` policy runs unless the config
+/// says `expandable_segments:False`; `max_split_size` there, the placement rule for dead
 /// remainders, and the large pool's 2 MiB pages), and there the `gpualloc` policy never
-/// reserves more at its peak. Growths are the core's `segment_map`s; driver maps are the
-/// backend's `map` calls (one per physical handle).
+/// reserves more at its peak. Growths are the core's `segment_map`s (for PyTorch's ordinary
+/// segments, its segment mallocs); driver maps are the backend's `map` calls (one per
+/// physical handle).
 #[test]
 fn policies_differ_only_where_a_deviation_applies() {
     use gpualloc_devices::{AllocatorConfig, Policy};
@@ -147,7 +150,7 @@ fn policies_differ_only_where_a_deviation_applies() {
             );
             if torch != ours {
                 assert!(
-                    conf.contains("expandable_segments:True"),
+                    !conf.contains("expandable_segments:False"),
                     "{} [{conf}]: the policies differ where no deviation applies",
                     trace.name
                 );
@@ -178,12 +181,24 @@ fn policies_differ_only_where_a_deviation_applies() {
     assert_eq!(
         figures,
         [
+            "llama-lora-finetune.pickle []: 6192 / 5642 MiB, growths 230 / 208, driver maps 0 / 329",
             "llama-lora-finetune.pickle [expandable_segments:True]: 5642 / 5642 MiB, growths 207 / 208, driver maps 328 / 329",
+            "llama-lora-finetune.pickle [max_split_size_mb:128]: 6192 / 5642 MiB, growths 230 / 208, driver maps 0 / 329",
             "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5642 MiB, growths 209 / 208, driver maps 340 / 329",
+            "llama-lora-finetune.pickle [roundup_power2_divisions:4]: 6034 / 5986 MiB, growths 213 / 207, driver maps 0 / 348",
+            "llama-lora-finetune.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 6024 / 5642 MiB, growths 230 / 208, driver maps 0 / 329",
+            "transformer-lm-forward-bf16.pickle []: 822 / 766 MiB, growths 43 / 43, driver maps 0 / 45",
             "transformer-lm-forward-bf16.pickle [expandable_segments:True]: 786 / 766 MiB, growths 41 / 43, driver maps 42 / 45",
+            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128]: 822 / 766 MiB, growths 43 / 43, driver maps 0 / 45",
             "transformer-lm-forward-bf16.pickle [max_split_size_mb:128,expandable_segments:True]: 786 / 766 MiB, growths 41 / 43, driver maps 42 / 45",
+            "transformer-lm-forward-bf16.pickle [roundup_power2_divisions:4]: 866 / 866 MiB, growths 64 / 47, driver maps 0 / 50",
+            "transformer-lm-forward-bf16.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 822 / 766 MiB, growths 43 / 43, driver maps 0 / 45",
+            "transformer-lm-train.pickle []: 13436 / 13296 MiB, growths 240 / 248, driver maps 0 / 673",
             "transformer-lm-train.pickle [expandable_segments:True]: 13296 / 13296 MiB, growths 248 / 248, driver maps 672 / 673",
+            "transformer-lm-train.pickle [max_split_size_mb:128]: 13730 / 13296 MiB, growths 245 / 248, driver maps 0 / 673",
             "transformer-lm-train.pickle [max_split_size_mb:128,expandable_segments:True]: 13576 / 13296 MiB, growths 251 / 248, driver maps 686 / 673",
+            "transformer-lm-train.pickle [roundup_power2_divisions:4]: 13468 / 13436 MiB, growths 277 / 252, driver maps 0 / 679",
+            "transformer-lm-train.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 13412 / 13296 MiB, growths 239 / 248, driver maps 0 / 673",
         ]
     );
 }

@@ -153,18 +153,20 @@ fn a_small_models_inference_under_both_policies() {
     }
     // (config, policy, peak reserved MiB, fragmentation in hundredths of a percent). With
     // expandable segments the gpualloc policy's 2 MiB large-pool pages (`map_ahead.rs`) leave
-    // at most half of PyTorch's fragmentation (20 MiB pages), the target.
+    // at most half of PyTorch's fragmentation (20 MiB pages), the target; with the
+    // default config the gpualloc policy runs expandable segments (the accounting backend has
+    // virtual memory): at most half of PyTorch's ordinary segments' too.
     assert_eq!(
         figures,
         [
             ("", Policy::Pytorch, 102, 2196),
-            ("", Policy::Gpualloc, 102, 2196),
+            ("", Policy::Gpualloc, 84, 586),
             ("expandable_segments:True", Policy::Pytorch, 92, 1405),
             ("expandable_segments:True", Policy::Gpualloc, 84, 586),
         ]
     );
     assert!(
-        2 * figures[3].3 <= figures[2].3,
+        2 * figures[3].3 <= figures[2].3 && 2 * figures[1].3 <= figures[0].3,
         "at most half: {figures:?}"
     );
 }

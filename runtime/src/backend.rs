@@ -168,6 +168,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Granularity of physical allocations and mappings on `device` (2 MiB on current GPUs).
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64>;
+    /// Whether `device` has virtual memory (expandable segments can run on it), asked without
+    /// making the device current: the allocator asks it of every device when it is built,
+    /// and a CUDA context on a device nobody allocates on costs hundreds of MiB. Default:
+    /// whether [`Backend::vmm_granularity`] answers.
+    fn has_vmm(&self, device: DeviceId) -> bool {
+        self.vmm_granularity(device).is_ok()
+    }
     /// Reserves `size` bytes of device virtual address space aligned to `alignment`.
     fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr>;
     /// Releases a reservation; nothing may still be mapped in it.

@@ -296,6 +296,9 @@ impl Backend for CudaBackend {
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
         self.health.seen(device, self.cu_granularity(device))
     }
+    fn has_vmm(&self, device: DeviceId) -> bool {
+        self.cu_has_vmm(device)
+    }
     fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
         self.health
             .seen(device, self.cu_va_reserve(device, size, alignment))

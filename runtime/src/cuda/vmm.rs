@@ -67,6 +67,31 @@ fn granularity_of(device: DeviceId, handle_type: sys::CUmemAllocationHandleType)
 }
 
 impl CudaBackend {
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` of `device`: needs the
+    /// driver initialized, no context (unlike the granularity query, which binds one).
+    pub(crate) fn cu_has_vmm(&self, device: DeviceId) -> bool {
+        if self.contexts.check(device).is_err() {
+            return false;
+        }
+        let Ok(ordinal) = c_int::try_from(device.0) else {
+            return false;
+        };
+        let mut supported: c_int = 0;
+        let asked = drv("cuDeviceGetAttribute", || {
+            // SAFETY: `supported` is a valid out-pointer for the call; the driver is
+            // initialized (the backend exists) and `ordinal` was checked against the device
+            // count.
+            unsafe {
+                sys::cuDeviceGetAttribute(
+                    &mut supported,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                    ordinal,
+                )
+            }
+        });
+        asked.is_ok() && supported != 0
+    }
+
     pub(crate) fn cu_granularity(&self, device: DeviceId) -> Result<u64> {
         let slot = (self.granularity.get(device.0 as usize))
             .ok_or(BackendError::InvalidDevice(device.0))?;
