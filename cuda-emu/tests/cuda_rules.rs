@@ -138,12 +138,19 @@ fn child_entry() {
         // Building the allocator touches no context; allocating on device 2 retains device
         // 2's only.
         "only-device-2" => {
+            let b = backend.clone();
             with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
                 assert_eq!(
                     active_contexts(DEVICES),
                     [false; 4],
                     "building the allocator retained contexts"
                 );
+                // It asked every device for virtual memory (the gpualloc policy's default of
+                // expandable segments), without a context.
+                assert!(alloc.config().expandable_segments);
+                assert!((0..DEVICES).all(|d| b.has_vmm(DeviceId(d))));
+                assert!(!b.has_vmm(DeviceId(DEVICES)), "no such device");
+                assert_eq!(active_contexts(DEVICES), [false; 4], "has_vmm retained one");
                 let stream = alloc.new_stream(DeviceId(2)).unwrap();
                 let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
                 assert_eq!(active_contexts(DEVICES), [false, false, true, false]);
