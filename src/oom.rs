@@ -13,6 +13,10 @@
 //!   callbacks find it ([`OomEvent::snapshot`]). A failure to write it is logged, and the
 //!   malloc's error is returned as it was. Concurrent failures write one after the other.
 //! - An observer that panics is caught and logged; the others still run.
+//! - The failure is counted here too, once (`num_ooms`, the history's `oom` entry, the
+//!   warning), before the observers run: the device's own attempts are not counted, so a
+//!   `malloc` retried while misses land or while waiting for memory is one failure, and a
+//!   wait that ends in a buffer is none.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -51,9 +55,8 @@ impl std::fmt::Debug for OomObservers {
 impl Allocator {
     /// True if a `malloc`'s `result` needs [`Allocator::follow_up`]: frames to attach
     /// (recording with frames, `history_frames.rs`) or an out-of-memory failure to count and
-    /// observe. Plain
-    /// code, no future: the usual `malloc` pays one test of its result and one relaxed load
-    /// (an `.await` on the successful path cost ~10% of a hit pair).
+    /// observe. Plain code, no future: the usual `malloc` pays one test of its result and one
+    /// relaxed load (an `.await` on the successful path cost ~10% of a hit pair).
     pub(crate) fn malloc_follow_up(
         &self,
         actor: &DeviceActor,

@@ -431,8 +431,8 @@ impl AllocatorConfig {
         self
     }
 
-    /// The config an allocator runs with on a backend that has virtual memory (`vmm`: its
-    /// `vmm_granularity` answers) or not. Under the `gpualloc` policy a config that does not
+    /// The config an allocator runs with on a backend that has virtual memory (`vmm`: the
+    /// backend's `has_vmm` answers yes for every device) or not. Under the `gpualloc` policy a config that does not
     /// name `expandable_segments` gets them where there is virtual memory
     /// ([`Policy::expandable_by_default`]); otherwise the config as it is.
     pub fn resolved(&self, vmm: bool) -> AllocatorConfig {
