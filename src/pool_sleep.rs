@@ -2,7 +2,8 @@
 //! the same addresses (vLLM's sleep mode; the core's rules are in `gpualloc_devices`'
 //! `sleep.rs`).
 //!
-//! - Needs `expandable_segments:True`; otherwise `AllocError::NotSupported`.
+//! - Needs expandable segments (the default where the backend has virtual memory;
+//!   `expandable_segments:False` refuses it with `AllocError::NotSupported`).
 //! - [`SleepMode::Offload`] copies every live block (the bytes its user asked for, no
 //!   rounding) into pinned host memory from the allocator's pinned pool, packed into
 //!   power-of-two chunks that the pool serves at their exact size: the host memory held is
@@ -23,9 +24,12 @@
 //! - Dropping a `sleep()` or `wake()` future does not stop it: once begun it runs to its end
 //!   on the allocator's runtime (asleep, awake, or rolled back), so the pool is never left
 //!   half asleep. Calls on the same pool and device run one at a time.
+//! - A backend that panics during a sleep's or a wake's copies (a custom backend's bug) rolls
+//!   it back as a failed copy does, with a `BackendError::Unavailable` error (`guarded`).
 //! - A pool dropped while asleep drops its host copy; its address ranges stay reserved until
 //!   the allocator shuts down.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +37,7 @@ use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, DeviceCore, Leftovers,
     MemPoolId, PoolState, SleepMode, SleepPlan,
 };
-use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 use tokio::sync::Mutex;
 
 use crate::actor::DeviceActor;
@@ -147,12 +151,23 @@ async fn sleep_task(
     let (plan, chunks, copied) = actor
         .runtime
         .spawn_blocking(move || {
-            let copied = wait_for_pool_streams(backend.as_ref(), &plan).and_then(|()| {
-                let copies = plan.copies();
-                copy(backend.as_ref(), device, copies, &chunks, Direction::Out)
+            let copied = guarded("a sleep's copies", || {
+                wait_for_pool_streams(backend.as_ref(), &plan)?;
+                copy(
+                    backend.as_ref(),
+                    device,
+                    plan.copies(),
+                    &chunks,
+                    Direction::Out,
+                )
             });
             if copied.is_ok() {
-                release_slept_pages(backend.as_ref(), &plan);
+                // The bytes are safe on the host: the sleep finishes even if releasing
+                // panics (the pages it did not release stay mapped, unaccounted).
+                let _ = guarded("a sleep's page release", || {
+                    release_slept_pages(backend.as_ref(), &plan);
+                    Ok(())
+                });
             }
             (plan, chunks, copied)
         })
@@ -180,9 +195,13 @@ async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Re
     let (plan, copy, woken) = actor
         .runtime
         .spawn_blocking(move || {
-            let woken = map_wake(backend.as_ref(), &plan).and_then(|woken| {
+            let woken = guarded("a wake's mapping", || map_wake(backend.as_ref(), &plan));
+            let woken = woken.and_then(|woken| {
                 let (copies, chunks) = (&copy.copies, &copy.chunks);
-                match self::copy(backend.as_ref(), device, copies, chunks, Direction::In) {
+                let copied = guarded("a wake's copies", || {
+                    self::copy(backend.as_ref(), device, copies, chunks, Direction::In)
+                });
+                match copied {
                     Ok(()) => Ok(woken),
                     Err(e) => {
                         woken.release(backend.as_ref());
@@ -227,6 +246,23 @@ async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Re
             }))
         }
     }
+}
+
+/// Runs a step of a sleep or a wake that calls the backend off the gate. A panic in it (a
+/// custom backend's bug) becomes an error, so the sleep or wake is rolled back as after a
+/// failed call; unguarded, it lost the plan and left the pool busy, and the next sleep
+/// retried forever. What the step had done before it panicked is not undone (pages it mapped
+/// stay mapped, unaccounted): the backend's state is unknown.
+fn guarded<T>(
+    what: &str,
+    step: impl FnOnce() -> Result<T, BackendError>,
+) -> Result<T, BackendError> {
+    catch_unwind(AssertUnwindSafe(step)).unwrap_or_else(|_| {
+        tracing::error!("the backend panicked during {what}");
+        Err(BackendError::Unavailable(format!(
+            "the backend panicked during {what}"
+        )))
+    })
 }
 
 fn finish_or_abort(core: &mut DeviceCore, plan: SleepPlan, ok: bool) -> Leftovers {

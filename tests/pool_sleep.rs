@@ -369,3 +369,61 @@ async fn a_failed_copy_rolls_a_sleep_or_a_wake_back() {
     drop(bufs);
     alloc.shutdown().await.unwrap();
 }
+
+/// A backend that panics in the middle of a sleep's or a wake's copies (a custom backend's
+/// bug) rolls it back as a failed copy does: the sleep or wake returns an error, the pool is
+/// as it was, and the next sleep and wake work (before, the pool stayed busy and the next
+/// sleep retried forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_panicking_in_a_copy_rolls_a_sleep_or_a_wake_back() {
+    use gpualloc::runtime::sim::{Fault, Op};
+    let backend = sim(1 << 30);
+    let alloc = build(backend.clone(), "");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let mut bufs = Vec::new();
+    for i in 0..4u64 {
+        let b = kv.malloc(size_of(i * 5), &s).await.unwrap();
+        write(&alloc, &s, &b, i as u8);
+        bufs.push(b);
+    }
+    const WITHIN: Duration = Duration::from_secs(10);
+
+    backend.inject(Op::MemcpyAsync, Fault::PanicNext { skip: 1 });
+    let err = tokio::time::timeout(WITHIN, kv.sleep(SleepMode::Offload))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("panicked"), "{err}");
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(
+            holds(&alloc, &s, b, i as u8),
+            "sleep rolled back: buffer {i}"
+        );
+    }
+
+    tokio::time::timeout(WITHIN, kv.sleep(SleepMode::Offload))
+        .await
+        .unwrap()
+        .unwrap();
+    backend.inject(Op::MemcpyAsync, Fault::PanicNext { skip: 1 });
+    let err = tokio::time::timeout(WITHIN, kv.wake())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(err.to_string().contains("panicked"), "{err}");
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
+    tokio::time::timeout(WITHIN, kv.wake())
+        .await
+        .unwrap()
+        .unwrap();
+    for (i, b) in bufs.iter().enumerate() {
+        assert!(
+            holds(&alloc, &s, b, i as u8),
+            "after the second wake: buffer {i}"
+        );
+    }
+    drop(bufs);
+    alloc.shutdown().await.unwrap();
+}

@@ -30,6 +30,12 @@ pub enum Fault {
         /// What a failing call fails with.
         error: BackendError,
     },
+    /// Let `skip` calls through, then panic in the next one (once): a custom backend that
+    /// panics, for tests that the allocator survives it.
+    PanicNext {
+        /// Calls that succeed first.
+        skip: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -43,6 +49,9 @@ enum Active {
         threshold: u64,
         state: u64,
         error: BackendError,
+    },
+    Panic {
+        skip: u64,
     },
 }
 
@@ -71,6 +80,7 @@ impl Faults {
     pub(crate) fn inject(&self, op: Op, fault: Fault) {
         let active = match fault {
             Fault::FailNext { skip, count, error } => Active::Next { skip, count, error },
+            Fault::PanicNext { skip } => Active::Panic { skip },
             Fault::Random {
                 probability,
                 seed,
@@ -136,6 +146,17 @@ impl Faults {
                 let fail = *threshold == u64::MAX || draw < *threshold;
                 (if fail { Err(error.clone()) } else { Ok(()) }, false)
             }
+            Active::Panic { skip } => {
+                if *skip > 0 {
+                    *skip -= 1;
+                    (Ok(()), false)
+                } else {
+                    table.remove(&op);
+                    self.active.store(table.len(), Ordering::Release);
+                    drop(table);
+                    panic!("injected panic in {op:?}");
+                }
+            }
         };
         if done {
             table.remove(&op);
@@ -148,6 +169,17 @@ impl Faults {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn panic_next_skips_then_panics_once() {
+        let f = Faults::default();
+        f.inject(Op::Malloc, Fault::PanicNext { skip: 1 });
+        assert!(f.check(Op::Malloc).is_ok());
+        let panicked = std::panic::catch_unwind(|| f.check(Op::Malloc));
+        assert!(panicked.is_err());
+        assert!(f.check(Op::Malloc).is_ok(), "once");
+        assert!(f.check(Op::Free).is_ok());
+    }
 
     #[test]
     fn fail_next_skips_then_fails_count_times() {
