@@ -7,7 +7,7 @@
 mod common;
 
 use common::{recording, MIB};
-use gpualloc::devices::TraceAction;
+use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::{DeviceId, HistoryOptions};
 use tracing::Instrument;
 use tracing_subscriber::layer::SubscriberExt;
@@ -34,6 +34,14 @@ fn block_at(snap: &gpualloc::devices::DeviceSnapshot, addr: u64) -> &gpualloc::d
         .flat_map(|s| &s.blocks)
         .find(|b| b.address == addr)
         .unwrap()
+}
+
+/// The `alloc` entries of a history.
+fn allocs(trace: &[TraceEntry]) -> Vec<&TraceEntry> {
+    trace
+        .iter()
+        .filter(|e| e.action == TraceAction::Alloc)
+        .collect()
 }
 
 fn names(frames: Option<&[gpualloc::devices::Frame]>) -> Vec<String> {
@@ -64,11 +72,7 @@ async fn allocations_carry_the_span_stack_of_their_malloc() {
         .await;
         let outside = alloc.malloc(MIB, &s).await.unwrap();
         let snap = alloc.snapshot().await.unwrap().remove(0);
-        let allocs: Vec<_> = snap
-            .trace
-            .iter()
-            .filter(|e| e.action == TraceAction::Alloc)
-            .collect();
+        let allocs = allocs(&snap.trace);
         assert_eq!(allocs.len(), 3, "[{conf}]");
         let want = vec![
             "request{id=42 model=\"llama\"}".to_string(),
@@ -211,11 +215,7 @@ async fn a_revived_block_carries_the_frames_of_the_malloc_that_revived_it() {
         "revived by the thread cache"
     );
     let snap = alloc.snapshot().await.unwrap().remove(0);
-    let allocs: Vec<_> = snap
-        .trace
-        .iter()
-        .filter(|e| e.action == TraceAction::Alloc)
-        .collect();
+    let allocs = allocs(&snap.trace);
     assert_eq!(allocs.len(), 2);
     assert_eq!(
         names(allocs[0].frames.as_deref()),
@@ -268,10 +268,9 @@ async fn each_span_gives_its_own_frames_when_frames_are_reused() {
         }
         .instrument(outer)
         .await;
-        let allocs: Vec<Vec<String>> = common::history(&alloc)
-            .await
+        let history = common::history(&alloc).await;
+        let allocs: Vec<Vec<String>> = allocs(&history)
             .iter()
-            .filter(|e| e.action == TraceAction::Alloc)
             .map(|e| names(e.frames.as_deref()))
             .collect();
         assert_eq!(allocs.len(), 44, "[{conf}]");

@@ -315,115 +315,92 @@ async fn a_pool_dropped_while_asleep_and_shutdown_release_everything() {
     assert_eq!(backend.used_bytes(D0).unwrap(), 0);
 }
 
-/// A copy that fails in the middle of a sleep puts everything back (the pool awake, its memory
-/// mapped, its bytes intact); one that fails in the middle of a wake leaves the pool asleep
-/// with its host copy, and the next wake brings the bytes back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_copy_rolls_a_sleep_or_a_wake_back() {
-    use gpualloc::runtime::sim::{Fault, Op};
+/// Runs a sleep and then a wake of a pool holding `n` written buffers, `fault` (given how
+/// many copies to let through) injected into the copies of each: both fail with an error
+/// naming `says`, and each is rolled back (a sleep: the pool awake, its memory mapped, its
+/// bytes intact; a wake: the pool asleep with its host copy, its pages released again). The
+/// next sleep and wake then work and bring the bytes back; each call is bounded in time.
+async fn a_fault_in_a_copy_rolls_back(
+    conf: &str,
+    n: u64,
+    fault: impl Fn(u64) -> gpualloc::runtime::sim::Fault,
+    skips: (u64, u64),
+    says: &str,
+) {
+    use gpualloc::runtime::sim::Op;
+    const WITHIN: Duration = Duration::from_secs(10);
     let backend = sim(1 << 30);
-    let alloc = build(backend.clone(), "expandable_segments:True");
+    let alloc = build(backend.clone(), conf);
     let s = alloc.new_stream(D0).unwrap();
     let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
     let mut bufs = Vec::new();
-    for i in 0..6u64 {
+    for i in 0..n {
         let b = kv.malloc(size_of(i * 7), &s).await.unwrap();
         write(&alloc, &s, &b, i as u8);
         bufs.push(b);
     }
-    let reserved = kv.usage(D0).await.unwrap().reserved.all().current;
-    let fail = |skip| Fault::FailNext {
-        skip,
-        count: 1,
-        error: gpualloc::BackendError::invalid("injected copy failure"),
+    let all_hold = |when: &str| {
+        for (i, b) in bufs.iter().enumerate() {
+            assert!(holds(&alloc, &s, b, i as u8), "[{conf}] {when}: buffer {i}");
+        }
     };
+    let reserved = kv.usage(D0).await.unwrap().reserved.all().current;
 
-    backend.inject(Op::MemcpyAsync, fail(2));
-    let err = kv.sleep(SleepMode::Offload).await.unwrap_err();
-    assert!(err.to_string().contains("injected"), "{err}");
-    backend.clear_faults();
-    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
-    assert_eq!(kv.usage(D0).await.unwrap().reserved.all().current, reserved);
-    for (i, b) in bufs.iter().enumerate() {
-        assert!(
-            holds(&alloc, &s, b, i as u8),
-            "sleep rolled back: buffer {i}"
-        );
-    }
-
-    kv.sleep(SleepMode::Offload).await.unwrap();
-    let free = free_bytes(&alloc);
-    backend.inject(Op::MemcpyAsync, fail(3));
-    let err = kv.wake().await.unwrap_err();
-    assert!(err.to_string().contains("injected"), "{err}");
-    backend.clear_faults();
-    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
-    assert_eq!(free_bytes(&alloc), free, "the wake's pages released again");
-    kv.wake().await.unwrap();
-    for (i, b) in bufs.iter().enumerate() {
-        assert!(
-            holds(&alloc, &s, b, i as u8),
-            "after the second wake: buffer {i}"
-        );
-    }
-    drop(bufs);
-    alloc.shutdown().await.unwrap();
-}
-
-/// A backend that panics in the middle of a sleep's or a wake's copies (a custom backend's
-/// bug) rolls it back as a failed copy does: the sleep or wake returns an error, the pool is
-/// as it was, and the next sleep and wake work (before, the pool stayed busy and the next
-/// sleep retried forever).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_backend_panicking_in_a_copy_rolls_a_sleep_or_a_wake_back() {
-    use gpualloc::runtime::sim::{Fault, Op};
-    let backend = sim(1 << 30);
-    let alloc = build(backend.clone(), "");
-    let s = alloc.new_stream(D0).unwrap();
-    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
-    let mut bufs = Vec::new();
-    for i in 0..4u64 {
-        let b = kv.malloc(size_of(i * 5), &s).await.unwrap();
-        write(&alloc, &s, &b, i as u8);
-        bufs.push(b);
-    }
-    const WITHIN: Duration = Duration::from_secs(10);
-
-    backend.inject(Op::MemcpyAsync, Fault::PanicNext { skip: 1 });
+    backend.inject(Op::MemcpyAsync, fault(skips.0));
     let err = tokio::time::timeout(WITHIN, kv.sleep(SleepMode::Offload))
         .await
         .unwrap()
         .unwrap_err();
-    assert!(err.to_string().contains("panicked"), "{err}");
+    assert!(err.to_string().contains(says), "[{conf}] {err}");
+    backend.clear_faults();
     assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
-    for (i, b) in bufs.iter().enumerate() {
-        assert!(
-            holds(&alloc, &s, b, i as u8),
-            "sleep rolled back: buffer {i}"
-        );
-    }
+    assert_eq!(kv.usage(D0).await.unwrap().reserved.all().current, reserved);
+    all_hold("sleep rolled back");
 
     tokio::time::timeout(WITHIN, kv.sleep(SleepMode::Offload))
         .await
         .unwrap()
         .unwrap();
-    backend.inject(Op::MemcpyAsync, Fault::PanicNext { skip: 1 });
+    let free = free_bytes(&alloc);
+    backend.inject(Op::MemcpyAsync, fault(skips.1));
     let err = tokio::time::timeout(WITHIN, kv.wake())
         .await
         .unwrap()
         .unwrap_err();
-    assert!(err.to_string().contains("panicked"), "{err}");
+    assert!(err.to_string().contains(says), "[{conf}] {err}");
+    backend.clear_faults();
     assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
+    assert_eq!(
+        free_bytes(&alloc),
+        free,
+        "[{conf}] the wake's pages released again"
+    );
     tokio::time::timeout(WITHIN, kv.wake())
         .await
         .unwrap()
         .unwrap();
-    for (i, b) in bufs.iter().enumerate() {
-        assert!(
-            holds(&alloc, &s, b, i as u8),
-            "after the second wake: buffer {i}"
-        );
-    }
+    all_hold("after the second wake");
     drop(bufs);
     alloc.shutdown().await.unwrap();
+}
+
+/// A copy that fails in the middle of a sleep or of a wake rolls it back
+/// (`a_fault_in_a_copy_rolls_back`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_copy_rolls_a_sleep_or_a_wake_back() {
+    let fail = |skip| gpualloc::runtime::sim::Fault::FailNext {
+        skip,
+        count: 1,
+        error: gpualloc::BackendError::invalid("injected copy failure"),
+    };
+    a_fault_in_a_copy_rolls_back("expandable_segments:True", 6, fail, (2, 3), "injected").await;
+}
+
+/// A backend that panics in the middle of a sleep's or a wake's copies (a custom backend's
+/// bug) rolls it back as a failed copy does (before, the pool stayed busy and the next sleep
+/// retried forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_panicking_in_a_copy_rolls_a_sleep_or_a_wake_back() {
+    let panic = |skip| gpualloc::runtime::sim::Fault::PanicNext { skip };
+    a_fault_in_a_copy_rolls_back("", 4, panic, (1, 1), "panicked").await;
 }

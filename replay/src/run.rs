@@ -192,18 +192,7 @@ pub fn replay_core(
         // CPU profiler's recording) cannot say where anything was, like a log without
         // segments.
         let segments = start_segments(trace)
-            .filter(|s| {
-                !s.is_empty()
-                    || trace.events.iter().any(|e| {
-                        matches!(
-                            e.action,
-                            Action::SegmentAlloc
-                                | Action::SegmentFree
-                                | Action::SegmentMap
-                                | Action::SegmentUnmap
-                        )
-                    })
-            })
+            .filter(|s| !s.is_empty() || trace.events.iter().any(|e| e.action.changes_segments()))
             .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
         let mut placed = 0usize;
         for seg in &segments {
@@ -307,9 +296,9 @@ pub fn replay_core(
                 } else {
                     0
                 };
-                if let Some((_, addr)) = placement {
-                    r.backend.place_next(DEVICE, addr);
-                } else if let Some(addr) = pending_reservation {
+                // A new ordinary segment goes where PyTorch's was, else a new reservation.
+                let want = placement.map(|(_, addr)| addr).or(pending_reservation);
+                if let Some(addr) = want {
                     r.backend.place_next(DEVICE, addr);
                 }
                 let result = r.core.malloc(e.size, stream);
@@ -317,16 +306,15 @@ pub fn replay_core(
                 if options.warm {
                     new_segment = r.backend.counts().mallocs > mallocs_before;
                 }
-                if let Some(addr) = pending_reservation {
-                    if placement.is_none() {
-                        r.backend.clear_placement(DEVICE);
-                    }
-                    if r.backend.reservation_holding(DEVICE, addr).is_some() {
-                        pending_reservation = None;
-                    }
+                if want.is_some() {
+                    r.backend.clear_placement(DEVICE);
+                }
+                if pending_reservation
+                    .is_some_and(|addr| r.backend.reservation_holding(DEVICE, addr).is_some())
+                {
+                    pending_reservation = None;
                 }
                 if let Some((size, _)) = placement {
-                    r.backend.clear_placement(DEVICE);
                     if new_segment {
                         if let Some(q) = pending_segments.get_mut(&size) {
                             q.pop_front();
@@ -376,8 +364,7 @@ pub fn replay_core(
             }
             Action::SegmentFree | Action::SegmentUnmap => {
                 // Expandable segments' pages go back as `segment_unmap` runs.
-                let releases = |a: Action| matches!(a, Action::SegmentFree | Action::SegmentUnmap);
-                let run_start = i == 0 || !releases(trace.events[i - 1].action);
+                let run_start = i == 0 || !trace.events[i - 1].action.releases_memory();
                 if run_start {
                     r.core
                         .empty_cache()

@@ -59,6 +59,21 @@ impl Action {
     pub fn from_name(name: &str) -> Option<Action> {
         Action::ALL.into_iter().find(|a| a.as_str() == name)
     }
+
+    /// Whether the action gives device memory back to the driver: a segment freed, or an
+    /// expandable segment's pages unmapped (`empty_cache()`, or the out-of-memory chain).
+    pub fn releases_memory(self) -> bool {
+        matches!(self, Action::SegmentFree | Action::SegmentUnmap)
+    }
+
+    /// Whether the action changes the device memory the allocator holds: a segment
+    /// allocated or freed, pages mapped or unmapped.
+    pub fn changes_segments(self) -> bool {
+        matches!(
+            self,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
+        )
+    }
 }
 
 impl fmt::Display for Action {
