@@ -372,7 +372,7 @@ impl DeviceCore {
         self.announce(action, addr, size, stream);
     }
 
-    fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {
+    pub(crate) fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
@@ -517,6 +517,23 @@ impl DeviceCore {
             }));
         }
         self.process_events()?;
+        let mut params = self.params_for(size, stream, route)?;
+        if self.get_free_block(&mut params)
+            || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
+        {
+            return self.finish(&params, size).map(CachedOutcome::Hit);
+        }
+        Ok(CachedOutcome::Miss(SegmentRequest { params, size }))
+    }
+
+    /// The parameters of a request for `size` bytes on `stream`: its rounded size, segment
+    /// size and pool, after the pool's own rules.
+    pub(crate) fn params_for(
+        &self,
+        size: u64,
+        stream: StreamHandle,
+        route: Option<u64>,
+    ) -> Result<AllocParams, AllocError> {
         let rounded = round_size(size, &self.config).ok_or(AllocError::InvalidSize {
             size,
             reason: "overflows when rounded",
@@ -536,12 +553,7 @@ impl DeviceCore {
             quiet_oom: false,
         };
         self.apply_pool_rules(&mut params)?;
-        if self.get_free_block(&mut params)
-            || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))
-        {
-            return self.finish(&params, size).map(CachedOutcome::Hit);
-        }
-        Ok(CachedOutcome::Miss(SegmentRequest { params, size }))
+        Ok(params)
     }
 
     /// Continues a miss from [`DeviceCore::try_cached`] in place: steps 4–5.

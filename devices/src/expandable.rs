@@ -213,7 +213,7 @@ impl DeviceCore {
     /// Maps pages of segment `seg` of `pool` from `addr`: `ahead` bytes, or only `want` when
     /// the device cannot give more (`map_ahead.rs`); returns the mapped range. On failure
     /// every page this call created is released again.
-    fn es_map(
+    pub(crate) fn es_map(
         &mut self,
         (seg, pool, addr): (u64, usize, u64),
         want: u64,

@@ -27,6 +27,7 @@ mod pages;
 pub mod placement;
 pub mod policy;
 mod pool;
+mod recorded;
 mod release;
 mod restore;
 mod round_trips;

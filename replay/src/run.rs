@@ -16,14 +16,21 @@
 //! snapshots in shared/traces, gives the same peaks.) Warm replay (`ReplayOptions::warm`) rebuilds PyTorch's state when recording
 //! began — its segments at their real addresses, live blocks in them, the rest free — places
 //! each new segment at the address of PyTorch's pending `segment_alloc` of the same size, and
-//! compares every allocation's address with PyTorch's.
+//! compares every allocation's address with PyTorch's. It also follows a history recorded by
+//! gpualloc's actor, which obtains segments and pages off its lock while other requests go on
+//! (`gpualloc_devices` `recorded.rs`): an `alloc` right after the `segment_alloc` of the segment
+//! holding it is served by that new segment without a cache lookup, and a `segment_map` inside
+//! a reservation maps its pages at once, so the `alloc` that follows weighs them against the
+//! blocks freed meanwhile, as the live request did.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 use gpualloc_devices::sizes::{allocation_size, round_size};
-use gpualloc_devices::{AllocatorConfig, DeviceCore, Policy, RestoredBlock};
+use gpualloc_devices::{
+    AllocError, Allocation, AllocatorConfig, DeviceCore, Policy, RestoredBlock,
+};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -135,6 +142,35 @@ impl Replayer {
         s
     }
 
+    /// A malloc that a new ordinary segment served in the history: the segment is allocated
+    /// and adopted without looking in the cache, as the live owner adopts the segment it
+    /// allocated off the core even where a block freed meanwhile would serve the request by
+    /// now (`gpualloc_devices` `recorded.rs`).
+    fn malloc_new_segment(
+        &mut self,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        let request = self.core.segment_request(size, stream)?;
+        if request.maps_pages(&self.core) {
+            return self.core.malloc(size, stream);
+        }
+        if !request.claim_fraction(&mut self.core) {
+            return self.core.malloc_after_miss(request);
+        }
+        match self.backend.malloc(DEVICE, request.alloc_size()) {
+            Ok(ptr) => self.core.malloc_with_segment(request, ptr),
+            Err(e) => {
+                self.core.segment_not_obtained(&request);
+                if e.is_oom() {
+                    self.core.malloc_after_miss(request)
+                } else {
+                    Err(e.into())
+                }
+            }
+        }
+    }
+
     fn free(&mut self, torch_addr: u64, deferred: bool) {
         let Some(ptr) = self.addrs.remove(&torch_addr) else {
             self.warnings += 1;
@@ -152,6 +188,15 @@ impl Replayer {
             self.warnings += 1;
         }
     }
+}
+
+/// True when the history shows `alloc` event `i` served by the ordinary segment allocated
+/// right before it.
+fn served_by_new_segment(trace: &Trace, i: usize) -> bool {
+    let e = &trace.events[i];
+    i.checked_sub(1).map(|p| &trace.events[p]).is_some_and(|s| {
+        s.action == Action::SegmentAlloc && s.addr <= e.addr && e.addr - s.addr < s.size
+    })
 }
 
 /// Replays `trace` under `options`.
@@ -256,11 +301,18 @@ pub fn replay_core(
             r.core.set_time_us(at.unwrap_or(i as u64));
         }
         match e.action {
-            Action::SegmentMap => {
-                if options.warm && r.backend.reservation_holding(DEVICE, e.addr).is_none() {
+            Action::SegmentMap if options.warm => {
+                if r.backend.reservation_holding(DEVICE, e.addr).is_none() {
                     pending_reservation = Some(e.addr);
+                } else {
+                    // Pages mapped for a request before it looked in the cache again: the
+                    // blocks freed meanwhile compete with them, as they did live.
+                    r.core
+                        .map_recorded_pages(e.addr, e.size)
+                        .map_err(|source| ReplayError::Alloc { index: i, source })?;
                 }
             }
+            Action::SegmentMap => {}
             Action::SegmentAlloc => {
                 if options.warm {
                     pending_segments
@@ -301,7 +353,11 @@ pub fn replay_core(
                 if let Some(addr) = want {
                     r.backend.place_next(DEVICE, addr);
                 }
-                let result = r.core.malloc(e.size, stream);
+                let result = if options.warm && served_by_new_segment(trace, i) {
+                    r.malloc_new_segment(e.size, stream)
+                } else {
+                    r.core.malloc(e.size, stream)
+                };
                 let mut new_segment = false;
                 if options.warm {
                     new_segment = r.backend.counts().mallocs > mallocs_before;

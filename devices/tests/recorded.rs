@@ -1,0 +1,170 @@
+//! The two steps a replay of a history recorded off the core makes itself (`recorded.rs`):
+//! mapping a recorded page range, and a segment request made without a cache lookup. Pinned
+//! with PyTorch's 20 MiB pages, one physical handle each.
+
+use std::sync::Arc;
+
+use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, TraceAction};
+use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+
+fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
+    let backend = Arc::new(AccountingBackend::new(1, capacity));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s = dynb.stream_create(DeviceId(0)).unwrap();
+    let mut core =
+        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    core.record_history(Some(1000));
+    (backend, core, s)
+}
+
+const PAGES: &str = "expandable_segments:True,policy:pytorch";
+
+#[test]
+fn a_recorded_range_is_mapped_as_one_free_block_where_it_was() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    // Pages 3 and 4, past an unmapped hole (pages 1 and 2).
+    assert!(core.map_recorded_pages(base + 60 * MIB, 40 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 60 * MIB);
+    assert_eq!(backend.counts().maps, 3, "one handle per 20 MiB page");
+    core.check_invariants().unwrap();
+    let last = core.snapshot().trace.last().cloned().unwrap();
+    assert_eq!(
+        (last.action, last.addr, last.size),
+        (TraceAction::SegmentMap, base + 60 * MIB, 40 * MIB)
+    );
+    // Page 1, inside the hole: the part after it stays unmapped.
+    assert!(core.map_recorded_pages(base + 20 * MIB, 20 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    core.check_invariants().unwrap();
+    // A snapshot shows each mapped stretch as a segment (as PyTorch's do).
+    let snap = core.snapshot();
+    assert_eq!(snap.segments.len(), 2);
+    let free: Vec<(u64, u64)> = snap
+        .segments
+        .iter()
+        .flat_map(|seg| seg.blocks.iter())
+        .filter(|b| b.requested_size == 0)
+        .map(|b| ((b.address - base) / MIB, b.size / MIB))
+        .collect();
+    assert_eq!(free, vec![(20, 20), (60, 40)]);
+    // The mapped pages serve requests: best fit takes the 20 MiB block for 15 MiB.
+    let b = core.malloc(15 * MIB, s).unwrap();
+    assert_eq!(b.ptr.0, base + 20 * MIB);
+    assert_eq!(backend.counts().maps, 4, "no new page for it");
+    // Page 2 joins its free neighbours on both sides into one block.
+    core.free(b.ptr).unwrap();
+    assert!(core.map_recorded_pages(base + 40 * MIB, 20 * MIB).unwrap());
+    core.check_invariants().unwrap();
+    let big = core.malloc(80 * MIB, s).unwrap();
+    assert_eq!(big.ptr.0, base + 20 * MIB);
+    core.free(big.ptr).unwrap();
+    core.free(a.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(backend.used(DeviceId(0)), 0);
+}
+
+#[test]
+fn a_range_that_is_not_whole_free_unmapped_pages_changes_nothing() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    let refused = [
+        (base + 20 * MIB, 0),                   // nothing
+        (base + 21 * MIB, 20 * MIB),            // not at a page
+        (base + 20 * MIB, 10 * MIB),            // part of a page
+        (base, 20 * MIB),                       // mapped already
+        (base, 40 * MIB),                       // mapped and unmapped pages
+        (0x1000, 20 * MIB),                     // in no reservation
+        (u64::MAX - 10 * MIB, 20 * MIB),        // past the address space
+        (base + 20 * MIB, u64::MAX - 20 * MIB), // past the reservation
+    ];
+    for (addr, len) in refused {
+        assert_eq!(
+            core.map_recorded_pages(addr, len),
+            Ok(false),
+            "{addr:#x} {len}"
+        );
+        assert_eq!(core.reserved_bytes(), 20 * MIB);
+        assert_eq!(backend.counts().maps, 1);
+        core.check_invariants().unwrap();
+    }
+    core.free(a.ptr).unwrap();
+}
+
+#[test]
+fn a_range_the_device_has_no_memory_for_changes_nothing() {
+    let (backend, mut core, s) = rig(100 * MIB, PAGES);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    // Four pages fit in the 80 MiB left, five do not: the pages made are released again.
+    assert_eq!(
+        core.map_recorded_pages(base + 20 * MIB, 100 * MIB),
+        Ok(false)
+    );
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+    assert_eq!(backend.used(DeviceId(0)), 20 * MIB);
+    core.check_invariants().unwrap();
+    assert!(core.map_recorded_pages(base + 20 * MIB, 80 * MIB).unwrap());
+    assert_eq!(backend.used(DeviceId(0)), 100 * MIB);
+    core.check_invariants().unwrap();
+    core.free(a.ptr).unwrap();
+    core.shutdown().unwrap();
+    assert_eq!(
+        core.map_recorded_pages(base + 20 * MIB, 20 * MIB),
+        Err(AllocError::Shutdown)
+    );
+}
+
+#[test]
+fn a_segment_request_skips_the_cache_and_takes_a_new_segment() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let a = core.malloc(8 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    // The 20 MiB segment cached would serve 6 MiB; the request asks for a new one.
+    let request = core.segment_request(6 * MIB, s).unwrap();
+    assert_eq!(request.alloc_size(), 20 * MIB);
+    assert_eq!(request.requested(), 6 * MIB);
+    assert!(!request.maps_pages(&core));
+    assert!(request.claim_fraction(&mut core));
+    let ptr = backend.malloc(DeviceId(0), request.alloc_size()).unwrap();
+    let b = core.malloc_with_segment(request, ptr).unwrap();
+    assert_eq!(b.ptr, ptr);
+    assert_eq!(core.reserved_bytes(), 40 * MIB);
+    assert_eq!(core.growing_bytes(), 0);
+    core.check_invariants().unwrap();
+    // Small requests get the small pool's 2 MiB segment, large ones their rounded size.
+    assert_eq!(core.segment_request(4096, s).unwrap().alloc_size(), 2 * MIB);
+    assert_eq!(
+        core.segment_request(13 * MIB + 1, s).unwrap().alloc_size(),
+        14 * MIB
+    );
+    // Bad input is an error and changes nothing.
+    assert!(matches!(
+        core.segment_request(0, s),
+        Err(AllocError::InvalidSize { size: 0, .. })
+    ));
+    assert!(matches!(
+        core.segment_request(u64::MAX, s),
+        Err(AllocError::InvalidSize { .. })
+    ));
+    let other = StreamHandle {
+        device: DeviceId(1),
+        raw: s.raw,
+    };
+    assert!(matches!(
+        core.segment_request(MIB, other),
+        Err(AllocError::WrongDevice { .. })
+    ));
+    assert_eq!(core.reserved_bytes(), 40 * MIB);
+    core.free(b.ptr).unwrap();
+    core.shutdown().unwrap();
+    assert_eq!(
+        core.segment_request(MIB, s).err(),
+        Some(AllocError::Shutdown)
+    );
+}
