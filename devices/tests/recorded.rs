@@ -4,11 +4,15 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, TraceAction};
+use gpualloc_devices::{
+    release_slept_pages, wait_for_pool_streams, AllocError, AllocatorConfig, CachedOutcome,
+    DeviceCore, Growth, PoolOptions, SleepMode, StatType, TraceAction,
+};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
 const MIB: u64 = 1 << 20;
+const ALL: usize = StatType::All as usize;
 
 fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
     let backend = Arc::new(AccountingBackend::new(1, capacity));
@@ -167,4 +171,67 @@ fn a_segment_request_skips_the_cache_and_takes_a_new_segment() {
         core.segment_request(MIB, s).err(),
         Some(AllocError::Shutdown)
     );
+}
+
+#[test]
+fn a_recorded_range_stays_under_the_memory_fraction_and_a_pools_quota() {
+    // 25% of 400 MiB: 100 MiB. A page planned for another request counts too.
+    let conf = format!("{PAGES},per_process_memory_fraction:0.25");
+    let (_backend, mut core, s) = rig(400 * MIB, &conf);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    let CachedOutcome::Miss(request) = core.try_cached(20 * MIB, s).unwrap() else {
+        panic!("expected a miss");
+    };
+    let Growth::Map(plan) = core.plan_growth(&request).unwrap() else {
+        panic!("expected a growth");
+    };
+    assert_eq!(core.growing_bytes(), 20 * MIB);
+    // 20 mapped + 20 planned + 60: exactly the cap.
+    assert!(core.map_recorded_pages(base + 40 * MIB, 60 * MIB).unwrap());
+    assert_eq!(
+        core.map_recorded_pages(base + 100 * MIB, 20 * MIB),
+        Ok(false)
+    );
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    assert!(core.abort_growth(plan).is_none());
+    core.check_invariants().unwrap();
+
+    // A pool's quota counts its own pages.
+    let (_backend, mut core, s) = rig(1 << 30, PAGES);
+    let kv = core.create_named_pool(
+        "kv",
+        PoolOptions {
+            quota: Some(60 * MIB),
+            ..PoolOptions::default()
+        },
+    );
+    let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    assert!(core.map_recorded_pages(base + 20 * MIB, 40 * MIB).unwrap());
+    assert_eq!(
+        core.map_recorded_pages(base + 60 * MIB, 20 * MIB),
+        Ok(false)
+    );
+    assert_eq!(core.pool_usage(kv).unwrap().reserved[ALL].current, 60 * MIB);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_sleeping_pools_range_is_not_mapped() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let w = core.create_named_pool("weights", PoolOptions::default());
+    let a = core.malloc_in(w, 20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    let plan = core.begin_sleep(w, SleepMode::Discard).unwrap();
+    wait_for_pool_streams(backend.as_ref(), &plan).unwrap();
+    release_slept_pages(backend.as_ref(), &plan);
+    assert!(core.finish_sleep(plan).is_empty());
+    let maps = backend.counts().maps;
+    assert_eq!(
+        core.map_recorded_pages(base + 20 * MIB, 20 * MIB),
+        Ok(false)
+    );
+    assert_eq!(backend.counts().maps, maps);
+    core.check_invariants().unwrap();
 }
