@@ -434,11 +434,14 @@ impl AllocatorConfig {
     /// The config an allocator runs with on a backend that has virtual memory (`vmm`: the
     /// backend's `has_vmm` answers yes for every device) or not. Under the `gpualloc` policy a config that does not
     /// name `expandable_segments` gets them where there is virtual memory
-    /// ([`Policy::expandable_by_default`]); otherwise the config as it is.
+    /// ([`Policy::expandable_by_default`]), and names the choice made either way, so it reads
+    /// back (`Display`, a snapshot's settings) the same whatever backend reads it; otherwise
+    /// the config as it is.
     pub fn resolved(&self, vmm: bool) -> AllocatorConfig {
         let mut config = self.clone();
-        if vmm && !config.expandable_segments_named && config.policy.expandable_by_default() {
-            config.expandable_segments = true;
+        if config.policy.expandable_by_default() && !config.expandable_segments_named {
+            config.expandable_segments = vmm;
+            config.expandable_segments_named = true;
         }
         config
     }
@@ -655,7 +658,13 @@ mod tests {
             !plain.resolved(false).expandable_segments,
             "no virtual memory"
         );
-        assert!(!plain.resolved(true).expandable_segments_named);
+        // The choice is named, so it reads back the same on any backend.
+        assert_eq!(
+            plain.resolved(false).to_string(),
+            "expandable_segments:False"
+        );
+        let back = AllocatorConfig::parse(&plain.resolved(false).to_string()).unwrap();
+        assert!(!back.resolved(true).expandable_segments);
         let off = AllocatorConfig::parse("expandable_segments:False").unwrap();
         assert!(off.expandable_segments_named);
         assert!(!off.resolved(true).expandable_segments, "named: kept");

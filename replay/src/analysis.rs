@@ -336,6 +336,7 @@ mod tests {
             ],
             // [base, +4) and [base + 6, +12) mapped at the end.
             final_segments: Some(vec![run(base, 4 * MIB), run(base + 6 * MIB, 6 * MIB)]),
+            recorded_config: None,
         };
         let start: Vec<(u64, u64)> = start_segments(&trace)
             .unwrap()

@@ -1,8 +1,12 @@
 //! Loading traces: PyTorch snapshot pickles (any protocol), RMM `logging_resource_adaptor` CSV,
 //! and the JSON Lines format of `gpualloc_trace::jsonl`, chosen by content (see `detect`).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
+use gpualloc_devices::{AllocatorConfig, Policy};
+use gpualloc_trace::from_allocator::POLICY_KEY;
+use gpualloc_trace::pickle::Value;
 use gpualloc_trace::{Action, BlockState, SegmentType, Snapshot, TraceEntry};
 
 use crate::run::ReplayError;
@@ -48,6 +52,25 @@ pub struct Trace {
     pub events: Vec<TraceEntry>,
     /// The final segments, when the source has them (snapshots only).
     pub final_segments: Option<Vec<FinalSegment>>,
+    /// The config the recording ran under, when the snapshot's `allocator_settings` say:
+    /// their `PYTORCH_CUDA_ALLOC_CONF`, under PyTorch's policy, or under the policy gpualloc
+    /// wrote beside it (`gpualloc_trace::from_allocator::POLICY_KEY`). None when absent or
+    /// not in a syntax the replay knows.
+    pub recorded_config: Option<AllocatorConfig>,
+}
+
+/// The config a snapshot's `allocator_settings` record (see [`Trace::recorded_config`]).
+pub fn recorded_config(settings: &BTreeMap<String, Value>) -> Option<AllocatorConfig> {
+    let Some(Value::Str(conf)) = settings.get("PYTORCH_CUDA_ALLOC_CONF") else {
+        return None;
+    };
+    let config = AllocatorConfig::parse(conf).ok()?;
+    let policy = match settings.get(POLICY_KEY) {
+        Some(Value::Str(name)) => Policy::from_name(name)?,
+        Some(_) => return None,
+        None => Policy::Pytorch,
+    };
+    Some(config.with_policy(policy))
 }
 
 /// Loads every device's trace from `path`.
@@ -123,12 +146,14 @@ pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
         device: 0,
         events,
         final_segments: None,
+        recorded_config: None,
     }])
 }
 
 /// One trace per device that has events or segments (a device with segments but no events
 /// has a final state to summarize, and nothing to replay).
 pub fn from_snapshot(name: &str, mut snap: Snapshot) -> Vec<Trace> {
+    let recorded = snap.allocator_settings.as_ref().and_then(recorded_config);
     let with_events: Vec<usize> = (0..snap.device_traces.len())
         .filter(|&d| !snap.device_traces[d].is_empty())
         .chain(
@@ -177,6 +202,7 @@ pub fn from_snapshot(name: &str, mut snap: Snapshot) -> Vec<Trace> {
                     .map(std::mem::take)
                     .unwrap_or_default(),
                 final_segments: Some(segments),
+                recorded_config: recorded.clone(),
             }
         })
         .collect()
@@ -186,5 +212,45 @@ impl Trace {
     /// Number of events of `action`.
     pub fn count(&self, action: Action) -> usize {
         self.events.iter().filter(|e| e.action == action).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, &str)]) -> BTreeMap<String, Value> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), Value::Str(v.to_string())))
+            .collect()
+    }
+
+    #[test]
+    fn the_recorded_config_and_whose_policy_ran() {
+        let torch = AllocatorConfig::default().with_policy(Policy::Pytorch);
+        // PyTorch's own snapshot: its config under its rules.
+        let s = settings(&[("PYTORCH_CUDA_ALLOC_CONF", "")]);
+        assert_eq!(recorded_config(&s), Some(torch.clone()));
+        let s = settings(&[("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")]);
+        let c = recorded_config(&s).unwrap();
+        assert_eq!((c.max_split_size, c.policy), (128 << 20, Policy::Pytorch));
+        // gpualloc's: the policy it names.
+        let s = settings(&[
+            ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+            (POLICY_KEY, "gpualloc"),
+        ]);
+        let c = recorded_config(&s).unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.policy, Policy::Gpualloc);
+        // Nothing the replay can trust: none.
+        assert_eq!(recorded_config(&BTreeMap::new()), None);
+        let s = settings(&[("PYTORCH_CUDA_ALLOC_CONF", "no_such_key:1")]);
+        assert_eq!(recorded_config(&s), None);
+        let s = settings(&[("PYTORCH_CUDA_ALLOC_CONF", ""), (POLICY_KEY, "other")]);
+        assert_eq!(recorded_config(&s), None);
+        let mut s = settings(&[("PYTORCH_CUDA_ALLOC_CONF", "")]);
+        s.insert(POLICY_KEY.to_string(), Value::Int(1));
+        assert_eq!(recorded_config(&s), None);
     }
 }

@@ -367,16 +367,40 @@ fn export_viz_writes_the_replay_as_a_snapshot_that_replays_exactly() {
     assert!(ok, "{stderr}");
     assert!(stderr.contains("memory viewer"), "{stderr}");
     let first: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    // A warm replay without --config runs the config and policy the snapshot recorded.
+    let (ok, stdout, stderr) = gpualloc(&["replay", viz.to_str().unwrap(), "--warm", "--json"]);
+    assert!(ok, "{stderr}");
+    let again: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(again["config"], "expandable_segments:True", "{again}");
+    assert_eq!(again["policy"], "pytorch");
+    // `--config recorded` under another policy; a log that records no config: PyTorch's.
     let (ok, stdout, stderr) = gpualloc(&[
         "replay",
         viz.to_str().unwrap(),
         "--config",
-        "expandable_segments:True",
-        "--warm",
+        "recorded",
+        "--policy",
+        "gpualloc",
         "--json",
     ]);
     assert!(ok, "{stderr}");
-    let again: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let other: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(other["config"], "expandable_segments:True");
+    assert_eq!(other["policy"], "gpualloc");
+    let (ok, stdout, stderr) = gpualloc(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--config",
+        "recorded",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let log: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        (&log["config"], &log["policy"]),
+        (&"".into(), &"pytorch".into()),
+        "{log}"
+    );
     assert_eq!(again["addresses_compared"], 80);
     assert_eq!(again["address_match_fraction"], 1.0);
     for key in [

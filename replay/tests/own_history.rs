@@ -98,9 +98,23 @@ fn a_recorded_history_replays_warm_at_the_same_addresses() {
         let bytes = rt.block_on(recorded(conf));
         let traces = from_bytes("own.pickle", &bytes).unwrap();
         assert_eq!(traces.len(), 1);
+        // The snapshot records the config the allocator ran: the replay's, under its policy.
+        let config = traces[0].recorded_config.clone().unwrap();
+        assert_eq!(
+            config.policy,
+            gpualloc_devices::Policy::Gpualloc,
+            "[{conf}]"
+        );
+        assert_eq!(
+            config,
+            gpualloc::AllocatorConfig::parse(conf)
+                .unwrap()
+                .resolved(true),
+            "[{conf}]"
+        );
         let options = ReplayOptions {
             warm: true,
-            config: gpualloc::AllocatorConfig::parse(conf).unwrap(),
+            config,
             capacity: Some(1 << 30),
             ..ReplayOptions::default()
         };

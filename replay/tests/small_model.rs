@@ -115,6 +115,7 @@ fn minilm_inference() -> Trace {
         device: 0,
         events: r.events,
         final_segments: None,
+        recorded_config: None,
     }
 }
 

@@ -39,13 +39,22 @@ fn frames(frames: Option<&[gpualloc_devices::Frame]>) -> Vec<Frame> {
         .collect()
 }
 
-/// PyTorch's `allocator_settings` dict for `config`.
+/// The `allocator_settings` key naming the policy of a snapshot gpualloc wrote.
+pub const POLICY_KEY: &str = "gpualloc_policy";
+
+/// PyTorch's `allocator_settings` dict for `config`, and [`POLICY_KEY`].
 fn settings(config: &AllocatorConfig) -> BTreeMap<String, Value> {
     let mut m = BTreeMap::new();
     let int = |v: u64| Value::Int(i64::try_from(v).unwrap_or(-1));
     m.insert(
         "PYTORCH_CUDA_ALLOC_CONF".to_string(),
         Value::Str(config.to_string()),
+    );
+    // Not one of PyTorch's keys (its viewer shows the dict as it is): says gpualloc wrote the
+    // file, and whose rules ran, for a replay under the recorded config.
+    m.insert(
+        POLICY_KEY.to_string(),
+        Value::Str(config.policy.name().to_string()),
     );
     m.insert(
         "max_split_size".to_string(),

@@ -14,7 +14,7 @@ use gpualloc_devices::DeviceSnapshot;
 use gpualloc_devices::{AllocatorConfig, Policy};
 use gpualloc_replay::plot::{write_plot, PlotFormat};
 use gpualloc_replay::report::{table, PolicyDifference};
-use gpualloc_replay::{load, replay_core, ReplayOptions};
+use gpualloc_replay::{load, replay_core, ReplayOptions, Trace};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser)]
@@ -35,14 +35,17 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
         /// Allocator config in PyTorch's syntax; repeat to compare configs (default: PyTorch's
-        /// defaults; `default` names them too).
+        /// defaults; `default` names them too). `recorded`: the config the snapshot was
+        /// recorded with (its `allocator_settings`; PyTorch's defaults where it has none),
+        /// under the recorded policy unless `--policy` says otherwise. A warm replay without
+        /// `--config` and `--policy` replays the recorded config.
         #[arg(long = "config")]
         configs: Vec<String>,
         /// Whose rules answer: `pytorch` (PyTorch's, rule for rule: what your job would need
         /// under PyTorch), `gpualloc` (ours: PyTorch's except the deviations the README lists),
-        /// or `both`, side by side with the difference.
-        #[arg(long, value_enum, default_value_t = PolicyChoice::Pytorch)]
-        policy: PolicyChoice,
+        /// or `both`, side by side with the difference [default: pytorch].
+        #[arg(long, value_enum)]
+        policy: Option<PolicyChoice>,
         /// Start from PyTorch's recorded state and compare every address with PyTorch's.
         #[arg(long)]
         warm: bool,
@@ -94,8 +97,44 @@ impl PolicyChoice {
     }
 }
 
-/// A `--config` value: PyTorch's syntax, or `default`. The policy is `--policy`'s to set.
-fn parse_config(s: &str) -> Result<AllocatorConfig, String> {
+/// A `--config` value.
+#[derive(Debug, Clone)]
+enum ConfigChoice {
+    /// This config.
+    Given(Box<AllocatorConfig>),
+    /// The config each snapshot recorded.
+    Recorded,
+}
+
+impl ConfigChoice {
+    /// The configs to replay `trace` under: one per policy of `policy` (PyTorch's when not
+    /// given; for `Recorded`, the recorded one).
+    fn configs(&self, trace: &Trace, policy: Option<PolicyChoice>) -> Vec<AllocatorConfig> {
+        let (base, own) = match self {
+            ConfigChoice::Given(c) => ((**c).clone(), Policy::Pytorch),
+            ConfigChoice::Recorded => {
+                let recorded = trace
+                    .recorded_config
+                    .clone()
+                    .unwrap_or_else(|| AllocatorConfig::default().with_policy(Policy::Pytorch));
+                let own = recorded.policy;
+                (recorded, own)
+            }
+        };
+        let policies: Vec<Policy> = policy.map_or(vec![own], |p| p.policies().to_vec());
+        policies
+            .into_iter()
+            .map(|p| base.clone().with_policy(p))
+            .collect()
+    }
+}
+
+/// A `--config` value: PyTorch's syntax, `default` or `recorded`. The policy is `--policy`'s
+/// to set.
+fn parse_config(s: &str) -> Result<ConfigChoice, String> {
+    if s.trim() == "recorded" {
+        return Ok(ConfigChoice::Recorded);
+    }
     let text = if s.trim() == "default" { "" } else { s };
     let config = AllocatorConfig::parse(text).map_err(|e| format!("--config {s:?}: {e}"))?;
     if config.policy != AllocatorConfig::default().policy || text.contains("policy:") {
@@ -103,7 +142,7 @@ fn parse_config(s: &str) -> Result<AllocatorConfig, String> {
             "--config {s:?}: set the policy with --policy, not in the config"
         ));
     }
-    Ok(config)
+    Ok(ConfigChoice::Given(Box::new(config)))
 }
 
 fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -220,23 +259,17 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             if let Some(path) = &plot {
                 PlotFormat::of(path)?;
             }
-            let configs = if configs.is_empty() {
-                vec![String::new()]
-            } else {
+            let configs = if !configs.is_empty() {
                 configs
+            } else if warm && policy.is_none() {
+                vec!["recorded".to_string()]
+            } else {
+                vec![String::new()]
             };
-            let parsed: Vec<AllocatorConfig> = configs
+            let choices: Vec<ConfigChoice> = configs
                 .iter()
                 .map(|c| parse_config(c))
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .flat_map(|c| {
-                    policy
-                        .policies()
-                        .iter()
-                        .map(move |p| c.clone().with_policy(*p))
-                })
-                .collect();
+                .collect::<Result<Vec<_>, _>>()?;
             // Drawn on a terminal only (indicatif hides it when stderr is not one): a spinner
             // while a file loads, then a bar per replay, labelled with what runs.
             let bar = ProgressBar::new(0);
@@ -269,6 +302,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                     continue;
                 }
                 for trace in traces.iter().filter(|t| !t.events.is_empty()) {
+                    let parsed: Vec<AllocatorConfig> = choices
+                        .iter()
+                        .flat_map(|c| c.configs(trace, policy))
+                        .collect();
                     for config in &parsed {
                         let shown = config.clone().with_policy(Policy::default()).to_string();
                         let label = if shown.is_empty() { "default" } else { &shown };
