@@ -18,7 +18,7 @@
 //! transformer-lm-forward-bf16 from 776 / 786 MiB to 764 / 766 MiB and leaves the other two
 //! as they were; 1 MiB does the same for it but raises llama-lora-finetune by 34 / 20 MiB.
 
-use crate::block::{BlockId, BlockState};
+use crate::block::BlockId;
 use crate::core::{AllocParams, Allocation, DeviceCore, SegmentRequest};
 use crate::pool::key;
 
@@ -41,17 +41,25 @@ impl DeviceCore {
     /// The request's alternative to a passed-over block: the lowest free tail block of its
     /// stream and pool that holds it (taken out of the pool into `params.block`). False when
     /// none does: the request is a miss and the segment grows.
+    ///
+    /// A tail is a free mapped block followed by pages that are not mapped: unmapped, or
+    /// being mapped or unmapped off the core right now. Its remainder joins those pages once
+    /// they are mapped, so it is never dead; and the choice does not depend on whether an
+    /// owner's map in flight has landed yet, so a replay of the history, which maps the pages
+    /// where the history shows them (`recorded.rs`), makes the same choice.
     pub(crate) fn take_tail(&mut self, params: &mut AllocParams) -> bool {
         let stream = params.stream.raw;
+        let blocks = &self.blocks;
         let tail = self.pools[params.pool]
-            .unmapped
-            .range((stream, 0, 0)..)
+            .free
+            .range(key(stream, params.size, 0)..)
             .take_while(|(k, _)| k.0 == stream)
-            .filter_map(|(_, u)| self.blocks.get(*u).prev)
-            .find(|p| {
-                let b = self.blocks.get(*p);
-                b.state == BlockState::Free && b.mapped && b.size >= params.size
-            });
+            .map(|(_, id)| *id)
+            .filter(|id| {
+                let b = blocks.get(*id);
+                b.mapped && b.next.is_some_and(|n| !blocks.get(n).mapped)
+            })
+            .min_by_key(|id| blocks.get(*id).addr);
         let Some(id) = tail else {
             return false;
         };

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{AllocatorConfig, CachedOutcome, DeviceCore, Policy};
+use gpualloc_devices::{map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, Policy};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
@@ -224,5 +224,44 @@ fn a_repeated_step_after_warm_up_makes_no_driver_call_and_no_synchronization() {
         for w in weights {
             core.free(w.ptr).unwrap();
         }
+    }
+}
+
+/// A free block followed by pages being mapped off the core for another request is a tail
+/// too: its remainder joins those pages when they land. So the choice does not depend on
+/// whether a map in flight has landed yet, and a replay of the history, which maps the pages
+/// where the history shows them (`recorded.rs`), makes the same choice as the live allocator.
+#[test]
+fn a_block_before_pages_being_mapped_is_a_tail() {
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    let a = core.malloc(1536 * KIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    let z = core.malloc(4 * MIB, s).unwrap();
+    core.free(z.ptr).unwrap();
+    core.free(a.ptr).unwrap();
+    let tail = b.ptr.0 + 2 * MIB;
+    assert_eq!(core.reserved_bytes(), 8 * MIB);
+    // 6 MiB does not fit in the 4.5 MiB tail: the segment grows after it, off the core.
+    let CachedOutcome::Miss(grower) = core.try_cached(6 * MIB, s).unwrap() else {
+        panic!("6 MiB fits nowhere");
+    };
+    let Growth::Map(plan) = core.plan_growth(&grower).unwrap() else {
+        panic!("expected a growth");
+    };
+    // Meanwhile 1.125 MiB passes over the 1.5 MiB hole and takes the tail.
+    let c = match core.try_cached(1152 * KIB, s).unwrap() {
+        CachedOutcome::Hit(c) => c,
+        CachedOutcome::Miss(_) => panic!("the tail before the pages being mapped holds it"),
+    };
+    assert_eq!(c.ptr.0, tail);
+    let mapped = map_growth(core.backend().as_ref(), &plan).unwrap();
+    core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
+    assert!(
+        core.reserved_bytes() > 8 * MIB,
+        "the pages landed after the tail"
+    );
+    core.check_invariants().unwrap();
+    for p in [b.ptr, c.ptr] {
+        core.free(p).unwrap();
     }
 }
