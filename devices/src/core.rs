@@ -669,7 +669,7 @@ impl DeviceCore {
         }
     }
 
-    fn out_of_memory(&mut self, size: u64, params: &AllocParams) -> AllocError {
+    pub(crate) fn out_of_memory(&mut self, size: u64, params: &AllocParams) -> AllocError {
         let info = self.backend.mem_info(self.device).unwrap_or_default();
         let report = OomReport {
             device: self.device,

@@ -291,15 +291,28 @@ impl DeviceCore {
         let pages = match exact {
             Some(bytes) => bytes.div_ceil(page),
             None => (self.device_total + self.device_total / 8).div_ceil(page),
-        }
-        .max(1);
-        let size = pages * page;
+        };
         let granularity = self.backend.vmm_granularity(self.device)?;
         let alignment = if exact.is_some() {
             granularity.max(page)
         } else {
             granularity
         };
+        self.reserve_expandable(stream, pool, pages, alignment)
+    }
+
+    /// Reserves an expandable segment of `pages` pages (at least one) of `pool`, aligned to
+    /// `alignment`, for `stream`; returns its one unmapped block.
+    pub(crate) fn reserve_expandable(
+        &mut self,
+        stream: StreamHandle,
+        pool: usize,
+        pages: u64,
+        alignment: u64,
+    ) -> Result<BlockId, AllocError> {
+        let page = self.segment_page_size(pool);
+        let pages = pages.max(1);
+        let size = pages * page;
         let base = self.backend.va_reserve(self.device, size, alignment)?;
         self.expandable.insert(
             base.0,

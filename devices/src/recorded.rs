@@ -14,13 +14,19 @@
 //!   blocks freed meanwhile. In the history the `segment_map` comes before that `alloc`, after
 //!   the frees. [`DeviceCore::map_recorded_pages`] maps the recorded range at its
 //!   `segment_map`; the `malloc` that follows then finds what the live request found.
+//!
+//! And where recording began after the allocator had started, the expandable segments it held
+//! then: [`DeviceCore::restore_expandable`] reserves one with its mapped runs and live blocks,
+//! so the pages the history maps later grow the same segment, as they did live.
 
-use gpualloc_runtime::StreamHandle;
+use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::block::BlockState;
-use crate::core::{DeviceCore, SegmentRequest};
+use crate::block::{Block, BlockId, BlockState};
+use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::pool::unmapped_key;
+use crate::pool::{key, unmapped_key};
+use crate::restore::RestoredBlock;
+use crate::stats::for_pool;
 
 impl DeviceCore {
     /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size
@@ -125,5 +131,172 @@ impl DeviceCore {
                 }
             }
         }
+    }
+
+    /// Restores an expandable segment of a recorded state: reserves `size` bytes (rounded up
+    /// to whole pages) for `stream` in the small or large pool, maps `runs` (`(addr, len)`:
+    /// whole pages from `base`, sorted and disjoint) and places the `live` blocks (sorted,
+    /// disjoint, each inside a run) in them as allocated blocks; the rest of each run is free,
+    /// the rest of the range unmapped. Addresses are relative to `base`; the segment is where
+    /// the backend put it (returned), everything at the same offsets from it. The pages
+    /// mapped count as mapped (reserved bytes, driver calls, `segment_map` in the history).
+    /// Bad input is an error before anything is reserved; a device without memory for the runs
+    /// leaves the segment reserved with the runs mapped so far and returns out-of-memory.
+    pub fn restore_expandable(
+        &mut self,
+        base: u64,
+        size: u64,
+        stream: StreamHandle,
+        small: bool,
+        runs: &[(u64, u64)],
+        live: &[RestoredBlock],
+    ) -> Result<DevicePtr, AllocError> {
+        let invalid = |reason: &'static str| AllocError::InvalidSize { size, reason };
+        self.check_stream(stream)?;
+        let pool = if small { SMALL_POOL } else { LARGE_POOL };
+        if !self.pool_expands(pool) {
+            return Err(AllocError::NotSupported(
+                "restoring an expandable segment needs expandable_segments:True",
+            ));
+        }
+        let page = self.segment_page_size(pool);
+        let end = base
+            .checked_add(size)
+            .filter(|_| size > 0)
+            .ok_or(invalid("the segment is empty or overflows"))?;
+        let mut cursor = base;
+        for &(addr, len) in runs {
+            let aligned = addr >= base && (addr - base) % page == 0 && len > 0 && len % page == 0;
+            if !aligned || addr < cursor || addr.checked_add(len).is_none_or(|e| e > end) {
+                return Err(invalid(
+                    "runs must be whole pages inside the segment, sorted and disjoint",
+                ));
+            }
+            cursor = addr + len;
+        }
+        // Runs side by side are one mapped stretch: a block may cross from one to the next.
+        let mut stretches: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+        for &(addr, len) in runs {
+            match stretches.last_mut() {
+                Some(last) if last.1 == addr => last.1 = addr + len,
+                _ => stretches.push((addr, addr + len)),
+            }
+        }
+        let mut cursor = base;
+        for b in live {
+            let inside = b.addr.checked_add(b.size).is_some_and(|b_end| {
+                stretches
+                    .iter()
+                    .any(|&(start, stop)| b.addr >= start && b_end <= stop)
+            });
+            if b.size == 0 || b.addr < cursor || !inside {
+                return Err(invalid(
+                    "restored blocks must be sorted, disjoint and inside the runs",
+                ));
+            }
+            cursor = b.addr + b.size;
+        }
+        let granularity = self.backend.vmm_granularity(self.device)?;
+        let id = self.reserve_expandable(stream, pool, size.div_ceil(page), granularity)?;
+        let placed = self.blocks.get(id).addr;
+        let shift = |addr: u64| addr - base + placed;
+        for &(addr, len) in runs {
+            if !self.map_recorded_pages(shift(addr), len)? {
+                return Err(self.out_of_memory_for(len, pool, stream));
+            }
+        }
+        for b in live {
+            self.carve_allocated(pool, shift(b.addr), b.size, b.requested);
+        }
+        Ok(DevicePtr(placed))
+    }
+
+    /// The out-of-memory error of a restore that could not map `len` bytes.
+    fn out_of_memory_for(&mut self, len: u64, pool: usize, stream: StreamHandle) -> AllocError {
+        let mut params = match self.params_for(len, stream, None) {
+            Ok(p) => p,
+            Err(e) => return e,
+        };
+        params.pool = pool;
+        params.quiet_oom = true;
+        self.out_of_memory(len, &params)
+    }
+
+    /// Makes `[addr, addr + size)`, inside a free mapped block of `pool`, an allocated block
+    /// of `requested` bytes; the parts of the free block before and after it stay free.
+    fn carve_allocated(&mut self, pool: usize, addr: u64, size: u64, requested: u64) {
+        let Some(id) = self.pools[pool].free.values().copied().find(|&id| {
+            let b = self.blocks.get(id);
+            b.mapped && b.addr <= addr && addr + size <= b.addr + b.size
+        }) else {
+            return;
+        };
+        let b = self.blocks.get(id).clone();
+        self.pools[pool]
+            .free
+            .remove(&key(b.stream.raw, b.size, b.addr));
+        if b.addr < addr {
+            let front = self.split_free_front(id, addr - b.addr);
+            let f = self.blocks.get(front);
+            let k = key(f.stream.raw, f.size, f.addr);
+            self.pools[pool].free.insert(k, front);
+        }
+        if self.blocks.get(id).size > size {
+            let back = self.split_free_back(id, size);
+            let r = self.blocks.get(back);
+            let k = key(r.stream.raw, r.size, r.addr);
+            self.pools[pool].free.insert(k, back);
+        }
+        let small = self.pools[pool].is_small;
+        let blk = self.blocks.get_mut(id);
+        blk.state = BlockState::Allocated;
+        blk.requested = requested;
+        self.active.insert(addr, id);
+        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
+        for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(size));
+        for_pool(&mut self.stats.active, small, |s| s.increase(1));
+        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(size));
+        for_pool(&mut self.stats.requested_bytes, small, |s| {
+            s.increase(requested)
+        });
+    }
+
+    /// Cuts the front `len` bytes off mapped block `id` (in no set) as a new free block
+    /// linked before it; returns the new block.
+    fn split_free_front(&mut self, id: BlockId, len: u64) -> BlockId {
+        let b = self.blocks.get(id).clone();
+        let mut front = Block::segment(b.addr, len, b.stream, b.pool);
+        front.segment = b.segment;
+        front.expandable = b.expandable;
+        front.prev = b.prev;
+        front.next = Some(id);
+        let front_id = self.blocks.insert(front);
+        if let Some(p) = b.prev {
+            self.blocks.get_mut(p).next = Some(front_id);
+        }
+        let blk = self.blocks.get_mut(id);
+        blk.prev = Some(front_id);
+        blk.addr += len;
+        blk.size -= len;
+        front_id
+    }
+
+    /// Cuts mapped block `id` (in no set) to its front `len` bytes; the rest becomes a new
+    /// free block linked after it, returned.
+    fn split_free_back(&mut self, id: BlockId, len: u64) -> BlockId {
+        let b = self.blocks.get(id).clone();
+        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
+        rest.segment = b.segment;
+        rest.expandable = b.expandable;
+        rest.prev = Some(id);
+        rest.next = b.next;
+        let rest_id = self.blocks.insert(rest);
+        if let Some(n) = b.next {
+            self.blocks.get_mut(n).prev = Some(rest_id);
+        }
+        let blk = self.blocks.get_mut(id);
+        blk.next = Some(rest_id);
+        blk.size = len;
+        rest_id
     }
 }

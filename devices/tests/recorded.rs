@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use gpualloc_devices::{
     release_slept_pages, wait_for_pool_streams, AllocError, AllocatorConfig, CachedOutcome,
-    DeviceCore, Growth, PoolOptions, SleepMode, StatType, TraceAction,
+    DeviceCore, Growth, PoolOptions, RestoredBlock, SleepMode, StatType, TraceAction,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
-use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
@@ -234,4 +234,108 @@ fn a_sleeping_pools_range_is_not_mapped() {
     );
     assert_eq!(backend.counts().maps, maps);
     core.check_invariants().unwrap();
+}
+
+#[test]
+fn an_expandable_segment_is_restored_with_its_runs_and_live_blocks() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let base = 0x7100_0000_0000;
+    backend.place_next(DeviceId(0), base);
+    let live = [
+        RestoredBlock {
+            addr: base + 25 * MIB,
+            size: 5 * MIB,
+            requested: 5 * MIB - 100,
+        },
+        RestoredBlock {
+            addr: base + 40 * MIB,
+            size: 20 * MIB,
+            requested: 20 * MIB,
+        },
+    ];
+    // Pages 1 and 2 (two runs side by side: one free stretch after the block), page 5.
+    let runs = [
+        (base + 20 * MIB, 20 * MIB),
+        (base + 40 * MIB, 20 * MIB),
+        (base + 100 * MIB, 20 * MIB),
+    ];
+    let placed = core
+        .restore_expandable(base, 200 * MIB, s, false, &runs, &live)
+        .unwrap();
+    assert_eq!(placed.0, base);
+    core.check_invariants().unwrap();
+    assert_eq!(core.reserved_bytes(), 60 * MIB);
+    assert_eq!(core.stats().allocated_bytes[ALL].current, 25 * MIB);
+    assert_eq!(
+        core.allocation(DevicePtr(base + 25 * MIB))
+            .unwrap()
+            .block_size,
+        5 * MIB
+    );
+    let free: Vec<(u64, u64)> = core
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|seg| seg.blocks.iter())
+        .filter(|b| b.requested_size == 0)
+        .map(|b| ((b.address - base) / MIB, b.size / MIB))
+        .collect();
+    assert_eq!(free, vec![(20, 5), (30, 10), (100, 20)]);
+    // The history's later pages grow the same segment; frees merge across the runs.
+    assert!(core.map_recorded_pages(base + 60 * MIB, 20 * MIB).unwrap());
+    core.free(DevicePtr(base + 40 * MIB)).unwrap();
+    let big = core.malloc(50 * MIB, s).unwrap();
+    assert_eq!(big.ptr.0, base + 30 * MIB);
+    core.check_invariants().unwrap();
+    core.free(big.ptr).unwrap();
+    core.free(DevicePtr(base + 25 * MIB)).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(backend.used(DeviceId(0)), 0);
+}
+
+#[test]
+fn a_restore_with_bad_runs_or_blocks_reserves_nothing() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let base = 0x7100_0000_0000;
+    let block = |at: u64, size: u64| RestoredBlock {
+        addr: base + at,
+        size,
+        requested: size,
+    };
+    type Case = (u64, Vec<(u64, u64)>, Vec<RestoredBlock>);
+    let cases: [Case; 6] = [
+        (0, vec![], vec![]),                               // empty
+        (200 * MIB, vec![(base + MIB, 20 * MIB)], vec![]), // not at a page
+        (
+            200 * MIB,
+            vec![(base, 40 * MIB), (base + 20 * MIB, 20 * MIB)],
+            vec![],
+        ), // overlapping
+        (200 * MIB, vec![(base + 180 * MIB, 40 * MIB)], vec![]), // past the end
+        (
+            200 * MIB,
+            vec![(base, 20 * MIB)],
+            vec![block(10 * MIB, 20 * MIB)],
+        ), // outside the run
+        (
+            200 * MIB,
+            vec![(base, 20 * MIB)],
+            vec![block(0, 8 * MIB), block(4 * MIB, MIB)],
+        ), // overlapping
+    ];
+    for (size, runs, live) in cases {
+        let r = core.restore_expandable(base, size, s, false, &runs, &live);
+        assert!(
+            matches!(r, Err(AllocError::InvalidSize { .. })),
+            "{runs:?} {live:?}: {r:?}"
+        );
+        assert_eq!(backend.counts().maps, 0);
+        assert_eq!(core.snapshot().segments.len(), 0);
+        core.check_invariants().unwrap();
+    }
+    let (_backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    assert!(matches!(
+        core.restore_expandable(base, 200 * MIB, s, false, &[], &[]),
+        Err(AllocError::NotSupported(_))
+    ));
 }

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 
-use gpualloc_devices::sizes::{round_size, SMALL_SIZE};
+use gpualloc_devices::sizes::{round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use gpualloc_devices::AllocatorConfig;
 use gpualloc_trace::{Action, TraceEntry};
 
@@ -157,6 +157,86 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
     Some(set.into_values().collect())
 }
 
+/// An expandable segment's reservation as a warm replay makes it (see [`reservations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    /// Stream id.
+    pub stream: u64,
+    /// Small pool.
+    pub small: bool,
+    /// Base address.
+    pub base: u64,
+    /// Bytes.
+    pub size: u64,
+}
+
+impl Reservation {
+    /// True when start segment `s` (a mapped run) lies in this reservation.
+    pub fn holds(&self, s: &StartSegment) -> bool {
+        s.stream == self.stream
+            && s.small == self.small
+            && s.addr >= self.base
+            && s.addr - self.base < self.size
+    }
+}
+
+/// The reservations of an expandable history, one per stream and pool kind (as the allocator
+/// keeps them): from the lowest page that kind of the stream had mapped, at the start
+/// (`start`) or in the trace, `full` bytes (the reservation a device of the replay's capacity
+/// gets), less where the next reservation starts sooner, but never short of its highest page.
+/// The recording does not show where a reservation began; its lowest page is the nearest
+/// guess that holds everything the history did in it. Sorted by base.
+pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Reservation> {
+    let finals = trace.final_segments.as_deref().unwrap_or_default();
+    let mut ranges: BTreeMap<(u64, bool), (u64, u64)> = BTreeMap::new();
+    let mut widen = |stream: u64, small: bool, addr: u64, size: u64| {
+        let r = ranges.entry((stream, small)).or_insert((addr, addr + size));
+        r.0 = r.0.min(addr);
+        r.1 = r.1.max(addr + size);
+    };
+    for seg in start {
+        widen(seg.stream, seg.small, seg.addr, seg.size);
+    }
+    for (i, e) in trace.events.iter().enumerate() {
+        if e.action != Action::SegmentMap {
+            continue;
+        }
+        let holding = finals
+            .iter()
+            .map(|f| (f.addr, f.size, f.small))
+            .chain(start.iter().map(|s| (s.addr, s.size, s.small)))
+            .find(|&(addr, size, _)| e.addr >= addr && e.addr < addr + size);
+        // Else the request it was mapped for tells the pool: the next alloc on its stream.
+        let small = holding.map_or_else(
+            || {
+                trace.events[i + 1..]
+                    .iter()
+                    .find(|n| n.action == Action::Alloc && n.stream == e.stream)
+                    .is_some_and(|n| n.size <= SMALL_SIZE)
+            },
+            |h| h.2,
+        );
+        widen(e.stream, small, e.addr, e.size);
+    }
+    let mut out: Vec<Reservation> = ranges
+        .into_iter()
+        .map(|((stream, small), (lo, hi))| Reservation {
+            stream,
+            small,
+            base: lo,
+            size: hi - lo,
+        })
+        .collect();
+    out.sort_by_key(|r| r.base);
+    for i in 0..out.len() {
+        let room = out
+            .get(i + 1)
+            .map_or(full, |n| n.base.saturating_sub(out[i].base));
+        out[i].size = out[i].size.max(full.min(room));
+    }
+    out
+}
+
 /// A segment that ends where `[addr, addr + size)` starts or starts where it ends.
 fn neighbour(set: &BTreeMap<u64, StartSegment>, addr: u64, size: u64) -> Option<&StartSegment> {
     let before = set
@@ -247,9 +327,15 @@ pub fn torch_figures(trace: &Trace, initial: &[LiveAtStart]) -> TorchFigures {
 }
 
 /// Block sizes of the allocations alive in one start segment, as PyTorch's default rules made
-/// them: the rounded request, extended to the next block when the gap is too small for the
-/// large pool to have split it off (a free large-pool block is always over 1 MiB).
-pub fn start_blocks(seg: &StartSegment, live: &[LiveAtStart]) -> Vec<(u64, u64, u64)> {
+/// them: the rounded request, extended to the next block when the gap is too small to have
+/// been split off. For an ordinary segment's large pool that is up to 1 MiB (a free
+/// large-pool block is always over 1 MiB); in an expandable segment (`expandable`: a mapped
+/// stretch of one) and in the small pool, under 512 bytes.
+pub fn start_blocks(
+    seg: &StartSegment,
+    live: &[LiveAtStart],
+    expandable: bool,
+) -> Vec<(u64, u64, u64)> {
     let defaults = AllocatorConfig::default();
     let inside: Vec<&LiveAtStart> = live
         .iter()
@@ -263,7 +349,12 @@ pub fn start_blocks(seg: &StartSegment, live: &[LiveAtStart]) -> Vec<(u64, u64, 
             None => {
                 let rounded = round_size(l.requested, &defaults).unwrap_or(l.requested);
                 let gap = next.saturating_sub(l.addr + rounded);
-                if !seg.small && gap > 0 && gap <= SMALL_SIZE {
+                let unsplit = if seg.small || expandable {
+                    gap < MIN_BLOCK_SIZE
+                } else {
+                    gap <= SMALL_SIZE
+                };
+                if gap > 0 && unsplit {
                     next - l.addr
                 } else {
                     rounded

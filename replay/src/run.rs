@@ -21,7 +21,10 @@
 //! (`gpualloc_devices` `recorded.rs`): an `alloc` right after the `segment_alloc` of the segment
 //! holding it is served by that new segment without a cache lookup, and a `segment_map` inside
 //! a reservation maps its pages at once, so the `alloc` that follows weighs them against the
-//! blocks freed meanwhile, as the live request did.
+//! blocks freed meanwhile, as the live request did. The expandable segments held when
+//! recording began are restored as reservations (`analysis::reservations`), their mapped runs
+//! and live blocks in them, and a reservation the history starts later is made where its
+//! pages lie when it maps the first.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -37,8 +40,8 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 use gpualloc_trace::Action;
 
 use crate::analysis::{
-    deferred_frees, live_at_start, start_blocks, start_segments, torch_figures,
-    torch_reserved_after,
+    deferred_frees, live_at_start, reservations, start_blocks, start_segments, torch_figures,
+    torch_reserved_after, LiveAtStart, Reservation, StartSegment,
 };
 use crate::input::Trace;
 use crate::report::{Mismatch, ReplayReport, Sample};
@@ -171,6 +174,47 @@ impl Replayer {
         }
     }
 
+    /// Makes reservation `res` at its base, with the start segments `inside` it (its mapped
+    /// runs, none when the history maps its first page) and their live blocks; returns how
+    /// many live blocks it placed.
+    fn restore_reservation(
+        &mut self,
+        res: &Reservation,
+        inside: &[&StartSegment],
+        initial: &[LiveAtStart],
+    ) -> Result<usize, ReplayError> {
+        // Runs side by side are one mapped stretch: a block may cross from one to the next.
+        let mut stretches: Vec<StartSegment> = Vec::new();
+        for s in inside {
+            match stretches.last_mut() {
+                Some(last) if last.addr + last.size == s.addr => last.size += s.size,
+                _ => stretches.push(**s),
+            }
+        }
+        let runs: Vec<(u64, u64)> = inside.iter().map(|s| (s.addr, s.size)).collect();
+        let blocks: Vec<RestoredBlock> = stretches
+            .iter()
+            .flat_map(|s| start_blocks(s, initial, true))
+            .map(|(addr, size, requested)| RestoredBlock {
+                addr,
+                size,
+                requested,
+            })
+            .collect();
+        let stream = self.stream(res.stream);
+        self.backend.place_next(DEVICE, res.base);
+        let restored = self
+            .core
+            .restore_expandable(res.base, res.size, stream, res.small, &runs, &blocks);
+        self.backend.clear_placement(DEVICE);
+        let base = restored.map_err(|source| ReplayError::Alloc { index: 0, source })?;
+        for b in &blocks {
+            self.addrs
+                .insert(b.addr, DevicePtr(b.addr - res.base + base.0));
+        }
+        Ok(blocks.len())
+    }
+
     fn free(&mut self, torch_addr: u64, deferred: bool) {
         let Some(ptr) = self.addrs.remove(&torch_addr) else {
             self.warnings += 1;
@@ -188,6 +232,15 @@ impl Replayer {
             self.warnings += 1;
         }
     }
+}
+
+/// True when the trace maps or unmaps pages, or ends with expandable segments.
+fn records_pages(trace: &Trace) -> bool {
+    trace
+        .events
+        .iter()
+        .any(|e| matches!(e.action, Action::SegmentMap | Action::SegmentUnmap))
+        || trace.final_segments.iter().flatten().any(|s| s.expandable)
 }
 
 /// True when the history shows `alloc` event `i` served by the ordinary segment allocated
@@ -229,6 +282,8 @@ pub fn replay_core(
         warnings: 0,
     };
     let (initial, unexplained) = live_at_start(trace);
+    // Warm, expandable history: the reservations to make (see `analysis::reservations`).
+    let mut reservations_plan: Vec<Reservation> = Vec::new();
     r.warnings += unexplained;
     let torch = torch_figures(trace, &initial);
 
@@ -240,8 +295,18 @@ pub fn replay_core(
             .filter(|s| !s.is_empty() || trace.events.iter().any(|e| e.action.changes_segments()))
             .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
         let mut placed = 0usize;
-        for seg in &segments {
-            let blocks: Vec<RestoredBlock> = start_blocks(seg, &initial)
+        if r.core.config().expandable_segments && records_pages(trace) {
+            reservations_plan = reservations(trace, &segments, capacity + capacity / 8);
+            for res in &reservations_plan {
+                // Those with no page mapped yet are made at their first `segment_map`.
+                let inside: Vec<&StartSegment> = segments.iter().filter(|s| res.holds(s)).collect();
+                if !inside.is_empty() {
+                    placed += r.restore_reservation(res, &inside, &initial)?;
+                }
+            }
+        }
+        for seg in segments.iter().filter(|_| reservations_plan.is_empty()) {
+            let blocks: Vec<RestoredBlock> = start_blocks(seg, &initial, false)
                 .into_iter()
                 .map(|(addr, size, requested)| RestoredBlock {
                     addr,
@@ -278,6 +343,14 @@ pub fn replay_core(
         }
     }
 
+    // A warm replay's start state is the recording's, not the replay's: its pages are not
+    // counted. (A cold replay counts what it allocated for the allocations alive at the
+    // start: its own layout of them.)
+    let baseline = if options.warm {
+        (r.backend.counts().maps, r.core.stats().num_device_alloc)
+    } else {
+        (0, 0)
+    };
     let deferred = deferred_frees(trace);
     // Warm: PyTorch's segment_alloc addresses not yet used, per size.
     let mut pending_segments: HashMap<u64, VecDeque<u64>> = HashMap::new();
@@ -302,7 +375,19 @@ pub fn replay_core(
         }
         match e.action {
             Action::SegmentMap if options.warm => {
-                if r.backend.reservation_holding(DEVICE, e.addr).is_none() {
+                let outside = r.backend.reservation_holding(DEVICE, e.addr).is_none();
+                let planned = reservations_plan
+                    .iter()
+                    .find(|p| p.stream == e.stream && e.addr >= p.base && e.addr - p.base < p.size);
+                if let (true, Some(res)) = (outside, planned) {
+                    r.restore_reservation(res, &[], &[]).map_err(|e| match e {
+                        ReplayError::Alloc { source, .. } => {
+                            ReplayError::Alloc { index: i, source }
+                        }
+                        other => other,
+                    })?;
+                }
+                if outside && planned.is_none() {
                     pending_reservation = Some(e.addr);
                 } else {
                     // Pages mapped for a request before it looked in the cache again: the
@@ -453,10 +538,10 @@ pub fn replay_core(
     report.peak_reserved = st.reserved_bytes[0].peak;
     report.peak_allocated = st.allocated_bytes[0].peak;
     report.peak_requested = st.requested_bytes[0].peak;
-    report.device_mallocs = st.num_device_alloc;
+    report.device_mallocs = st.num_device_alloc - baseline.1;
     report.device_frees = st.num_device_free;
     let calls = r.backend.counts();
-    report.page_maps = calls.maps;
+    report.page_maps = calls.maps - baseline.0;
     report.page_unmaps = calls.unmaps;
     report.synchronizations = st.num_sync_all_streams;
     report.retries = st.num_alloc_retries;

@@ -151,13 +151,13 @@ mod off_the_core {
 
     const CAPACITY: u64 = 1 << 30;
 
+    /// A core, not recording yet.
     fn rig(conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
         let config = AllocatorConfig::parse(conf).unwrap();
         let backend = Arc::new(AccountingBackend::new(1, CAPACITY));
         let dynb: Arc<dyn Backend> = backend.clone();
         let s = dynb.stream_create(DeviceId(0)).unwrap();
-        let mut core = DeviceCore::new(dynb, DeviceId(0), config.resolved(true)).unwrap();
-        core.record_history(Some(1000));
+        let core = DeviceCore::new(dynb, DeviceId(0), config.resolved(true)).unwrap();
         (backend, core, s)
     }
 
@@ -179,6 +179,7 @@ mod off_the_core {
     fn a_segment_obtained_off_the_core_serves_its_request_in_the_replay() {
         let conf = "expandable_segments:False";
         let (backend, mut core, s) = rig(conf);
+        core.record_history(Some(1000));
         // An 8 MiB block and the 12 MiB left of its 20 MiB segment.
         let a = core.malloc(8 * MIB, s).unwrap();
         let rest = core.malloc(12 * MIB, s).unwrap();
@@ -203,6 +204,7 @@ mod off_the_core {
         // PyTorch's 20 MiB pages: pages 0-4 taken, page 1 unmapped again (a hole).
         let conf = "expandable_segments:True,policy:pytorch";
         let (backend, mut core, s) = rig(conf);
+        core.record_history(Some(1000));
         let blocks: Vec<_> = [20, 20, 20, 40]
             .iter()
             .map(|m| core.malloc(m * MIB, s).unwrap())
@@ -229,6 +231,50 @@ mod off_the_core {
         assert_eq!(replayed(&core, conf), (6, 6));
         for p in [blocks[0].ptr, blocks[2].ptr, b.ptr, later.ptr] {
             core.free(p).unwrap();
+        }
+    }
+
+    /// Recording begins after the allocator has been running: the expandable segments it
+    /// holds then (their mapped runs and live blocks) are restored as reservations, so the
+    /// pages the history maps next to them grow the same segments, as they did live.
+    #[test]
+    fn expandable_segments_held_when_recording_began_grow_in_the_replay() {
+        // PyTorch's pages: one physical handle each. (Under the gpualloc policy a handle covers
+        // a whole growth, released only whole, and where the handles of pages mapped before
+        // recording began start and end is not in the snapshot: the replay maps them in
+        // handles of its own, and an `empty_cache` may then release different pages.)
+        for conf in ["expandable_segments:True,policy:pytorch"] {
+            let (_backend, mut core, s) = rig(conf);
+            let mut rng = 0x2545_f491_4f6c_dd1du64;
+            let mut live = Vec::new();
+            let mut step = |core: &mut DeviceCore, live: &mut Vec<_>| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let size = match rng % 3 {
+                    0 => rng % MIB + 1,
+                    1 => rng % (6 * MIB) + 1,
+                    _ => rng % (24 * MIB) + 1,
+                };
+                live.push(core.malloc(size, s).unwrap().ptr);
+                if live.len() > 10 || rng % 3 == 0 {
+                    let k = (rng as usize / 3) % live.len();
+                    core.free(live.swap_remove(k)).unwrap();
+                }
+            };
+            for _ in 0..60 {
+                step(&mut core, &mut live);
+            }
+            core.record_history(Some(10_000));
+            for i in 0..300 {
+                step(&mut core, &mut live);
+                if i == 150 {
+                    core.empty_cache().unwrap();
+                }
+            }
+            let (matched, compared) = replayed(&core, conf);
+            assert!(compared >= 300, "[{conf}] {compared}");
+            assert_eq!(matched, compared, "[{conf}]");
         }
     }
 }
