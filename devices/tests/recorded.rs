@@ -241,37 +241,36 @@ fn an_expandable_segment_is_restored_with_its_runs_and_live_blocks() {
     let (backend, mut core, s) = rig(1 << 30, PAGES);
     let base = 0x7100_0000_0000;
     backend.place_next(DeviceId(0), base);
+    let block = |at: u64, size: u64| RestoredBlock {
+        addr: base + at * MIB,
+        size: size * MIB,
+        requested: size * MIB - 100,
+    };
+    // A block crossing from one run to the one beside it; two blocks side by side at the
+    // start of a run, one at its end; a run reaching the segment's end.
     let live = [
-        RestoredBlock {
-            addr: base + 25 * MIB,
-            size: 5 * MIB,
-            requested: 5 * MIB - 100,
-        },
-        RestoredBlock {
-            addr: base + 40 * MIB,
-            size: 20 * MIB,
-            requested: 20 * MIB,
-        },
+        block(25, 5),
+        block(35, 20),
+        block(100, 4),
+        block(104, 2),
+        block(114, 6),
     ];
-    // Pages 1 and 2 (two runs side by side: one free stretch after the block), page 5.
     let runs = [
         (base + 20 * MIB, 20 * MIB),
         (base + 40 * MIB, 20 * MIB),
         (base + 100 * MIB, 20 * MIB),
+        (base + 180 * MIB, 20 * MIB),
     ];
     let placed = core
         .restore_expandable(base, 200 * MIB, s, false, &runs, &live)
         .unwrap();
     assert_eq!(placed.0, base);
     core.check_invariants().unwrap();
-    assert_eq!(core.reserved_bytes(), 60 * MIB);
-    assert_eq!(core.stats().allocated_bytes[ALL].current, 25 * MIB);
-    assert_eq!(
-        core.allocation(DevicePtr(base + 25 * MIB))
-            .unwrap()
-            .block_size,
-        5 * MIB
-    );
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    assert_eq!(core.stats().allocated_bytes[ALL].current, 37 * MIB);
+    assert_eq!(core.stats().requested_bytes[ALL].current, 37 * MIB - 500);
+    let a = core.allocation(DevicePtr(base + 35 * MIB)).unwrap();
+    assert_eq!((a.block_size, a.size), (20 * MIB, 20 * MIB - 100));
     let free: Vec<(u64, u64)> = core
         .snapshot()
         .segments
@@ -280,15 +279,16 @@ fn an_expandable_segment_is_restored_with_its_runs_and_live_blocks() {
         .filter(|b| b.requested_size == 0)
         .map(|b| ((b.address - base) / MIB, b.size / MIB))
         .collect();
-    assert_eq!(free, vec![(20, 5), (30, 10), (100, 20)]);
+    assert_eq!(free, vec![(20, 5), (30, 5), (55, 5), (106, 8), (180, 20)]);
     // The history's later pages grow the same segment; frees merge across the runs.
     assert!(core.map_recorded_pages(base + 60 * MIB, 20 * MIB).unwrap());
-    core.free(DevicePtr(base + 40 * MIB)).unwrap();
+    core.free(DevicePtr(base + 35 * MIB)).unwrap();
     let big = core.malloc(50 * MIB, s).unwrap();
     assert_eq!(big.ptr.0, base + 30 * MIB);
     core.check_invariants().unwrap();
-    core.free(big.ptr).unwrap();
-    core.free(DevicePtr(base + 25 * MIB)).unwrap();
+    for at in [30, 25, 100, 104, 114] {
+        core.free(DevicePtr(base + at * MIB)).unwrap();
+    }
     core.empty_cache().unwrap();
     assert_eq!(backend.used(DeviceId(0)), 0);
 }
@@ -303,25 +303,44 @@ fn a_restore_with_bad_runs_or_blocks_reserves_nothing() {
         requested: size,
     };
     type Case = (u64, Vec<(u64, u64)>, Vec<RestoredBlock>);
-    let cases: [Case; 6] = [
-        (0, vec![], vec![]),                               // empty
-        (200 * MIB, vec![(base + MIB, 20 * MIB)], vec![]), // not at a page
+    let cases: [Case; 9] = [
+        // empty
+        (0, vec![], vec![]),
+        // not at a page
+        (200 * MIB, vec![(base + MIB, 20 * MIB)], vec![]),
+        // no pages
+        (200 * MIB, vec![(base, 0)], vec![]),
+        // overlapping runs
         (
             200 * MIB,
             vec![(base, 40 * MIB), (base + 20 * MIB, 20 * MIB)],
             vec![],
-        ), // overlapping
-        (200 * MIB, vec![(base + 180 * MIB, 40 * MIB)], vec![]), // past the end
+        ),
+        // past the end
+        (200 * MIB, vec![(base + 180 * MIB, 40 * MIB)], vec![]),
+        // a block past its run, or before the first
         (
             200 * MIB,
             vec![(base, 20 * MIB)],
             vec![block(10 * MIB, 20 * MIB)],
-        ), // outside the run
+        ),
+        (
+            200 * MIB,
+            vec![(base + 20 * MIB, 20 * MIB)],
+            vec![block(0, MIB)],
+        ),
+        // a block across unmapped pages between two runs
+        (
+            200 * MIB,
+            vec![(base, 20 * MIB), (base + 40 * MIB, 20 * MIB)],
+            vec![block(10 * MIB, 40 * MIB)],
+        ),
+        // overlapping blocks
         (
             200 * MIB,
             vec![(base, 20 * MIB)],
             vec![block(0, 8 * MIB), block(4 * MIB, MIB)],
-        ), // overlapping
+        ),
     ];
     for (size, runs, live) in cases {
         let r = core.restore_expandable(base, size, s, false, &runs, &live);
