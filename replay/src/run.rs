@@ -538,10 +538,10 @@ pub fn replay_core(
     report.peak_reserved = st.reserved_bytes[0].peak;
     report.peak_allocated = st.allocated_bytes[0].peak;
     report.peak_requested = st.requested_bytes[0].peak;
-    report.device_mallocs = st.num_device_alloc - baseline.1;
+    report.device_mallocs = st.num_device_alloc.saturating_sub(baseline.1);
     report.device_frees = st.num_device_free;
     let calls = r.backend.counts();
-    report.page_maps = calls.maps - baseline.0;
+    report.page_maps = calls.maps.saturating_sub(baseline.0);
     report.page_unmaps = calls.unmaps;
     report.synchronizations = st.num_sync_all_streams;
     report.retries = st.num_alloc_retries;
