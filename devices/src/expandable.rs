@@ -424,7 +424,7 @@ impl DeviceCore {
             .unmapped
             .remove(&unmapped_key(b.stream.raw, b.addr, b.size));
         if len < b.size {
-            let rest_id = self.split_unmapped_back(id, len);
+            let rest_id = self.split_back(id, len);
             self.pools[pool].unmapped.insert(
                 unmapped_key(b.stream.raw, b.addr + len, b.size - len),
                 rest_id,
@@ -432,14 +432,15 @@ impl DeviceCore {
         }
     }
 
-    /// Cuts unmapped block `id` (in no set) to its front `len` bytes; returns the rest, a new
-    /// free unmapped block linked after it, in no set.
-    pub(crate) fn split_unmapped_back(&mut self, id: BlockId, len: u64) -> BlockId {
+    /// Cuts free block `id` of an expandable segment (in no set) to its front `len` bytes;
+    /// returns the rest, a new free block of the same kind (mapped or not) linked after it, in
+    /// no set.
+    pub(crate) fn split_back(&mut self, id: BlockId, len: u64) -> BlockId {
         let b = self.blocks.get(id).clone();
         let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
         rest.segment = b.segment;
-        rest.mapped = false;
-        rest.expandable = true;
+        rest.mapped = b.mapped;
+        rest.expandable = b.expandable;
         rest.prev = Some(id);
         rest.next = b.next;
         let rest_id = self.blocks.insert(rest);

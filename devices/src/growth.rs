@@ -232,7 +232,7 @@ impl DeviceCore {
     /// Cuts planned block `id` to its front `len` bytes; the rest becomes a free unmapped
     /// block again, filed with its unmapped neighbours.
     fn unplan_back(&mut self, id: BlockId, len: u64) {
-        let rest = self.split_unmapped_back(id, len);
+        let rest = self.split_back(id, len);
         self.file_unmapped(rest);
     }
 

@@ -21,7 +21,7 @@
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::block::{Block, BlockId, BlockState};
+use crate::block::BlockState;
 use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::pool::{key, unmapped_key};
@@ -105,13 +105,13 @@ impl DeviceCore {
             .remove(&unmapped_key(stream, b.addr, b.size));
         let mut range = id;
         if b.addr < addr {
-            range = self.split_unmapped_back(id, addr - b.addr);
+            range = self.split_back(id, addr - b.addr);
             self.pools[pool]
                 .unmapped
                 .insert(unmapped_key(stream, b.addr, addr - b.addr), id);
         }
         if end < b.addr + b.size {
-            let rest = self.split_unmapped_back(range, len);
+            let rest = self.split_back(range, len);
             self.pools[pool]
                 .unmapped
                 .insert(unmapped_key(stream, end, b.addr + b.size - end), rest);
@@ -232,26 +232,27 @@ impl DeviceCore {
             return;
         };
         let b = self.blocks.get(id).clone();
-        self.pools[pool]
-            .free
-            .remove(&key(b.stream.raw, b.size, b.addr));
+        let stream = b.stream.raw;
+        self.pools[pool].free.remove(&key(stream, b.size, b.addr));
+        let mut range = id;
         if b.addr < addr {
-            let front = self.split_free_front(id, addr - b.addr);
-            let f = self.blocks.get(front);
-            let k = key(f.stream.raw, f.size, f.addr);
-            self.pools[pool].free.insert(k, front);
+            range = self.split_back(id, addr - b.addr);
+            self.pools[pool]
+                .free
+                .insert(key(stream, addr - b.addr, b.addr), id);
         }
-        if self.blocks.get(id).size > size {
-            let back = self.split_free_back(id, size);
-            let r = self.blocks.get(back);
-            let k = key(r.stream.raw, r.size, r.addr);
-            self.pools[pool].free.insert(k, back);
+        let end = b.addr + b.size;
+        if addr + size < end {
+            let rest = self.split_back(range, size);
+            self.pools[pool]
+                .free
+                .insert(key(stream, end - addr - size, addr + size), rest);
         }
         let small = self.pools[pool].is_small;
-        let blk = self.blocks.get_mut(id);
+        let blk = self.blocks.get_mut(range);
         blk.state = BlockState::Allocated;
         blk.requested = requested;
-        self.active.insert(addr, id);
+        self.active.insert(addr, range);
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(size));
         for_pool(&mut self.stats.active, small, |s| s.increase(1));
@@ -259,44 +260,5 @@ impl DeviceCore {
         for_pool(&mut self.stats.requested_bytes, small, |s| {
             s.increase(requested)
         });
-    }
-
-    /// Cuts the front `len` bytes off mapped block `id` (in no set) as a new free block
-    /// linked before it; returns the new block.
-    fn split_free_front(&mut self, id: BlockId, len: u64) -> BlockId {
-        let b = self.blocks.get(id).clone();
-        let mut front = Block::segment(b.addr, len, b.stream, b.pool);
-        front.segment = b.segment;
-        front.expandable = b.expandable;
-        front.prev = b.prev;
-        front.next = Some(id);
-        let front_id = self.blocks.insert(front);
-        if let Some(p) = b.prev {
-            self.blocks.get_mut(p).next = Some(front_id);
-        }
-        let blk = self.blocks.get_mut(id);
-        blk.prev = Some(front_id);
-        blk.addr += len;
-        blk.size -= len;
-        front_id
-    }
-
-    /// Cuts mapped block `id` (in no set) to its front `len` bytes; the rest becomes a new
-    /// free block linked after it, returned.
-    fn split_free_back(&mut self, id: BlockId, len: u64) -> BlockId {
-        let b = self.blocks.get(id).clone();
-        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
-        rest.segment = b.segment;
-        rest.expandable = b.expandable;
-        rest.prev = Some(id);
-        rest.next = b.next;
-        let rest_id = self.blocks.insert(rest);
-        if let Some(n) = b.next {
-            self.blocks.get_mut(n).prev = Some(rest_id);
-        }
-        let blk = self.blocks.get_mut(id);
-        blk.next = Some(rest_id);
-        blk.size = len;
-        rest_id
     }
 }

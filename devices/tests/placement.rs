@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, Policy};
+use gpualloc_devices::{
+    map_growth, Allocation, AllocatorConfig, CachedOutcome, DeviceCore, Growth, Policy,
+};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
@@ -102,18 +104,24 @@ fn only_remainders_under_512_kib_are_passed_over() {
     }
 }
 
+/// A freed 1.5 MiB hole (`a`), a kept 2 MiB block (`b`) and 4.5 MiB of free mapped room at
+/// the tail after it: 8 MiB mapped.
+fn hole_and_tail(core: &mut DeviceCore, s: StreamHandle) -> (Allocation, Allocation) {
+    let a = core.malloc(1536 * KIB, s).unwrap();
+    let b = core.malloc(2 * MIB, s).unwrap();
+    let z = core.malloc(4 * MIB, s).unwrap();
+    core.free(z.ptr).unwrap();
+    core.free(a.ptr).unwrap();
+    (a, b)
+}
+
 /// The path of owners that grow segments off the core (the allocator's actors): the cached
 /// step goes to the tail when it holds the request, and says "miss" when the tail must grow;
 /// when it cannot, `malloc_passed_over` serves the request from the passed-over block.
 #[test]
 fn owners_that_grow_off_the_core_get_the_tail_or_the_passed_over_block() {
     let (mut core, s) = rig(20 * MIB, "expandable_segments:True", Policy::Gpualloc);
-    let a = core.malloc(1536 * KIB, s).unwrap();
-    let b = core.malloc(2 * MIB, s).unwrap();
-    // Free mapped room at the tail: 4.5 MiB after `b`.
-    let z = core.malloc(4 * MIB, s).unwrap();
-    core.free(z.ptr).unwrap();
-    core.free(a.ptr).unwrap();
+    let (a, b) = hole_and_tail(&mut core, s);
     let tail = b.ptr.0 + 2 * MIB;
     let mapped = core.reserved_bytes();
     assert_eq!(mapped, 8 * MIB);
@@ -234,11 +242,7 @@ fn a_repeated_step_after_warm_up_makes_no_driver_call_and_no_synchronization() {
 #[test]
 fn a_block_before_pages_being_mapped_is_a_tail() {
     let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
-    let a = core.malloc(1536 * KIB, s).unwrap();
-    let b = core.malloc(2 * MIB, s).unwrap();
-    let z = core.malloc(4 * MIB, s).unwrap();
-    core.free(z.ptr).unwrap();
-    core.free(a.ptr).unwrap();
+    let (_hole, b) = hole_and_tail(&mut core, s);
     let tail = b.ptr.0 + 2 * MIB;
     assert_eq!(core.reserved_bytes(), 8 * MIB);
     // 6 MiB does not fit in the 4.5 MiB tail: the segment grows after it, off the core.

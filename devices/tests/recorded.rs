@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use gpualloc_devices::{
     release_slept_pages, wait_for_pool_streams, AllocError, AllocatorConfig, CachedOutcome,
-    DeviceCore, Growth, PoolOptions, RestoredBlock, SleepMode, StatType, TraceAction,
+    DeviceCore, DeviceSnapshot, Growth, PoolOptions, RestoredBlock, SleepMode, StatType,
+    TraceAction,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -25,6 +26,16 @@ fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, Stream
 }
 
 const PAGES: &str = "expandable_segments:True,policy:pytorch";
+
+/// The free blocks of `snap` (offset from `base`, size), in MiB, in address order.
+fn free_mib(snap: &DeviceSnapshot, base: u64) -> Vec<(u64, u64)> {
+    snap.segments
+        .iter()
+        .flat_map(|seg| seg.blocks.iter())
+        .filter(|b| b.requested_size == 0)
+        .map(|b| ((b.address - base) / MIB, b.size / MIB))
+        .collect()
+}
 
 #[test]
 fn a_recorded_range_is_mapped_as_one_free_block_where_it_was() {
@@ -48,14 +59,7 @@ fn a_recorded_range_is_mapped_as_one_free_block_where_it_was() {
     // A snapshot shows each mapped stretch as a segment (as PyTorch's do).
     let snap = core.snapshot();
     assert_eq!(snap.segments.len(), 2);
-    let free: Vec<(u64, u64)> = snap
-        .segments
-        .iter()
-        .flat_map(|seg| seg.blocks.iter())
-        .filter(|b| b.requested_size == 0)
-        .map(|b| ((b.address - base) / MIB, b.size / MIB))
-        .collect();
-    assert_eq!(free, vec![(20, 20), (60, 40)]);
+    assert_eq!(free_mib(&snap, base), vec![(20, 20), (60, 40)]);
     // The mapped pages serve requests: best fit takes the 20 MiB block for 15 MiB.
     let b = core.malloc(15 * MIB, s).unwrap();
     assert_eq!(b.ptr.0, base + 20 * MIB);
@@ -271,15 +275,10 @@ fn an_expandable_segment_is_restored_with_its_runs_and_live_blocks() {
     assert_eq!(core.stats().requested_bytes[ALL].current, 37 * MIB - 500);
     let a = core.allocation(DevicePtr(base + 35 * MIB)).unwrap();
     assert_eq!((a.block_size, a.size), (20 * MIB, 20 * MIB - 100));
-    let free: Vec<(u64, u64)> = core
-        .snapshot()
-        .segments
-        .iter()
-        .flat_map(|seg| seg.blocks.iter())
-        .filter(|b| b.requested_size == 0)
-        .map(|b| ((b.address - base) / MIB, b.size / MIB))
-        .collect();
-    assert_eq!(free, vec![(20, 5), (30, 5), (55, 5), (106, 8), (180, 20)]);
+    assert_eq!(
+        free_mib(&core.snapshot(), base),
+        vec![(20, 5), (30, 5), (55, 5), (106, 8), (180, 20)]
+    );
     // The history's later pages grow the same segment; frees merge across the runs.
     assert!(core.map_recorded_pages(base + 60 * MIB, 20 * MIB).unwrap());
     core.free(DevicePtr(base + 35 * MIB)).unwrap();

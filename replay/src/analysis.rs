@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashSet};
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 
 use gpualloc_devices::sizes::{round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
-use gpualloc_devices::AllocatorConfig;
+use gpualloc_devices::{AllocatorConfig, RestoredBlock};
 use gpualloc_trace::{Action, TraceEntry};
 
 use crate::input::Trace;
@@ -171,12 +171,14 @@ pub struct Reservation {
 }
 
 impl Reservation {
+    /// True when `addr` of `stream` lies in this reservation (of either pool kind).
+    pub fn contains(&self, stream: u64, addr: u64) -> bool {
+        stream == self.stream && addr >= self.base && addr - self.base < self.size
+    }
+
     /// True when start segment `s` (a mapped run) lies in this reservation.
     pub fn holds(&self, s: &StartSegment) -> bool {
-        s.stream == self.stream
-            && s.small == self.small
-            && s.addr >= self.base
-            && s.addr - self.base < self.size
+        s.small == self.small && self.contains(s.stream, s.addr)
     }
 }
 
@@ -335,7 +337,7 @@ pub fn start_blocks(
     seg: &StartSegment,
     live: &[LiveAtStart],
     expandable: bool,
-) -> Vec<(u64, u64, u64)> {
+) -> Vec<RestoredBlock> {
     let defaults = AllocatorConfig::default();
     let inside: Vec<&LiveAtStart> = live
         .iter()
@@ -361,7 +363,11 @@ pub fn start_blocks(
                 }
             }
         };
-        out.push((l.addr, size.min(next - l.addr), l.requested));
+        out.push(RestoredBlock {
+            addr: l.addr,
+            size: size.min(next - l.addr),
+            requested: l.requested,
+        });
     }
     out
 }

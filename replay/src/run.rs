@@ -175,13 +175,14 @@ impl Replayer {
     }
 
     /// Makes reservation `res` at its base, with the start segments `inside` it (its mapped
-    /// runs, none when the history maps its first page) and their live blocks; returns how
-    /// many live blocks it placed.
+    /// runs, none when the history maps its first page at event `index`) and their live
+    /// blocks; returns how many live blocks it placed.
     fn restore_reservation(
         &mut self,
         res: &Reservation,
         inside: &[&StartSegment],
         initial: &[LiveAtStart],
+        index: usize,
     ) -> Result<usize, ReplayError> {
         // Runs side by side are one mapped stretch: a block may cross from one to the next.
         let mut stretches: Vec<StartSegment> = Vec::new();
@@ -195,11 +196,6 @@ impl Replayer {
         let blocks: Vec<RestoredBlock> = stretches
             .iter()
             .flat_map(|s| start_blocks(s, initial, true))
-            .map(|(addr, size, requested)| RestoredBlock {
-                addr,
-                size,
-                requested,
-            })
             .collect();
         let stream = self.stream(res.stream);
         self.backend.place_next(DEVICE, res.base);
@@ -207,7 +203,7 @@ impl Replayer {
             .core
             .restore_expandable(res.base, res.size, stream, res.small, &runs, &blocks);
         self.backend.clear_placement(DEVICE);
-        let base = restored.map_err(|source| ReplayError::Alloc { index: 0, source })?;
+        let base = restored.map_err(|source| ReplayError::Alloc { index, source })?;
         for b in &blocks {
             self.addrs
                 .insert(b.addr, DevicePtr(b.addr - res.base + base.0));
@@ -301,19 +297,12 @@ pub fn replay_core(
                 // Those with no page mapped yet are made at their first `segment_map`.
                 let inside: Vec<&StartSegment> = segments.iter().filter(|s| res.holds(s)).collect();
                 if !inside.is_empty() {
-                    placed += r.restore_reservation(res, &inside, &initial)?;
+                    placed += r.restore_reservation(res, &inside, &initial, 0)?;
                 }
             }
         }
         for seg in segments.iter().filter(|_| reservations_plan.is_empty()) {
-            let blocks: Vec<RestoredBlock> = start_blocks(seg, &initial, false)
-                .into_iter()
-                .map(|(addr, size, requested)| RestoredBlock {
-                    addr,
-                    size,
-                    requested,
-                })
-                .collect();
+            let blocks = start_blocks(seg, &initial, false);
             let stream = r.stream(seg.stream);
             r.backend.place_next(DEVICE, seg.addr);
             let base = r
@@ -354,9 +343,6 @@ pub fn replay_core(
     let deferred = deferred_frees(trace);
     // Warm: PyTorch's segment_alloc addresses not yet used, per size.
     let mut pending_segments: HashMap<u64, VecDeque<u64>> = HashMap::new();
-    // Warm, expandable segments: the recorded base of a reservation the replay has not made
-    // yet (a `segment_map` outside every reservation maps a new segment from its base).
-    let mut pending_reservation: Option<u64> = None;
     let mut report = ReplayReport::new(trace, options, torch);
     if options.record_history {
         // Every event the replay makes: at most one per trace event, plus the segment
@@ -375,27 +361,21 @@ pub fn replay_core(
         }
         match e.action {
             Action::SegmentMap if options.warm => {
-                let outside = r.backend.reservation_holding(DEVICE, e.addr).is_none();
-                let planned = reservations_plan
-                    .iter()
-                    .find(|p| p.stream == e.stream && e.addr >= p.base && e.addr - p.base < p.size);
-                if let (true, Some(res)) = (outside, planned) {
-                    r.restore_reservation(res, &[], &[]).map_err(|e| match e {
-                        ReplayError::Alloc { source, .. } => {
-                            ReplayError::Alloc { index: i, source }
-                        }
-                        other => other,
-                    })?;
+                // The first page of a reservation the history starts: the reservation first.
+                if r.backend.reservation_holding(DEVICE, e.addr).is_none() {
+                    let planned = reservations_plan
+                        .iter()
+                        .find(|p| p.contains(e.stream, e.addr));
+                    if let Some(res) = planned {
+                        r.restore_reservation(res, &[], &[], i)?;
+                    }
                 }
-                if outside && planned.is_none() {
-                    pending_reservation = Some(e.addr);
-                } else {
-                    // Pages mapped for a request before it looked in the cache again: the
-                    // blocks freed meanwhile compete with them, as they did live.
-                    r.core
-                        .map_recorded_pages(e.addr, e.size)
-                        .map_err(|source| ReplayError::Alloc { index: i, source })?;
-                }
+                // Pages mapped for a request before it looked in the cache again: the blocks
+                // freed meanwhile compete with them, as they did live. (Without expandable
+                // segments in the config nothing is mapped.)
+                r.core
+                    .map_recorded_pages(e.addr, e.size)
+                    .map_err(|source| ReplayError::Alloc { index: i, source })?;
             }
             Action::SegmentMap => {}
             Action::SegmentAlloc => {
@@ -433,8 +413,8 @@ pub fn replay_core(
                 } else {
                     0
                 };
-                // A new ordinary segment goes where PyTorch's was, else a new reservation.
-                let want = placement.map(|(_, addr)| addr).or(pending_reservation);
+                // A new ordinary segment goes where PyTorch's was.
+                let want = placement.map(|(_, addr)| addr);
                 if let Some(addr) = want {
                     r.backend.place_next(DEVICE, addr);
                 }
@@ -449,11 +429,6 @@ pub fn replay_core(
                 }
                 if want.is_some() {
                     r.backend.clear_placement(DEVICE);
-                }
-                if pending_reservation
-                    .is_some_and(|addr| r.backend.reservation_holding(DEVICE, addr).is_some())
-                {
-                    pending_reservation = None;
                 }
                 if let Some((size, _)) = placement {
                     if new_segment {
