@@ -764,19 +764,20 @@ impl DeviceCore {
             }
         }
         if self.blocks.get(id).expandable {
-            // Best fit by the size a block can grow to (its size plus an unmapped successor),
-            // so address space stays free for growth.
+            // Best fit by the size a block can grow to (its size plus the pages after it that
+            // are not mapped), so address space stays free for growth. Pages being mapped or
+            // unmapped off the core count as not mapped, up to the next mapped page: the
+            // choice must not depend on whether another request's map has landed (a replay
+            // of the history maps them where the history shows them). Without pages in
+            // flight this is PyTorch's rule: its unmapped neighbours are one block.
             let grow = |id: BlockId| {
-                let b = self.blocks.get(id);
-                b.size
-                    + b.next.map_or(0, |n| {
-                        let n = self.blocks.get(n);
-                        if n.mapped {
-                            0
-                        } else {
-                            n.size
-                        }
-                    })
+                let mut size = self.blocks.get(id).size;
+                let mut next = self.blocks.get(id).next;
+                while let Some(n) = next.map(|n| self.blocks.get(n)).filter(|n| !n.mapped) {
+                    size += n.size;
+                    next = n.next;
+                }
+                size
             };
             for (nk, nid) in pool.free.range(k..).skip(1) {
                 if !self.blocks.get(id).expandable || nk.0 != stream || grow(*nid) >= grow(id) {

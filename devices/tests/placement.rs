@@ -269,3 +269,72 @@ fn a_block_before_pages_being_mapped_is_a_tail() {
         core.free(p).unwrap();
     }
 }
+
+/// Where a 1.125-unit request goes after: a free 6.5-unit block `X` at the segment's base
+/// (followed by a kept block), a 2-unit request that grew the segment off the core and left
+/// 1.5 units of its pages free (`T`), and, when `in_flight`, a 4-unit request whose pages
+/// after `T` are still being mapped. A unit is 1 MiB under the `gpualloc` policy (2 MiB
+/// pages) and 10 MiB under PyTorch's (20 MiB pages). Returns (X, T, where the request went).
+fn choice_beside_pages_in_flight(policy: Policy, in_flight: bool) -> (u64, u64, u64) {
+    let u = match policy {
+        Policy::Pytorch => 10 * MIB,
+        Policy::Gpualloc => MIB,
+    };
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", policy);
+    let x = core.malloc(13 * u / 2, s).unwrap();
+    let _k = core.malloc(2 * u, s).unwrap();
+    let grow = |core: &mut DeviceCore, size: u64| {
+        let CachedOutcome::Miss(req) = core.try_cached(size, s).unwrap() else {
+            panic!("{size} bytes fit in the cache");
+        };
+        let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+            panic!("expected a growth for {size} bytes");
+        };
+        plan
+    };
+    let first = grow(&mut core, 2 * u);
+    let second = in_flight.then(|| grow(&mut core, 4 * u));
+    let mapped = map_growth(core.backend().as_ref(), &first).unwrap();
+    core.commit_growth(first, mapped).map_err(|_| ()).unwrap();
+    // The owner looks in the cache again once its pages have landed.
+    let CachedOutcome::Hit(a) = core.try_cached(2 * u, s).unwrap() else {
+        panic!("the pages mapped for 2 units hold them");
+    };
+    core.free(x.ptr).unwrap();
+    let t = a.ptr.0 + 2 * u;
+    let c = match core.try_cached(9 * u / 8, s).unwrap() {
+        CachedOutcome::Hit(c) => c,
+        CachedOutcome::Miss(_) => panic!("the free blocks hold 1.125 units"),
+    };
+    if let Some(plan) = second {
+        let mapped = map_growth(core.backend().as_ref(), &plan).unwrap();
+        core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
+    }
+    core.check_invariants().unwrap();
+    (x.ptr.0, t, c.ptr.0)
+}
+
+/// Best fit in an expandable segment counts a free block's size plus the pages after it that
+/// are not mapped (PyTorch: "the size it can expand to"), and pages being mapped off the core
+/// for another request count as not mapped, all of them up to the next mapped page. Before,
+/// only the next block counted: a block before 4 units in flight could grow to 5.5 units and
+/// beat a 6.5-unit block, the same block before unmapped pages could not, so the choice
+/// depended on whether another request's map had landed, and a replay of the history, which
+/// maps the pages where the history shows them, chose otherwise (a `serve` history under
+/// concurrency). Under both policies the request now goes to `X` whether or not pages are in
+/// flight.
+#[test]
+fn pages_being_mapped_do_not_change_best_fit() {
+    for policy in [Policy::Pytorch, Policy::Gpualloc] {
+        for in_flight in [false, true] {
+            let (x, t, c) = choice_beside_pages_in_flight(policy, in_flight);
+            assert_eq!(
+                c,
+                x,
+                "{policy:?}, pages in flight {in_flight}: 1.125 units went to {:#x} (T = {:#x})",
+                c - x,
+                t - x
+            );
+        }
+    }
+}
