@@ -19,13 +19,17 @@
 //!   `segment_alloc` / `segment_free`, `segment_map` / `segment_unmap`, `oom`, `snapshot`,
 //!   each with `time_us` (wall clock, microseconds since the Unix epoch) and the stream.
 //! - **The thread cache keeps serving while recording, and records what it does**: a park
-//!   (a dropped buffer kept for its thread) writes the `free_requested` and `free_completed`
-//!   entries, a revive the `alloc` entry (with its frames, captured on the calling thread),
-//!   into the thread's slot, each with its place from the core's history counter
+//!   (a dropped buffer kept for its thread) writes the `free_requested` entry, a revive the
+//!   `free_completed` and the `alloc` entry (with its frames, captured on the calling
+//!   thread), into the thread's slot, each with its place from the core's history counter
 //!   (`gpualloc_devices::DeviceCore::trace_sequence`, one `fetch_add`). Whoever next takes the
 //!   device's gate hands them to the core (`record_beside`), and a snapshot gives every entry
 //!   in the order it happened, so a buffer revived on one thread and dropped on another keeps
-//!   its order. A parked block freed in the core later records nothing more. A slot whose
+//!   its order. A parked block that goes back to the core instead has its `free_completed`
+//!   recorded by the core as it frees it (`DeviceCore::free_parked`): like PyTorch's for a
+//!   free that waits on stream events, the entry says when the block became free for other
+//!   requests, so a request the core served while the block was parked did not see it in
+//!   the history either, and a warm replay makes the same choice. A slot whose
 //!   log passes 1,024 entries asks for a collection (a thread whose every request is a round
 //!   trip never takes the gate), which also returns its parked block to the core: one round
 //!   trip in about 340 then goes through the core. Starting a recording returns the blocks

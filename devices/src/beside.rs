@@ -7,9 +7,14 @@
 //!   core's own entries take theirs from the same counter. A snapshot gives the history in
 //!   that order (`TraceRing::in_order`), so entries handed in late, and a block freed on one
 //!   thread after another thread revived it, still come out in the order they happened.
-//! - A block whose free was recorded beside the core (it was parked) is later freed in the
-//!   core for real ([`DeviceCore::free_recorded_beside`]): that free records nothing, so the
-//!   history has one free per free the user made.
+//! - A parked block's `free_requested` is recorded beside the core when it is parked; the
+//!   block is freed in the core for real later ([`DeviceCore::free_parked`]), and only then
+//!   does the core record its `free_completed`: from then on other requests can have it. (A
+//!   revive records the `free_completed` and the `alloc` beside the core, one after the
+//!   other.) So the history says when the block was free for the core, as PyTorch's does for
+//!   a free that waits on stream events, and a replay of it makes the choices the core made:
+//!   a request served while the block was parked did not see it. The history has one free
+//!   per free the user made.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -58,12 +63,15 @@ impl DeviceCore {
         }
     }
 
-    /// Frees `ptr`, whose `free_requested` and `free_completed` were recorded beside the
-    /// core: as [`DeviceCore::free`], but recording neither again.
-    pub fn free_recorded_beside(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.free_recorded_beside = Some(ptr.0);
+    /// Frees `ptr`, a block an owner parked beside the core (the thread cache), for real.
+    /// `recorded`: the park recorded the block's `free_requested` beside the core, and the
+    /// core records its `free_completed` now, as the block becomes free for other requests.
+    /// Otherwise (parked before the recording began, or its entries were dropped) the core
+    /// records nothing for it.
+    pub fn free_parked(&mut self, ptr: DevicePtr, recorded: bool) -> Result<(), AllocError> {
+        self.freeing_parked = Some((ptr.0, recorded));
         let freed = self.free(ptr);
-        self.free_recorded_beside = None;
+        self.freeing_parked = None;
         freed
     }
 }
@@ -125,6 +133,7 @@ mod tests {
         let stamp = |e: TraceEntry| (seq.fetch_add(1, Ordering::Relaxed), e);
         beside.push(stamp(entry(TraceAction::FreeRequested, a.ptr.0, 1000)));
         beside.push(stamp(entry(TraceAction::FreeCompleted, a.ptr.0, 1000)));
+        // (A revive's free_completed comes right before its alloc.)
         let mut revived = entry(TraceAction::Alloc, a.ptr.0, 1000);
         revived.frames = Some(frames.clone());
         beside.push(stamp(revived));
@@ -143,11 +152,11 @@ mod tests {
             Some(&frames),
             "the revived block's frames"
         );
-        // Parked again, then freed in the core for real.
-        let mut again = vec![
-            stamp(entry(TraceAction::FreeRequested, a.ptr.0, 1000)),
-            stamp(entry(TraceAction::FreeCompleted, a.ptr.0, 1000)),
-        ];
+        // Parked again (its free requested beside the core); the core serves another request
+        // while it is parked, then frees it for real: its free completes only now.
+        let mut again = vec![stamp(entry(TraceAction::FreeRequested, a.ptr.0, 1000))];
+        let c = core.malloc(1000, stream).unwrap();
+        assert_ne!(c.ptr, a.ptr, "the parked block is not free for the core");
         core.record_beside(&mut again);
         let snap = core.snapshot();
         assert!(
@@ -157,8 +166,10 @@ mod tests {
                 .all(|blk| blk.frames.is_none()),
             "a parked block's frames are forgotten"
         );
-        core.free_recorded_beside(a.ptr).unwrap();
+        core.free_parked(a.ptr, true).unwrap();
         core.free(b.ptr).unwrap();
+        // A block parked before the recording began: its free is recorded nowhere.
+        core.free_parked(c.ptr, false).unwrap();
         use TraceAction::*;
         assert_eq!(
             actions(&core),
@@ -170,17 +181,19 @@ mod tests {
                 (Alloc, a.ptr.0),
                 (Alloc, b.ptr.0),
                 (FreeRequested, a.ptr.0),
+                (Alloc, c.ptr.0),
                 (FreeCompleted, a.ptr.0),
                 (FreeRequested, b.ptr.0),
                 (FreeCompleted, b.ptr.0),
             ],
-            "the block parked and freed in the core has one free per park, the other its own"
+            "the block parked and freed in the core has one free per park, completed when the \
+             core frees it; the others their own"
         );
         assert_eq!(
             core.stats().allocated_bytes[0].current,
             0,
             "both freed for real"
         );
-        assert!(core.free_recorded_beside(a.ptr).is_err(), "freed once");
+        assert!(core.free_parked(a.ptr, true).is_err(), "freed once");
     }
 }

@@ -152,9 +152,10 @@ pub struct DeviceCore {
     /// The place of the next trace entry in the order things happened, shared with whoever
     /// records beside the core (`beside.rs`).
     pub(crate) trace_seq: Arc<AtomicU64>,
-    /// A block whose `free_requested` / `free_completed` were recorded beside the core: the
-    /// core does not record them again (`beside.rs`).
-    pub(crate) free_recorded_beside: Option<u64>,
+    /// A parked block being freed in the core for real, and whether its park was recorded
+    /// beside the core: the core does not record its `free_requested` again, and records its
+    /// `free_completed` only for a recorded park (`beside.rs`).
+    pub(crate) freeing_parked: Option<(u64, bool)>,
     /// Frames of live allocations, by address (`attach_frames`), for snapshots.
     pub(crate) live_frames: HashMap<u64, Frames>,
     callbacks: Vec<FreeMemoryCallback>,
@@ -238,7 +239,7 @@ impl DeviceCore {
             now_us: 0,
             clock: None,
             trace_seq: Arc::new(AtomicU64::new(0)),
-            free_recorded_beside: None,
+            freeing_parked: None,
             live_frames: HashMap::new(),
             callbacks: Vec::new(),
             segment_sink: None,
@@ -344,12 +345,14 @@ impl DeviceCore {
     /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
         if let Some(ring) = &mut self.trace {
-            // A parked block's free was recorded beside the core (`beside.rs`).
-            let already = self.free_recorded_beside == Some(addr)
-                && matches!(
-                    action,
-                    TraceAction::FreeRequested | TraceAction::FreeCompleted
-                );
+            // A parked block's free was requested beside the core (`beside.rs`).
+            let already = match self.freeing_parked {
+                Some((parked, recorded)) if parked == addr => {
+                    action == TraceAction::FreeRequested
+                        || (!recorded && action == TraceAction::FreeCompleted)
+                }
+                _ => false,
+            };
             if !already {
                 let time_us = self.clock.as_ref().map_or(self.now_us, |clock| clock());
                 let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);

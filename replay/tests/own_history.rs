@@ -277,4 +277,59 @@ mod off_the_core {
             assert_eq!(matched, compared, "[{conf}]");
         }
     }
+
+    /// A 4 MiB block parked in a thread cache (`a`) while the core serves another 4 MiB
+    /// request (`c`), then freed in the core; `old`: the entries as the thread cache wrote
+    /// them before (the park recorded the free's request and its completion). Returns the
+    /// replay's (matched, compared) addresses.
+    fn parked_while_another_request_is_served(old: bool) -> (u64, u64) {
+        use gpualloc_devices::{TraceAction, TraceEntry};
+        use std::sync::atomic::Ordering;
+        let conf = "expandable_segments:False";
+        let (_backend, mut core, s) = rig(conf);
+        core.record_history(Some(1000));
+        let a = core.malloc(4 * MIB, s).unwrap();
+        let b = core.malloc(4 * MIB, s).unwrap();
+        let seq = core.trace_sequence();
+        let entry = |action| {
+            let e = TraceEntry {
+                action,
+                addr: a.ptr.0,
+                size: a.size,
+                stream: s.raw,
+                time_us: 0,
+                frames: None,
+            };
+            (seq.fetch_add(1, Ordering::Relaxed), e)
+        };
+        // The park, on another thread, as the gate holder serves `c`.
+        let mut parked = vec![entry(TraceAction::FreeRequested)];
+        if old {
+            parked.push(entry(TraceAction::FreeCompleted));
+        }
+        let c = core.malloc(4 * MIB, s).unwrap();
+        assert_eq!(
+            c.ptr.0,
+            b.ptr.0 + 4 * MIB,
+            "live, the parked block is not free for the core"
+        );
+        core.record_beside(&mut parked);
+        // The next gate holder collects the slot: the core frees the block for real.
+        core.free_parked(a.ptr, !old).unwrap();
+        let got = replayed(&core, conf);
+        for p in [b.ptr, c.ptr] {
+            core.free(p).unwrap();
+        }
+        got
+    }
+
+    /// A block is free for the core's requests only once the thread cache hands it back:
+    /// its `free_completed` is recorded then, not at the park. Recorded at the park, the
+    /// replay gave the parked block to the request served meanwhile (the remaining `serve`
+    /// mismatches: 99.99%).
+    #[test]
+    fn a_block_parked_while_another_request_is_served_is_not_free_in_the_replay() {
+        assert_eq!(parked_while_another_request_is_served(true), (2, 3));
+        assert_eq!(parked_while_another_request_is_served(false), (3, 3));
+    }
 }

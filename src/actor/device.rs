@@ -23,7 +23,7 @@ use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
 
 use crate::actor::landing::{CancelOnDrop, Landing};
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
-use crate::actor::thread_cache::{Park, Recording, Revived, ThreadCache};
+use crate::actor::thread_cache::{Park, ParkedFree, Recording, Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
@@ -155,7 +155,9 @@ impl DeviceActor {
     pub(crate) fn close_thread_cache(&self) {
         if let Some(cache) = &self.signals.thread_cache {
             for ptr in cache.close() {
-                self.mailbox.post(DeviceMsg::FreeParked(ptr));
+                let recorded = false; // the slots' logs went with the close
+                self.mailbox
+                    .post(DeviceMsg::FreeParked(ParkedFree { ptr, recorded }));
             }
         }
     }
@@ -327,7 +329,11 @@ impl DeviceActor {
             let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
             match cache.revive(self, size, handle, record) {
                 Revived::Hit(a, lane) => return Ok(DeviceBuffer::revived(a, lane, stream.clone())),
-                Revived::Free(ptr) => self.mailbox.post(DeviceMsg::FreeParked(ptr)),
+                Revived::Free(ptr) => {
+                    let recorded = false; // its entries went with the slot's log
+                    self.mailbox
+                        .post(DeviceMsg::FreeParked(ParkedFree { ptr, recorded }))
+                }
                 Revived::Miss => {}
             }
         }
@@ -399,7 +405,7 @@ impl DeviceActor {
                     Park::Declined(a) => self.mailbox.post(DeviceMsg::Free(a.ptr)),
                     Park::Parked { evicted, flush } => {
                         if let Some(old) = evicted {
-                            self.mailbox.post(DeviceMsg::FreeParked(old.ptr));
+                            self.mailbox.post(DeviceMsg::FreeParked(old));
                         }
                         if flush {
                             // Any job collects the thread cache first (`state.rs`).
@@ -416,8 +422,8 @@ impl DeviceActor {
                 let started = level == HISTORY_OFF
                     && self.signals.history.load(Ordering::Relaxed) != HISTORY_OFF;
                 if !self.signals.waiters.is_empty() || started {
-                    for ptr in cache.unpark_mine() {
-                        self.mailbox.post(DeviceMsg::FreeParked(ptr));
+                    for p in cache.unpark_mine() {
+                        self.mailbox.post(DeviceMsg::FreeParked(p));
                     }
                 }
                 return;

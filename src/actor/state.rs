@@ -9,7 +9,7 @@ use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::actor::streams::KeptStreams;
-use crate::actor::thread_cache::{Logged, ThreadCache, PARKED_AT_MOST};
+use crate::actor::thread_cache::{Logged, ParkedFree, ThreadCache, PARKED_AT_MOST};
 
 /// Signals shared between the guarded state and the actor's users.
 #[derive(Debug, Default)]
@@ -33,7 +33,7 @@ pub(crate) struct DeviceState {
     /// Streams the core still names, kept alive for it (`streams.rs`).
     pub streams: KeptStreams,
     /// Scratch for the parked blocks a collection frees (kept to never allocate).
-    parked: Vec<DevicePtr>,
+    parked: Vec<ParkedFree>,
     /// Scratch for the history entries a collection hands to the core.
     logged: Vec<Logged>,
     /// Where the core's segment events go once someone watches (`observer.rs`).
@@ -44,9 +44,10 @@ pub(crate) struct DeviceState {
 pub(crate) enum DeviceMsg {
     /// A buffer was dropped.
     Free(DevicePtr),
-    /// A block the thread cache had parked goes back to the core; its free was recorded when
-    /// it was parked (or happened before the recording), so the core records nothing.
-    FreeParked(DevicePtr),
+    /// A block the thread cache had parked goes back to the core; its park recorded its
+    /// `free_requested` (or happened before the recording), so the core records at most its
+    /// `free_completed` (`DeviceCore::free_parked`).
+    FreeParked(ParkedFree),
     /// A buffer is used on another stream (kept alive while the core names it).
     RecordStream(DevicePtr, Stream),
     /// Any other request (malloc, stats, snapshot, ...), with its reply inside.
@@ -72,7 +73,7 @@ impl DeviceState {
 
     /// Frees `ptr`; wakes the reaper if the free now waits on events, and the head waiter.
     pub fn free(&mut self, ptr: DevicePtr) {
-        free(&mut self.core, &self.signals, ptr, false);
+        free(&mut self.core, &self.signals, ptr, None);
     }
 
     /// Folds the thread cache into the core (see `thread_cache.rs`): the round trips of
@@ -108,8 +109,8 @@ impl DeviceState {
         if !logged.is_empty() {
             core.record_beside(logged);
         }
-        for ptr in parked.drain(..) {
-            free(core, signals, ptr, true);
+        for p in parked.drain(..) {
+            free(core, signals, p.ptr, Some(p.recorded));
         }
     }
 
@@ -151,14 +152,13 @@ impl DeviceState {
     }
 }
 
-/// Frees `ptr` in `core`; `parked`: a block the thread cache had parked, whose free the core
-/// does not record (`DeviceMsg::FreeParked`).
-fn free(core: &mut DeviceCore, signals: &Signals, ptr: DevicePtr, parked: bool) {
+/// Frees `ptr` in `core`; `parked`: a block the thread cache had parked, and whether its park
+/// was recorded (`DeviceMsg::FreeParked`).
+fn free(core: &mut DeviceCore, signals: &Signals, ptr: DevicePtr, parked: Option<bool>) {
     let pending_before = core.pending_frees();
-    let freed = if parked {
-        core.free_recorded_beside(ptr)
-    } else {
-        core.free(ptr)
+    let freed = match parked {
+        Some(recorded) => core.free_parked(ptr, recorded),
+        None => core.free(ptr),
     };
     if let Err(e) = freed {
         // After shutdown every segment went back already; a late free is expected.
@@ -179,7 +179,9 @@ impl Actor for DeviceState {
     fn handle(&mut self, msg: DeviceMsg) {
         match msg {
             DeviceMsg::Free(ptr) => self.free(ptr),
-            DeviceMsg::FreeParked(ptr) => free(&mut self.core, &self.signals, ptr, true),
+            DeviceMsg::FreeParked(p) => {
+                free(&mut self.core, &self.signals, p.ptr, Some(p.recorded))
+            }
             DeviceMsg::RecordStream(ptr, stream) => {
                 match self.core.record_stream(ptr, stream.handle()) {
                     Ok(()) => self.streams.keep(&stream),

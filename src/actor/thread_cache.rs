@@ -76,16 +76,44 @@ const SCORE_LIMIT: i32 = 16;
 /// thread's pattern changes.
 const PROBE_EVERY: u32 = 16;
 
+/// A block parked in a slot, and whether its park was recorded: its `free_requested` is in
+/// the history, and the core records its `free_completed` when it frees it
+/// (`gpualloc_devices::DeviceCore::free_parked`), or the revive that hands it back does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ParkedBlock {
+    pub a: Allocation,
+    pub recorded: bool,
+}
+
+/// A parked block to free through the core (`DeviceCore::free_parked`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ParkedFree {
+    pub ptr: DevicePtr,
+    /// Its park was recorded: the core records the `free_completed`.
+    pub recorded: bool,
+}
+
+impl ParkedBlock {
+    fn to_free(self) -> ParkedFree {
+        ParkedFree {
+            ptr: self.a.ptr,
+            recorded: self.recorded,
+        }
+    }
+}
+
 /// What one thread's slot holds.
 pub(crate) struct ParkedBlocks<O> {
     /// Oldest first. Inline, not on the heap: the slot's padding keeps it off every other
     /// thread's cache lines (two heap buffers side by side would share one).
-    parked: ArrayVec<Allocation, PARKED_PER_THREAD>,
+    parked: ArrayVec<ParkedBlock, PARKED_PER_THREAD>,
     /// Round trips of revived blocks not yet added to the core's totals.
     trips: RoundTrips,
     /// History entries of parks and revives made while recording, not yet handed to the
     /// core (`gpualloc_devices::DeviceCore::record_beside`).
     log: Vec<Logged>,
+    /// `log.len() / LOG_FLUSH` when a park last asked for a collection (0 after one).
+    flush_mark: usize,
     /// Blocks revived from this slot, ever (for diagnostics and tests).
     revived: u64,
     /// Whether parking pays for this thread, within ±[`SCORE_LIMIT`]: a revive lifts it to
@@ -129,9 +157,8 @@ pub(crate) enum Park {
     Declined(Allocation),
     /// Parked.
     Parked {
-        /// The oldest parked block, when the slot was full: free it through the core,
-        /// recording nothing (its free was recorded when it was parked).
-        evicted: Option<Allocation>,
+        /// The oldest parked block, when the slot was full: free it through the core.
+        evicted: Option<ParkedFree>,
         /// The slot's history log is long: ask for a collection.
         flush: bool,
     },
@@ -194,6 +221,7 @@ impl<O: Send + Sync> ThreadCache<O> {
                 parked: ArrayVec::new(),
                 trips: RoundTrips::default(),
                 log: Vec::new(),
+                flush_mark: 0,
                 revived: 0,
                 score: 0,
                 declined: 0,
@@ -224,18 +252,34 @@ impl<O: Send + Sync> ThreadCache<O> {
             let Some(pos) = slot
                 .parked
                 .iter()
-                .rposition(|a| a.size == size && a.stream == stream)
+                .rposition(|p| p.a.size == size && p.a.stream == stream)
             else {
                 if !slot.parked.is_empty() {
                     slot.adjust(-1); // parked blocks, none of them what this thread wants
                 }
                 return None;
             };
-            let a = slot.parked.remove(pos);
+            let ParkedBlock { a, recorded } = slot.parked.remove(pos);
             if let Some(record) = record {
-                let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
+                // The block is free for this request only now: its free completes right
+                // before the alloc (`gpualloc_devices::beside`). A block parked before the
+                // recording began has its free requested here too, so every alloc in the
+                // history follows a free of the same block.
+                let rec = record();
+                let n = if recorded { 2 } else { 3 };
+                let mut seq = self.trace_seq.fetch_add(n, Ordering::Relaxed);
+                let plain = Recording {
+                    time_us: rec.time_us,
+                    frames: None,
+                };
+                if !recorded {
+                    slot.log
+                        .push(logged(seq, TraceAction::FreeRequested, &a, &plain));
+                    seq += 1;
+                }
                 slot.log
-                    .push(logged(seq, TraceAction::Alloc, &a, &record()));
+                    .push(logged(seq, TraceAction::FreeCompleted, &a, &plain));
+                slot.log.push(logged(seq + 1, TraceAction::Alloc, &a, &rec));
             }
             slot.trips.record(&a);
             slot.revived += 1;
@@ -257,13 +301,15 @@ impl<O: Send + Sync> ThreadCache<O> {
         // shutdown like any other.
         if self.slots.is_closed() {
             self.slots.update(index, |slot| slot.lane = None);
+            // (Its entries, if any, went with the slot's log: the core records nothing.)
             return Revived::Free(a.ptr);
         }
         Revived::Hit(a, lane)
     }
 
     /// Parks `a` in the calling thread's slot; while recording, `record` stamps its
-    /// `free_requested` and `free_completed` entries.
+    /// `free_requested` entry (its `free_completed` comes when the block is free again for
+    /// somebody: a revive, or the core's free of it).
     pub fn park(&self, a: Allocation, record: Option<Recording>) -> Park {
         let Some(index) = thread_index() else {
             return Park::Declined(a);
@@ -278,21 +324,27 @@ impl<O: Send + Sync> ThreadCache<O> {
                     return Park::Declined(a);
                 }
             }
-            let evicted = slot.parked.is_full().then(|| slot.parked.remove(0));
+            let evicted = slot
+                .parked
+                .is_full()
+                .then(|| slot.parked.remove(0).to_free());
             if evicted.is_some() {
                 slot.adjust(-1);
             }
             let mut flush = false;
             if let Some(rec) = &record {
-                let seq = self.trace_seq.fetch_add(2, Ordering::Relaxed);
+                let seq = self.trace_seq.fetch_add(1, Ordering::Relaxed);
                 slot.log
                     .push(logged(seq, TraceAction::FreeRequested, &a, rec));
-                slot.log
-                    .push(logged(seq + 1, TraceAction::FreeCompleted, &a, rec));
-                // Crossed a multiple of LOG_FLUSH just now.
-                flush = slot.log.len() % LOG_FLUSH < 2;
+                // The log crossed a multiple of LOG_FLUSH since the last request.
+                let mark = slot.log.len() / LOG_FLUSH;
+                flush = mark > slot.flush_mark;
+                slot.flush_mark = mark;
             }
-            slot.parked.push(a);
+            slot.parked.push(ParkedBlock {
+                a,
+                recorded: record.is_some(),
+            });
             Park::Parked { evicted, flush }
         })
     }
@@ -300,31 +352,32 @@ impl<O: Send + Sync> ThreadCache<O> {
     /// Takes every block out of the calling thread's slot, for the caller to free through
     /// the core (somebody started waiting for memory just as a block was parked). They are
     /// returned, not freed here: freeing may take the gate, whose holder locks the slots.
-    pub fn unpark_mine(&self) -> Vec<DevicePtr> {
+    pub fn unpark_mine(&self) -> Vec<ParkedFree> {
         let Some(index) = thread_index() else {
             return Vec::new();
         };
-        self.slots
-            .update(index, |slot| slot.parked.drain(..).map(|a| a.ptr).collect())
+        self.slots.update(index, |slot| {
+            slot.parked.drain(..).map(ParkedBlock::to_free).collect()
+        })
     }
 
     /// Gate holder: empties every marked slot (every slot with `all`: a request that just
     /// started waiting for memory), adding its round trips to `trips`, its parked blocks
-    /// to `parked` for the caller to free (recording nothing: a parked block's free was
-    /// recorded when it was parked, or happened before the recording) and its history
-    /// entries to `log`.
+    /// to `parked` for the caller to free (`DeviceCore::free_parked`: the core records the
+    /// `free_completed` of a recorded park) and its history entries to `log`.
     pub fn collect(
         &self,
         all: bool,
         trips: &mut RoundTrips,
-        parked: &mut Vec<DevicePtr>,
+        parked: &mut Vec<ParkedFree>,
         log: &mut Vec<Logged>,
     ) {
         let take = |slot: &mut ParkedBlocks<O>| {
             trips.merge(&slot.trips);
             slot.trips = RoundTrips::default();
-            parked.extend(slot.parked.drain(..).map(|a| a.ptr));
+            parked.extend(slot.parked.drain(..).map(ParkedBlock::to_free));
             log.append(&mut slot.log);
+            slot.flush_mark = 0;
         };
         if all {
             self.slots.collect_all(take);
@@ -341,15 +394,18 @@ impl<O: Send + Sync> ThreadCache<O> {
     }
 
     /// From now on nothing is parked or revived (shutdown, or the allocator's last handle
-    /// went; see [`ThreadCache::revive`]). Drops every lane and returns every parked block,
-    /// for the caller to free through the core. Round trips stay for the next collection.
+    /// went; see [`ThreadCache::revive`]). Drops every lane and every slot's history log and
+    /// returns every parked block, for the caller to free through the core, recording
+    /// nothing (their parks' entries went with the logs). Round trips stay for the next
+    /// collection.
     pub fn close(&self) -> Vec<DevicePtr> {
         self.slots.close();
         let mut parked = Vec::new();
         self.slots.collect_all(|slot| {
             slot.lane = None;
             slot.log = Vec::new();
-            parked.extend(slot.parked.drain(..).map(|a| a.ptr));
+            slot.flush_mark = 0;
+            parked.extend(slot.parked.drain(..).map(|p| p.a.ptr));
         });
         parked
     }
@@ -383,12 +439,15 @@ mod tests {
 
     /// Parks `a` unrecorded: the block to free through the core, if any (`a` itself when
     /// declined, the oldest when evicted).
-    fn park(cache: &Cache, a: Allocation) -> Option<Allocation> {
+    fn park(cache: &Cache, a: Allocation) -> Option<DevicePtr> {
         match cache.park(a, None) {
-            Park::Declined(a) => Some(a),
+            Park::Declined(a) => Some(a.ptr),
             Park::Parked { evicted, flush } => {
                 assert!(!flush, "nothing recorded");
-                evicted
+                evicted.map(|e| {
+                    assert!(!e.recorded);
+                    e.ptr
+                })
             }
         }
     }
@@ -405,7 +464,7 @@ mod tests {
         }
     }
 
-    fn collect(cache: &Cache) -> (RoundTrips, Vec<DevicePtr>) {
+    fn collect(cache: &Cache) -> (RoundTrips, Vec<ParkedFree>) {
         let (mut trips, mut parked) = (RoundTrips::default(), Vec::new());
         let mut log = Vec::new();
         cache.collect(false, &mut trips, &mut parked, &mut log);
@@ -436,7 +495,7 @@ mod tests {
         }
         assert_eq!(
             park(&cache, block(99, 7)),
-            Some(block(1, 10)),
+            Some(block(1, 10).ptr),
             "the oldest goes"
         );
         assert_eq!(cache.revived(), 1);
@@ -518,7 +577,7 @@ mod tests {
             "handed back"
         );
         assert!(revive(&cache, 1000, block(0, 0).stream).is_none());
-        assert_eq!(park(&cache, block(2, 1000)), Some(block(2, 1000)));
+        assert_eq!(park(&cache, block(2, 1000)), Some(block(2, 1000).ptr));
         assert!(cache.unpark_mine().is_empty());
     }
 
@@ -555,24 +614,48 @@ mod tests {
         // Unrecorded ones write nothing.
         assert!(park(&cache, a).is_none());
         assert!(revive(&cache, 1000, a.stream).is_some());
+        // A block parked before the recording began, revived while recording: its free is
+        // requested and completed at the revive. Another one recorded, still parked.
+        let b = block(1, 2000);
+        assert!(park(&cache, b).is_none());
+        assert!(matches!(
+            cache.revive(&owner(), 2000, b.stream, Some(&|| at(8))),
+            Revived::Hit(..)
+        ));
+        let c = block(2, 3000);
+        assert!(matches!(cache.park(c, Some(at(9))), Park::Parked { .. }));
         let (mut trips, mut parked, mut log) = (RoundTrips::default(), Vec::new(), Vec::new());
         cache.collect(false, &mut trips, &mut parked, &mut log);
         let got: Vec<(u64, TraceAction, u64, u64, bool)> = log
             .iter()
             .map(|(s, e)| (*s, e.action, e.addr, e.time_us, e.frames.is_some()))
             .collect();
+        // Parked: only the free's request. The block is free for a request only when it is
+        // revived (or freed in the core, which records the completion then).
         assert_eq!(
             got,
             vec![
                 (100, TraceAction::FreeRequested, a.ptr.0, 5, false),
-                (101, TraceAction::FreeCompleted, a.ptr.0, 5, false),
+                (101, TraceAction::FreeCompleted, a.ptr.0, 6, false),
                 (102, TraceAction::Alloc, a.ptr.0, 6, true),
+                (103, TraceAction::FreeRequested, b.ptr.0, 8, false),
+                (104, TraceAction::FreeCompleted, b.ptr.0, 8, false),
+                (105, TraceAction::Alloc, b.ptr.0, 8, false),
+                (106, TraceAction::FreeRequested, c.ptr.0, 9, false),
             ]
         );
         assert_eq!(log[2].1.size, 1000);
-        assert_eq!(seq.load(Ordering::Relaxed), 103);
+        assert_eq!(seq.load(Ordering::Relaxed), 107);
+        assert_eq!(
+            parked,
+            vec![ParkedFree {
+                ptr: c.ptr,
+                recorded: true
+            }],
+            "the core records its free_completed when it frees it"
+        );
         // A park that takes the log past a multiple of LOG_FLUSH asks for a collection, once
-        // per multiple.
+        // per multiple, revives' entries counted: a round trip logs three.
         let mut flushes = Vec::new();
         for i in 0..LOG_FLUSH {
             match cache.park(block(0, 1000), Some(at(7))) {
@@ -583,13 +666,12 @@ mod tests {
                 }
                 Park::Declined(_) => panic!("parks pay here"),
             }
-            assert!(revive(&cache, 1000, a.stream).is_some());
+            assert!(matches!(
+                cache.revive(&owner(), 1000, a.stream, Some(&|| at(7))),
+                Revived::Hit(..)
+            ));
         }
-        assert_eq!(
-            flushes,
-            vec![LOG_FLUSH / 2 - 1, LOG_FLUSH - 1],
-            "at 1024 and 2048 entries"
-        );
+        assert_eq!(flushes, vec![341, 683], "at 1024 and 2048 entries");
         // Closing drops what was logged.
         cache.close();
         let mut log = Vec::new();
