@@ -90,7 +90,9 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
     }
     for seg in trace.final_segments.iter().flatten() {
         for b in seg.blocks.iter().filter(|b| b.active) {
-            if live.contains(&b.addr) {
+            // Alive at the end, or allocated in the trace and freed with the free still
+            // pending at the end (`active_pending_free`): the trace explains it.
+            if live.contains(&b.addr) || ever_allocated.contains(&b.addr) {
                 continue;
             }
             initial
@@ -402,7 +404,7 @@ pub fn deferred_frees(trace: &Trace) -> HashSet<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::input::FinalSegment;
+    use crate::input::{FinalBlock, FinalSegment};
 
     const MIB: u64 = 1 << 20;
 
@@ -445,5 +447,38 @@ mod tests {
         assert_eq!(start, vec![(0, 2), (8 * MIB, 2), (12 * MIB, 4)]);
         let s = start_segments(&trace).unwrap();
         assert!(s.iter().all(|s| s.stream == 7 && !s.small));
+    }
+
+    /// A block freed in the trace whose free had not completed when the snapshot was taken
+    /// (`active_pending_free` at the end, a free waiting on stream events) was not alive at
+    /// the start: the trace allocated it. One alive at the start and freed the same way is.
+    #[test]
+    fn a_free_still_pending_at_the_end_is_not_alive_at_the_start() {
+        let base = 0x7000_0000_0000;
+        let block = |addr, size| FinalBlock {
+            addr,
+            size,
+            requested: size,
+            active: true,
+        };
+        let mut seg = run(base, 20 * MIB);
+        seg.expandable = false;
+        seg.blocks = vec![block(base, 2 * MIB), block(base + 2 * MIB, 4 * MIB)];
+        let trace = Trace {
+            name: "t".into(),
+            device: 0,
+            events: vec![
+                TraceEntry::new(Action::Alloc, base, 2 * MIB, 7),
+                TraceEntry::new(Action::FreeRequested, base, 2 * MIB, 7),
+                TraceEntry::new(Action::FreeRequested, base + 2 * MIB, 4 * MIB, 7),
+            ],
+            final_segments: Some(vec![seg]),
+            recorded_config: None,
+        };
+        let (live, unexplained) = live_at_start(&trace);
+        let live: Vec<(u64, Option<u64>)> =
+            live.iter().map(|l| (l.addr - base, l.block_size)).collect();
+        assert_eq!(live, vec![(2 * MIB, Some(4 * MIB))]);
+        assert_eq!(unexplained, 0);
     }
 }
