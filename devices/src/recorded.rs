@@ -15,6 +15,13 @@
 //!   the frees. [`DeviceCore::map_recorded_pages`] maps the recorded range at its
 //!   `segment_map`; the `malloc` that follows then finds what the live request found.
 //!
+//! - A release that returned some cached segments and kept others (the owner's release off
+//!   the core, an out-of-memory step or garbage collection, none of which waits for the
+//!   stream events of pending frees) shows as the `segment_free`s of exactly those segments.
+//!   [`DeviceCore::release_recorded_segment`] releases the one a `segment_free` names; an
+//!   `empty_cache` in its place would wait for pending frees and release segments the owner
+//!   kept.
+//!
 //! And where recording began after the allocator had started, the expandable segments it held
 //! then: [`DeviceCore::restore_expandable`] reserves one with its mapped runs and live blocks,
 //! so the pages the history maps later grow the same segment, as they did live.
@@ -51,6 +58,29 @@ impl DeviceCore {
         }
         let params = self.params_for(size, stream, None)?;
         Ok(SegmentRequest { params, size })
+    }
+
+    /// Releases the ordinary segment at `base` to the backend, as a `segment_free` of the
+    /// history shows it released (see the module docs). `Ok(false)`, changing nothing,
+    /// unless `base` starts an ordinary (not expandable) segment that is one free block:
+    /// nothing allocated in it and no free pending on stream events.
+    pub fn release_recorded_segment(&mut self, base: u64) -> Result<bool, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        if self.expandable.contains_key(&base) {
+            return Ok(false);
+        }
+        let Some(meta) = self.segments.get(&base) else {
+            return Ok(false);
+        };
+        // A free block as large as its segment, at its base, is the whole segment.
+        let whole = key(meta.stream.raw, meta.size, base);
+        let Some(&id) = self.pools[meta.pool].free.get(&whole) else {
+            return Ok(false);
+        };
+        self.release_block(id)?;
+        Ok(true)
     }
 
     /// Maps the pages `[addr, addr + len)` of an expandable segment as one free block, merged

@@ -357,3 +357,66 @@ fn a_restore_with_bad_runs_or_blocks_reserves_nothing() {
         Err(AllocError::NotSupported(_))
     ));
 }
+
+/// A `segment_free` of the history releases exactly the segment it names, if it is one free
+/// block: not its neighbours, not a segment with a block allocated or a free pending on
+/// stream events, not an expandable segment or an address inside a segment.
+#[test]
+fn a_recorded_segment_free_releases_that_segment_only() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let other = backend.stream_create(DeviceId(0)).unwrap();
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let b = core.malloc(20 * MIB, s).unwrap();
+    let c = core.malloc(8 * MIB, s).unwrap();
+    let d = core.malloc(20 * MIB, s).unwrap();
+    for p in [a.ptr, b.ptr] {
+        core.free(p).unwrap();
+    }
+    // `d` was used on another stream: its free waits for that stream's event.
+    core.record_stream(d.ptr, other).unwrap();
+    core.free(d.ptr).unwrap();
+    assert_eq!(core.reserved_bytes(), 80 * MIB);
+    let frees = core.stats().num_device_free;
+    assert!(core.release_recorded_segment(a.ptr.0).unwrap());
+    assert_eq!(core.reserved_bytes(), 60 * MIB, "a's segment, not b's");
+    assert_eq!(core.stats().num_device_free, frees + 1);
+    assert!(
+        !core.release_recorded_segment(a.ptr.0).unwrap(),
+        "released once"
+    );
+    assert!(
+        !core.release_recorded_segment(c.ptr.0).unwrap(),
+        "a block is allocated in c's segment"
+    );
+    assert!(
+        !core.release_recorded_segment(d.ptr.0).unwrap(),
+        "d's free is pending"
+    );
+    assert!(!core.release_recorded_segment(b.ptr.0 + MIB).unwrap());
+    assert!(!core.release_recorded_segment(0).unwrap());
+    assert_eq!(core.reserved_bytes(), 60 * MIB);
+    core.free(c.ptr).unwrap();
+    assert!(core.release_recorded_segment(c.ptr.0).unwrap(), "free now");
+    assert_eq!(core.reserved_bytes(), 40 * MIB);
+    let released: Vec<u64> = core
+        .snapshot()
+        .trace
+        .iter()
+        .filter(|e| e.action == TraceAction::SegmentFree)
+        .map(|e| e.addr)
+        .collect();
+    assert_eq!(released, [a.ptr.0, c.ptr.0]);
+    core.check_invariants().unwrap();
+    core.shutdown().unwrap();
+    assert!(matches!(
+        core.release_recorded_segment(b.ptr.0),
+        Err(AllocError::Shutdown)
+    ));
+
+    // An expandable segment is not released this way (its pages go by `segment_unmap`).
+    let (_backend, mut core, s) = rig(1 << 30, PAGES);
+    let e = core.malloc(20 * MIB, s).unwrap();
+    core.free(e.ptr).unwrap();
+    assert!(!core.release_recorded_segment(e.ptr.0).unwrap());
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+}

@@ -260,7 +260,9 @@ pub fn replay_core(
     options: &ReplayOptions,
 ) -> Result<(ReplayReport, DeviceCore), ReplayError> {
     let capacity = options.capacity.unwrap_or(1 << 40);
-    let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
+    // Events complete where the history says (`free_completed`), not at a segment's free.
+    let backend =
+        Arc::new(AccountingBackend::manual_events(1, capacity).free_does_not_synchronize());
     let dynb: Arc<dyn Backend> = backend.clone();
     // As the allocator runs it: the accounting backend has virtual memory.
     let mut core = DeviceCore::new(dynb, DEVICE, options.config.resolved(true))
@@ -477,6 +479,14 @@ pub fn replay_core(
                     // A log without free_requested (RMM): the free happens here.
                     r.free(e.addr, false);
                 }
+            }
+            Action::SegmentFree if options.warm => {
+                // The segment the history released, not others: the release may have kept
+                // segments with frees pending on stream events (`recorded.rs`). A segment
+                // the replay does not have free there stays.
+                r.core
+                    .release_recorded_segment(e.addr)
+                    .map_err(|source| ReplayError::Alloc { index: i, source })?;
             }
             Action::SegmentFree | Action::SegmentUnmap => {
                 // Expandable segments' pages go back as `segment_unmap` runs.

@@ -332,4 +332,59 @@ mod off_the_core {
         assert_eq!(parked_while_another_request_is_served(true), (2, 3));
         assert_eq!(parked_while_another_request_is_served(false), (3, 3));
     }
+
+    /// The actor's release off the core: whole free segments leave the books (their
+    /// `segment_free`s are recorded) and are freed with the driver after the gate is let go;
+    /// a free pending on another stream's event stays pending, its segment stays, and a
+    /// request served in between sees it so. The replay releases the segment the history
+    /// names, and completes the pending free at its `free_completed` only: before, a
+    /// `segment_free` ran `empty_cache`, which waited for the pending free and released its
+    /// segment as well, and the backend's free completed every event.
+    #[test]
+    fn a_release_that_kept_a_segment_with_a_pending_free_replays_as_it_happened() {
+        use gpualloc_devices::free_detached;
+        let conf = "expandable_segments:False";
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let backend = Arc::new(AccountingBackend::manual_events(1, CAPACITY));
+        let dynb: Arc<dyn Backend> = backend.clone();
+        let s = dynb.stream_create(DeviceId(0)).unwrap();
+        let other = dynb.stream_create(DeviceId(0)).unwrap();
+        let mut core = DeviceCore::new(dynb, DeviceId(0), config.resolved(true)).unwrap();
+        core.record_history(Some(1000));
+        // Three 20 MiB segments: a's whole; e's with 8 MiB used (x's 12 MiB freed below);
+        // b's with 11 MiB free after b.
+        let a = core.malloc(20 * MIB, s).unwrap();
+        let e = core.malloc(8 * MIB, s).unwrap();
+        let x = core.malloc(12 * MIB, s).unwrap();
+        assert_eq!(x.ptr.0, e.ptr.0 + 8 * MIB);
+        let b = core.malloc(9 * MIB, s).unwrap();
+        core.free(x.ptr).unwrap();
+        core.record_stream(b.ptr, other).unwrap();
+        core.free(a.ptr).unwrap();
+        core.free(b.ptr).unwrap(); // waits for `other`
+        let detached = core.detach_free_segments().unwrap();
+        assert_eq!(detached.len(), 1, "a's segment only: b's free is pending");
+        // Served before the driver frees a's segment: the best fit is the 11 MiB after b (with
+        // b's free completed, it would be e's 12 MiB).
+        let c = core.malloc(5 * MIB, s).unwrap();
+        assert_eq!(c.ptr.0, b.ptr.0 + 9 * MIB);
+        free_detached(backend.as_ref(), DeviceId(0), &detached).unwrap();
+        assert_eq!(core.process_events().unwrap(), 1, "b's free completes now");
+        let later = core.malloc(9 * MIB, s).unwrap();
+        assert_eq!(later.ptr, b.ptr);
+        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
+        let traces = from_bytes("own.pickle", &bytes).unwrap();
+        let options = ReplayOptions {
+            warm: true,
+            config,
+            capacity: Some(CAPACITY),
+            ..ReplayOptions::default()
+        };
+        let report = replay(&traces[0], &options).unwrap();
+        assert_eq!(report.address_match, Some((6, 6)));
+        assert_eq!(report.device_frees, 1, "a's segment");
+        for p in [c.ptr, e.ptr, later.ptr] {
+            core.free(p).unwrap();
+        }
+    }
 }

@@ -126,6 +126,8 @@ pub struct AccountingBackend {
     capacity: u64,
     host_capacity: u64,
     manual_events: bool,
+    /// `free` completes every recorded event, as `cuMemFree` synchronizes the device.
+    free_synchronizes: bool,
     state: Mutex<State>,
 }
 
@@ -141,6 +143,7 @@ impl AccountingBackend {
             capacity,
             host_capacity: HOST_WINDOW,
             manual_events: false,
+            free_synchronizes: true,
             state: Mutex::new(state),
         }
     }
@@ -164,6 +167,16 @@ impl AccountingBackend {
         let mut b = Self::new(devices, capacity);
         b.manual_events = true;
         b
+    }
+
+    /// `free` leaves recorded events as they are (by default it completes them all, as
+    /// `cuMemFree` synchronizes the device). For a replay whose frees complete where the
+    /// history says they did (`gpualloc replay`): an owner that releases segments off its
+    /// core records their `segment_free` before the driver call, and a request it serves
+    /// in between still sees frees on other segments pending.
+    pub fn free_does_not_synchronize(mut self) -> Self {
+        self.free_synchronizes = false;
+        self
     }
 
     /// Completes the last record of `event`.
@@ -389,8 +402,10 @@ impl Backend for AccountingBackend {
         dev.used -= Self::check_size(size)?;
         state.counts.frees += 1;
         // cuMemFree synchronizes the device: every recorded event is complete afterwards.
-        for (rec, done) in state.events.values_mut() {
-            *done = *rec;
+        if self.free_synchronizes {
+            for (rec, done) in state.events.values_mut() {
+                *done = *rec;
+            }
         }
         Ok(())
     }
@@ -831,6 +846,22 @@ mod tests {
         b.event_record(e, s).unwrap();
         b.device_synchronize(DeviceId(0)).unwrap();
         assert!(b.event_query(e).unwrap());
+    }
+
+    #[test]
+    fn a_free_completes_every_event_unless_told_not_to() {
+        for synchronizes in [true, false] {
+            let mut b = AccountingBackend::manual_events(1, 1 << 30);
+            if !synchronizes {
+                b = b.free_does_not_synchronize();
+            }
+            let s = b.stream_create(DeviceId(0)).unwrap();
+            let e = b.event_create(DeviceId(0)).unwrap();
+            b.event_record(e, s).unwrap();
+            let p = b.malloc(DeviceId(0), 2 << 20).unwrap();
+            b.free(DeviceId(0), p).unwrap();
+            assert_eq!(b.event_query(e).unwrap(), synchronizes);
+        }
     }
 
     #[test]
