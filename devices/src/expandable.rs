@@ -249,7 +249,12 @@ impl DeviceCore {
 
     /// Unmaps the runs of pages lying wholly inside `[addr, addr + len)`, after the segment's
     /// stream finished its work. Returns the unmapped range (length 0 when no run is inside).
-    fn es_unmap(&mut self, seg: u64, addr: u64, len: u64) -> Result<(u64, u64), AllocError> {
+    pub(crate) fn es_unmap(
+        &mut self,
+        seg: u64,
+        addr: u64,
+        len: u64,
+    ) -> Result<(u64, u64), AllocError> {
         let backend = self.backend.clone();
         let es = self
             .expandable

@@ -20,7 +20,8 @@
 //!   stream events of pending frees) shows as the `segment_free`s of exactly those segments.
 //!   [`DeviceCore::release_recorded_segment`] releases the one a `segment_free` names; an
 //!   `empty_cache` in its place would wait for pending frees and release segments the owner
-//!   kept.
+//!   kept. [`DeviceCore::unmap_recorded_pages`] does the same for the pages of expandable
+//!   segments a `segment_unmap` names.
 //!
 //! And where recording began after the allocator had started, the expandable segments it held
 //! then: [`DeviceCore::restore_expandable`] reserves one with its mapped runs and live blocks,
@@ -80,6 +81,58 @@ impl DeviceCore {
             return Ok(false);
         };
         self.release_block(id)?;
+        Ok(true)
+    }
+
+    /// Unmaps the pages `[addr, addr + len)` of an expandable segment, as a `segment_unmap` of
+    /// the history shows them unmapped (see the module docs), after the segment's stream
+    /// finished its work (as every unmap), and frees the reservation if nothing in it is
+    /// mapped any more. `Ok(false)`, changing nothing, unless the range is whole pages inside
+    /// one free mapped block (of a pool that is awake) that physical handles cover exactly: a
+    /// handle reaching out of the range cannot be released in part.
+    pub fn unmap_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+            return Ok(false);
+        };
+        let Some((seg, es)) = self
+            .expandable
+            .range(..=addr)
+            .next_back()
+            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())
+        else {
+            return Ok(false);
+        };
+        let seg = *seg;
+        if (addr - seg) % es.page != 0 || len % es.page != 0 {
+            return Ok(false);
+        }
+        let (first, last) = (es.page_left(addr), es.page_left(end));
+        let covered: usize = es
+            .runs_inside(first, last)
+            .iter()
+            .filter_map(|&s| es.run_at(s))
+            .map(|(_, _, n)| n)
+            .sum();
+        if covered != last - first {
+            return Ok(false);
+        }
+        let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
+            return Ok(false);
+        };
+        let found = self.pools[pool].free.values().copied().find(|&id| {
+            let b = self.blocks.get(id);
+            b.segment == seg && b.mapped && b.addr <= addr && end <= b.addr + b.size
+        });
+        let Some(id) = found else {
+            return Ok(false);
+        };
+        let (start, unmapped) = self.es_unmap(seg, addr, len)?;
+        debug_assert_eq!((start, unmapped), (addr, len));
+        self.book_unmapped(id, start, unmapped, false);
+        self.release_expandable_segment_if_empty(seg)?;
         Ok(true)
     }
 
@@ -169,7 +222,8 @@ impl DeviceCore {
     /// disjoint, each inside a run) in them as allocated blocks; the rest of each run is free,
     /// the rest of the range unmapped. Addresses are relative to `base`; the segment is where
     /// the backend put it (returned), everything at the same offsets from it. The pages
-    /// mapped count as mapped (reserved bytes, driver calls, `segment_map` in the history).
+    /// mapped count as mapped (reserved bytes, driver calls, `segment_map` in the history),
+    /// one physical handle per page.
     /// Bad input is an error before anything is reserved; a device without memory for the runs
     /// leaves the segment reserved with the runs mapped so far and returns out-of-memory.
     pub fn restore_expandable(
@@ -230,9 +284,14 @@ impl DeviceCore {
         let id = self.reserve_expandable(stream, pool, size.div_ceil(page), granularity)?;
         let placed = self.blocks.get(id).addr;
         let shift = |addr: u64| addr - base + placed;
+        // One physical handle per page: where the live handles started and ended is not in
+        // the snapshot, and a `segment_unmap` of the history (whole live handles) is then
+        // whole handles of the restore too (`unmap_recorded_pages`).
         for &(addr, len) in runs {
-            if !self.map_recorded_pages(shift(addr), len)? {
-                return Err(self.out_of_memory_for(len, pool, stream));
+            for at in (addr..addr + len).step_by(page as usize) {
+                if !self.map_recorded_pages(shift(at), page)? {
+                    return Err(self.out_of_memory_for(len, pool, stream));
+                }
             }
         }
         for b in live {

@@ -420,3 +420,105 @@ fn a_recorded_segment_free_releases_that_segment_only() {
     assert!(!core.release_recorded_segment(e.ptr.0).unwrap());
     assert_eq!(core.reserved_bytes(), 20 * MIB);
 }
+
+/// The gpualloc policy's pages (2 MiB, one physical handle per growth).
+const FINE: &str = "expandable_segments:True,policy:gpualloc";
+
+/// A `segment_unmap` of the history unmaps exactly the pages it names, when they are whole
+/// handles of one free mapped block; a range that is not (part of a handle, a block in use,
+/// pages not mapped, not page-aligned, outside any segment) changes nothing. The reservation
+/// goes when nothing in it is mapped.
+#[test]
+fn a_recorded_unmap_unmaps_whole_handles_of_a_free_block_only() {
+    let (_backend, mut core, s) = rig(1 << 30, FINE);
+    // Two growths: 6 MiB (one handle) for a, 4 MiB (one handle) for b.
+    let a = core.malloc(6 * MIB, s).unwrap();
+    let b = core.malloc(4 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    assert_eq!(b.ptr.0, base + 6 * MIB);
+    assert_eq!(core.reserved_bytes(), 10 * MIB);
+    core.free(a.ptr).unwrap();
+    assert!(
+        !core.unmap_recorded_pages(base, 2 * MIB).unwrap(),
+        "part of a's handle"
+    );
+    assert!(
+        !core.unmap_recorded_pages(base, 10 * MIB).unwrap(),
+        "b is allocated"
+    );
+    for (addr, len) in [
+        (base + 1, 6 * MIB),
+        (base, 0),
+        (base, MIB),
+        (0x1000, 2 * MIB),
+    ] {
+        assert!(!core.unmap_recorded_pages(addr, len).unwrap());
+    }
+    assert_eq!(core.reserved_bytes(), 10 * MIB);
+    let frees = core.stats().num_device_free;
+    assert!(core.unmap_recorded_pages(base, 6 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 4 * MIB);
+    assert_eq!(core.stats().num_device_free, frees + 1);
+    assert!(
+        !core.unmap_recorded_pages(base, 6 * MIB).unwrap(),
+        "not mapped any more"
+    );
+    core.check_invariants().unwrap();
+    core.free(b.ptr).unwrap();
+    assert!(core.unmap_recorded_pages(base + 6 * MIB, 4 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 0);
+    assert!(
+        core.snapshot().segments.is_empty(),
+        "the reservation went with the last pages"
+    );
+    let unmaps: Vec<(u64, u64)> = core
+        .snapshot()
+        .trace
+        .iter()
+        .filter(|e| e.action == TraceAction::SegmentUnmap)
+        .map(|e| ((e.addr - base) / MIB, e.size / MIB))
+        .collect();
+    assert_eq!(unmaps, [(0, 6), (6, 4)]);
+    core.shutdown().unwrap();
+    assert!(matches!(
+        core.unmap_recorded_pages(base, 2 * MIB),
+        Err(AllocError::Shutdown)
+    ));
+
+    // PyTorch's 20 MiB pages, from a reservation that is 2 MiB aligned only.
+    let (_backend, mut core, s) = rig(1 << 30, PAGES);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let b = core.malloc(20 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    assert!(!core.unmap_recorded_pages(a.ptr.0 + 2 * MIB, 20 * MIB).unwrap());
+    assert!(core.unmap_recorded_pages(a.ptr.0, 20 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+    core.free(b.ptr).unwrap();
+}
+
+/// Pages restored from a recorded state get one physical handle each (where the live
+/// handles started and ended is not recorded), so any whole pages of a free block can be
+/// unmapped as the history says, even under the gpualloc policy, whose growths map one handle
+/// for up to 20 MiB.
+#[test]
+fn restored_pages_are_one_handle_each() {
+    let (backend, mut core, s) = rig(1 << 30, FINE);
+    let base = 0x7100_0000_0000;
+    backend.place_next(DeviceId(0), base);
+    let live = [RestoredBlock {
+        addr: base + 6 * MIB,
+        size: 4 * MIB,
+        requested: 4 * MIB,
+    }];
+    let placed = core
+        .restore_expandable(base, 100 * MIB, s, false, &[(base, 10 * MIB)], &live)
+        .unwrap();
+    assert_eq!(placed.0, base);
+    assert!(core.unmap_recorded_pages(base + 2 * MIB, 2 * MIB).unwrap());
+    assert!(core.unmap_recorded_pages(base, 2 * MIB).unwrap());
+    assert_eq!(core.reserved_bytes(), 6 * MIB);
+    core.check_invariants().unwrap();
+    core.free(DevicePtr(base + 6 * MIB)).unwrap();
+    assert!(core.unmap_recorded_pages(base + 4 * MIB, 6 * MIB).unwrap());
+    assert_eq!(backend.used(DeviceId(0)), 0);
+}

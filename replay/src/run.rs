@@ -488,6 +488,12 @@ pub fn replay_core(
                     .release_recorded_segment(e.addr)
                     .map_err(|source| ReplayError::Alloc { index: i, source })?;
             }
+            Action::SegmentUnmap if options.warm && r.core.config().expandable_segments => {
+                // Likewise the pages the history unmapped.
+                r.core
+                    .unmap_recorded_pages(e.addr, e.size)
+                    .map_err(|source| ReplayError::Alloc { index: i, source })?;
+            }
             Action::SegmentFree | Action::SegmentUnmap => {
                 // Expandable segments' pages go back as `segment_unmap` runs.
                 let run_start = i == 0 || !trace.events[i - 1].action.releases_memory();
