@@ -490,7 +490,9 @@ fn a_recorded_unmap_unmaps_whole_handles_of_a_free_block_only() {
     let a = core.malloc(20 * MIB, s).unwrap();
     let b = core.malloc(20 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
-    assert!(!core.unmap_recorded_pages(a.ptr.0 + 2 * MIB, 20 * MIB).unwrap());
+    assert!(!core
+        .unmap_recorded_pages(a.ptr.0 + 2 * MIB, 20 * MIB)
+        .unwrap());
     assert!(core.unmap_recorded_pages(a.ptr.0, 20 * MIB).unwrap());
     assert_eq!(core.reserved_bytes(), 20 * MIB);
     core.free(b.ptr).unwrap();

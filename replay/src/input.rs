@@ -213,6 +213,15 @@ impl Trace {
     pub fn count(&self, action: Action) -> usize {
         self.events.iter().filter(|e| e.action == action).count()
     }
+
+    /// The config to replay the recording as it ran: [`Trace::recorded_config`], else
+    /// PyTorch's defaults under PyTorch's policy (a snapshot that records no settings, or a
+    /// log: PyTorch's own).
+    pub fn config_as_recorded(&self) -> AllocatorConfig {
+        self.recorded_config
+            .clone()
+            .unwrap_or_else(|| AllocatorConfig::default().with_policy(Policy::Pytorch))
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! `gpualloc summary FILE`: a PyTorch-style memory summary (the table
 //! `torch.cuda.memory_summary()` prints) of a snapshot.
 //!
-//! When the snapshot has a recorded history, the summary is of a warm replay of it under
-//! PyTorch's rules (which places every allocation of the shared traces at PyTorch's address):
+//! When the snapshot has a recorded history, the summary is of a warm replay of it under the
+//! config and policy it records (PyTorch's rules for PyTorch's snapshots, which places every
+//! allocation of the shared traces at PyTorch's address; PyTorch's defaults where it records
+//! none):
 //! "Cur Usage" is the state at the end, and "Peak Usage", "Tot Alloc" and "Tot Freed" cover
 //! the whole recording, counting the allocations alive when it began as allocated then (what
 //! happened before recording began is not in the file). Without a history it is the final
@@ -43,6 +45,7 @@ pub fn summary_core(trace: &Trace) -> Result<(String, DeviceCore), ReplayError> 
     }
     let options = ReplayOptions {
         warm: true,
+        config: trace.config_as_recorded(),
         ..ReplayOptions::default()
     };
     let (_, core) = replay_core(trace, &options)?;

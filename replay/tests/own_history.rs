@@ -127,6 +127,14 @@ fn a_recorded_history_replays_warm_at_the_same_addresses() {
             "[{conf}] first mismatch: {:?}",
             report.first_mismatch
         );
+        // `gpualloc summary` replays it under the recorded config too: the same peaks.
+        let (_, core) = gpualloc_replay::summary::summary_core(&traces[0]).unwrap();
+        let st = core.stats();
+        assert_eq!(
+            (st.reserved_bytes[0].peak, st.allocated_bytes[0].peak),
+            (report.peak_reserved, report.peak_allocated),
+            "[{conf}] summary"
+        );
     }
 }
 

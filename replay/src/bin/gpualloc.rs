@@ -113,10 +113,7 @@ impl ConfigChoice {
         let (base, own) = match self {
             ConfigChoice::Given(c) => ((**c).clone(), Policy::Pytorch),
             ConfigChoice::Recorded => {
-                let recorded = trace
-                    .recorded_config
-                    .clone()
-                    .unwrap_or_else(|| AllocatorConfig::default().with_policy(Policy::Pytorch));
+                let recorded = trace.config_as_recorded();
                 let own = recorded.policy;
                 (recorded, own)
             }
