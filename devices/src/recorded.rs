@@ -84,6 +84,20 @@ impl DeviceCore {
         Ok(true)
     }
 
+    /// The expandable segment holding `[addr, addr + len)` as whole pages, in a pool that is
+    /// awake, and the range's end; None for anything else (a recorded map or unmap of it
+    /// changes nothing).
+    fn recorded_range(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len).filter(|_| len > 0)?;
+        let (&seg, es) = self
+            .expandable
+            .range(..=addr)
+            .next_back()
+            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())?;
+        let whole_pages = (addr - seg) % es.page == 0 && len % es.page == 0;
+        whole_pages.then_some((seg, end))
+    }
+
     /// Unmaps the pages `[addr, addr + len)` of an expandable segment, as a `segment_unmap` of
     /// the history shows them unmapped (see the module docs), after the segment's stream
     /// finished its work (as every unmap), and frees the reservation if nothing in it is
@@ -94,21 +108,10 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+        let Some((seg, end)) = self.recorded_range(addr, len) else {
             return Ok(false);
         };
-        let Some((seg, es)) = self
-            .expandable
-            .range(..=addr)
-            .next_back()
-            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())
-        else {
-            return Ok(false);
-        };
-        let seg = *seg;
-        if (addr - seg) % es.page != 0 || len % es.page != 0 {
-            return Ok(false);
-        }
+        let es = &self.expandable[&seg];
         let (first, last) = (es.page_left(addr), es.page_left(end));
         let covered: usize = es
             .runs_inside(first, last)
@@ -146,21 +149,9 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+        let Some((seg, end)) = self.recorded_range(addr, len) else {
             return Ok(false);
         };
-        let Some((seg, page)) = self
-            .expandable
-            .range(..=addr)
-            .next_back()
-            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())
-            .map(|(&base, es)| (base, es.page))
-        else {
-            return Ok(false);
-        };
-        if (addr - seg) % page != 0 || len % page != 0 {
-            return Ok(false);
-        }
         let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
             return Ok(false);
         };

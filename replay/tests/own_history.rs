@@ -153,7 +153,7 @@ mod off_the_core {
     use gpualloc::AllocatorConfig;
     use gpualloc_devices::{map_growth, CachedOutcome, DeviceCore, Growth};
     use gpualloc_replay::input::from_bytes;
-    use gpualloc_replay::{replay, ReplayOptions};
+    use gpualloc_replay::{replay, ReplayOptions, ReplayReport};
 
     use super::MIB;
 
@@ -172,6 +172,11 @@ mod off_the_core {
     /// The core's history, dumped and replayed warm: (matched, compared) addresses.
     fn replayed(core: &DeviceCore, conf: &str) -> (u64, u64) {
         let config = AllocatorConfig::parse(conf).unwrap();
+        replay_warm(core, config).address_match.unwrap()
+    }
+
+    /// The core's history, dumped and replayed warm under `config`.
+    fn replay_warm(core: &DeviceCore, config: AllocatorConfig) -> ReplayReport {
         let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
         let traces = from_bytes("own.pickle", &bytes).unwrap();
         let options = ReplayOptions {
@@ -180,7 +185,7 @@ mod off_the_core {
             capacity: Some(CAPACITY),
             ..ReplayOptions::default()
         };
-        replay(&traces[0], &options).unwrap().address_match.unwrap()
+        replay(&traces[0], &options).unwrap()
     }
 
     #[test]
@@ -384,15 +389,7 @@ mod off_the_core {
         assert_eq!(core.process_events().unwrap(), 1, "b's free completes now");
         let later = core.malloc(9 * MIB, s).unwrap();
         assert_eq!(later.ptr, b.ptr);
-        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
-        let traces = from_bytes("own.pickle", &bytes).unwrap();
-        let options = ReplayOptions {
-            warm: true,
-            config,
-            capacity: Some(CAPACITY),
-            ..ReplayOptions::default()
-        };
-        let report = replay(&traces[0], &options).unwrap();
+        let report = replay_warm(&core, config);
         assert_eq!(report.address_match, Some((6, 6)));
         assert_eq!(report.device_frees, 1, "a's segment");
         for p in [c.ptr, e.ptr, later.ptr] {
