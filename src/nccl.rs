@@ -25,7 +25,7 @@
 //!   serializes the registrar's calls with yours; make your collectives through it too.
 //! - A registration is made shortly after its range is mapped (on a tokio task): a buffer
 //!   used before then still works, unregistered. An unmap of part of a registered range drops
-//!   the whole registration (the rest stays unregistered: correct, slower).
+//!   the whole registration and registers the rest again once the unmap has returned.
 //! - With `expandable_segments`, a segment is registered per mapped stretch; an unsplit pool
 //!   (`PoolOptions::unsplit`) gives one range per buffer, which NVLS registration needs.
 

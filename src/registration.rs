@@ -36,6 +36,11 @@
 //!   every `unmap` and `free` driver call, whichever path releases the memory (trim,
 //!   `empty_cache`, a pool's sleep, a shutdown), and deregisters every registration the
 //!   range touches. A range being released is not registered until its release has returned.
+//! - A registration the release covers only in part (a stretch of expandable pages of which
+//!   some handles are unmapped) goes whole, as a registrar cannot shrink one, and the parts
+//!   that stay mapped are registered again once the release has returned (or at once, when
+//!   the allocator's event of the release comes first: a live registration's other pages are
+//!   mapped, since every release drops the registrations it touches).
 //! - So a registration never outlives its memory. The registrar runs under one lock: the
 //!   release hook waits while a registration is in progress, on the thread that releases
 //!   (possibly holding the device's allocator): registrars must be quick and must never call
@@ -94,6 +99,9 @@ struct Table<R: SegmentRegistrar> {
     live: BTreeMap<u64, (u64, R::Handle)>,
     /// Releases between their hook's two halves.
     releasing: Vec<Release>,
+    /// Parts of registrations a release dropped that stay mapped: registered again once that
+    /// release has returned (see [`outside`]).
+    remainders: Vec<(Release, u64, u64)>,
     stats: RegistrationStats,
     closed: bool,
 }
@@ -115,14 +123,19 @@ impl<R: SegmentRegistrar> Table<R> {
         }
     }
 
-    fn deregister_where(&mut self, touches: impl Fn(u64, u64) -> bool, by_hook: bool) {
-        let doomed: Vec<u64> = self
+    /// Deregisters every registration `touches` selects; returns their ranges.
+    fn deregister_where(
+        &mut self,
+        touches: impl Fn(u64, u64) -> bool,
+        by_hook: bool,
+    ) -> Vec<(u64, u64)> {
+        let doomed: Vec<(u64, u64)> = self
             .live
             .iter()
             .filter(|(&a, (s, _))| touches(a, *s))
-            .map(|(&a, _)| a)
+            .map(|(&a, (s, _))| (a, *s))
             .collect();
-        for addr in doomed {
+        for &(addr, _) in &doomed {
             let (size, handle) = self.live.remove(&addr).expect("listed above");
             self.stats.deregistered += 1;
             if by_hook {
@@ -131,6 +144,19 @@ impl<R: SegmentRegistrar> Table<R> {
             let registrar = &mut self.registrar;
             let call = || registrar.deregister(addr, size, handle);
             guarded(&mut self.stats, "deregister", addr, size, call);
+        }
+        doomed
+    }
+
+    /// The follow task saw `gone` (an unmap or free the allocator began): drops the
+    /// registrations it touches and registers their parts outside it again at once. A live
+    /// registration's memory is all mapped but for what a release began since it was made
+    /// (a release's hook drops every registration it touches), so those parts are mapped.
+    fn drop_for_event(&mut self, gone: Release) {
+        for (addr, size) in self.deregister_where(|a, s| gone.touches(a, s), false) {
+            for (a, s) in outside(gone, addr, size) {
+                self.register(a, s);
+            }
         }
     }
 
@@ -188,17 +214,59 @@ fn lock<R: SegmentRegistrar>(t: &Shared<R>) -> MutexGuard<'_, Table<R>> {
 
 struct Hook<R: SegmentRegistrar>(Shared<R>);
 
+/// The parts of `[addr, addr + size)` outside what `release` takes: they stay mapped. None
+/// for a `Free`, which takes a whole allocation (a registration lies inside one).
+fn outside(release: Release, addr: u64, size: u64) -> Vec<(u64, u64)> {
+    let Release::Unmap { addr: a, size: n } = release else {
+        return Vec::new();
+    };
+    let (end, released_end) = (addr.saturating_add(size), a.saturating_add(n));
+    let mut parts = Vec::new();
+    if addr < a {
+        parts.push((addr, a.min(end) - addr));
+    }
+    if released_end < end {
+        let from = released_end.max(addr);
+        parts.push((from, end - from));
+    }
+    parts
+}
+
 impl<R: SegmentRegistrar> ReleaseHook for Hook<R> {
     fn before_release(&self, release: Release) {
         let mut t = lock(&self.0);
         t.releasing.push(release);
-        t.deregister_where(|a, s| release.touches(a, s), true);
+        // A registration reaching out of the release goes whole (a registrar cannot shrink
+        // one); the parts outside are registered again after the release. Parts waiting for
+        // another release that this one takes are cut to what stays mapped.
+        for (addr, size) in t.deregister_where(|a, s| release.touches(a, s), true) {
+            for (a, s) in outside(release, addr, size) {
+                t.remainders.push((release, a, s));
+            }
+        }
+        let waiting = std::mem::take(&mut t.remainders);
+        for (owner, addr, size) in waiting {
+            if release.touches(addr, size) {
+                let kept = outside(release, addr, size);
+                t.remainders
+                    .extend(kept.into_iter().map(|(a, s)| (owner, a, s)));
+            } else {
+                t.remainders.push((owner, addr, size));
+            }
+        }
     }
 
     fn after_release(&self, release: Release) {
         let mut t = lock(&self.0);
         if let Some(i) = t.releasing.iter().position(|r| *r == release) {
             t.releasing.swap_remove(i);
+        }
+        let (mine, others): (Vec<_>, Vec<_>) = std::mem::take(&mut t.remainders)
+            .into_iter()
+            .partition(|(owner, _, _)| *owner == release);
+        t.remainders = others;
+        for (_, addr, size) in mine {
+            t.register(addr, size);
         }
     }
 }
@@ -305,6 +373,7 @@ impl Allocator {
             registrar,
             live: BTreeMap::new(),
             releasing: Vec::new(),
+            remainders: Vec::new(),
             stats: RegistrationStats::default(),
             closed: false,
         }));
@@ -347,18 +416,16 @@ async fn follow<R: SegmentRegistrar>(
                 match e.action {
                     SegmentAction::Map | SegmentAction::Alloc => t.register(e.addr, e.size),
                     SegmentAction::Unmap => {
-                        let gone = Release::Unmap {
+                        t.drop_for_event(Release::Unmap {
                             addr: e.addr,
                             size: e.size,
-                        };
-                        t.deregister_where(|a, s| gone.touches(a, s), false)
+                        });
                     }
                     SegmentAction::Free => {
-                        let gone = Release::Free {
+                        t.drop_for_event(Release::Free {
                             device: e.device,
                             addr: e.addr,
-                        };
-                        t.deregister_where(|a, s| gone.touches(a, s), false)
+                        });
                     }
                     SegmentAction::PoolAsleep | SegmentAction::PoolAwake => {}
                 }
@@ -380,5 +447,30 @@ async fn follow<R: SegmentRegistrar>(
             }
             Err(RecvError::Closed) => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parts_of_a_range_outside_a_release() {
+        let unmap = |addr, size| Release::Unmap { addr, size };
+        // Released in the middle, at the front, at the back, wholly, or past both ends.
+        assert_eq!(outside(unmap(20, 10), 10, 40), vec![(10, 10), (30, 20)]);
+        assert_eq!(outside(unmap(10, 10), 10, 40), vec![(20, 30)]);
+        assert_eq!(outside(unmap(40, 10), 10, 40), vec![(10, 30)]);
+        assert_eq!(outside(unmap(10, 40), 10, 40), vec![]);
+        assert_eq!(outside(unmap(0, 100), 10, 40), vec![]);
+        // Overlapping one end only.
+        assert_eq!(outside(unmap(0, 20), 10, 40), vec![(20, 30)]);
+        assert_eq!(outside(unmap(40, 100), 10, 40), vec![(10, 30)]);
+        // A free takes a whole allocation: nothing stays.
+        let free = Release::Free {
+            device: DeviceId(0),
+            addr: 10,
+        };
+        assert_eq!(outside(free, 10, 40), vec![]);
     }
 }

@@ -218,7 +218,8 @@ async fn a_pools_ranges_are_registered_and_dropped_before_each_release() {
             0,
             "[{conf}] a registration outlived the start of its release"
         );
-        // The pool goes: every registration is dropped before its memory is.
+        // The pool goes: every registration is dropped before its memory is (each at least
+        // once: a release of part of one drops it whole and registers the rest again).
         let live = reg.stats().live as u64;
         let before = reg.stats().deregistered;
         drop((bufs, comm));
@@ -228,7 +229,7 @@ async fn a_pools_ranges_are_registered_and_dropped_before_each_release() {
             "[{conf}] {:?}",
             reg.stats()
         );
-        assert_eq!(reg.stats().deregistered, before + live, "[{conf}]");
+        assert!(reg.stats().deregistered >= before + live, "[{conf}]");
         let end = reg.close();
         assert_eq!(end.live, 0);
         assert!(
@@ -378,4 +379,58 @@ async fn a_backend_without_release_hooks_refuses_registration() {
         .await
         .unwrap_err();
     assert!(matches!(e, Error::InvalidDevice { device: 3, .. }), "{e:?}");
+}
+
+/// A release of part of a registered range (pages of an expandable segment that
+/// `empty_cache` unmaps) drops the registration whole, as a registrar cannot shrink one, and
+/// registers the part that stays mapped again once the release has returned. Before, that
+/// part stayed unregistered (correct, but NCCL then copies through its own buffers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mapped_rest_of_a_partly_released_range_is_registered_again() {
+    let alloc = build(sim(1 << 30), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    // Two growths side by side: one mapped stretch, registered as one range at the start.
+    let a = alloc.malloc(6 * MIB, &s).await.unwrap();
+    let b = alloc.malloc(6 * MIB, &s).await.unwrap();
+    let (a_at, b_at) = (a.ptr().0, b.ptr().0);
+    assert_eq!(b_at, a_at + 6 * MIB);
+    let books = Books::default();
+    let fake = Fake {
+        books: books.clone(),
+        ..Fake::default()
+    };
+    let reg = alloc.register_segments(D0, None, fake).await.unwrap();
+    let checker = install_checker(&alloc, &books);
+    let covering = |from: u64, to: u64| {
+        books
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(&at, &size)| at <= from && to <= at + size)
+    };
+    assert!(
+        covering(a_at, b_at + 6 * MIB),
+        "{:x?}",
+        books.lock().unwrap()
+    );
+    assert_eq!(reg.stats().live, 1);
+    drop(a);
+    s.synchronize().unwrap();
+    alloc.empty_cache().await.unwrap();
+    let st = reg.stats();
+    assert_eq!(st.deregistered, 1, "{st:?}");
+    assert!(
+        covering(b_at, b_at + 6 * MIB),
+        "{:x?}",
+        books.lock().unwrap()
+    );
+    assert!(!covering(a_at, a_at + 1), "a's pages are gone");
+    assert_eq!(st.registered, 2, "{st:?}");
+    assert_eq!(st.failures, 0);
+    assert_eq!(checker.violations.load(Ordering::SeqCst), 0);
+    drop(b);
+    alloc.empty_cache().await.unwrap();
+    assert!(books.lock().unwrap().is_empty(), "{:?}", reg.stats());
+    assert_eq!(checker.violations.load(Ordering::SeqCst), 0);
+    alloc.shutdown().await.unwrap();
 }
