@@ -782,11 +782,16 @@ impl DeviceCore {
                 }
                 size
             };
+            let mut best = grow(id);
             for (nk, nid) in pool.free.range(k..).skip(1) {
-                if !self.blocks.get(id).expandable || nk.0 != stream || grow(*nid) >= grow(id) {
+                if !self.blocks.get(id).expandable || nk.0 != stream {
                     break;
                 }
-                (k, id) = (*nk, *nid);
+                let candidate = grow(*nid);
+                if candidate >= best {
+                    break;
+                }
+                (k, id, best) = (*nk, *nid, candidate);
             }
         }
         if !params.any_fit && self.passes_over(id, params) {

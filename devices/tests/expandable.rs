@@ -6,6 +6,8 @@
 //! pages, one physical handle each); the `gpualloc` policy's 2 MiB pages, handles of several
 //! pages and growth ahead are pinned in `map_ahead.rs`.
 
+mod common;
+
 use std::sync::Arc;
 
 use gpualloc_devices::{AllocatorConfig, DeviceCore, Policy, StatType, TraceAction};
@@ -15,12 +17,9 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
+/// [`common::rig`], recording history.
 fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
-    let backend = Arc::new(AccountingBackend::new(1, capacity));
-    let dynb: Arc<dyn Backend> = backend.clone();
-    let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core =
-        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let (backend, mut core, s) = common::rig(capacity, conf);
     core.record_history(Some(10_000));
     (backend, core, s)
 }
@@ -383,4 +382,27 @@ fn a_segment_reserves_nine_eighths_of_the_device() {
         .collect();
     assert_eq!(starts.len(), 2, "{starts:?}");
     assert_eq!(starts[1] - starts[0], 18 << 30);
+}
+
+/// Best fit by growable size looks only at the request's stream: a smaller block of another
+/// stream that comes after in the free set is never taken.
+#[test]
+fn best_fit_by_growable_size_stays_on_the_requests_stream() {
+    let (backend, mut core, s1) = rig(1 << 30, "expandable_segments:True,policy:pytorch");
+    let s2 = backend.stream_create(DeviceId(0)).unwrap();
+    assert!(
+        s2.raw > s1.raw,
+        "s2's blocks come after s1's in the free set"
+    );
+    // On s2: a free 4 MiB block followed by a live one. On s1: 18 MiB free at the tail.
+    let a = core.malloc(4 * MIB, s2).unwrap();
+    let b = core.malloc(2 * MIB, s2).unwrap();
+    core.free(a.ptr).unwrap();
+    let c = core.malloc(2 * MIB, s1).unwrap();
+    let d = core.malloc(3 * MIB, s1).unwrap();
+    assert_eq!(d.ptr.0, c.ptr.0 + 2 * MIB, "s1's tail, not s2's block");
+    core.check_invariants().unwrap();
+    for p in [b.ptr, c.ptr, d.ptr] {
+        core.free(p).unwrap();
+    }
 }

@@ -4,28 +4,19 @@
 //! only whole, and the pages ahead dropped where the device or the memory-fraction cap has no
 //! room for them. Concrete addresses, reserved bytes and driver calls.
 
+mod common;
+
 use std::sync::Arc;
 
 use gpualloc_devices::{
     map_growth, AllocatorConfig, CachedOutcome, DeviceCore, Growth, SegmentRequest, StatType,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
-fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
-    let backend = Arc::new(AccountingBackend::new(1, capacity));
-    let dynb: Arc<dyn Backend> = backend.clone();
-    let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let config = AllocatorConfig::parse(conf).unwrap();
-    (
-        backend,
-        DeviceCore::new(dynb, DeviceId(0), config).unwrap(),
-        s,
-    )
-}
+use common::rig;
 
 /// The request's miss (it must not hit the cache).
 fn miss(core: &mut DeviceCore, size: u64, s: StreamHandle) -> SegmentRequest {

@@ -3,25 +3,17 @@
 //! its usage adds up to the device's statistics, and the owners' off-core path claims
 //! against the quota.
 
-use std::sync::Arc;
+mod common;
 
 use gpualloc_devices::{
-    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions,
-    SegmentRequest, StatType,
+    AllocError, CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions, SegmentRequest, StatType,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
-use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_runtime::{DeviceId, StreamHandle};
 
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
-fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
-    let backend = Arc::new(AccountingBackend::new(1, capacity));
-    let dynb: Arc<dyn Backend> = backend.clone();
-    let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
-    (backend, core, s)
-}
+use common::rig;
 
 fn quota(q: u64) -> PoolOptions {
     PoolOptions {

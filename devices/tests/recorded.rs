@@ -2,12 +2,13 @@
 //! mapping a recorded page range, and a segment request made without a cache lookup. Pinned
 //! with PyTorch's 20 MiB pages, one physical handle each.
 
+mod common;
+
 use std::sync::Arc;
 
 use gpualloc_devices::{
-    release_slept_pages, wait_for_pool_streams, AllocError, AllocatorConfig, CachedOutcome,
-    DeviceCore, DeviceSnapshot, Growth, PoolOptions, RestoredBlock, SleepMode, StatType,
-    TraceAction,
+    release_slept_pages, wait_for_pool_streams, AllocError, CachedOutcome, DeviceCore,
+    DeviceSnapshot, Growth, PoolOptions, RestoredBlock, SleepMode, StatType, TraceAction,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -15,12 +16,9 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
+/// [`common::rig`], recording history.
 fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
-    let backend = Arc::new(AccountingBackend::new(1, capacity));
-    let dynb: Arc<dyn Backend> = backend.clone();
-    let s = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core =
-        DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::parse(conf).unwrap()).unwrap();
+    let (backend, mut core, s) = common::rig(capacity, conf);
     core.record_history(Some(1000));
     (backend, core, s)
 }

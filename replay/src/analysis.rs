@@ -90,9 +90,9 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
     }
     for seg in trace.final_segments.iter().flatten() {
         for b in seg.blocks.iter().filter(|b| b.active) {
-            // Alive at the end, or allocated in the trace and freed with the free still
-            // pending at the end (`active_pending_free`): the trace explains it.
-            if live.contains(&b.addr) || ever_allocated.contains(&b.addr) {
+            // Allocated in the trace (alive at the end, or freed with the free still pending
+            // at the end, `active_pending_free`): the trace explains it.
+            if ever_allocated.contains(&b.addr) {
                 continue;
             }
             initial
