@@ -95,6 +95,7 @@ mod tests {
             stream: 7,
             time_us: 0,
             frames: None,
+            pool: 0,
         }
     }
 

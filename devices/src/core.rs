@@ -344,6 +344,19 @@ impl DeviceCore {
     /// Records a trace entry (when history is on) and announces a segment change to the
     /// segment sink (when one is set, `observer.rs`).
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
+        self.record_in(action, addr, size, stream, None);
+    }
+
+    /// [`DeviceCore::record`] of an entry about a block or segment of pool index `pool`: a
+    /// private pool's entries carry its id.
+    pub(crate) fn record_in(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        pool: Option<usize>,
+    ) {
         if let Some(ring) = &mut self.trace {
             // A parked block's free was requested beside the core (`beside.rs`).
             let already = match self.freeing_parked {
@@ -365,6 +378,10 @@ impl DeviceCore {
                         stream,
                         time_us,
                         frames: None,
+                        pool: match pool.map(|p| self.pools[p].owner) {
+                            Some(PoolOwner::Private(id)) => id,
+                            _ => 0,
+                        },
                     },
                 );
             }
@@ -900,7 +917,13 @@ impl DeviceCore {
         if size >= self.config.max_split_size {
             self.stats.oversize_segments.increase(1);
         }
-        self.record(TraceAction::SegmentAlloc, ptr.0, size, params.stream.raw);
+        self.record_in(
+            TraceAction::SegmentAlloc,
+            ptr.0,
+            size,
+            params.stream.raw,
+            Some(params.pool),
+        );
         tracing::debug!(device = self.device.0, addr = ptr.0, size, "segment_alloc");
         params.block = Some(id);
     }
@@ -1019,7 +1042,7 @@ impl DeviceCore {
         if oversize {
             self.stats.oversize_allocations.increase(1);
         }
-        self.record(TraceAction::Alloc, addr, requested, stream.raw);
+        self.record_in(TraceAction::Alloc, addr, requested, stream.raw, Some(pool));
         Allocation {
             ptr: DevicePtr(addr),
             size: requested,

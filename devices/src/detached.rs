@@ -101,7 +101,7 @@ impl DeviceCore {
     pub(crate) fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
         let b = self.blocks.get(id);
         let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
-        self.record(TraceAction::SegmentFree, addr, size, stream.raw);
+        self.record_in(TraceAction::SegmentFree, addr, size, stream.raw, Some(pool));
         tracing::debug!(device = self.device.0, addr, size, "segment_free");
         self.pools[pool].free.remove(&key(stream.raw, size, addr));
         self.blocks.remove(id);

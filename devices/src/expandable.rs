@@ -624,10 +624,10 @@ impl DeviceCore {
         }
         if booking == Booking::Released {
             self.total_reserved -= len;
-            self.record(TraceAction::SegmentUnmap, start, len, stream);
+            self.record_in(TraceAction::SegmentUnmap, start, len, stream, Some(pool));
         } else {
             self.total_reserved += len;
-            self.record(TraceAction::SegmentMap, start, len, stream);
+            self.record_in(TraceAction::SegmentMap, start, len, stream, Some(pool));
         }
     }
 

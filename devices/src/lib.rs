@@ -58,7 +58,7 @@ pub use observer::{
     HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
 };
 pub use policy::Policy;
-pub use restore::RestoredBlock;
+pub use restore::{RestorePool, RestoredBlock};
 pub use round_trips::RoundTrips;
 pub use shrink::{release_pages, PageRelease};
 pub use sleep::{

@@ -30,10 +30,10 @@
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::block::BlockState;
-use crate::core::{DeviceCore, SegmentRequest, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, MemPoolId, SegmentRequest};
 use crate::error::AllocError;
 use crate::pool::{key, unmapped_key};
-use crate::restore::RestoredBlock;
+use crate::restore::{RestorePool, RestoredBlock};
 use crate::stats::for_pool;
 
 impl DeviceCore {
@@ -59,6 +59,27 @@ impl DeviceCore {
         }
         let params = self.params_for(size, stream, None)?;
         Ok(SegmentRequest { params, size })
+    }
+
+    /// [`DeviceCore::segment_request`] for a request of private pool `pool` (`None`: the
+    /// default pools, or where PyTorch's stream routing sends it).
+    pub fn segment_request_in(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<SegmentRequest, AllocError> {
+        match pool {
+            None => self.segment_request(size, stream),
+            Some(id) => {
+                if self.private.get(&id.0).is_none_or(|p| p.released) {
+                    return Err(AllocError::UnknownPool(id.0));
+                }
+                let mut request = self.segment_request(size, stream)?;
+                request.params = self.params_for(size, stream, Some(id.0))?;
+                Ok(request)
+            }
+        }
     }
 
     /// Releases the ordinary segment at `base` to the backend, as a `segment_free` of the
@@ -208,7 +229,8 @@ impl DeviceCore {
     }
 
     /// Restores an expandable segment of a recorded state: reserves `size` bytes (rounded up
-    /// to whole pages) for `stream` in the small or large pool, maps `runs` (`(addr, len)`:
+    /// to whole pages) for `stream` in the pool `target` names (a private pool's must be a
+    /// named one: its pools grow expandable segments of their own), maps `runs` (`(addr, len)`:
     /// whole pages from `base`, sorted and disjoint) and places the `live` blocks (sorted,
     /// disjoint, each inside a run) in them as allocated blocks; the rest of each run is free,
     /// the rest of the range unmapped. Addresses are relative to `base`; the segment is where
@@ -222,13 +244,13 @@ impl DeviceCore {
         base: u64,
         size: u64,
         stream: StreamHandle,
-        small: bool,
+        target: RestorePool,
         runs: &[(u64, u64)],
         live: &[RestoredBlock],
     ) -> Result<DevicePtr, AllocError> {
         let invalid = |reason: &'static str| AllocError::InvalidSize { size, reason };
         self.check_stream(stream)?;
-        let pool = if small { SMALL_POOL } else { LARGE_POOL };
+        let pool = self.restore_pool_index(target)?;
         if !self.pool_expands(pool) {
             return Err(AllocError::NotSupported(
                 "restoring an expandable segment needs expandable_segments:True",
@@ -333,6 +355,9 @@ impl DeviceCore {
         blk.state = BlockState::Allocated;
         blk.requested = requested;
         self.active.insert(addr, range);
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.allocated, small, |s| s.increase(size));
+        }
         for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
         for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(size));
         for_pool(&mut self.stats.active, small, |s| s.increase(1));

@@ -5,7 +5,7 @@
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::block::{Block, BlockId, BlockState};
-use crate::core::{DeviceCore, SegmentMeta, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, MemPoolId, SegmentMeta, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::pool::key;
 use crate::stats::for_pool;
@@ -21,20 +21,55 @@ pub struct RestoredBlock {
     pub requested: u64,
 }
 
+/// The pool a restored segment joins: the small or large pool of the device's default pools
+/// or of a private pool (which must exist and not be released).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestorePool {
+    /// The private pool, `None` for the default pools.
+    pub private: Option<MemPoolId>,
+    /// Its small pool (else its large pool).
+    pub small: bool,
+}
+
+impl RestorePool {
+    /// The device's default small or large pool.
+    pub fn default_pool(small: bool) -> Self {
+        RestorePool {
+            private: None,
+            small,
+        }
+    }
+}
+
 impl DeviceCore {
+    /// The block pool `target` names.
+    pub(crate) fn restore_pool_index(&self, target: RestorePool) -> Result<usize, AllocError> {
+        match target.private {
+            None => Ok(if target.small { SMALL_POOL } else { LARGE_POOL }),
+            Some(id) => match self.private.get(&id.0) {
+                Some(p) if !p.released => Ok(if target.small { p.small } else { p.large }),
+                _ => Err(AllocError::UnknownPool(id.0)),
+            },
+        }
+    }
+
     /// Allocates a segment of `size` bytes from the backend and fills it with `live` blocks
     /// (addresses relative to `base`, sorted, non-overlapping), the gaps becoming free cached
     /// blocks. Returns where the backend put the segment; live blocks are at the same offsets
-    /// from it. Restored segments are not counted as device allocations in the stats.
+    /// from it, in the pool `target` names. Restored segments are not counted as device
+    /// allocations in the stats (they are in the reserved and allocated bytes, and in a
+    /// private pool's usage).
     pub fn restore_segment(
         &mut self,
         base: u64,
         size: u64,
         stream: StreamHandle,
-        small: bool,
+        target: RestorePool,
         live: &[RestoredBlock],
     ) -> Result<DevicePtr, AllocError> {
         let invalid = |reason: &'static str| AllocError::InvalidSize { size, reason };
+        let pool = self.restore_pool_index(target)?;
+        let small = target.small;
         if stream.device != self.device {
             return Err(AllocError::WrongDevice {
                 expected: self.device,
@@ -57,7 +92,6 @@ impl DeviceCore {
         }
         let ptr = self.backend.malloc(self.device, size)?;
         let shift = |addr: u64| addr - base + ptr.0;
-        let pool = if small { SMALL_POOL } else { LARGE_POOL };
         // Lay out the chain: gaps become free blocks.
         let mut pieces: Vec<(u64, u64, Option<u64>)> = Vec::with_capacity(live.len() * 2 + 1);
         let mut cursor = base;
@@ -88,6 +122,9 @@ impl DeviceCore {
                     b.state = BlockState::Allocated;
                     b.requested = req;
                     self.active.insert(shift(addr), id);
+                    if let Some(u) = self.usage_mut(pool) {
+                        for_pool(&mut u.allocated, small, |s| s.increase(bsize));
+                    }
                     for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
                     for_pool(&mut self.stats.allocated_bytes, small, |s| {
                         s.increase(bsize)
@@ -115,6 +152,10 @@ impl DeviceCore {
         self.segments
             .insert(ptr.0, SegmentMeta { size, pool, stream });
         self.total_reserved += size;
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.segments, small, |s| s.increase(1));
+            for_pool(&mut u.reserved, small, |s| s.increase(size));
+        }
         for_pool(&mut self.stats.segment, small, |s| s.increase(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
         if size >= self.config.max_split_size {
@@ -156,7 +197,7 @@ mod tests {
             },
         ];
         let ptr = core
-            .restore_segment(base, 20 * mib, s, false, &live)
+            .restore_segment(base, 20 * mib, s, RestorePool::default_pool(false), &live)
             .unwrap();
         assert_eq!(ptr.0, base);
         core.check_invariants().unwrap();
@@ -177,6 +218,8 @@ mod tests {
             size: 1,
             requested: 1,
         }];
-        assert!(core.restore_segment(base, mib, s, true, &bad).is_err());
+        assert!(core
+            .restore_segment(base, mib, s, RestorePool::default_pool(true), &bad)
+            .is_err());
     }
 }

@@ -77,6 +77,10 @@ pub struct TraceEntry {
     /// Where the allocation was made (`alloc` entries, when the owner attached them:
     /// [`crate::DeviceCore::attach_frames`]).
     pub frames: Option<Frames>,
+    /// The private pool ([`crate::MemPoolId`]) of the block or segment of an `alloc` or
+    /// segment entry; 0 for the device's default pools and for other actions. (PyTorch's
+    /// entries have no pool; a replay needs it to put a pool's requests in that pool.)
+    pub pool: u64,
 }
 
 /// Bounded history; the oldest entries fall off.
@@ -189,6 +193,7 @@ mod tests {
                 i,
                 TraceEntry {
                     frames: None,
+                    pool: 0,
                     action: TraceAction::Alloc,
                     addr: i,
                     size: 1,
@@ -208,6 +213,7 @@ mod tests {
         let mut r = TraceRing::new(3);
         let entry = |addr| TraceEntry {
             frames: None,
+            pool: 0,
             action: TraceAction::Alloc,
             addr,
             size: 1,

@@ -512,3 +512,50 @@ fn at_its_quota_an_expandable_pool_leaves_other_pools_cache_alone() {
     core.free(a.ptr).unwrap();
     core.check_invariants().unwrap();
 }
+
+/// The history names a private pool on the entries of its blocks and segments (`alloc`,
+/// `segment_alloc` / `segment_free`, `segment_map` / `segment_unmap`), so a replay can serve
+/// each request from its pool; entries of the default pools, frees and the rest name none.
+#[test]
+fn history_entries_name_the_pool_of_their_block_or_segment() {
+    use gpualloc_devices::TraceAction::*;
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        let (_, mut core, s) = rig(1 << 30, conf);
+        let kv = core.create_named_pool("kv", PoolOptions::default());
+        core.record_history(Some(100));
+        let a = core.malloc_in(kv, 3 * MIB, s).unwrap();
+        let b = core.malloc(3 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        core.free(b.ptr).unwrap();
+        core.release_pool(kv).unwrap();
+        core.empty_cache().unwrap();
+        let got: Vec<(_, u64)> = core
+            .snapshot()
+            .trace
+            .iter()
+            .map(|e| (e.action, e.pool))
+            .collect();
+        let (grow, shrink) = if conf.ends_with("True") {
+            (SegmentMap, SegmentUnmap)
+        } else {
+            (SegmentAlloc, SegmentFree)
+        };
+        assert_eq!(
+            got,
+            vec![
+                (grow, kv.0),
+                (Alloc, kv.0),
+                (grow, 0),
+                (Alloc, 0),
+                (FreeRequested, 0),
+                (FreeCompleted, 0),
+                (FreeRequested, 0),
+                (FreeCompleted, 0),
+                (shrink, 0),
+                (shrink, kv.0),
+            ],
+            "[{conf}]"
+        );
+        assert_ne!(kv.0, 0);
+    }
+}

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use gpualloc_devices::{
     release_slept_pages, wait_for_pool_streams, AllocError, CachedOutcome, DeviceCore,
-    DeviceSnapshot, Growth, PoolOptions, RestoredBlock, SleepMode, StatType, TraceAction,
+    DeviceSnapshot, Growth, MemPoolId, PoolOptions, RestorePool, RestoredBlock, SleepMode,
+    StatType, TraceAction,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -264,7 +265,14 @@ fn an_expandable_segment_is_restored_with_its_runs_and_live_blocks() {
         (base + 180 * MIB, 20 * MIB),
     ];
     let placed = core
-        .restore_expandable(base, 200 * MIB, s, false, &runs, &live)
+        .restore_expandable(
+            base,
+            200 * MIB,
+            s,
+            RestorePool::default_pool(false),
+            &runs,
+            &live,
+        )
         .unwrap();
     assert_eq!(placed.0, base);
     core.check_invariants().unwrap();
@@ -340,7 +348,14 @@ fn a_restore_with_bad_runs_or_blocks_reserves_nothing() {
         ),
     ];
     for (size, runs, live) in cases {
-        let r = core.restore_expandable(base, size, s, false, &runs, &live);
+        let r = core.restore_expandable(
+            base,
+            size,
+            s,
+            RestorePool::default_pool(false),
+            &runs,
+            &live,
+        );
         assert!(
             matches!(r, Err(AllocError::InvalidSize { .. })),
             "{runs:?} {live:?}: {r:?}"
@@ -351,7 +366,14 @@ fn a_restore_with_bad_runs_or_blocks_reserves_nothing() {
     }
     let (_backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
     assert!(matches!(
-        core.restore_expandable(base, 200 * MIB, s, false, &[], &[]),
+        core.restore_expandable(
+            base,
+            200 * MIB,
+            s,
+            RestorePool::default_pool(false),
+            &[],
+            &[]
+        ),
         Err(AllocError::NotSupported(_))
     ));
 }
@@ -511,7 +533,14 @@ fn restored_pages_are_one_handle_each() {
         requested: 4 * MIB,
     }];
     let placed = core
-        .restore_expandable(base, 100 * MIB, s, false, &[(base, 10 * MIB)], &live)
+        .restore_expandable(
+            base,
+            100 * MIB,
+            s,
+            RestorePool::default_pool(false),
+            &[(base, 10 * MIB)],
+            &live,
+        )
         .unwrap();
     assert_eq!(placed.0, base);
     assert!(core.unmap_recorded_pages(base + 2 * MIB, 2 * MIB).unwrap());
@@ -521,4 +550,62 @@ fn restored_pages_are_one_handle_each() {
     core.free(DevicePtr(base + 6 * MIB)).unwrap();
     assert!(core.unmap_recorded_pages(base + 4 * MIB, 6 * MIB).unwrap());
     assert_eq!(backend.used(DeviceId(0)), 0);
+}
+
+/// A restored segment of a named pool is the pool's: its usage counts it, the pool's
+/// requests use its free space, the default pools' do not. A pool that does not exist or was
+/// released is refused before anything is reserved.
+#[test]
+fn a_segment_restored_in_a_named_pool_serves_that_pool_only() {
+    for conf in [PAGES, "expandable_segments:False"] {
+        let (backend, mut core, s) = rig(1 << 30, conf);
+        let kv = core.create_named_pool("kv", PoolOptions::default());
+        let gone = core.create_named_pool("gone", PoolOptions::default());
+        core.release_pool(gone).unwrap();
+        let base = 0x7100_0000_0000;
+        let live = [RestoredBlock {
+            addr: base,
+            size: 4 * MIB,
+            requested: 4 * MIB,
+        }];
+        let expandable = conf == PAGES;
+        let restore = |core: &mut DeviceCore, private| {
+            let target = RestorePool {
+                private,
+                small: false,
+            };
+            backend.place_next(DeviceId(0), base);
+            let r = if expandable {
+                core.restore_expandable(base, 200 * MIB, s, target, &[(base, 20 * MIB)], &live)
+            } else {
+                core.restore_segment(base, 20 * MIB, s, target, &live)
+            };
+            backend.clear_placement(DeviceId(0));
+            r
+        };
+        for bad in [gone, MemPoolId(99)] {
+            assert_eq!(
+                restore(&mut core, Some(bad)),
+                Err(AllocError::UnknownPool(bad.0)),
+                "[{conf}]"
+            );
+            assert_eq!(core.reserved_bytes(), 0, "[{conf}]");
+        }
+        assert_eq!(
+            restore(&mut core, Some(kv)),
+            Ok(DevicePtr(base)),
+            "[{conf}]"
+        );
+        let usage = core.pool_usage(kv).unwrap();
+        assert_eq!(usage.reserved[ALL].current, 20 * MIB, "[{conf}]");
+        assert_eq!(usage.allocated[ALL].current, 4 * MIB, "[{conf}]");
+        let other = core.malloc(8 * MIB, s).unwrap();
+        assert!(
+            other.ptr.0 >= base + 20 * MIB || other.ptr.0 < base,
+            "[{conf}] the default pools have no use of it"
+        );
+        let mine = core.malloc_in(kv, 8 * MIB, s).unwrap();
+        assert_eq!(mine.ptr.0, base + 4 * MIB, "[{conf}]");
+        core.check_invariants().unwrap();
+    }
 }

@@ -27,6 +27,20 @@ pub struct LiveAtStart {
     pub stream: u64,
     /// Block size, when the final snapshot shows the block.
     pub block_size: Option<u64>,
+    /// Its memory pool, when the final snapshot shows the block (else the default pools).
+    pub pool: PoolKey,
+}
+
+/// A memory pool as a snapshot names it (`segment_pool_id`).
+pub type PoolKey = (i64, i64);
+
+/// The `segment_pool_id` of the default pools.
+pub const DEFAULT_POOL: PoolKey = (0, 0);
+
+/// The memory pool of a trace's `alloc` or segment event: the one it names (gpualloc's
+/// events in a private pool), else the default pools.
+pub fn event_pool(e: &TraceEntry) -> PoolKey {
+    e.pool_id.unwrap_or(DEFAULT_POOL)
 }
 
 /// A segment PyTorch held when recording began.
@@ -40,6 +54,8 @@ pub struct StartSegment {
     pub stream: u64,
     /// Small pool.
     pub small: bool,
+    /// Memory pool (`segment_pool_id`; `(0, 0)`: the default pools).
+    pub pool: PoolKey,
 }
 
 /// PyTorch's own figures for the traced span.
@@ -81,6 +97,7 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
                         requested: e.size,
                         stream: e.stream,
                         block_size: None,
+                        pool: DEFAULT_POOL,
                     };
                     initial.insert(e.addr, l);
                 }
@@ -97,12 +114,16 @@ pub fn live_at_start(trace: &Trace) -> (Vec<LiveAtStart>, u64) {
             }
             initial
                 .entry(b.addr)
-                .and_modify(|l| l.block_size = Some(b.size))
+                .and_modify(|l| {
+                    l.block_size = Some(b.size);
+                    l.pool = seg.pool;
+                })
                 .or_insert(LiveAtStart {
                     addr: b.addr,
                     requested: b.requested,
                     stream: seg.stream,
                     block_size: Some(b.size),
+                    pool: seg.pool,
                 });
         }
     }
@@ -126,6 +147,7 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
                     size: s.size,
                     stream: s.stream,
                     small: s.small,
+                    pool: s.pool,
                 },
             )
         })
@@ -136,12 +158,17 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
                 set.remove(&e.addr);
             }
             Action::SegmentFree | Action::SegmentUnmap => {
+                let next_to = neighbour(&set, e.addr, e.size);
                 let small = match e.action {
                     Action::SegmentFree => e.size == gpualloc_devices::sizes::SMALL_BUFFER,
                     // A run next to it tells its pool; else a small pool maps 2 MiB pages.
-                    _ => neighbour(&set, e.addr, e.size)
-                        .map_or(e.size == gpualloc_devices::sizes::SMALL_BUFFER, |n| n.small),
+                    _ => {
+                        next_to.map_or(e.size == gpualloc_devices::sizes::SMALL_BUFFER, |n| n.small)
+                    }
                 };
+                // gpualloc's events name a private pool (PyTorch's private pools do not
+                // expand, and its events name none).
+                let pool = event_pool(e);
                 set.insert(
                     e.addr,
                     StartSegment {
@@ -149,6 +176,7 @@ pub fn start_segments(trace: &Trace) -> Option<Vec<StartSegment>> {
                         size: e.size,
                         stream: e.stream,
                         small,
+                        pool,
                     },
                 );
             }
@@ -166,6 +194,8 @@ pub struct Reservation {
     pub stream: u64,
     /// Small pool.
     pub small: bool,
+    /// Memory pool (`(0, 0)`: the default pools).
+    pub pool: PoolKey,
     /// Base address.
     pub base: u64,
     /// Bytes.
@@ -180,26 +210,28 @@ impl Reservation {
 
     /// True when start segment `s` (a mapped run) lies in this reservation.
     pub fn holds(&self, s: &StartSegment) -> bool {
-        s.small == self.small && self.contains(s.stream, s.addr)
+        s.small == self.small && s.pool == self.pool && self.contains(s.stream, s.addr)
     }
 }
 
-/// The reservations of an expandable history, one per stream and pool kind (as the allocator
-/// keeps them): from the lowest page that kind of the stream had mapped, at the start
+/// The reservations of an expandable history, one per memory pool, stream and pool kind (as
+/// the allocator keeps them): from the lowest page that kind of the stream had mapped, at the start
 /// (`start`) or in the trace, `full` bytes (the reservation a device of the replay's capacity
 /// gets), less where the next reservation starts sooner, but never short of its highest page.
 /// The recording does not show where a reservation began; its lowest page is the nearest
 /// guess that holds everything the history did in it. Sorted by base.
 pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Reservation> {
     let finals = trace.final_segments.as_deref().unwrap_or_default();
-    let mut ranges: BTreeMap<(u64, bool), (u64, u64)> = BTreeMap::new();
-    let mut widen = |stream: u64, small: bool, addr: u64, size: u64| {
-        let r = ranges.entry((stream, small)).or_insert((addr, addr + size));
+    let mut ranges: BTreeMap<(PoolKey, u64, bool), (u64, u64)> = BTreeMap::new();
+    let mut widen = |pool: PoolKey, stream: u64, small: bool, addr: u64, size: u64| {
+        let r = ranges
+            .entry((pool, stream, small))
+            .or_insert((addr, addr + size));
         r.0 = r.0.min(addr);
         r.1 = r.1.max(addr + size);
     };
     for seg in start {
-        widen(seg.stream, seg.small, seg.addr, seg.size);
+        widen(seg.pool, seg.stream, seg.small, seg.addr, seg.size);
     }
     for (i, e) in trace.events.iter().enumerate() {
         if e.action != Action::SegmentMap {
@@ -220,13 +252,14 @@ pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Res
             },
             |h| h.2,
         );
-        widen(e.stream, small, e.addr, e.size);
+        widen(event_pool(e), e.stream, small, e.addr, e.size);
     }
     let mut out: Vec<Reservation> = ranges
         .into_iter()
-        .map(|((stream, small), (lo, hi))| Reservation {
+        .map(|((pool, stream, small), (lo, hi))| Reservation {
             stream,
             small,
+            pool,
             base: lo,
             size: hi - lo,
         })
@@ -415,6 +448,7 @@ mod tests {
             stream: 7,
             small: false,
             expandable: true,
+            pool: DEFAULT_POOL,
             blocks: Vec::new(),
         }
     }

@@ -37,6 +37,8 @@ pub struct FinalSegment {
     pub small: bool,
     /// Expandable segment.
     pub expandable: bool,
+    /// Its memory pool (`segment_pool_id`; `(0, 0)`: the default pools).
+    pub pool: (i64, i64),
     /// Blocks in address order.
     pub blocks: Vec<FinalBlock>,
 }
@@ -177,6 +179,7 @@ pub fn from_snapshot(name: &str, mut snap: Snapshot) -> Vec<Trace> {
                     stream: s.stream,
                     small: s.segment_type == SegmentType::Small,
                     expandable: s.is_expandable,
+                    pool: s.segment_pool_id,
                     blocks: s
                         .blocks
                         .iter()

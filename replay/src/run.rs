@@ -32,7 +32,8 @@ use std::time::Instant;
 
 use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{
-    AllocError, Allocation, AllocatorConfig, DeviceCore, Policy, RestoredBlock,
+    map_wake, release_slept_pages, wait_for_pool_streams, AllocError, Allocation, AllocatorConfig,
+    DeviceCore, MemPoolId, Policy, PoolOptions, PoolState, RestorePool, RestoredBlock, SleepMode,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::addr_map::AddrMap;
@@ -40,8 +41,9 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 use gpualloc_trace::Action;
 
 use crate::analysis::{
-    deferred_frees, live_at_start, reservations, start_blocks, start_segments, torch_figures,
-    torch_reserved_after, LiveAtStart, Reservation, StartSegment,
+    deferred_frees, event_pool, live_at_start, reservations, start_blocks, start_segments,
+    torch_figures, torch_reserved_after, LiveAtStart, PoolKey, Reservation, StartSegment,
+    DEFAULT_POOL,
 };
 use crate::input::Trace;
 use crate::report::{Mismatch, ReplayReport, Sample};
@@ -127,9 +129,76 @@ struct Replayer {
     deferred: AddrMap<StreamHandle>,
     next_private: u64,
     warnings: u64,
+    /// The history's private pools (`segment_pool_id`) → the replay's named pools.
+    pools: HashMap<PoolKey, MemPoolId>,
 }
 
 impl Replayer {
+    /// The replay's pool for the history's pool `id`, made at its first use (`None`: the
+    /// default pools). A named pool, as gpualloc's are (under `expandable_segments` it grows
+    /// expandable segments of its own), without a quota: the history shows what a quota
+    /// made the live pool release (`segment_unmap`, `segment_free`), and the replay follows.
+    fn pool(&mut self, id: PoolKey) -> Option<MemPoolId> {
+        if id == DEFAULT_POOL {
+            return None;
+        }
+        let core = &mut self.core;
+        Some(*self.pools.entry(id).or_insert_with(|| {
+            core.create_named_pool(&format!("pool {id:?}"), PoolOptions::default())
+        }))
+    }
+
+    /// A malloc of `size` bytes in `pool` (`None`: the default pools).
+    fn malloc_in(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        match pool {
+            Some(p) => self.core.malloc_in(p, size, stream),
+            None => self.core.malloc(size, stream),
+        }
+    }
+
+    /// A pool's sleep, shown in the history as a `segment_unmap` of pages its live blocks are
+    /// on (`gpualloc_devices` `sleep.rs`: every page of the pool goes at once, its blocks
+    /// stay allocated). The replay's events complete as the sleep waits for them.
+    fn sleep(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
+        let plan = self.core.begin_sleep(pool, SleepMode::Discard)?;
+        if let Err(e) = wait_for_pool_streams(self.backend.as_ref(), &plan) {
+            self.core.abort_sleep(plan).release(self.backend.as_ref());
+            return Err(e.into());
+        }
+        release_slept_pages(self.backend.as_ref(), &plan);
+        self.core.finish_sleep(plan).release(self.backend.as_ref());
+        Ok(())
+    }
+
+    /// A sleeping pool's wake, shown as the `segment_map`s of its pages: the first wakes it
+    /// (every page at once), the rest find their pages mapped.
+    fn wake(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
+        let Some(plan) = self.core.begin_wake(pool)? else {
+            return Ok(());
+        };
+        match map_wake(self.backend.as_ref(), &plan) {
+            Ok(woken) => {
+                self.core
+                    .finish_wake(plan, woken)
+                    .release(self.backend.as_ref());
+                Ok(())
+            }
+            Err(e) => {
+                self.core.abort_wake(plan).release(self.backend.as_ref());
+                Err(e.into())
+            }
+        }
+    }
+
+    /// True when a block the history has live lies in `[addr, addr + len)`.
+    fn live_in(&self, addr: u64, len: u64) -> bool {
+        self.addrs.keys().any(|&a| a >= addr && a - addr < len)
+    }
     fn stream(&mut self, raw: u64) -> StreamHandle {
         if let Some(s) = self.streams.get(&raw) {
             return *s;
@@ -151,12 +220,13 @@ impl Replayer {
     /// now (`gpualloc_devices` `recorded.rs`).
     fn malloc_new_segment(
         &mut self,
+        pool: Option<MemPoolId>,
         size: u64,
         stream: StreamHandle,
     ) -> Result<Allocation, AllocError> {
-        let request = self.core.segment_request(size, stream)?;
+        let request = self.core.segment_request_in(pool, size, stream)?;
         if request.maps_pages(&self.core) {
-            return self.core.malloc(size, stream);
+            return self.malloc_in(pool, size, stream);
         }
         if !request.claim_fraction(&mut self.core) {
             return self.core.malloc_after_miss(request);
@@ -198,10 +268,14 @@ impl Replayer {
             .flat_map(|s| start_blocks(s, initial, true))
             .collect();
         let stream = self.stream(res.stream);
+        let target = RestorePool {
+            private: self.pool(res.pool),
+            small: res.small,
+        };
         self.backend.place_next(DEVICE, res.base);
         let restored = self
             .core
-            .restore_expandable(res.base, res.size, stream, res.small, &runs, &blocks);
+            .restore_expandable(res.base, res.size, stream, target, &runs, &blocks);
         self.backend.clear_placement(DEVICE);
         let base = restored.map_err(|source| ReplayError::Alloc { index, source })?;
         for b in &blocks {
@@ -278,6 +352,7 @@ pub fn replay_core(
         deferred: AddrMap::default(),
         next_private: 0,
         warnings: 0,
+        pools: HashMap::new(),
     };
     let (initial, unexplained) = live_at_start(trace);
     // Warm, expandable history: the reservations to make (see `analysis::reservations`).
@@ -306,10 +381,14 @@ pub fn replay_core(
         for seg in segments.iter().filter(|_| reservations_plan.is_empty()) {
             let blocks = start_blocks(seg, &initial, false);
             let stream = r.stream(seg.stream);
+            let target = RestorePool {
+                private: r.pool(seg.pool),
+                small: seg.small,
+            };
             r.backend.place_next(DEVICE, seg.addr);
             let base = r
                 .core
-                .restore_segment(seg.addr, seg.size, stream, seg.small, &blocks)
+                .restore_segment(seg.addr, seg.size, stream, target, &blocks)
                 .map_err(|source| ReplayError::Alloc { index: 0, source })?;
             for b in &blocks {
                 r.addrs
@@ -324,7 +403,8 @@ pub fn replay_core(
         order.sort_by_key(|l| (std::cmp::Reverse(l.requested), l.addr));
         for l in order {
             let s = r.stream(l.stream);
-            match r.core.malloc(l.requested, s) {
+            let pool = r.pool(l.pool);
+            match r.malloc_in(pool, l.requested, s) {
                 Ok(a) => {
                     r.addrs.insert(l.addr, a.ptr);
                 }
@@ -363,6 +443,15 @@ pub fn replay_core(
         }
         match e.action {
             Action::SegmentMap if options.warm => {
+                // A sleeping pool's first page back is its wake (which maps every page it
+                // had: the `segment_map`s after it, and this one's own map below, find their
+                // pages mapped and change nothing).
+                if let Some(pool) = r.pool(event_pool(e)) {
+                    if r.core.pool_state(pool) == Some(PoolState::Asleep) {
+                        r.wake(pool)
+                            .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                    }
+                }
                 // The first page of a reservation the history starts: the reservation first.
                 if r.backend.reservation_holding(DEVICE, e.addr).is_none() {
                     let planned = reservations_plan
@@ -396,6 +485,7 @@ pub fn replay_core(
                     r.free(e.addr, false);
                 }
                 let stream = r.stream(e.stream);
+                let pool = r.pool(event_pool(e));
                 // Warm: place a new segment where PyTorch's pending segment_alloc of the same
                 // size put it. Cold replays skip this bookkeeping (and its backend locks).
                 let placement = if pending_segments.is_empty() {
@@ -421,9 +511,9 @@ pub fn replay_core(
                     r.backend.place_next(DEVICE, addr);
                 }
                 let result = if options.warm && served_by_new_segment(trace, i) {
-                    r.malloc_new_segment(e.size, stream)
+                    r.malloc_new_segment(pool, e.size, stream)
                 } else {
-                    r.core.malloc(e.size, stream)
+                    r.malloc_in(pool, e.size, stream)
                 };
                 let mut new_segment = false;
                 if options.warm {
@@ -490,9 +580,18 @@ pub fn replay_core(
             }
             Action::SegmentUnmap if options.warm && r.core.config().expandable_segments => {
                 // Likewise the pages the history unmapped.
-                r.core
+                let unmapped = r
+                    .core
                     .unmap_recorded_pages(e.addr, e.size)
                     .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                // Pages under live blocks of a named pool that is awake: its sleep.
+                if let Some(pool) = r.pool(event_pool(e)) {
+                    let awake = r.core.pool_state(pool) == Some(PoolState::Awake);
+                    if !unmapped && awake && r.live_in(e.addr, e.size) {
+                        r.sleep(pool)
+                            .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                    }
+                }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
                 // Expandable segments' pages go back as `segment_unmap` runs.

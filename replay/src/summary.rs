@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{memory_summary, AllocatorConfig, DeviceCore, RestoredBlock};
+use gpualloc_devices::{memory_summary, AllocatorConfig, DeviceCore, RestorePool, RestoredBlock};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
@@ -76,8 +76,14 @@ fn final_state(segments: &[FinalSegment]) -> Result<DeviceCore, ReplayError> {
             })
             .collect();
         backend.place_next(DeviceId(0), seg.addr);
-        core.restore_segment(seg.addr, seg.size, stream, seg.small, &live)
-            .map_err(|source| ReplayError::Alloc { index: 0, source })?;
+        core.restore_segment(
+            seg.addr,
+            seg.size,
+            stream,
+            RestorePool::default_pool(seg.small),
+            &live,
+        )
+        .map_err(|source| ReplayError::Alloc { index: 0, source })?;
     }
     Ok(core)
 }

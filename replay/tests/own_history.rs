@@ -316,6 +316,7 @@ mod off_the_core {
                 stream: s.raw,
                 time_us: 0,
                 frames: None,
+                pool: 0,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)
         };
@@ -394,6 +395,111 @@ mod off_the_core {
         assert_eq!(report.device_frees, 1, "a's segment");
         for p in [c.ptr, e.ptr, later.ptr] {
             core.free(p).unwrap();
+        }
+    }
+
+    /// A server's pools (`mem_pools.rs`, `sleep.rs`): weights in one named pool, put to sleep
+    /// and woken mid-history; requests in another and in the default pools, the same sizes
+    /// in each, so a request served from the wrong pool lands elsewhere. Recording begins with
+    /// every pool holding pages. The history names each `alloc`'s and segment event's pool
+    /// (`segment_pool_id`); the replay makes the pools, restores their segments in them,
+    /// serves each request from its pool and sleeps and wakes the pool where the history
+    /// does. Before, every request went to the default pools: 22 of 300 matched.
+    #[test]
+    fn named_pools_sleep_and_wake_replay_at_the_same_addresses() {
+        use gpualloc_devices::{
+            map_wake, release_slept_pages, wait_for_pool_streams, PoolOptions, SleepMode,
+        };
+        for conf in [
+            "expandable_segments:True",
+            "expandable_segments:True,policy:pytorch",
+        ] {
+            let (backend, mut core, s) = rig(conf);
+            let weights = core.create_named_pool("weights", PoolOptions::default());
+            let kv = core.create_named_pool("kv_cache", PoolOptions::default());
+            let held: Vec<_> = (0..4u64)
+                .map(|i| core.malloc_in(weights, 6 * MIB + i * 4097, s).unwrap().ptr)
+                .collect();
+            let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+            let mut live = Vec::new();
+            let mut step = |core: &mut DeviceCore, live: &mut Vec<_>| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let size = match rng % 3 {
+                    0 => rng % MIB + 1,
+                    1 => rng % (6 * MIB) + 1,
+                    _ => rng % (24 * MIB) + 1,
+                };
+                let a = if rng % 2 == 0 {
+                    core.malloc_in(kv, size, s)
+                } else {
+                    core.malloc(size, s)
+                };
+                live.push(a.unwrap().ptr);
+                if live.len() > 10 || rng % 3 == 0 {
+                    let k = (rng as usize / 3) % live.len();
+                    core.free(live.swap_remove(k)).unwrap();
+                }
+            };
+            for _ in 0..40 {
+                step(&mut core, &mut live);
+            }
+            core.record_history(Some(10_000));
+            for i in 0..300 {
+                step(&mut core, &mut live);
+                if i == 100 {
+                    let plan = core.begin_sleep(weights, SleepMode::Discard).unwrap();
+                    wait_for_pool_streams(backend.as_ref(), &plan).unwrap();
+                    release_slept_pages(backend.as_ref(), &plan);
+                    assert!(core.finish_sleep(plan).is_empty());
+                }
+                if i == 150 {
+                    core.empty_cache().unwrap();
+                }
+                if i == 200 {
+                    let plan = core.begin_wake(weights).unwrap().unwrap();
+                    let woken = map_wake(backend.as_ref(), &plan).unwrap();
+                    assert!(core.finish_wake(plan, woken).is_empty());
+                }
+            }
+            let trace = core.snapshot().trace;
+            let in_pool = |pool: u64| trace.iter().filter(|e| e.pool == pool).count();
+            assert!(in_pool(kv.0) > 100, "[{conf}] {}", in_pool(kv.0));
+            assert!(in_pool(weights.0) >= 2, "[{conf}] its sleep and wake");
+            let config = AllocatorConfig::parse(conf).unwrap();
+            let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
+            let traces = from_bytes("own.pickle", &bytes).unwrap();
+            let options = ReplayOptions {
+                warm: true,
+                config,
+                capacity: Some(CAPACITY),
+                sample_every: 1,
+                ..ReplayOptions::default()
+            };
+            let report = replay(&traces[0], &options).unwrap();
+            let (matched, compared) = report.address_match.unwrap();
+            assert!(compared >= 300, "[{conf}] {compared}");
+            assert_eq!(matched, compared, "[{conf}]");
+            assert_eq!(report.warnings, 0, "[{conf}]");
+            // Reserved memory as it was live at every request: the sleep released the pool's
+            // pages and the wake mapped them again. (The replay wakes the pool at its first
+            // `segment_map`; live, the wake's maps are one event each.)
+            let events = &traces[0].events;
+            for sample in &report.samples {
+                if events[sample.event as usize].action != gpualloc_trace::Action::Alloc {
+                    continue;
+                }
+                assert_eq!(
+                    Some(sample.reserved),
+                    sample.torch_reserved,
+                    "[{conf}] event {}",
+                    sample.event
+                );
+            }
+            for p in live.into_iter().chain(held) {
+                core.free(p).unwrap();
+            }
         }
     }
 }

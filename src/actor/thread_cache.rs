@@ -201,6 +201,8 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         stream: a.stream.raw,
         time_us: rec.time_us,
         frames: rec.frames.clone(),
+        // The thread cache holds blocks of the default pools only.
+        pool: 0,
     };
     (seq, entry)
 }

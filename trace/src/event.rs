@@ -122,6 +122,11 @@ pub struct TraceEntry {
     pub device_free: Option<u64>,
     /// The call stack, innermost first (empty when not recorded).
     pub frames: Vec<Frame>,
+    /// The memory pool of the block or segment, as a segment's `segment_pool_id`: present
+    /// on gpualloc's `alloc` and segment events in a private pool (the key is gpualloc's
+    /// own: PyTorch's events have none, and its readers ignore it). `None`: the default
+    /// pools, or not recorded.
+    pub pool_id: Option<(i64, i64)>,
 }
 
 impl TraceEntry {
@@ -135,6 +140,7 @@ impl TraceEntry {
             time_us: None,
             device_free: None,
             frames: Vec::new(),
+            pool_id: None,
         }
     }
 }

@@ -132,6 +132,9 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                     let mut t = TraceEntry::new(action(e.action), e.addr, e.size, e.stream);
                     t.time_us = i64::try_from(e.time_us).ok();
                     t.frames = frames(e.frames.as_deref());
+                    if e.pool != 0 {
+                        t.pool_id = Some((0, e.pool as i64));
+                    }
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);
                     }

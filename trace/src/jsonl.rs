@@ -260,6 +260,7 @@ fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
         time_us,
         device_free,
         frames,
+        pool_id: None,
     })
 }
 

@@ -385,3 +385,32 @@ fn shared_frame_lists_cannot_blow_up_memory() {
         other => panic!("{:?}", other.map(|s| s.event_count())),
     }
 }
+
+/// gpualloc's events in a private pool carry its `segment_pool_id` (a key of its own,
+/// which PyTorch's readers ignore): read, written back, and absent where the event has none.
+#[test]
+fn an_events_pool_id_reads_and_writes_back() {
+    let mut v = modern();
+    let mut alloc = event("alloc", 0x7f00_0000_0000, 1 << 20);
+    if let Value::Dict(items) = &mut alloc {
+        items.push((
+            s("segment_pool_id"),
+            Value::Tuple(vec![Value::Int(0), Value::Int(3)]),
+        ));
+    }
+    set(&mut v, &["device_traces", "0", "1"], Some(alloc));
+    let snap = load(&v).unwrap();
+    let trace = &snap.device_traces[0];
+    assert_eq!(trace[1].pool_id, Some((0, 3)));
+    assert_eq!(trace[0].pool_id, None);
+    let again = Snapshot::from_pickle(&snap.to_pickle().unwrap()).unwrap();
+    assert_eq!(again, snap);
+    // A pool id that is not a pair is named.
+    set(
+        &mut v,
+        &["device_traces", "0", "1", "segment_pool_id"],
+        Some(Value::Int(3)),
+    );
+    let err = load(&v).unwrap_err().to_string();
+    assert!(err.contains("device_traces[0][1].segment_pool_id"), "{err}");
+}

@@ -143,5 +143,11 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
         items.push(("time_us", Value::Int(t)));
     }
     items.push(("frames", frames_value(&e.frames)));
+    if let Some((a, b)) = e.pool_id {
+        items.push((
+            "segment_pool_id",
+            Value::Tuple(vec![Value::Int(a), Value::Int(b)]),
+        ));
+    }
     Ok(Value::str_dict(items))
 }

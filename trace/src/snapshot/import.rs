@@ -107,6 +107,22 @@ fn opt_u64(
     }
 }
 
+/// `segment_pool_id`, a pair of ints, when present.
+fn pool_id(
+    doc: &mut Doc<'_>,
+    items: &[(Id, Id)],
+    path: &Path<'_>,
+) -> Result<Option<(i64, i64)>, TraceError> {
+    let Some(v) = doc.field(items, "segment_pool_id") else {
+        return Ok(None);
+    };
+    let p = path.key("segment_pool_id");
+    match doc.seq(v, &p)? {
+        &[a, b] => Ok(Some((doc.i64(a, &p.index(0))?, doc.i64(b, &p.index(1))?))),
+        _ => Err(doc.wrong(v, &p, "a pair of ints")),
+    }
+}
+
 fn read_segment(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<Segment, TraceError> {
     let items = doc.dict(id, path)?;
     let address = doc.u64(doc.required(items, path, "address")?, &path.key("address"))?;
@@ -134,16 +150,7 @@ fn read_segment(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<Segment, T
             }
         }
     };
-    let segment_pool_id = match doc.field(items, "segment_pool_id") {
-        None => (0, 0),
-        Some(v) => {
-            let p = path.key("segment_pool_id");
-            match doc.seq(v, &p)? {
-                &[a, b] => (doc.i64(a, &p.index(0))?, doc.i64(b, &p.index(1))?),
-                _ => return Err(doc.wrong(v, &p, "a pair of ints")),
-            }
-        }
-    };
+    let segment_pool_id = pool_id(doc, items, path)?.unwrap_or((0, 0));
     let is_expandable = match doc.field(items, "is_expandable") {
         Some(v) => doc.bool(v, &path.key("is_expandable"))?,
         None => false,
@@ -250,6 +257,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         None => None,
     };
     let frames = doc.frames(items, path)?;
+    let pool_id = pool_id(doc, items, path)?;
     Ok(TraceEntry {
         action,
         addr,
@@ -258,6 +266,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         time_us,
         device_free,
         frames,
+        pool_id,
     })
 }
 
