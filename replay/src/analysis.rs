@@ -200,6 +200,11 @@ pub struct Reservation {
     pub base: u64,
     /// Bytes.
     pub size: u64,
+    /// The event that maps its first page; `None` when it was held when recording began.
+    pub first_map: Option<usize>,
+    /// The event that unmaps its last page (the allocator releases it then); `None` when it
+    /// is held to the end.
+    pub released_at: Option<usize>,
 }
 
 impl Reservation {
@@ -208,70 +213,180 @@ impl Reservation {
         stream == self.stream && addr >= self.base && addr - self.base < self.size
     }
 
-    /// True when start segment `s` (a mapped run) lies in this reservation.
+    /// True when start segment `s` (a mapped run) lies in this reservation, held when
+    /// recording began.
     pub fn holds(&self, s: &StartSegment) -> bool {
-        s.small == self.small && s.pool == self.pool && self.contains(s.stream, s.addr)
+        self.first_map.is_none()
+            && s.small == self.small
+            && s.pool == self.pool
+            && self.contains(s.stream, s.addr)
+    }
+
+    /// The events it is held over: from its first map (or the start) to its release (or the
+    /// end).
+    fn held(&self) -> (usize, usize) {
+        (
+            self.first_map.unwrap_or(0),
+            self.released_at.unwrap_or(usize::MAX),
+        )
     }
 }
 
-/// The reservations of an expandable history, one per memory pool, stream and pool kind (as
-/// the allocator keeps them): from the lowest page that kind of the stream had mapped, at the start
-/// (`start`) or in the trace, `full` bytes (the reservation a device of the replay's capacity
-/// gets), less where the next reservation starts sooner, but never short of its highest page.
-/// The recording does not show where a reservation began; its lowest page is the nearest
-/// guess that holds everything the history did in it. Sorted by base.
+/// The reservations of an expandable history, as the allocator keeps them: one per memory
+/// pool, stream and pool kind at a time, held from its first page mapped (or from the start)
+/// until its last page is unmapped (the allocator releases a reservation with nothing mapped;
+/// a later page of the same kind is a new reservation, which may be made where another one
+/// was). Each spans from the lowest page it mapped, `full` bytes (the reservation a device of
+/// the replay's capacity gets), less where a reservation held at the same time starts sooner,
+/// but never short of its highest page. The recording does not show where a reservation
+/// began; its lowest page is the nearest guess that holds everything the history did in it.
+/// Sorted by base, then first map.
 pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Reservation> {
     let finals = trace.final_segments.as_deref().unwrap_or_default();
-    let mut ranges: BTreeMap<(PoolKey, u64, bool), (u64, u64)> = BTreeMap::new();
-    let mut widen = |pool: PoolKey, stream: u64, small: bool, addr: u64, size: u64| {
-        let r = ranges
-            .entry((pool, stream, small))
-            .or_insert((addr, addr + size));
-        r.0 = r.0.min(addr);
-        r.1 = r.1.max(addr + size);
+    let mut out: Vec<Reservation> = Vec::new();
+    // The reservation (index in `out`) held now per (pool, stream, kind), with its mapped bytes.
+    let mut open: BTreeMap<(PoolKey, u64, bool), (usize, u64)> = BTreeMap::new();
+    let widen = |out: &mut Vec<Reservation>,
+                 open: &mut BTreeMap<(PoolKey, u64, bool), (usize, u64)>,
+                 (pool, stream, small): (PoolKey, u64, bool),
+                 first_map: Option<usize>,
+                 addr: u64,
+                 size: u64| {
+        let (at, mapped) = open.entry((pool, stream, small)).or_insert_with(|| {
+            out.push(Reservation {
+                stream,
+                small,
+                pool,
+                base: addr,
+                size,
+                first_map,
+                released_at: None,
+            });
+            (out.len() - 1, 0)
+        });
+        let r = &mut out[*at];
+        let end = (r.base + r.size).max(addr + size);
+        r.base = r.base.min(addr);
+        r.size = end - r.base;
+        *mapped += size;
     };
     for seg in start {
-        widen(seg.pool, seg.stream, seg.small, seg.addr, seg.size);
+        let key = (seg.pool, seg.stream, seg.small);
+        widen(&mut out, &mut open, key, None, seg.addr, seg.size);
     }
     for (i, e) in trace.events.iter().enumerate() {
-        if e.action != Action::SegmentMap {
-            continue;
-        }
-        let holding = finals
-            .iter()
-            .map(|f| (f.addr, f.size, f.small))
-            .chain(start.iter().map(|s| (s.addr, s.size, s.small)))
-            .find(|&(addr, size, _)| e.addr >= addr && e.addr < addr + size);
-        // Else the request it was mapped for tells the pool: the next alloc on its stream.
-        let small = holding.map_or_else(
-            || {
-                trace.events[i + 1..]
+        let pool = event_pool(e);
+        match e.action {
+            Action::SegmentMap => {
+                // The pool kind: a reservation of the stream held now that spans the page,
+                // else one whose span it extends, else a run of the stream's at the start that holds it, else the first
+                // block the history puts on the pages, else a segment at the end that holds
+                // them (a segment at the end may be a later reservation at the same
+                // addresses: a block on the pages is the better witness).
+                let held = |touching: bool| {
+                    open.iter()
+                        .find(|((p, s, _), (at, _))| {
+                            let r = &out[*at];
+                            *p == pool
+                                && *s == e.stream
+                                && (r.contains(e.stream, e.addr)
+                                    || (touching
+                                        && (e.addr == r.base + r.size
+                                            || e.addr + e.size == r.base)))
+                        })
+                        .map(|((_, _, small), _)| *small)
+                };
+                let small = held(false)
+                    .or_else(|| held(true))
+                    .or_else(|| {
+                        kind_holding(
+                            start
+                                .iter()
+                                .map(|s| (s.addr, s.size, s.small, s.stream, s.pool)),
+                            e,
+                        )
+                    })
+                    .or_else(|| first_block_on(&trace.events[i + 1..], e))
+                    .or_else(|| {
+                        kind_holding(
+                            finals
+                                .iter()
+                                .map(|f| (f.addr, f.size, f.small, f.stream, f.pool)),
+                            e,
+                        )
+                    })
+                    .unwrap_or(false);
+                widen(
+                    &mut out,
+                    &mut open,
+                    (pool, e.stream, small),
+                    Some(i),
+                    e.addr,
+                    e.size,
+                );
+            }
+            Action::SegmentUnmap => {
+                let key = open
                     .iter()
-                    .find(|n| n.action == Action::Alloc && n.stream == e.stream)
-                    .is_some_and(|n| n.size <= SMALL_SIZE)
-            },
-            |h| h.2,
-        );
-        widen(event_pool(e), e.stream, small, e.addr, e.size);
+                    .find(|((p, s, _), (at, _))| {
+                        *p == pool && *s == e.stream && out[*at].contains(e.stream, e.addr)
+                    })
+                    .map(|(k, _)| *k);
+                if let Some(key) = key {
+                    let (at, mapped) = open.get_mut(&key).expect("just found");
+                    *mapped = mapped.saturating_sub(e.size);
+                    if *mapped == 0 {
+                        out[*at].released_at = Some(i);
+                        open.remove(&key);
+                    }
+                }
+            }
+            _ => {}
+        }
     }
-    let mut out: Vec<Reservation> = ranges
-        .into_iter()
-        .map(|((pool, stream, small), (lo, hi))| Reservation {
-            stream,
-            small,
-            pool,
-            base: lo,
-            size: hi - lo,
-        })
-        .collect();
-    out.sort_by_key(|r| r.base);
-    for i in 0..out.len() {
-        let room = out
-            .get(i + 1)
-            .map_or(full, |n| n.base.saturating_sub(out[i].base));
-        out[i].size = out[i].size.max(full.min(room));
+    out.sort_by_key(|r| (r.base, r.first_map));
+    let spans: Vec<Reservation> = out.clone();
+    for r in &mut out {
+        let (from, until) = r.held();
+        let room = spans
+            .iter()
+            .filter(|q| q.base > r.base)
+            .filter(|q| {
+                let (qf, qu) = q.held();
+                qf <= until && from <= qu
+            })
+            .map(|q| q.base - r.base)
+            .min()
+            .unwrap_or(full);
+        r.size = r.size.max(full.min(room));
     }
     out
+}
+
+/// The pool kind (small) of the first block allocated on the pages `map` mapped, among
+/// `after` (the events after it), before they are unmapped: a block of at most 1 MiB is a
+/// small-pool block. (Not the next alloc on its stream: another request on the stream may be
+/// served from the cache before the one the pages were mapped for.)
+fn first_block_on(after: &[TraceEntry], map: &TraceEntry) -> Option<bool> {
+    let overlaps = |n: &TraceEntry| n.addr < map.addr + map.size && n.addr + n.size > map.addr;
+    after
+        .iter()
+        .take_while(|n| !(n.action == Action::SegmentUnmap && overlaps(n)))
+        .find(|n| n.action == Action::Alloc && overlaps(n))
+        .map(|n| n.size <= SMALL_SIZE)
+}
+
+/// The pool kind (small) of the segment of `e`'s stream and pool holding `e.addr`, among
+/// `segments` as (address, size, small, stream, pool).
+fn kind_holding(
+    mut segments: impl Iterator<Item = (u64, u64, bool, u64, PoolKey)>,
+    e: &TraceEntry,
+) -> Option<bool> {
+    segments
+        .find(|&(addr, size, _, stream, pool)| {
+            stream == e.stream && pool == event_pool(e) && e.addr >= addr && e.addr < addr + size
+        })
+        .map(|h| h.2)
 }
 
 /// A segment that ends where `[addr, addr + size)` starts or starts where it ends.
@@ -514,5 +629,89 @@ mod tests {
             live.iter().map(|l| (l.addr - base, l.block_size)).collect();
         assert_eq!(live, vec![(2 * MIB, Some(4 * MIB))]);
         assert_eq!(unexplained, 0);
+    }
+
+    /// A reservation the history releases (its last page unmapped) and whose addresses
+    /// another stream's reservation takes later: two reservations, one after the other, each
+    /// of its own stream and pool kind, the first made at its first `segment_map`, the second
+    /// at its own, neither cut short by the other (they are not held at the same time).
+    /// Before, one reservation per stream for the whole history: the later one's final run
+    /// made the first map a small-pool page, and both started at the same base.
+    #[test]
+    fn a_reservation_released_and_its_addresses_taken_again_are_two_reservations() {
+        let base = 0x7000_0000_0000;
+        let map = |addr, size, stream| TraceEntry::new(Action::SegmentMap, addr, size, stream);
+        let unmap = |addr, size, stream| TraceEntry::new(Action::SegmentUnmap, addr, size, stream);
+        let alloc = |addr, size, stream| TraceEntry::new(Action::Alloc, addr, size, stream);
+        let mut small_run = run(base, 2 * MIB);
+        small_run.stream = 3;
+        small_run.small = true;
+        let trace = Trace {
+            name: "t".into(),
+            device: 0,
+            events: vec![
+                map(base, 16 * MIB, 4),
+                alloc(base, 15 * MIB, 4),
+                map(base + 16 * MIB, 6 * MIB, 4),
+                unmap(base, 22 * MIB, 4),
+                map(base, 2 * MIB, 3),
+                alloc(base, 4096, 3),
+            ],
+            final_segments: Some(vec![small_run]),
+            recorded_config: None,
+        };
+        let start = start_segments(&trace).unwrap();
+        assert!(start.is_empty());
+        let plan = reservations(&trace, &start, 100 * MIB);
+        let got: Vec<_> = plan
+            .iter()
+            .map(|r| {
+                (
+                    r.stream,
+                    r.small,
+                    r.base,
+                    r.size / MIB,
+                    r.first_map,
+                    r.released_at,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (4, false, base, 100, Some(0), Some(3)),
+                (3, true, base, 100, Some(4), None),
+            ]
+        );
+    }
+
+    /// A page's pool kind comes from the first block the history puts on it (another request
+    /// on its stream may be served from the cache first), and a page no block lands on
+    /// belongs to the reservation of its stream whose span it extends.
+    #[test]
+    fn a_pages_pool_kind_is_the_kind_of_the_block_put_on_it() {
+        let base = 0x7000_0000_0000;
+        let map = |addr, size| TraceEntry::new(Action::SegmentMap, addr, size, 4);
+        let alloc = |addr, size| TraceEntry::new(Action::Alloc, addr, size, 4);
+        let trace = Trace {
+            name: "t".into(),
+            device: 0,
+            events: vec![
+                map(base, 2 * MIB),
+                // A large request on the same stream, served from the cache elsewhere.
+                alloc(base + 500 * MIB, 8 * MIB),
+                alloc(base, 4096),
+                // Pages mapped ahead, next to the small run: no block lands on them.
+                map(base + 2 * MIB, 2 * MIB),
+            ],
+            final_segments: Some(Vec::new()),
+            recorded_config: None,
+        };
+        let plan = reservations(&trace, &[], 100 * MIB);
+        let got: Vec<_> = plan
+            .iter()
+            .map(|r| (r.small, r.base, r.first_map))
+            .collect();
+        assert_eq!(got, vec![(true, base, Some(0))]);
     }
 }

@@ -24,7 +24,14 @@
 //! blocks freed meanwhile, as the live request did. The expandable segments held when
 //! recording began are restored as reservations (`analysis::reservations`), their mapped runs
 //! and live blocks in them, and a reservation the history starts later is made where its
-//! pages lie when it maps the first.
+//! pages lie when it maps the first (a reservation released, its last page unmapped, and
+//! made again later is two, possibly at the same addresses under another stream).
+//!
+//! Named pools (gpualloc's `mem_pools.rs`): the history names the pool of each `alloc` and
+//! segment event (`segment_pool_id`); the replay makes a named pool per id, restores its
+//! segments in it and serves its requests from it. A pool's sleep shows as a
+//! `segment_unmap` of pages live blocks are on (the replay sleeps the pool there), its wake as
+//! the `segment_map`s that follow (the replay wakes it at the first).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -454,9 +461,7 @@ pub fn replay_core(
                 }
                 // The first page of a reservation the history starts: the reservation first.
                 if r.backend.reservation_holding(DEVICE, e.addr).is_none() {
-                    let planned = reservations_plan
-                        .iter()
-                        .find(|p| p.contains(e.stream, e.addr));
+                    let planned = reservations_plan.iter().find(|p| p.first_map == Some(i));
                     if let Some(res) = planned {
                         r.restore_reservation(res, &[], &[], i)?;
                     }
