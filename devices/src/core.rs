@@ -636,9 +636,13 @@ impl DeviceCore {
         if self.quota_error(params, size).is_some() {
             // At its quota (or near it: a growth maps only what the free tail lacks) only the
             // pool's own memory can help: its orphans, its own cached segments or wholly free
-            // pages, never another pool's cache (`mem_pools.rs`).
+            // pages, never another pool's cache (`mem_pools.rs`). A block the policy passed
+            // over comes before any release, as where the device is full (`placement.rs`).
             let expands = self.pool_expands(params.pool);
-            if self.adopt_orphan(params) || (expands && self.alloc_block(params, false)?) {
+            if self.adopt_orphan(params)
+                || (expands && self.alloc_block(params, false)?)
+                || self.take_passed_over(params)
+            {
                 return self.finish(params, size);
             }
             self.release_own_pool(params)?;
@@ -743,7 +747,15 @@ impl DeviceCore {
                     "out of memory"
                 );
             }
-            AllocError::PoolQuota { .. } => self.stats.num_ooms += 1,
+            AllocError::PoolQuota {
+                quota, reserved, ..
+            } => {
+                self.stats.num_ooms += 1;
+                // An out-of-memory error for its user: in the history too, with the bytes the
+                // pool had left in place of the device's free bytes.
+                let left = quota.saturating_sub(*reserved);
+                self.record(TraceAction::Oom, left, size, stream.raw);
+            }
             _ => {}
         }
     }

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 
 use crate::block::{BlockId, BlockState};
 use crate::core::DeviceCore;
+use crate::mem_pools::PoolOptions;
 use crate::pool::{key, unmapped_key, PoolOwner};
-use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
+use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
 use crate::stats::StatType;
 use crate::trace::{TraceAction, TraceRing};
 
@@ -105,7 +106,26 @@ impl DeviceCore {
             .as_ref()
             .map(TraceRing::in_order)
             .unwrap_or_default();
-        DeviceSnapshot { segments, trace }
+        let pools = self
+            .private
+            .iter()
+            .filter(|(_, p)| !p.released)
+            .map(|(&id, p)| PoolInfo {
+                id,
+                name: p.usage.name.clone(),
+                named: p.named,
+                options: PoolOptions {
+                    quota: p.usage.quota,
+                    use_on_oom: p.use_on_oom,
+                    unsplit: p.unsplit.and_then(Result::ok),
+                },
+            })
+            .collect();
+        DeviceSnapshot {
+            segments,
+            trace,
+            pools,
+        }
     }
 
     /// Checks every structural invariant; returns a description of the first violation.

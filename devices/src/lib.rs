@@ -65,7 +65,7 @@ pub use sleep::{
     map_wake, release_slept_pages, wait_for_pool_streams, Leftovers, PoolState, SleepMode,
     SleepPlan, WakePlan, WokenPages,
 };
-pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, SegmentInfo};
+pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatArray, StatType};
 pub use summary::memory_summary;
 pub use trace::{Frame, Frames, TraceAction, TraceEntry};

@@ -1,6 +1,7 @@
 //! A point-in-time picture of the allocator: segments and their blocks, in the shape of
 //! PyTorch's `torch.cuda.memory._snapshot()` `segments` list.
 
+use crate::mem_pools::PoolOptions;
 use crate::trace::TraceEntry;
 
 /// State of one block, with PyTorch's names.
@@ -77,4 +78,22 @@ pub struct DeviceSnapshot {
     pub segments: Vec<SegmentInfo>,
     /// The trace ring's entries, oldest first (empty unless history is recorded).
     pub trace: Vec<TraceEntry>,
+    /// The device's private pools not yet released, by id: what a replay needs to make them
+    /// again (their segments and entries name them by id).
+    pub pools: Vec<PoolInfo>,
+}
+
+/// A private pool of a [`DeviceSnapshot`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    /// Its id (`MemPoolId`; `(0, id)` as a segment's `pool_id`).
+    pub id: u64,
+    /// Its name.
+    pub name: String,
+    /// Made by `create_named_pool` (else PyTorch's unnamed `create_pool`, whose pools take
+    /// whole segments even under `expandable_segments`).
+    pub named: bool,
+    /// Its quota, `use_on_oom` and the granularity of its unsplit blocks (where the device
+    /// has one).
+    pub options: PoolOptions,
 }

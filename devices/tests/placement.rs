@@ -338,3 +338,39 @@ fn pages_being_mapped_do_not_change_best_fit() {
         }
     }
 }
+
+/// At a named pool's quota, the tail cannot grow: the passed-over block is taken, as where
+/// the device is full, with no out-of-memory error and nothing released. (The pool's quota
+/// path went from the failed growth to releasing the pool's cache and failing with its
+/// quota error, never taking the passed-over block.)
+#[test]
+fn at_a_pools_quota_the_passed_over_block_is_taken() {
+    use gpualloc_devices::PoolOptions;
+    // The gpualloc policy's 2 MiB pages (PyTorch's 20 MiB pages would not fit the quota).
+    {
+        let policy = Policy::Gpualloc;
+        let (mut core, s) = rig(1 << 30, "expandable_segments:True", policy);
+        let kv = core.create_named_pool(
+            "kv",
+            PoolOptions {
+                quota: Some(6 * MIB),
+                ..PoolOptions::default()
+            },
+        );
+        let a = core.malloc_in(kv, 1536 * KIB, s).unwrap();
+        let b = core.malloc_in(kv, 1536 * KIB, s).unwrap();
+        let c = core.malloc_in(kv, 2560 * KIB, s).unwrap();
+        let reserved = core.reserved_bytes();
+        core.free(a.ptr).unwrap();
+        // The 1.5 MiB hole would leave 384 KiB; the tail's 512 KiB cannot hold 1.125 MiB and
+        // growing it would pass the quota.
+        let kept = core.malloc_in(kv, 1152 * KIB, s).unwrap();
+        assert_eq!(kept.ptr, a.ptr, "{policy}");
+        assert_eq!(core.reserved_bytes(), reserved, "{policy}");
+        assert_eq!(core.stats().num_ooms, 0, "{policy}");
+        for p in [b.ptr, c.ptr, kept.ptr] {
+            core.free(p).unwrap();
+        }
+        core.check_invariants().unwrap();
+    }
+}

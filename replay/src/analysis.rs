@@ -278,26 +278,36 @@ pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Res
         let pool = event_pool(e);
         match e.action {
             Action::SegmentMap => {
-                // The pool kind: a reservation of the stream held now that spans the page,
-                // else one whose span it extends, else a run of the stream's at the start that holds it, else the first
-                // block the history puts on the pages, else a segment at the end that holds
-                // them (a segment at the end may be a later reservation at the same
-                // addresses: a block on the pages is the better witness).
-                let held = |touching: bool| {
-                    open.iter()
-                        .find(|((p, s, _), (at, _))| {
-                            let r = &out[*at];
-                            *p == pool
-                                && *s == e.stream
-                                && (r.contains(e.stream, e.addr)
-                                    || (touching
-                                        && (e.addr == r.base + r.size
-                                            || e.addr + e.size == r.base)))
-                        })
-                        .map(|((_, _, small), _)| *small)
-                };
-                let small = held(false)
-                    .or_else(|| held(true))
+                // The pool kind: a reservation of the stream held now whose span holds the
+                // page; else the first block the history puts on the page (a block of at most
+                // 1 MiB is a small-pool block); else the nearest reservation of the stream
+                // held now that the page fits in with (pages mapped ahead, which no block
+                // lands on); else a run of the stream's at the start, or a segment at the end
+                // (which may be a later reservation at the same addresses), holding it.
+                // Reservations of the stream held now that the page fits in with (their span
+                // and the page within one reservation's bytes), nearest first: (distance,
+                // outside the span, kind).
+                let nearest = open
+                    .iter()
+                    .filter(|((p, st, _), _)| *p == pool && *st == e.stream)
+                    .filter_map(|((_, _, small), (at, _))| {
+                        let r = &out[*at];
+                        let (end, page_end) = (r.base + r.size, e.addr + e.size);
+                        let fits = end.max(page_end) - r.base.min(e.addr) <= full;
+                        let inside = e.addr >= r.base && e.addr < end;
+                        let distance = if page_end <= r.base {
+                            r.base - page_end
+                        } else {
+                            e.addr.saturating_sub(end)
+                        };
+                        fits.then_some((distance, !inside, *small))
+                    })
+                    .min();
+                let spanning = nearest.filter(|&(_, outside, _)| !outside);
+                let small = spanning
+                    .map(|(_, _, small)| small)
+                    .or_else(|| first_block_on(&trace.events[i + 1..], e))
+                    .or(nearest.map(|(_, _, small)| small))
                     .or_else(|| {
                         kind_holding(
                             start
@@ -306,7 +316,6 @@ pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Res
                             e,
                         )
                     })
-                    .or_else(|| first_block_on(&trace.events[i + 1..], e))
                     .or_else(|| {
                         kind_holding(
                             finals
@@ -585,6 +594,7 @@ mod tests {
             // [base, +4) and [base + 6, +12) mapped at the end.
             final_segments: Some(vec![run(base, 4 * MIB), run(base + 6 * MIB, 6 * MIB)]),
             recorded_config: None,
+            pools: Vec::new(),
         };
         let start: Vec<(u64, u64)> = start_segments(&trace)
             .unwrap()
@@ -623,6 +633,7 @@ mod tests {
             ],
             final_segments: Some(vec![seg]),
             recorded_config: None,
+            pools: Vec::new(),
         };
         let (live, unexplained) = live_at_start(&trace);
         let live: Vec<(u64, Option<u64>)> =
@@ -659,6 +670,7 @@ mod tests {
             ],
             final_segments: Some(vec![small_run]),
             recorded_config: None,
+            pools: Vec::new(),
         };
         let start = start_segments(&trace).unwrap();
         assert!(start.is_empty());
@@ -706,6 +718,7 @@ mod tests {
             ],
             final_segments: Some(Vec::new()),
             recorded_config: None,
+            pools: Vec::new(),
         };
         let plan = reservations(&trace, &[], 100 * MIB);
         let got: Vec<_> = plan

@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use gpualloc_devices::PoolInfo;
 use gpualloc_devices::{AllocatorConfig, Policy};
-use gpualloc_trace::from_allocator::POLICY_KEY;
+use gpualloc_trace::from_allocator::{recorded_pools, POLICY_KEY};
 use gpualloc_trace::pickle::Value;
 use gpualloc_trace::{Action, BlockState, SegmentType, Snapshot, TraceEntry};
 
@@ -59,6 +60,10 @@ pub struct Trace {
     /// wrote beside it (`gpualloc_trace::from_allocator::POLICY_KEY`). None when absent or
     /// not in a syntax the replay knows.
     pub recorded_config: Option<AllocatorConfig>,
+    /// The device's private pools as gpualloc recorded them (`allocator_settings`'
+    /// `gpualloc_pools`): a replay makes each with its rules (quota, `use_on_oom`, unsplit
+    /// blocks). Empty for other recordings.
+    pub pools: Vec<PoolInfo>,
 }
 
 /// The config a snapshot's `allocator_settings` record (see [`Trace::recorded_config`]).
@@ -149,6 +154,7 @@ pub fn from_bytes(name: &str, bytes: &[u8]) -> Result<Vec<Trace>, ReplayError> {
         events,
         final_segments: None,
         recorded_config: None,
+        pools: Vec::new(),
     }])
 }
 
@@ -206,6 +212,11 @@ pub fn from_snapshot(name: &str, mut snap: Snapshot) -> Vec<Trace> {
                     .unwrap_or_default(),
                 final_segments: Some(segments),
                 recorded_config: recorded.clone(),
+                pools: snap
+                    .allocator_settings
+                    .as_ref()
+                    .map(|s| recorded_pools(s, d as i64))
+                    .unwrap_or_default(),
             }
         })
         .collect()

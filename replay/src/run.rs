@@ -40,7 +40,8 @@ use std::time::Instant;
 use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, Allocation, AllocatorConfig,
-    DeviceCore, MemPoolId, Policy, PoolOptions, PoolState, RestorePool, RestoredBlock, SleepMode,
+    DeviceCore, MemPoolId, Policy, PoolInfo, PoolOptions, PoolState, RestorePool, RestoredBlock,
+    SleepMode,
 };
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::addr_map::AddrMap;
@@ -138,20 +139,26 @@ struct Replayer {
     warnings: u64,
     /// The history's private pools (`segment_pool_id`) → the replay's named pools.
     pools: HashMap<PoolKey, MemPoolId>,
+    /// The private pools the recording describes (`Trace::pools`).
+    recorded_pools: Vec<PoolInfo>,
 }
 
 impl Replayer {
     /// The replay's pool for the history's pool `id`, made at its first use (`None`: the
-    /// default pools). A named pool, as gpualloc's are (under `expandable_segments` it grows
-    /// expandable segments of its own), without a quota: the history shows what a quota
-    /// made the live pool release (`segment_unmap`, `segment_free`), and the replay follows.
+    /// default pools): as the recording describes it (`Trace::pools`: its name, quota,
+    /// `use_on_oom`, unsplit blocks, and whether it was a named pool or PyTorch's unnamed
+    /// kind), else a named pool without a quota, as gpualloc's are.
     fn pool(&mut self, id: PoolKey) -> Option<MemPoolId> {
         if id == DEFAULT_POOL {
             return None;
         }
-        let core = &mut self.core;
+        let (core, recorded) = (&mut self.core, &self.recorded_pools);
         Some(*self.pools.entry(id).or_insert_with(|| {
-            core.create_named_pool(&format!("pool {id:?}"), PoolOptions::default())
+            match recorded.iter().find(|p| (0, p.id as i64) == id) {
+                Some(p) if !p.named => core.create_pool(p.options.use_on_oom),
+                Some(p) => core.create_named_pool(&p.name, p.options.clone()),
+                None => core.create_named_pool(&format!("pool {id:?}"), PoolOptions::default()),
+            }
         }))
     }
 
@@ -360,6 +367,7 @@ pub fn replay_core(
         next_private: 0,
         warnings: 0,
         pools: HashMap::new(),
+        recorded_pools: trace.pools.clone(),
     };
     let (initial, unexplained) = live_at_start(trace);
     // Warm, expandable history: the reservations to make (see `analysis::reservations`).

@@ -416,7 +416,13 @@ mod off_the_core {
         ] {
             let (backend, mut core, s) = rig(conf);
             let weights = core.create_named_pool("weights", PoolOptions::default());
-            let kv = core.create_named_pool("kv_cache", PoolOptions::default());
+            let kv = core.create_named_pool(
+                "kv_cache",
+                PoolOptions {
+                    quota: Some(64 * MIB),
+                    ..PoolOptions::default()
+                },
+            );
             let held: Vec<_> = (0..4u64)
                 .map(|i| core.malloc_in(weights, 6 * MIB + i * 4097, s).unwrap().ptr)
                 .collect();
@@ -436,8 +442,11 @@ mod off_the_core {
                 } else {
                     core.malloc(size, s)
                 };
-                live.push(a.unwrap().ptr);
-                if live.len() > 10 || rng % 3 == 0 {
+                // Past the quota: the pool's request fails.
+                if let Ok(a) = a {
+                    live.push(a.ptr);
+                }
+                if !live.is_empty() && (live.len() > 10 || rng % 3 == 0) {
                     let k = (rng as usize / 3) % live.len();
                     core.free(live.swap_remove(k)).unwrap();
                 }
@@ -477,9 +486,13 @@ mod off_the_core {
                 sample_every: 1,
                 ..ReplayOptions::default()
             };
+            // The pools come with their rules; the kv_cache pool reached its quota.
+            let kv_quota: Vec<_> = traces[0].pools.iter().map(|p| p.options.quota).collect();
+            assert_eq!(kv_quota, [None, Some(64 * MIB)], "[{conf}]");
+            assert!(traces[0].count(gpualloc_trace::Action::Oom) > 0, "[{conf}]");
             let report = replay(&traces[0], &options).unwrap();
             let (matched, compared) = report.address_match.unwrap();
-            assert!(compared >= 300, "[{conf}] {compared}");
+            assert!(compared >= 290, "[{conf}] {compared}");
             assert_eq!(matched, compared, "[{conf}]");
             assert_eq!(report.warnings, 0, "[{conf}]");
             // Reserved memory as it was live at every request: the sleep released the pool's
@@ -500,6 +513,52 @@ mod off_the_core {
             for p in live.into_iter().chain(held) {
                 core.free(p).unwrap();
             }
+        }
+    }
+
+    /// A pool's quota is part of the recording (`allocator_settings`' `gpualloc_pools`): at
+    /// the quota the tail cannot grow, so the request takes the block the policy passed over
+    /// (`placement.rs`); a replay without the quota grows the tail instead (the one
+    /// mismatch of 30,000 in a `serve --pools` history).
+    #[test]
+    fn a_pools_quota_comes_with_the_history() {
+        use gpualloc_devices::PoolOptions;
+        let conf = "expandable_segments:True";
+        let (_backend, mut core, s) = rig(conf);
+        let kv = core.create_named_pool(
+            "kv",
+            PoolOptions {
+                quota: Some(6 * MIB),
+                ..PoolOptions::default()
+            },
+        );
+        core.record_history(Some(100));
+        let a = core.malloc_in(kv, 1536 << 10, s).unwrap();
+        let b = core.malloc_in(kv, 1536 << 10, s).unwrap();
+        let c = core.malloc_in(kv, 2560 << 10, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let kept = core.malloc_in(kv, 1152 << 10, s).unwrap();
+        assert_eq!(kept.ptr, a.ptr, "live: the passed-over block, at the quota");
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
+        let mut traces = from_bytes("own.pickle", &bytes).unwrap();
+        let options = ReplayOptions {
+            warm: true,
+            config,
+            capacity: Some(CAPACITY),
+            ..ReplayOptions::default()
+        };
+        assert_eq!(
+            replay(&traces[0], &options).unwrap().address_match,
+            Some((4, 4))
+        );
+        traces[0].pools.clear();
+        assert_eq!(
+            replay(&traces[0], &options).unwrap().address_match,
+            Some((3, 4))
+        );
+        for p in [b.ptr, c.ptr, kept.ptr] {
+            core.free(p).unwrap();
         }
     }
 }

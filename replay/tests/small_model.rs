@@ -116,6 +116,7 @@ fn minilm_inference() -> Trace {
         events: r.events,
         final_segments: None,
         recorded_config: None,
+        pools: Vec::new(),
     }
 }
 

@@ -10,7 +10,9 @@ use crate::pickle::Value;
 use crate::{
     Action, Block, BlockState, Frame, Segment, SegmentType, Snapshot, TraceEntry, TraceError,
 };
-use gpualloc_devices::{AllocatorConfig, BlockStateName, DeviceSnapshot, TraceAction};
+use gpualloc_devices::{
+    AllocatorConfig, BlockStateName, DeviceSnapshot, PoolInfo, PoolOptions, TraceAction,
+};
 
 fn action(a: TraceAction) -> Action {
     match a {
@@ -41,6 +43,78 @@ fn frames(frames: Option<&[gpualloc_devices::Frame]>) -> Vec<Frame> {
 
 /// The `allocator_settings` key naming the policy of a snapshot gpualloc wrote.
 pub const POLICY_KEY: &str = "gpualloc_policy";
+
+/// The `allocator_settings` key listing the private pools of the devices (gpualloc's own, as
+/// [`POLICY_KEY`]): one dict per pool with its `device`, `id`, `name`, `named`, `quota`,
+/// `use_on_oom` and `unsplit` (-1 for none), so a replay makes the pools the history's
+/// `segment_pool_id`s name with the rules they had.
+pub const POOLS_KEY: &str = "gpualloc_pools";
+
+fn pools_value(devices: &[DeviceSnapshot]) -> Value {
+    let int = |v: Option<u64>| Value::Int(v.and_then(|v| i64::try_from(v).ok()).unwrap_or(-1));
+    let pools = devices.iter().enumerate().flat_map(|(d, snap)| {
+        snap.pools.iter().map(move |p| {
+            Value::str_dict([
+                ("device", Value::Int(d as i64)),
+                ("id", int(Some(p.id))),
+                ("name", Value::Str(p.name.clone())),
+                ("named", Value::Bool(p.named)),
+                ("quota", int(p.options.quota)),
+                ("use_on_oom", Value::Bool(p.options.use_on_oom)),
+                ("unsplit", int(p.options.unsplit)),
+            ])
+        })
+    });
+    Value::List(pools.collect())
+}
+
+/// The pools [`POOLS_KEY`] lists for device `device` (none where the key is absent; an
+/// entry not in the shape written is skipped).
+pub fn recorded_pools(settings: &BTreeMap<String, Value>, device: i64) -> Vec<PoolInfo> {
+    let Some(Value::List(pools)) = settings.get(POOLS_KEY) else {
+        return Vec::new();
+    };
+    let field = |items: &[(Value, Value)], key: &str| {
+        items
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(key))
+            .map(|(_, v)| v.clone())
+    };
+    let bytes = |v: Option<Value>| match v {
+        Some(Value::Int(n)) if n >= 0 => Some(Some(n as u64)),
+        Some(Value::Int(-1)) => Some(None),
+        _ => None,
+    };
+    pools
+        .iter()
+        .filter_map(|p| {
+            let Value::Dict(items) = p else {
+                return None;
+            };
+            let Some(Value::Int(d)) = field(items, "device") else {
+                return None;
+            };
+            let (Some(Value::Str(name)), Some(Value::Bool(named)), Some(Value::Bool(use_on_oom))) = (
+                field(items, "name"),
+                field(items, "named"),
+                field(items, "use_on_oom"),
+            ) else {
+                return None;
+            };
+            let info = PoolInfo {
+                id: bytes(field(items, "id"))??,
+                name,
+                named,
+                options: PoolOptions {
+                    quota: bytes(field(items, "quota"))?,
+                    use_on_oom,
+                    unsplit: bytes(field(items, "unsplit"))?,
+                },
+            };
+            (d == device).then_some(info)
+        })
+        .collect()
+}
 
 /// PyTorch's `allocator_settings` dict for `config`, and [`POLICY_KEY`].
 fn settings(config: &AllocatorConfig) -> BTreeMap<String, Value> {
@@ -143,10 +217,14 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                 .collect(),
         );
     }
+    let mut settings = settings(config);
+    if devices.iter().any(|d| !d.pools.is_empty()) {
+        settings.insert(POOLS_KEY.to_string(), pools_value(devices));
+    }
     Snapshot {
         segments,
         device_traces,
-        allocator_settings: Some(settings(config)),
+        allocator_settings: Some(settings),
         external_annotations: None,
     }
 }
@@ -157,4 +235,57 @@ pub fn to_pickle(
     config: &AllocatorConfig,
 ) -> Result<Vec<u8>, TraceError> {
     to_snapshot(devices, config).to_pickle()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(id: u64, quota: Option<u64>, named: bool) -> PoolInfo {
+        PoolInfo {
+            id,
+            name: format!("p{id}"),
+            named,
+            options: PoolOptions {
+                quota,
+                use_on_oom: !named,
+                unsplit: quota.map(|_| 2 << 20),
+            },
+        }
+    }
+
+    /// The pools of each device are written into `allocator_settings` and read back per
+    /// device through a pickle; a snapshot without pools has no such key; an entry of
+    /// another shape is skipped.
+    #[test]
+    fn pools_are_recorded_per_device_and_read_back() {
+        let config = AllocatorConfig::default();
+        let devices = [
+            DeviceSnapshot {
+                pools: vec![pool(1, None, true), pool(2, Some(64 << 20), true)],
+                ..DeviceSnapshot::default()
+            },
+            DeviceSnapshot {
+                pools: vec![pool(1, Some(1 << 30), false)],
+                ..DeviceSnapshot::default()
+            },
+        ];
+        let bytes = to_pickle(&devices, &config).unwrap();
+        let mut settings = Snapshot::from_pickle(&bytes)
+            .unwrap()
+            .allocator_settings
+            .unwrap();
+        assert_eq!(recorded_pools(&settings, 0), devices[0].pools);
+        assert_eq!(recorded_pools(&settings, 1), devices[1].pools);
+        assert_eq!(recorded_pools(&settings, 2), []);
+        if let Some(Value::List(list)) = settings.get_mut(POOLS_KEY) {
+            list.push(Value::Int(3));
+            if let Value::Dict(items) = &mut list[0] {
+                items.retain(|(k, _)| k.as_str() != Some("named"));
+            }
+        }
+        assert_eq!(recorded_pools(&settings, 0), devices[0].pools[1..]);
+        let none = to_snapshot(&[DeviceSnapshot::default()], &config);
+        assert!(!none.allocator_settings.unwrap().contains_key(POOLS_KEY));
+    }
 }
