@@ -559,3 +559,53 @@ fn history_entries_name_the_pool_of_their_block_or_segment() {
         assert_ne!(kv.0, 0);
     }
 }
+
+/// At a named pool's quota, a growth that maps only what the free tail lacks, and fits, comes
+/// before releasing the pool's cache: a wholly free page of the pool stays mapped.
+#[test]
+fn at_the_quota_a_growth_that_fits_comes_before_a_release() {
+    // The gpualloc policy's 2 MiB pages.
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv", quota(8 * MIB));
+    let x = core.malloc_in(kv, 2 * MIB, s).unwrap();
+    let a = core.malloc_in(kv, 3584 << 10, s).unwrap();
+    assert_eq!(a.ptr.0, x.ptr.0 + 2 * MIB);
+    core.free(x.ptr).unwrap();
+    assert_eq!(core.reserved_bytes(), 6 * MIB);
+    // 2.5 MiB: counted as new memory it would pass the quota (6 + 2.5 > 8), but the tail's
+    // 512 KiB plus one more page holds it.
+    let b = core.malloc_in(kv, 2560 << 10, s).unwrap();
+    assert_eq!(b.ptr.0, a.ptr.0 + (3584 << 10));
+    assert_eq!(core.reserved_bytes(), 8 * MIB, "x's page was not released");
+    core.check_invariants().unwrap();
+}
+
+/// A snapshot lists the private pools not released, with their rules (a replay makes them
+/// again from it); a pool's own snapshot lists that pool only.
+#[test]
+fn snapshots_list_the_pools_with_their_rules() {
+    use gpualloc_devices::PoolInfo;
+    let (_, mut core, _) = rig(1 << 30, "expandable_segments:True");
+    let kv = core.create_named_pool("kv", quota(64 * MIB));
+    let unnamed = core.create_pool(true);
+    let gone = core.create_named_pool("gone", PoolOptions::default());
+    core.release_pool(gone).unwrap();
+    let info = |id: MemPoolId, name: &str, named: bool, options: PoolOptions| PoolInfo {
+        id: id.0,
+        name: name.to_string(),
+        named,
+        options,
+    };
+    let kv_info = info(kv, "kv", true, quota(64 * MIB));
+    let unnamed_info = info(
+        unnamed,
+        &format!("pool {}", unnamed.0),
+        false,
+        PoolOptions {
+            use_on_oom: true,
+            ..PoolOptions::default()
+        },
+    );
+    assert_eq!(core.snapshot().pools, [kv_info.clone(), unnamed_info]);
+    assert_eq!(core.pool_snapshot(kv).unwrap().pools, [kv_info]);
+}
