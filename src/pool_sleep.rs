@@ -23,13 +23,16 @@
 //!   and wake again.
 //! - Dropping a `sleep()` or `wake()` future does not stop it: once begun it runs to its end
 //!   on the allocator's runtime (asleep, awake, or rolled back), so the pool is never left
-//!   half asleep. Calls on the same pool and device run one at a time.
+//!   half asleep. One dropped before it began (its first step under the device's gate) never
+//!   begins: the pool stays as the caller last saw it. Calls on the same pool and device run
+//!   one at a time.
 //! - A backend that panics during a sleep's or a wake's copies (a custom backend's bug) rolls
 //!   it back as a failed copy does, with a `BackendError::Unavailable` error (`guarded`).
 //! - A pool dropped while asleep drops its host copy; its address ranges stay reserved until
 //!   the allocator shuts down.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,8 +95,9 @@ impl Pool {
         let (actor, id, slot) = self.sleep_parts(device)?;
         let host = self.allocator().host();
         let runtime = actor.runtime.clone();
+        let dropped = Dropped::default();
         runtime
-            .spawn(sleep_task(actor, id, mode, host, slot))
+            .spawn(sleep_task(actor, id, mode, host, slot, dropped.flag()))
             .await
             .map_err(|e| Error::Internal(format!("sleep task failed: {e}")))?
     }
@@ -102,8 +106,9 @@ impl Pool {
     pub async fn wake_on(&self, device: DeviceId) -> Result<(), Error> {
         let (actor, id, slot) = self.sleep_parts(device)?;
         let runtime = actor.runtime.clone();
+        let dropped = Dropped::default();
         runtime
-            .spawn(wake_task(actor, id, slot))
+            .spawn(wake_task(actor, id, slot, dropped.flag()))
             .await
             .map_err(|e| Error::Internal(format!("wake task failed: {e}")))?
     }
@@ -119,19 +124,46 @@ impl Pool {
     }
 }
 
+/// Set when the future that spawned a sleep's or a wake's task is dropped (or done): a task
+/// that has not begun by then does nothing. The task looks under the device's gate, in the
+/// step that begins it, so a caller that dropped the future and then asked the pool's state
+/// (through the gate too) never sees it begin afterwards.
+#[derive(Debug, Default)]
+struct Dropped(Arc<AtomicBool>);
+
+impl Dropped {
+    fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+impl Drop for Dropped {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
 async fn sleep_task(
     actor: Arc<DeviceActor>,
     id: MemPoolId,
     mode: SleepMode,
     host: HostAllocator,
     slot: HostSlot,
+    dropped: Arc<AtomicBool>,
 ) -> Result<(), Error> {
     let mut held = slot.lock_owned().await;
     let plan = loop {
-        match actor.call(move |st| st.core.begin_sleep(id, mode)).await? {
-            Ok(plan) => break plan,
-            Err(AllocError::PoolBusy { .. }) => tokio::time::sleep(BUSY_RETRY).await,
-            Err(e) => return Err(e.into()),
+        let dropped = dropped.clone();
+        let begun = actor
+            .call(move |st| {
+                (!dropped.load(Ordering::Acquire)).then(|| st.core.begin_sleep(id, mode))
+            })
+            .await?;
+        match begun {
+            None => return Ok(()),
+            Some(Ok(plan)) => break plan,
+            Some(Err(AllocError::PoolBusy { .. })) => tokio::time::sleep(BUSY_RETRY).await,
+            Some(Err(e)) => return Err(e.into()),
         }
     };
     let total: u64 = plan.copies().iter().map(|c| c.1).sum();
@@ -184,9 +216,17 @@ async fn sleep_task(
     Ok(())
 }
 
-async fn wake_task(actor: Arc<DeviceActor>, id: MemPoolId, slot: HostSlot) -> Result<(), Error> {
+async fn wake_task(
+    actor: Arc<DeviceActor>,
+    id: MemPoolId,
+    slot: HostSlot,
+    dropped: Arc<AtomicBool>,
+) -> Result<(), Error> {
     let mut held = slot.lock_owned().await;
-    let Some(plan) = actor.call(move |st| st.core.begin_wake(id)).await?? else {
+    let begun = actor
+        .call(move |st| (!dropped.load(Ordering::Acquire)).then(|| st.core.begin_wake(id)))
+        .await?;
+    let Some(Some(plan)) = begun.transpose()? else {
         return Ok(());
     };
     let backend = actor.backend.clone();

@@ -267,6 +267,47 @@ async fn dropped_sleep_and_wake_futures_leave_a_consistent_pool() {
     alloc.shutdown().await.unwrap();
 }
 
+/// Polls `fut` once and drops it, without yielding to the runtime in between.
+async fn poll_once_then_drop<F: std::future::Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| {
+        let _ = fut.as_mut().poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await;
+}
+
+/// A sleep or wake future dropped before its work began does nothing, ever: its task was
+/// spawned at the first poll, but the pool stays as it was. (Before, the task began later,
+/// at any time: the pool fell asleep under a user who had dropped the sleep and seen the
+/// pool awake, and reads of its buffers failed, as `dropped_sleep_and_wake_futures_...`
+/// did once in a loaded run.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_sleep_or_wake_dropped_before_it_began_never_happens() {
+    let alloc = build(sim(1 << 30), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let b = kv.malloc(3 * MIB, &s).await.unwrap();
+    write(&alloc, &s, &b, 7);
+    for _ in 0..3 {
+        // Polled once (the task is spawned), then dropped before the task runs.
+        poll_once_then_drop(kv.sleep(SleepMode::Offload)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+        assert!(holds(&alloc, &s, &b, 7));
+    }
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    for _ in 0..3 {
+        poll_once_then_drop(kv.wake()).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Asleep);
+    }
+    kv.wake().await.unwrap();
+    assert!(holds(&alloc, &s, &b, 7));
+    drop(b);
+    alloc.shutdown().await.unwrap();
+}
+
 /// Hits of another pool keep flowing while a pool of 256 MiB sleeps and wakes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_pools_serve_during_a_sleep_and_a_wake() {
