@@ -96,6 +96,7 @@ mod tests {
             time_us: 0,
             frames: None,
             pool: 0,
+            passed_over: false,
         }
     }
 

@@ -382,6 +382,7 @@ impl DeviceCore {
                             Some(PoolOwner::Private(id)) => id,
                             _ => 0,
                         },
+                        passed_over: false,
                     },
                 );
             }
@@ -390,6 +391,17 @@ impl DeviceCore {
             self.live_frames.remove(&addr);
         }
         self.announce(action, addr, size, stream);
+    }
+
+    /// Marks the `alloc` entry just recorded for `addr` as served by a passed-over block.
+    fn mark_passed_over(&mut self, addr: u64) {
+        if let Some(ring) = &mut self.trace {
+            if let Some(e) =
+                ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
+            {
+                e.passed_over = true;
+            }
+        }
     }
 
     pub(crate) fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {
@@ -685,7 +697,16 @@ impl DeviceCore {
 
     fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
         match params.block {
-            Some(id) => Ok(self.alloc_found_block(id, params.size, size)),
+            Some(id) => {
+                // A block the policy passes over, taken because the segment could not grow:
+                // the history says so (`TraceEntry::passed_over`).
+                let passed_over = params.any_fit && self.passes_over(id, params);
+                let a = self.alloc_found_block(id, params.size, size);
+                if passed_over {
+                    self.mark_passed_over(a.ptr.0);
+                }
+                Ok(a)
+            }
             None => Err(AllocError::InvalidSize {
                 size,
                 reason: "no block found (internal)",

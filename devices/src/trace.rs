@@ -81,6 +81,12 @@ pub struct TraceEntry {
     /// segment entry; 0 for the device's default pools and for other actions. (PyTorch's
     /// entries have no pool; a replay needs it to put a pool's requests in that pool.)
     pub pool: u64,
+    /// An `alloc` served by a block the policy passes over for a segment's tail (best fit
+    /// with any remainder, `placement.rs`), because the segment could not grow then: the
+    /// device or a cap was full, or the pages it needed were being mapped for another
+    /// request. The history shows the request after those pages landed; a replay serves it
+    /// the same way. (gpualloc's own: PyTorch has no such rule.)
+    pub passed_over: bool,
 }
 
 /// Bounded history; the oldest entries fall off.
@@ -194,6 +200,7 @@ mod tests {
                 TraceEntry {
                     frames: None,
                     pool: 0,
+                    passed_over: false,
                     action: TraceAction::Alloc,
                     addr: i,
                     size: 1,
@@ -214,6 +221,7 @@ mod tests {
         let entry = |addr| TraceEntry {
             frames: None,
             pool: 0,
+            passed_over: false,
             action: TraceAction::Alloc,
             addr,
             size: 1,

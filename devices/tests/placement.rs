@@ -374,3 +374,51 @@ fn at_a_pools_quota_the_passed_over_block_is_taken() {
         core.check_invariants().unwrap();
     }
 }
+
+/// The history marks an allocation served by a block the policy passed over (because the
+/// segment could not grow) and no other: not one served by best fit, nor one served with
+/// any remainder from a block that is not passed over (ordinary segments, the last step of
+/// a miss).
+#[test]
+fn only_an_allocation_of_a_passed_over_block_is_marked_in_the_history() {
+    use gpualloc_devices::{PoolOptions, TraceAction};
+    let marks = |core: &DeviceCore| -> Vec<bool> {
+        core.snapshot()
+            .trace
+            .iter()
+            .filter(|e| e.action == TraceAction::Alloc)
+            .map(|e| e.passed_over)
+            .collect()
+    };
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    core.record_history(Some(100));
+    let kv = core.create_named_pool(
+        "kv",
+        PoolOptions {
+            quota: Some(6 * MIB),
+            ..PoolOptions::default()
+        },
+    );
+    let a = core.malloc_in(kv, 1536 * KIB, s).unwrap();
+    let b = core.malloc_in(kv, 1536 * KIB, s).unwrap();
+    let c = core.malloc_in(kv, 2560 * KIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let kept = core.malloc_in(kv, 1152 * KIB, s).unwrap();
+    assert_eq!(kept.ptr, a.ptr);
+    assert_eq!(marks(&core), [false, false, false, true]);
+    for p in [b.ptr, c.ptr, kept.ptr] {
+        core.free(p).unwrap();
+    }
+
+    let (mut core, s) = rig(1 << 30, "expandable_segments:False", Policy::Gpualloc);
+    core.record_history(Some(100));
+    let whole = core.malloc(20 * MIB, s).unwrap();
+    let CachedOutcome::Miss(request) = core.try_cached(8 * MIB, s).unwrap() else {
+        panic!("expected a miss");
+    };
+    core.free(whole.ptr).unwrap();
+    let last_step = core.malloc_without_device(request).unwrap();
+    assert_eq!(last_step.ptr, whole.ptr);
+    assert_eq!(marks(&core), [false, false]);
+    core.free(last_step.ptr).unwrap();
+}

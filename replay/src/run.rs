@@ -175,6 +175,22 @@ impl Replayer {
         }
     }
 
+    /// A malloc the history shows served by a block the policy passes over (its segment
+    /// could not grow right then: `TraceEntry::passed_over`): best fit with any remainder
+    /// first, as the live request's last step was; a miss as usual if nothing fits.
+    fn malloc_passed_over(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
+        let request = self.core.segment_request_in(pool, size, stream)?;
+        match self.core.malloc_passed_over(request) {
+            Ok(a) => Ok(a),
+            Err(request) => self.core.malloc_after_miss(request),
+        }
+    }
+
     /// A pool's sleep, shown in the history as a `segment_unmap` of pages its live blocks are
     /// on (`gpualloc_devices` `sleep.rs`: every page of the pool goes at once, its blocks
     /// stay allocated). The replay's events complete as the sleep waits for them.
@@ -525,6 +541,8 @@ pub fn replay_core(
                 }
                 let result = if options.warm && served_by_new_segment(trace, i) {
                     r.malloc_new_segment(pool, e.size, stream)
+                } else if options.warm && e.passed_over {
+                    r.malloc_passed_over(pool, e.size, stream)
                 } else {
                     r.malloc_in(pool, e.size, stream)
                 };

@@ -317,6 +317,7 @@ mod off_the_core {
                 time_us: 0,
                 frames: None,
                 pool: 0,
+                passed_over: false,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)
         };
@@ -548,6 +549,12 @@ mod off_the_core {
             capacity: Some(CAPACITY),
             ..ReplayOptions::default()
         };
+        // The entry says the block was passed over (the replay would serve it so from that
+        // alone): without it, the quota decides.
+        assert!(traces[0].events.iter().any(|e| e.passed_over));
+        for e in &mut traces[0].events {
+            e.passed_over = false;
+        }
         assert_eq!(
             replay(&traces[0], &options).unwrap().address_match,
             Some((4, 4))
@@ -558,6 +565,78 @@ mod off_the_core {
             Some((3, 4))
         );
         for p in [b.ptr, c.ptr, kept.ptr] {
+            core.free(p).unwrap();
+        }
+    }
+
+    /// A request that looked while another request's pages were being mapped at the tail it
+    /// would grow: its segment could not grow then, and it took the block the policy had
+    /// passed over (dead remainder). The history shows it after those pages landed, where a
+    /// replay would grow the tail; the entry says it was served by the passed-over block
+    /// (`gpualloc_passed_over`), and the replay serves it so. (The one to four allocations of
+    /// 30,000 the `serve` histories with garbage collection put elsewhere.)
+    #[test]
+    fn a_request_that_took_a_passed_over_block_replays_the_same() {
+        // A 7 MiB cap (7/1024 of the 1 GiB device): the pages in flight count against it.
+        let conf = "expandable_segments:True,per_process_memory_fraction:0.0068359375";
+        let (backend, mut core, s) = rig(conf);
+        core.record_history(Some(100));
+        // A 1.5 MiB hole at the base, 1 MiB free at the tail of the 4 MiB mapped.
+        let a = core.malloc(1536 << 10, s).unwrap();
+        let b = core.malloc(1536 << 10, s).unwrap();
+        core.free(a.ptr).unwrap();
+        // Another request's pages, in flight past the tail.
+        let CachedOutcome::Miss(first) = core.try_cached(3 * MIB, s).unwrap() else {
+            panic!("expected a miss");
+        };
+        let Growth::Map(plan) = core.plan_growth(&first).unwrap() else {
+            panic!("expected a growth");
+        };
+        // 1.125 MiB: the hole would leave 384 KiB; the tail cannot grow now (4 MiB mapped, 2
+        // being mapped, 2 more would pass the cap). Once the pages land it could.
+        let CachedOutcome::Miss(second) = core.try_cached(1152 << 10, s).unwrap() else {
+            panic!("expected a miss");
+        };
+        assert!(matches!(
+            core.plan_growth(&second).unwrap(),
+            Growth::InPlace
+        ));
+        let Ok(took) = core.malloc_passed_over(second) else {
+            panic!("the passed-over hole serves it");
+        };
+        assert_eq!(took.ptr, a.ptr, "live: the passed-over hole");
+        let mapped = map_growth(backend.as_ref(), &plan).unwrap();
+        core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
+        let CachedOutcome::Hit(c) = core.retry_cached(&first).unwrap() else {
+            panic!("the new pages serve it");
+        };
+        let passed: Vec<bool> = core
+            .snapshot()
+            .trace
+            .iter()
+            .filter(|e| e.action == gpualloc_devices::TraceAction::Alloc)
+            .map(|e| e.passed_over)
+            .collect();
+        assert_eq!(passed, [false, false, true, false]);
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
+        let mut traces = from_bytes("own.pickle", &bytes).unwrap();
+        let options = ReplayOptions {
+            warm: true,
+            config,
+            capacity: Some(CAPACITY),
+            ..ReplayOptions::default()
+        };
+        assert_eq!(
+            replay(&traces[0], &options).unwrap().address_match,
+            Some((4, 4))
+        );
+        for e in &mut traces[0].events {
+            e.passed_over = false;
+        }
+        let (matched, compared) = replay(&traces[0], &options).unwrap().address_match.unwrap();
+        assert!(matched < compared, "{matched}/{compared}");
+        for p in [b.ptr, took.ptr, c.ptr] {
             core.free(p).unwrap();
         }
     }

@@ -203,6 +203,7 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         frames: rec.frames.clone(),
         // The thread cache holds blocks of the default pools only.
         pool: 0,
+        passed_over: false,
     };
     (seq, entry)
 }

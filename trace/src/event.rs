@@ -127,6 +127,10 @@ pub struct TraceEntry {
     /// own: PyTorch's events have none, and its readers ignore it). `None`: the default
     /// pools, or not recorded.
     pub pool_id: Option<(i64, i64)>,
+    /// gpualloc's `alloc` served by a block its policy passes over, because the segment
+    /// could not grow then (`gpualloc_devices::TraceEntry::passed_over`): written as
+    /// `gpualloc_passed_over: True`, only where set.
+    pub passed_over: bool,
 }
 
 impl TraceEntry {
@@ -141,6 +145,7 @@ impl TraceEntry {
             device_free: None,
             frames: Vec::new(),
             pool_id: None,
+            passed_over: false,
         }
     }
 }

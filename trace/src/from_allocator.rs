@@ -209,6 +209,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                     if e.pool != 0 {
                         t.pool_id = Some((0, e.pool as i64));
                     }
+                    t.passed_over = e.passed_over;
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);
                     }

@@ -261,6 +261,7 @@ fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
         device_free,
         frames,
         pool_id: None,
+        passed_over: false,
     })
 }
 

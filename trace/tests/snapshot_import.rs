@@ -386,8 +386,9 @@ fn shared_frame_lists_cannot_blow_up_memory() {
     }
 }
 
-/// gpualloc's events in a private pool carry its `segment_pool_id` (a key of its own,
-/// which PyTorch's readers ignore): read, written back, and absent where the event has none.
+/// gpualloc's events in a private pool carry its `segment_pool_id`, and an `alloc` served by
+/// a passed-over block `gpualloc_passed_over` (keys of its own, which PyTorch's readers
+/// ignore): read, written back, and absent where the event has none.
 #[test]
 fn an_events_pool_id_reads_and_writes_back() {
     let mut v = modern();
@@ -397,12 +398,15 @@ fn an_events_pool_id_reads_and_writes_back() {
             s("segment_pool_id"),
             Value::Tuple(vec![Value::Int(0), Value::Int(3)]),
         ));
+        items.push((s("gpualloc_passed_over"), Value::Bool(true)));
     }
     set(&mut v, &["device_traces", "0", "1"], Some(alloc));
     let snap = load(&v).unwrap();
     let trace = &snap.device_traces[0];
     assert_eq!(trace[1].pool_id, Some((0, 3)));
     assert_eq!(trace[0].pool_id, None);
+    assert!(trace[1].passed_over);
+    assert!(!trace[0].passed_over);
     let again = Snapshot::from_pickle(&snap.to_pickle().unwrap()).unwrap();
     assert_eq!(again, snap);
     // A pool id that is not a pair is named.

@@ -143,6 +143,9 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
         items.push(("time_us", Value::Int(t)));
     }
     items.push(("frames", frames_value(&e.frames)));
+    if e.passed_over {
+        items.push(("gpualloc_passed_over", Value::Bool(true)));
+    }
     if let Some((a, b)) = e.pool_id {
         items.push((
             "segment_pool_id",

@@ -258,6 +258,10 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
     };
     let frames = doc.frames(items, path)?;
     let pool_id = pool_id(doc, items, path)?;
+    let passed_over = match doc.field(items, "gpualloc_passed_over") {
+        Some(v) => doc.bool(v, &path.key("gpualloc_passed_over"))?,
+        None => false,
+    };
     Ok(TraceEntry {
         action,
         addr,
@@ -267,6 +271,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         device_free,
         frames,
         pool_id,
+        passed_over,
     })
 }
 
