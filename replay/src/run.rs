@@ -206,21 +206,29 @@ impl Replayer {
     }
 
     /// A sleeping pool's wake, shown as the `segment_map`s of its pages: the first wakes it
-    /// (every page at once), the rest find their pages mapped.
-    fn wake(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
-        let Some(plan) = self.core.begin_wake(pool)? else {
-            return Ok(());
+    /// (every page at once), the rest find their pages mapped. `Ok(false)`: no room for its
+    /// pages (the device or the memory-fraction cap is full); it stays asleep.
+    fn wake(&mut self, pool: MemPoolId) -> Result<bool, AllocError> {
+        let plan = match self.core.begin_wake(pool) {
+            Ok(Some(plan)) => plan,
+            Ok(None) => return Ok(true),
+            Err(e) if e.is_oom() => return Ok(false),
+            Err(e) => return Err(e),
         };
         match map_wake(self.backend.as_ref(), &plan) {
             Ok(woken) => {
                 self.core
                     .finish_wake(plan, woken)
                     .release(self.backend.as_ref());
-                Ok(())
+                Ok(true)
             }
             Err(e) => {
                 self.core.abort_wake(plan).release(self.backend.as_ref());
-                Err(e.into())
+                if e.is_oom() {
+                    Ok(false)
+                } else {
+                    Err(e.into())
+                }
             }
         }
     }
@@ -229,6 +237,7 @@ impl Replayer {
     fn live_in(&self, addr: u64, len: u64) -> bool {
         self.addrs.keys().any(|&a| a >= addr && a - addr < len)
     }
+
     fn stream(&mut self, raw: u64) -> StreamHandle {
         if let Some(s) = self.streams.get(&raw) {
             return *s;
@@ -476,11 +485,17 @@ pub fn replay_core(
             Action::SegmentMap if options.warm => {
                 // A sleeping pool's first page back is its wake (which maps every page it
                 // had: the `segment_map`s after it, and this one's own map below, find their
-                // pages mapped and change nothing).
+                // pages mapped and change nothing). A replay holding more memory than the
+                // recording did may not have room: the pool stays asleep (a warning), and its
+                // next page tries again.
                 if let Some(pool) = r.pool(event_pool(e)) {
                     if r.core.pool_state(pool) == Some(PoolState::Asleep) {
-                        r.wake(pool)
+                        let woken = r
+                            .wake(pool)
                             .map_err(|source| ReplayError::Alloc { index: i, source })?;
+                        if !woken {
+                            r.warnings += 1;
+                        }
                     }
                 }
                 // The first page of a reservation the history starts: the reservation first.

@@ -411,6 +411,8 @@ mod off_the_core {
         use gpualloc_devices::{
             map_wake, release_slept_pages, wait_for_pool_streams, PoolOptions, SleepMode,
         };
+        use gpualloc_trace::Action::{Alloc, SegmentMap, SegmentUnmap};
+        use gpualloc_trace::TraceEntry;
         for conf in [
             "expandable_segments:True",
             "expandable_segments:True,policy:pytorch",
@@ -511,6 +513,25 @@ mod off_the_core {
                     sample.event
                 );
             }
+            // A replay with no room for the wake (an allocation that never happened live
+            // fills the device just before it): the pool stays asleep with a warning, and
+            // the replay goes on.
+            let weights_id = Some((0, weights.0 as i64));
+            let unmapped = events
+                .iter()
+                .position(|e| e.action == SegmentUnmap && e.pool_id == weights_id)
+                .unwrap();
+            let wake = unmapped
+                + events[unmapped..]
+                    .iter()
+                    .position(|e| e.action == SegmentMap && e.pool_id == weights_id)
+                    .unwrap();
+            let before = report.samples[wake - 1].reserved;
+            let mut crowded = traces[0].clone();
+            let filler = TraceEntry::new(Alloc, 0x1000, CAPACITY - before - 4 * MIB, s.raw);
+            crowded.events.insert(wake, filler);
+            let report = replay(&crowded, &options).unwrap();
+            assert!(report.warnings >= 1, "[{conf}] {}", report.warnings);
             for p in live.into_iter().chain(held) {
                 core.free(p).unwrap();
             }
