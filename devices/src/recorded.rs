@@ -47,18 +47,7 @@ impl DeviceCore {
         size: u64,
         stream: StreamHandle,
     ) -> Result<SegmentRequest, AllocError> {
-        if self.shut_down {
-            return Err(AllocError::Shutdown);
-        }
-        self.check_stream(stream)?;
-        if size == 0 {
-            return Err(AllocError::InvalidSize {
-                size,
-                reason: "a request of 0 bytes takes no segment",
-            });
-        }
-        let params = self.params_for(size, stream, None)?;
-        Ok(SegmentRequest { params, size })
+        self.segment_request_in(None, size, stream)
     }
 
     /// [`DeviceCore::segment_request`] for a request of private pool `pool` (`None`: the
@@ -69,17 +58,21 @@ impl DeviceCore {
         size: u64,
         stream: StreamHandle,
     ) -> Result<SegmentRequest, AllocError> {
-        match pool {
-            None => self.segment_request(size, stream),
-            Some(id) => {
-                if self.private.get(&id.0).is_none_or(|p| p.released) {
-                    return Err(AllocError::UnknownPool(id.0));
-                }
-                let mut request = self.segment_request(size, stream)?;
-                request.params = self.params_for(size, stream, Some(id.0))?;
-                Ok(request)
+        if let Some(id) = pool {
+            if self.private.get(&id.0).is_none_or(|p| p.released) {
+                return Err(AllocError::UnknownPool(id.0));
             }
         }
+        // Refuses a core that shut down, too.
+        self.check_stream(stream)?;
+        if size == 0 {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: "a request of 0 bytes takes no segment",
+            });
+        }
+        let params = self.params_for(size, stream, pool.map(|p| p.0))?;
+        Ok(SegmentRequest { params, size })
     }
 
     /// Releases the ordinary segment at `base` to the backend, as a `segment_free` of the

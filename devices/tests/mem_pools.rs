@@ -609,3 +609,25 @@ fn snapshots_list_the_pools_with_their_rules() {
     assert_eq!(core.snapshot().pools, [kv_info.clone(), unnamed_info]);
     assert_eq!(core.pool_snapshot(kv).unwrap().pools, [kv_info]);
 }
+
+/// A request a pool's quota refuses is an out-of-memory error for its user: the history
+/// records it as `oom`, with the bytes the pool had left in place of the device's free bytes.
+#[test]
+fn a_quota_failure_is_an_oom_entry_of_the_history() {
+    use gpualloc_devices::TraceAction;
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(50 * MIB));
+    let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 20 * MIB, s).unwrap();
+    core.record_history(Some(10));
+    assert!(core.malloc_in(kv, 20 * MIB, s).unwrap_err().is_oom());
+    let got: Vec<_> = core
+        .snapshot()
+        .trace
+        .iter()
+        .map(|e| (e.action, e.addr, e.size, e.stream))
+        .collect();
+    assert_eq!(got, [(TraceAction::Oom, 10 * MIB, 20 * MIB, s.raw)]);
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+}

@@ -339,58 +339,27 @@ fn pages_being_mapped_do_not_change_best_fit() {
     }
 }
 
+/// The `passed_over` marks of the history's `alloc` entries, in order.
+fn passed_over_marks(core: &DeviceCore) -> Vec<bool> {
+    core.snapshot()
+        .trace
+        .iter()
+        .filter(|e| e.action == gpualloc_devices::TraceAction::Alloc)
+        .map(|e| e.passed_over)
+        .collect()
+}
+
 /// At a named pool's quota, the tail cannot grow: the passed-over block is taken, as where
 /// the device is full, with no out-of-memory error and nothing released. (The pool's quota
 /// path went from the failed growth to releasing the pool's cache and failing with its
-/// quota error, never taking the passed-over block.)
+/// quota error, never taking the passed-over block.) The history marks that allocation, and
+/// only that one (`TraceEntry::passed_over`).
 #[test]
 fn at_a_pools_quota_the_passed_over_block_is_taken() {
     use gpualloc_devices::PoolOptions;
     // The gpualloc policy's 2 MiB pages (PyTorch's 20 MiB pages would not fit the quota).
-    {
-        let policy = Policy::Gpualloc;
-        let (mut core, s) = rig(1 << 30, "expandable_segments:True", policy);
-        let kv = core.create_named_pool(
-            "kv",
-            PoolOptions {
-                quota: Some(6 * MIB),
-                ..PoolOptions::default()
-            },
-        );
-        let a = core.malloc_in(kv, 1536 * KIB, s).unwrap();
-        let b = core.malloc_in(kv, 1536 * KIB, s).unwrap();
-        let c = core.malloc_in(kv, 2560 * KIB, s).unwrap();
-        let reserved = core.reserved_bytes();
-        core.free(a.ptr).unwrap();
-        // The 1.5 MiB hole would leave 384 KiB; the tail's 512 KiB cannot hold 1.125 MiB and
-        // growing it would pass the quota.
-        let kept = core.malloc_in(kv, 1152 * KIB, s).unwrap();
-        assert_eq!(kept.ptr, a.ptr, "{policy}");
-        assert_eq!(core.reserved_bytes(), reserved, "{policy}");
-        assert_eq!(core.stats().num_ooms, 0, "{policy}");
-        for p in [b.ptr, c.ptr, kept.ptr] {
-            core.free(p).unwrap();
-        }
-        core.check_invariants().unwrap();
-    }
-}
-
-/// The history marks an allocation served by a block the policy passed over (because the
-/// segment could not grow) and no other: not one served by best fit, nor one served with
-/// any remainder from a block that is not passed over (ordinary segments, the last step of
-/// a miss).
-#[test]
-fn only_an_allocation_of_a_passed_over_block_is_marked_in_the_history() {
-    use gpualloc_devices::{PoolOptions, TraceAction};
-    let marks = |core: &DeviceCore| -> Vec<bool> {
-        core.snapshot()
-            .trace
-            .iter()
-            .filter(|e| e.action == TraceAction::Alloc)
-            .map(|e| e.passed_over)
-            .collect()
-    };
-    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    let policy = Policy::Gpualloc;
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", policy);
     core.record_history(Some(100));
     let kv = core.create_named_pool(
         "kv",
@@ -402,14 +371,25 @@ fn only_an_allocation_of_a_passed_over_block_is_marked_in_the_history() {
     let a = core.malloc_in(kv, 1536 * KIB, s).unwrap();
     let b = core.malloc_in(kv, 1536 * KIB, s).unwrap();
     let c = core.malloc_in(kv, 2560 * KIB, s).unwrap();
+    let reserved = core.reserved_bytes();
     core.free(a.ptr).unwrap();
+    // The 1.5 MiB hole would leave 384 KiB; the tail's 512 KiB cannot hold 1.125 MiB and
+    // growing it would pass the quota.
     let kept = core.malloc_in(kv, 1152 * KIB, s).unwrap();
-    assert_eq!(kept.ptr, a.ptr);
-    assert_eq!(marks(&core), [false, false, false, true]);
+    assert_eq!(kept.ptr, a.ptr, "{policy}");
+    assert_eq!(core.reserved_bytes(), reserved, "{policy}");
+    assert_eq!(core.stats().num_ooms, 0, "{policy}");
+    assert_eq!(passed_over_marks(&core), [false, false, false, true]);
     for p in [b.ptr, c.ptr, kept.ptr] {
         core.free(p).unwrap();
     }
+    core.check_invariants().unwrap();
+}
 
+/// An allocation served with any remainder from a block that is not one the policy passes
+/// over (ordinary segments, the last step of a miss) is not marked in the history.
+#[test]
+fn an_any_fit_allocation_of_a_block_not_passed_over_is_not_marked() {
     let (mut core, s) = rig(1 << 30, "expandable_segments:False", Policy::Gpualloc);
     core.record_history(Some(100));
     let whole = core.malloc(20 * MIB, s).unwrap();
@@ -419,6 +399,6 @@ fn only_an_allocation_of_a_passed_over_block_is_marked_in_the_history() {
     core.free(whole.ptr).unwrap();
     let last_step = core.malloc_without_device(request).unwrap();
     assert_eq!(last_step.ptr, whole.ptr);
-    assert_eq!(marks(&core), [false, false]);
+    assert_eq!(passed_over_marks(&core), [false, false]);
     core.free(last_step.ptr).unwrap();
 }

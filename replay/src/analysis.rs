@@ -243,39 +243,15 @@ impl Reservation {
 /// Sorted by base, then first map.
 pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Reservation> {
     let finals = trace.final_segments.as_deref().unwrap_or_default();
-    let mut out: Vec<Reservation> = Vec::new();
-    // The reservation (index in `out`) held now per (pool, stream, kind), with its mapped bytes.
-    let mut open: BTreeMap<(PoolKey, u64, bool), (usize, u64)> = BTreeMap::new();
-    let widen = |out: &mut Vec<Reservation>,
-                 open: &mut BTreeMap<(PoolKey, u64, bool), (usize, u64)>,
-                 (pool, stream, small): (PoolKey, u64, bool),
-                 first_map: Option<usize>,
-                 addr: u64,
-                 size: u64| {
-        let (at, mapped) = open.entry((pool, stream, small)).or_insert_with(|| {
-            out.push(Reservation {
-                stream,
-                small,
-                pool,
-                base: addr,
-                size,
-                first_map,
-                released_at: None,
-            });
-            (out.len() - 1, 0)
-        });
-        let r = &mut out[*at];
-        let end = (r.base + r.size).max(addr + size);
-        r.base = r.base.min(addr);
-        r.size = end - r.base;
-        *mapped += size;
+    let mut plan = Planner {
+        out: Vec::new(),
+        open: BTreeMap::new(),
+        full,
     };
     for seg in start {
-        let key = (seg.pool, seg.stream, seg.small);
-        widen(&mut out, &mut open, key, None, seg.addr, seg.size);
+        plan.widen((seg.pool, seg.stream, seg.small), None, seg.addr, seg.size);
     }
     for (i, e) in trace.events.iter().enumerate() {
-        let pool = event_pool(e);
         match e.action {
             Action::SegmentMap => {
                 // The pool kind: a reservation of the stream held now whose span holds the
@@ -284,30 +260,10 @@ pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Res
                 // held now that the page fits in with (pages mapped ahead, which no block
                 // lands on); else a run of the stream's at the start, or a segment at the end
                 // (which may be a later reservation at the same addresses), holding it.
-                // Reservations of the stream held now that the page fits in with (their span
-                // and the page within one reservation's bytes), nearest first: (distance,
-                // outside the span, kind).
-                let nearest = open
-                    .iter()
-                    .filter(|((p, st, _), _)| *p == pool && *st == e.stream)
-                    .filter_map(|((_, _, small), (at, _))| {
-                        let r = &out[*at];
-                        let (end, page_end) = (r.base + r.size, e.addr + e.size);
-                        let fits = end.max(page_end) - r.base.min(e.addr) <= full;
-                        let inside = e.addr >= r.base && e.addr < end;
-                        let distance = if page_end <= r.base {
-                            r.base - page_end
-                        } else {
-                            e.addr.saturating_sub(end)
-                        };
-                        fits.then_some((distance, !inside, *small))
-                    })
-                    .min();
-                let spanning = nearest.filter(|&(_, outside, _)| !outside);
+                let (spanning, nearest) = plan.held_kind(e);
                 let small = spanning
-                    .map(|(_, _, small)| small)
                     .or_else(|| first_block_on(&trace.events[i + 1..], e))
-                    .or(nearest.map(|(_, _, small)| small))
+                    .or(nearest)
                     .or_else(|| {
                         kind_holding(
                             start
@@ -325,51 +281,121 @@ pub fn reservations(trace: &Trace, start: &[StartSegment], full: u64) -> Vec<Res
                         )
                     })
                     .unwrap_or(false);
-                widen(
-                    &mut out,
-                    &mut open,
-                    (pool, e.stream, small),
-                    Some(i),
-                    e.addr,
-                    e.size,
-                );
+                plan.widen((event_pool(e), e.stream, small), Some(i), e.addr, e.size);
             }
-            Action::SegmentUnmap => {
-                let key = open
-                    .iter()
-                    .find(|((p, s, _), (at, _))| {
-                        *p == pool && *s == e.stream && out[*at].contains(e.stream, e.addr)
-                    })
-                    .map(|(k, _)| *k);
-                if let Some(key) = key {
-                    let (at, mapped) = open.get_mut(&key).expect("just found");
-                    *mapped = mapped.saturating_sub(e.size);
-                    if *mapped == 0 {
-                        out[*at].released_at = Some(i);
-                        open.remove(&key);
-                    }
-                }
-            }
+            Action::SegmentUnmap => plan.unmap(e, i),
             _ => {}
         }
     }
-    out.sort_by_key(|r| (r.base, r.first_map));
-    let spans: Vec<Reservation> = out.clone();
-    for r in &mut out {
-        let (from, until) = r.held();
-        let room = spans
-            .iter()
-            .filter(|q| q.base > r.base)
-            .filter(|q| {
-                let (qf, qu) = q.held();
-                qf <= until && from <= qu
-            })
-            .map(|q| q.base - r.base)
-            .min()
-            .unwrap_or(full);
-        r.size = r.size.max(full.min(room));
+    plan.sized()
+}
+
+/// A reservation's key: memory pool, stream, small pool.
+type ReservationKey = (PoolKey, u64, bool);
+
+/// [`reservations`] as the history goes.
+struct Planner {
+    out: Vec<Reservation>,
+    /// The reservation (index in `out`) held now per key, with its mapped bytes.
+    open: BTreeMap<ReservationKey, (usize, u64)>,
+    /// A whole reservation's bytes.
+    full: u64,
+}
+
+impl Planner {
+    /// Maps `[addr, addr + size)` in the reservation of `key` held now, or a new one.
+    fn widen(&mut self, key: ReservationKey, first_map: Option<usize>, addr: u64, size: u64) {
+        let out = &mut self.out;
+        let (at, mapped) = self.open.entry(key).or_insert_with(|| {
+            let (pool, stream, small) = key;
+            out.push(Reservation {
+                stream,
+                small,
+                pool,
+                base: addr,
+                size,
+                first_map,
+                released_at: None,
+            });
+            (out.len() - 1, 0)
+        });
+        let r = &mut out[*at];
+        let end = (r.base + r.size).max(addr + size);
+        r.base = r.base.min(addr);
+        r.size = end - r.base;
+        *mapped += size;
     }
-    out
+
+    /// Unmaps the pages of event `e` (the `i`-th) from the reservation of its stream held now
+    /// that spans them; with nothing mapped left, that reservation is released there.
+    fn unmap(&mut self, e: &TraceEntry, i: usize) {
+        let pool = event_pool(e);
+        let key = self
+            .open
+            .iter()
+            .find(|((p, s, _), (at, _))| {
+                *p == pool && *s == e.stream && self.out[*at].contains(e.stream, e.addr)
+            })
+            .map(|(k, _)| *k);
+        let Some(key) = key else {
+            return;
+        };
+        let (at, mapped) = self.open.get_mut(&key).expect("just found");
+        *mapped = mapped.saturating_sub(e.size);
+        if *mapped == 0 {
+            self.out[*at].released_at = Some(i);
+            self.open.remove(&key);
+        }
+    }
+
+    /// The kind of the reservation of `e`'s pool and stream held now whose span holds the
+    /// page, and of the nearest one the page fits in with (their span and the page within
+    /// one reservation's bytes).
+    fn held_kind(&self, e: &TraceEntry) -> (Option<bool>, Option<bool>) {
+        let pool = event_pool(e);
+        // (distance, outside the span, kind), nearest first.
+        let nearest = self
+            .open
+            .iter()
+            .filter(|((p, st, _), _)| *p == pool && *st == e.stream)
+            .filter_map(|((_, _, small), (at, _))| {
+                let r = &self.out[*at];
+                let (end, page_end) = (r.base + r.size, e.addr + e.size);
+                let fits = end.max(page_end) - r.base.min(e.addr) <= self.full;
+                let inside = e.addr >= r.base && e.addr < end;
+                let distance = if page_end <= r.base {
+                    r.base - page_end
+                } else {
+                    e.addr.saturating_sub(end)
+                };
+                fits.then_some((distance, !inside, *small))
+            })
+            .min();
+        let spanning = nearest.filter(|&(_, outside, _)| !outside);
+        (
+            spanning.map(|(_, _, small)| small),
+            nearest.map(|(_, _, small)| small),
+        )
+    }
+
+    /// The reservations, sorted by base then first map, each `full` bytes less where one
+    /// held at the same time starts sooner, never short of its own span.
+    fn sized(self) -> Vec<Reservation> {
+        let mut out = self.out;
+        out.sort_by_key(|r| (r.base, r.first_map));
+        let held: Vec<(u64, (usize, usize))> = out.iter().map(|r| (r.base, r.held())).collect();
+        for r in &mut out {
+            let (from, until) = r.held();
+            let room = held
+                .iter()
+                .filter(|&&(base, (qf, qu))| base > r.base && qf <= until && from <= qu)
+                .map(|&(base, _)| base - r.base)
+                .min()
+                .unwrap_or(self.full);
+            r.size = r.size.max(self.full.min(room));
+        }
+        out
+    }
 }
 
 /// The pool kind (small) of the first block allocated on the pages `map` mapped, among

@@ -152,7 +152,7 @@ mod off_the_core {
     use gpualloc::runtime::{Backend, DeviceId, StreamHandle};
     use gpualloc::AllocatorConfig;
     use gpualloc_devices::{map_growth, CachedOutcome, DeviceCore, Growth};
-    use gpualloc_replay::input::from_bytes;
+    use gpualloc_replay::input::{from_bytes, Trace};
     use gpualloc_replay::{replay, ReplayOptions, ReplayReport};
 
     use super::MIB;
@@ -177,15 +177,24 @@ mod off_the_core {
 
     /// The core's history, dumped and replayed warm under `config`.
     fn replay_warm(core: &DeviceCore, config: AllocatorConfig) -> ReplayReport {
-        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
-        let traces = from_bytes("own.pickle", &bytes).unwrap();
-        let options = ReplayOptions {
+        let trace = dumped(core, &config);
+        replay(&trace, &warm(config)).unwrap()
+    }
+
+    /// The core's snapshot under `config`, written as a pickle and read back.
+    fn dumped(core: &DeviceCore, config: &AllocatorConfig) -> Trace {
+        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], config).unwrap();
+        from_bytes("own.pickle", &bytes).unwrap().remove(0)
+    }
+
+    /// A warm replay under `config` on a device of the rig's capacity.
+    fn warm(config: AllocatorConfig) -> ReplayOptions {
+        ReplayOptions {
             warm: true,
             config,
             capacity: Some(CAPACITY),
             ..ReplayOptions::default()
-        };
-        replay(&traces[0], &options).unwrap()
+        }
     }
 
     #[test]
@@ -480,20 +489,16 @@ mod off_the_core {
             assert!(in_pool(kv.0) > 100, "[{conf}] {}", in_pool(kv.0));
             assert!(in_pool(weights.0) >= 2, "[{conf}] its sleep and wake");
             let config = AllocatorConfig::parse(conf).unwrap();
-            let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
-            let traces = from_bytes("own.pickle", &bytes).unwrap();
+            let trace = dumped(&core, &config);
             let options = ReplayOptions {
-                warm: true,
-                config,
-                capacity: Some(CAPACITY),
                 sample_every: 1,
-                ..ReplayOptions::default()
+                ..warm(config)
             };
             // The pools come with their rules; the kv_cache pool reached its quota.
-            let kv_quota: Vec<_> = traces[0].pools.iter().map(|p| p.options.quota).collect();
+            let kv_quota: Vec<_> = trace.pools.iter().map(|p| p.options.quota).collect();
             assert_eq!(kv_quota, [None, Some(64 * MIB)], "[{conf}]");
-            assert!(traces[0].count(gpualloc_trace::Action::Oom) > 0, "[{conf}]");
-            let report = replay(&traces[0], &options).unwrap();
+            assert!(trace.count(gpualloc_trace::Action::Oom) > 0, "[{conf}]");
+            let report = replay(&trace, &options).unwrap();
             let (matched, compared) = report.address_match.unwrap();
             assert!(compared >= 290, "[{conf}] {compared}");
             assert_eq!(matched, compared, "[{conf}]");
@@ -501,7 +506,7 @@ mod off_the_core {
             // Reserved memory as it was live at every request: the sleep released the pool's
             // pages and the wake mapped them again. (The replay wakes the pool at its first
             // `segment_map`; live, the wake's maps are one event each.)
-            let events = &traces[0].events;
+            let events = &trace.events;
             for sample in &report.samples {
                 if events[sample.event as usize].action != gpualloc_trace::Action::Alloc {
                     continue;
@@ -527,7 +532,7 @@ mod off_the_core {
                     .position(|e| e.action == SegmentMap && e.pool_id == weights_id)
                     .unwrap();
             let before = report.samples[wake - 1].reserved;
-            let mut crowded = traces[0].clone();
+            let mut crowded = trace.clone();
             let filler = TraceEntry::new(Alloc, 0x1000, CAPACITY - before - 4 * MIB, s.raw);
             crowded.events.insert(wake, filler);
             let report = replay(&crowded, &options).unwrap();
@@ -562,27 +567,21 @@ mod off_the_core {
         let kept = core.malloc_in(kv, 1152 << 10, s).unwrap();
         assert_eq!(kept.ptr, a.ptr, "live: the passed-over block, at the quota");
         let config = AllocatorConfig::parse(conf).unwrap();
-        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
-        let mut traces = from_bytes("own.pickle", &bytes).unwrap();
-        let options = ReplayOptions {
-            warm: true,
-            config,
-            capacity: Some(CAPACITY),
-            ..ReplayOptions::default()
-        };
+        let mut trace = dumped(&core, &config);
+        let options = warm(config);
         // The entry says the block was passed over (the replay would serve it so from that
         // alone): without it, the quota decides.
-        assert!(traces[0].events.iter().any(|e| e.passed_over));
-        for e in &mut traces[0].events {
+        assert!(trace.events.iter().any(|e| e.passed_over));
+        for e in &mut trace.events {
             e.passed_over = false;
         }
         assert_eq!(
-            replay(&traces[0], &options).unwrap().address_match,
+            replay(&trace, &options).unwrap().address_match,
             Some((4, 4))
         );
-        traces[0].pools.clear();
+        trace.pools.clear();
         assert_eq!(
-            replay(&traces[0], &options).unwrap().address_match,
+            replay(&trace, &options).unwrap().address_match,
             Some((3, 4))
         );
         for p in [b.ptr, c.ptr, kept.ptr] {
@@ -640,22 +639,16 @@ mod off_the_core {
             .collect();
         assert_eq!(passed, [false, false, true, false]);
         let config = AllocatorConfig::parse(conf).unwrap();
-        let bytes = gpualloc_replay::export::to_pickle(&[core.snapshot()], &config).unwrap();
-        let mut traces = from_bytes("own.pickle", &bytes).unwrap();
-        let options = ReplayOptions {
-            warm: true,
-            config,
-            capacity: Some(CAPACITY),
-            ..ReplayOptions::default()
-        };
+        let mut trace = dumped(&core, &config);
+        let options = warm(config);
         assert_eq!(
-            replay(&traces[0], &options).unwrap().address_match,
+            replay(&trace, &options).unwrap().address_match,
             Some((4, 4))
         );
-        for e in &mut traces[0].events {
+        for e in &mut trace.events {
             e.passed_over = false;
         }
-        let (matched, compared) = replay(&traces[0], &options).unwrap().address_match.unwrap();
+        let (matched, compared) = replay(&trace, &options).unwrap().address_match.unwrap();
         assert!(matched < compared, "{matched}/{compared}");
         for p in [b.ptr, took.ptr, c.ptr] {
             core.free(p).unwrap();
