@@ -731,6 +731,7 @@ impl DeviceCore {
             reserved: self.stats.reserved_bytes[0].current,
             in_flight: self.growing_bytes,
             process_used: self.backend.process_used(self.device).ok().flatten(),
+            expandable_segments: self.config.expandable_segments,
         };
         let error = AllocError::OutOfMemory(Box::new(report));
         if !params.quiet_oom {

@@ -147,6 +147,9 @@ pub struct OomReport {
     /// Device memory this process has in use, inside the allocator and out, where the backend
     /// can tell (PyTorch's "this process has X memory in use"); `None` where it cannot.
     pub process_used: Option<u64>,
+    /// Whether the allocator grows expandable segments (its config, resolved for the
+    /// backend). With them on the fragmentation hint is left out: it suggests turning them on.
+    pub expandable_segments: bool,
 }
 
 /// The fragmentation hint needs at least this much reserved but unallocated memory.
@@ -170,10 +173,16 @@ impl OomReport {
 
     /// Whether the message suggests `expandable_segments` against fragmentation: only when
     /// reserved but unallocated memory is more than a fifth of what is reserved and at least
-    /// [`HINT_FLOOR`], and never for a request that exceeds the device (no setting helps it).
+    /// [`HINT_FLOOR`], never for a request that exceeds the device (no setting helps it), and
+    /// never where expandable segments are on already (PyTorch prints its hint whatever the
+    /// config; with the `gpualloc` policy they are on by default, and the advice would name
+    /// what the user has).
     pub fn suggests_expandable_segments(&self) -> bool {
         let idle = self.reserved_unallocated();
-        !self.exceeds_device() && idle >= HINT_FLOOR && idle * 5 > self.reserved
+        !self.expandable_segments
+            && !self.exceeds_device()
+            && idle >= HINT_FLOOR
+            && idle * 5 > self.reserved
     }
 }
 
@@ -268,6 +277,7 @@ mod tests {
             reserved: 14 << 30,
             in_flight: 0,
             process_used: None,
+            expandable_segments: false,
         };
         let s = AllocError::OutOfMemory(Box::new(r.clone())).to_string();
         assert!(s.contains("device 1"), "{s}");
@@ -313,6 +323,7 @@ mod tests {
             reserved: 16 << 30,
             in_flight: 0,
             process_used: None,
+            expandable_segments: false,
         };
         let hint = |r: &OomReport| r.to_string().contains("expandable_segments");
         assert!(hint(&base), "6 GiB of 16 idle: more than a fifth");
@@ -333,6 +344,14 @@ mod tests {
             ..base.clone()
         };
         assert!(!hint(&huge), "larger than the device: no setting helps");
+        let expandable = OomReport {
+            expandable_segments: true,
+            ..base.clone()
+        };
+        assert!(
+            !hint(&expandable),
+            "expandable segments on: nothing to suggest"
+        );
         assert!(huge.exceeds_device() && !base.exceeds_device());
         let capped = OomReport {
             allowed: Some(8 << 30),
@@ -356,6 +375,7 @@ mod tests {
             reserved: 0,
             in_flight: 0,
             process_used: None,
+            expandable_segments: false,
         };
         assert!(
             !r(64 << 20, 64 << 20, None).exceeds_device(),

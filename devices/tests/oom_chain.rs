@@ -333,3 +333,38 @@ fn a_quiet_request_is_counted_once_by_its_owner() {
     assert_eq!(core.stats().num_ooms, 2);
     core.check_invariants().unwrap();
 }
+
+/// The OOM message suggests `expandable_segments:True` against fragmentation only where the
+/// segments are not expandable already: with them on (the `gpualloc` policy's default where
+/// the backend has virtual memory) the advice cannot help. The same fragmented state under
+/// both settings: ten 9 MiB blocks on a 100 MiB device, every other one freed, then 30 MiB
+/// asked for.
+#[test]
+fn the_fragmentation_hint_names_expandable_segments_only_where_they_are_off() {
+    for (conf, hinted) in [
+        ("expandable_segments:False", true),
+        ("expandable_segments:True", false),
+    ] {
+        let (_backend, mut core, s, _) = rig(100 * MIB, conf, false);
+        let blocks: Vec<_> = (0..10).map(|_| core.malloc(9 * MIB, s).unwrap()).collect();
+        for b in blocks.iter().step_by(2) {
+            core.free(b.ptr).unwrap();
+        }
+        let Err(AllocError::OutOfMemory(report)) = core.malloc(30 * MIB, s) else {
+            panic!("{conf}: expected an out-of-memory error");
+        };
+        // Fragmented either way: 45 MiB free in the cache between live blocks.
+        assert_eq!(report.allocated, 45 * MIB, "{conf}");
+        assert!(
+            report.reserved_unallocated() >= 40 * MIB,
+            "{conf}: {report:?}"
+        );
+        assert_eq!(report.expandable_segments, !hinted, "{conf}");
+        let text = report.to_string();
+        assert_eq!(
+            text.contains("try expandable_segments:True"),
+            hinted,
+            "{conf}: {text}"
+        );
+    }
+}
