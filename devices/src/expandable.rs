@@ -116,6 +116,22 @@ impl ExpandableSegment {
         self.runs.values().map(|r| r.1 as u64).sum::<u64>() * self.page
     }
 
+    /// [`ExpandableSegment::mapped_bytes`] up to `cap`: the smaller of the two. Counts runs
+    /// only until `cap` is reached, so a large segment's growth (`map_ahead.rs`, which needs
+    /// no more than whether 1/8 of it reaches `large_segment_size`) does not walk its
+    /// hundreds of runs: that walk was a sixth of the replay's instructions on
+    /// transformer-lm-train with expandable segments.
+    pub fn mapped_bytes_capped(&self, cap: u64) -> u64 {
+        let mut bytes = 0u64;
+        for &(_, n) in self.runs.values() {
+            bytes = bytes.saturating_add((n as u64).saturating_mul(self.page));
+            if bytes >= cap {
+                return cap;
+            }
+        }
+        bytes
+    }
+
     /// The run mapping page `i`: (its first page, its handle, its pages).
     pub(crate) fn run_at(&self, i: usize) -> Option<(usize, PhysHandle, usize)> {
         run_at(&self.runs, i)
@@ -857,6 +873,10 @@ mod tests {
         assert!(!es.pages_are(0, 2, false));
         assert!(!es.pages_are(9, 2, true), "past the reservation");
         assert_eq!(es.mapped_bytes(), 6);
+        assert_eq!(es.mapped_bytes_capped(7), 6, "under the cap: exact");
+        assert_eq!(es.mapped_bytes_capped(6), 6);
+        assert_eq!(es.mapped_bytes_capped(4), 4, "over the cap: the cap");
+        assert_eq!(es.mapped_bytes_capped(0), 0);
         assert_eq!(es.runs_inside(6, 10), vec![7, 9]);
         assert_eq!(es.runs_inside(8, 10), vec![9]);
         // Asleep: no runs, the books follow the layout kept.

@@ -76,7 +76,9 @@ impl DeviceCore {
             return (want, want);
         }
         let big = self.config.large_segment_size;
-        let ahead = (es.mapped_bytes() / MAP_AHEAD_DIVISOR).div_ceil(es.page) * es.page;
+        // Mapped bytes past `MAP_AHEAD_DIVISOR * big` all give `ahead >= big`.
+        let mapped = es.mapped_bytes_capped(big.saturating_mul(MAP_AHEAD_DIVISOR));
+        let ahead = (mapped / MAP_AHEAD_DIVISOR).div_ceil(es.page) * es.page;
         let len = if ahead >= big {
             // A large segment grows as with PyTorch's pages: to the next multiple of
             // `large_segment_size` from the segment's base.
