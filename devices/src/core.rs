@@ -294,7 +294,7 @@ impl DeviceCore {
     }
 
     /// Attaches `frames` to the live allocation at `addr`: to its `alloc` entry (the newest
-    /// for that address among the last [`ATTACH_WITHIN`] entries) and to its block in
+    /// for that address among the last `ATTACH_WITHIN` (4,096) entries) and to its block in
     /// snapshots until it is freed. Nothing when history is off or `addr` is not live.
     pub fn attach_frames(&mut self, addr: u64, frames: Frames) {
         let Some(ring) = &mut self.trace else {

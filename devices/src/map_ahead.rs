@@ -19,7 +19,7 @@
 //!   `per_process_memory_fraction`.
 //!
 //! Measured (`gpualloc replay --policy both`, `expandable_segments:True`; BENCHMARKS.md): see
-//! the policy's [`DEVIATIONS`](crate::DEVIATIONS) entry.
+//! the policy's [`DEVIATIONS`](crate::policy::DEVIATIONS) entry.
 
 use crate::core::DeviceCore;
 use crate::sizes::SMALL_BUFFER;

@@ -7,7 +7,7 @@
 //!
 //! **Choice: a clear typed error, not silent re-registration.** Every registry records the
 //! process id at creation; any operation in another process returns
-//! [`RegisterError::Forked`](super::RegisterError::Forked) (and `query` answers `None`:
+//! [`RegisterError::Forked`] (and `query` answers `None`:
 //! nothing is registered in the child). We do not re-register on demand because the backend
 //! handle itself was inherited: CUDA does not support using a context created before
 //! `fork()` in the child, so a re-registration through it would fail or corrupt state. The

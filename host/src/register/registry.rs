@@ -17,6 +17,8 @@ use std::time::Duration;
 
 use gpualloc_runtime::{Backend, HostRegisterFlags};
 
+#[cfg(doc)]
+use super::error::RegisterError;
 use super::error::RegisterResult;
 use super::exec::{self, DEFAULT_SLOW_THRESHOLD};
 use super::fork::ProcessGuard;
