@@ -18,9 +18,12 @@
 //!   [`MallocOptions::wait_for`](crate::MallocOptions::wait_for) wait for the wake. Its live
 //!   buffers stay valid handles (and can be dropped) but device work on their memory fails
 //!   until the wake.
-//! - A wake without enough device memory leaves the pool asleep, with its host copy, and
-//!   fails with `AllocError::WakeOutOfMemory` (what it needed, what was free): free memory
-//!   and wake again.
+//! - A wake without enough device memory (or room under `per_process_memory_fraction`) first
+//!   gives the allocator's cache back to the device, as a malloc's out-of-memory path does:
+//!   the events pending frees wait on are synchronized, every pool's unused segments and
+//!   free pages are released; then it tries once more. Still short, it leaves the pool
+//!   asleep, with its host copy, and fails with `AllocError::WakeOutOfMemory` (what it
+//!   needed, what was free): free memory and wake again.
 //! - Dropping a `sleep()` or `wake()` future does not stop it: once begun it runs to its end
 //!   on the allocator's runtime (asleep, awake, or rolled back), so the pool is never left
 //!   half asleep. One dropped before it began (its first step under the device's gate) never
@@ -223,8 +226,39 @@ async fn wake_task(
     dropped: Arc<AtomicBool>,
 ) -> Result<(), Error> {
     let mut held = slot.lock_owned().await;
+    let first = wake_once(&actor, id, &mut held, Some(dropped)).await;
+    if !matches!(first, Err(Error::Alloc(AllocError::WakeOutOfMemory { .. }))) {
+        return first;
+    }
+    // Short of memory: the allocator's own cache goes back to the device first (every pool's
+    // unused segments and free pages, after the events their frees wait on), as a malloc's
+    // out-of-memory path does; then the wake tries once more. It had begun: a dropped
+    // future does not stop the second try.
+    let releasing = actor.clone();
+    let released = actor
+        .runtime
+        .spawn_blocking(move || releasing.release_cache_blocking())
+        .await
+        .map_err(|e| Error::Internal(format!("releasing the cache failed: {e}")))?;
+    if released == 0 {
+        return first;
+    }
+    wake_once(&actor, id, &mut held, None).await
+}
+
+/// One try of a wake: begins it (unless `dropped` says its future went before it began),
+/// maps the pool's pages and copies its data back, or rolls back and leaves it asleep.
+async fn wake_once(
+    actor: &Arc<DeviceActor>,
+    id: MemPoolId,
+    held: &mut HostCopy,
+    dropped: Option<Arc<AtomicBool>>,
+) -> Result<(), Error> {
     let begun = actor
-        .call(move |st| (!dropped.load(Ordering::Acquire)).then(|| st.core.begin_wake(id)))
+        .call(move |st| {
+            let gone = dropped.is_some_and(|d| d.load(Ordering::Acquire));
+            (!gone).then(|| st.core.begin_wake(id))
+        })
         .await?;
     let Some(Some(plan)) = begun.transpose()? else {
         return Ok(());
@@ -258,7 +292,7 @@ async fn wake_task(
             let left = actor
                 .call(move |st| st.core.finish_wake(plan, woken))
                 .await?;
-            release_leftovers(&actor, left).await;
+            release_leftovers(actor, left).await;
             // Requests waiting for the pool may go now; the host copy goes back to the
             // pinned pool.
             actor.signals.waiters.wake_head();
@@ -274,7 +308,7 @@ async fn wake_task(
                     (name, st.core.abort_wake(plan))
                 })
                 .await?;
-            release_leftovers(&actor, name.1).await;
+            release_leftovers(actor, name.1).await;
             if !e.is_oom() {
                 return Err(Error::Alloc(AllocError::Backend(e)));
             }

@@ -187,6 +187,39 @@ async fn a_wake_without_memory_keeps_the_pool_asleep_with_its_data() {
     alloc.shutdown().await.unwrap();
 }
 
+/// Memory the allocator holds in its cache does not keep a pool asleep: a wake short of
+/// memory gives the cache back to the device (as a malloc's out-of-memory path does) and
+/// tries again. 200 MiB freed to the cache on a 256 MiB device, then a wake of 100 MiB: by
+/// the device's memory, and by the `per_process_memory_fraction` cap (230 MiB). Failed
+/// before the fix with `WakeOutOfMemory` in both configs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_gives_the_cache_back_before_it_gives_up() {
+    for conf in [
+        "expandable_segments:True",
+        "expandable_segments:True,per_process_memory_fraction:0.9",
+    ] {
+        let alloc = build(sim(256 * MIB), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+        let b = kv.malloc(100 * MIB, &s).await.unwrap();
+        write(&alloc, &s, &b, 5);
+        kv.sleep(SleepMode::Offload).await.unwrap();
+        drop(alloc.malloc(200 * MIB, &s).await.unwrap());
+        let cached = alloc.stats(D0).await.unwrap().reserved_bytes[0].current;
+        assert!(cached >= 200 * MIB, "{conf}: {cached}");
+        kv.wake().await.unwrap_or_else(|e| panic!("{conf}: {e}"));
+        assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake, "{conf}");
+        assert!(holds(&alloc, &s, &b, 5), "{conf}");
+        let reserved = alloc.stats(D0).await.unwrap().reserved_bytes[0].current;
+        assert!(
+            reserved < 200 * MIB,
+            "{conf}: the cache went back: {reserved}"
+        );
+        drop(b);
+        alloc.shutdown().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_malloc_resumes_when_the_pool_wakes() {
     let alloc = build(sim(1 << 30), "expandable_segments:True");
