@@ -16,8 +16,11 @@
 //!   pools (and the default pools) keep serving meanwhile.
 //! - While a pool is not awake its mallocs fail with `AllocError::PoolAsleep`, or with
 //!   [`MallocOptions::wait_for`](crate::MallocOptions::wait_for) wait for the wake. Its live
-//!   buffers stay valid handles (and can be dropped) but device work on their memory fails
-//!   until the wake.
+//!   buffers stay valid handles (and can be dropped), but device work on their memory is the
+//!   caller's error from the sleep's call until the wake has resolved: work that runs while
+//!   the pages are unmapped fails (a sticky stream error on a GPU), and work queued then that
+//!   runs during the wake reads memory not yet restored (zeros on the sim). Work queued
+//!   before the `sleep` call is waited for; queue none after it until `wake` returns.
 //! - A wake without enough device memory (or room under `per_process_memory_fraction`) first
 //!   gives the allocator's cache back to the device, as a malloc's out-of-memory path does:
 //!   the events pending frees wait on are synchronized, every pool's unused segments and
