@@ -10,8 +10,9 @@
 //! remainder under [`DEAD_REMAINDER`], the request goes to the segment's tail instead (the
 //! free block the segment grows from: when the best fit is the tail, it stays the choice), which
 //! grows if it is too small. Where the segment cannot grow (the device or the memory-fraction
-//! cap is full), the passed-over block is taken after all (`DeviceCore::take_passed_over`), before any cache is released:
-//! the rule never causes an out-of-memory error or a release that best fit would not.
+//! cap is full), the passed-over block is taken after all (`DeviceCore::take_passed_over`),
+//! before any cache is released: the rule never causes an out-of-memory error or a release
+//! that best fit would not.
 //!
 //! The threshold was picked by measurement on the three shared traces (peak reserved, 2 MiB
 //! pages / 20 MiB pages): 256 KiB changes nothing; 512 KiB lowers
