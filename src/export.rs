@@ -3,7 +3,9 @@
 //! - [`Allocator::export_region`] describes a live buffer as a [`DeviceRegion`]: its device,
 //!   pointer, length, and the memory behind it (the base of its ordinary segment, or the
 //!   mapped physical pages of its expandable segment), which only the device core knows; it
-//!   is read under the device actor's mailbox like any other request.
+//!   is read under the device actor's mailbox like any other request. The buffer counts as
+//!   exported from then until it is freed: a named pool holding one refuses to sleep
+//!   (`AllocError::PoolExported`).
 //! - A `DeviceBuffer` is an [`ExportGuard`]: moved into `send_device`, it keeps its block
 //!   allocated and unused while any importer holds it; when the importer releases it (or its
 //!   connection ends) the guard is dropped, and the buffer's drop returns the block.
@@ -44,7 +46,12 @@ impl Allocator {
         }
         let ptr = buffer.ptr();
         let region = actor
-            .call(move |st| DeviceRegion::from_core(&st.core, ptr))
+            .call(move |st| {
+                let region = DeviceRegion::from_core(&st.core, ptr)?;
+                // Until the buffer is freed its pool may not sleep (`AllocError::PoolExported`).
+                st.core.mark_exported(ptr)?;
+                Ok::<_, Error>(region)
+            })
             .await??;
         Ok(region)
     }

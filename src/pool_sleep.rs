@@ -4,6 +4,10 @@
 //!
 //! - Needs expandable segments (the default where the backend has virtual memory;
 //!   `expandable_segments:False` refuses it with `AllocError::NotSupported`).
+//! - Refused with `AllocError::PoolExported` while a buffer of the pool is exported to
+//!   another process ([`Allocator::export_region`](crate::Allocator::export_region) marks it
+//!   until it is freed): the importer maps the pool's physical pages, and after a sleep and a
+//!   wake the two processes would see different memory at that buffer.
 //! - [`SleepMode::Offload`] copies every live block (the bytes its user asked for, no
 //!   rounding) into pinned host memory from the allocator's pinned pool, packed into
 //!   power-of-two chunks that the pool serves at their exact size: the host memory held is

@@ -220,6 +220,37 @@ async fn a_wake_gives_the_cache_back_before_it_gives_up() {
     }
 }
 
+/// A pool with a buffer exported to another process does not sleep: the importer maps the
+/// pool's physical pages, which a sleep would release and a wake replace, so the two
+/// processes would each see different memory at the same buffer afterwards. Failed before
+/// the fix: the sleep went ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_with_an_exported_buffer_does_not_sleep() {
+    let alloc = build(sim(256 * MIB), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
+    let kept = kv.malloc(3 * MIB, &s).await.unwrap();
+    let shared = kv.malloc(5 * MIB, &s).await.unwrap();
+    alloc.export_region(&shared).await.unwrap();
+    match kv.sleep(SleepMode::Offload).await {
+        Err(Error::Alloc(AllocError::PoolExported { pool, buffers })) => {
+            assert_eq!((pool.as_str(), buffers), ("kv", 1));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+    // Once the exported buffer is freed (its importer let go), the pool sleeps; a block
+    // reused at the same address is not exported.
+    let at = shared.ptr();
+    drop(shared);
+    let again = kv.malloc(5 * MIB, &s).await.unwrap();
+    assert_eq!(again.ptr(), at);
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    kv.wake().await.unwrap();
+    drop((kept, again));
+    alloc.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_malloc_resumes_when_the_pool_wakes() {
     let alloc = build(sim(1 << 30), "expandable_segments:True");

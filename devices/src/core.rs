@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use gpualloc_runtime::addr_map::AddrMap;
+use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{Block, BlockArena, BlockId, BlockState};
@@ -122,6 +122,9 @@ pub struct DeviceCore {
     pub(crate) routes: HashMap<u64, u64>,
     /// Allocated blocks by address.
     pub(crate) active: AddrMap<BlockId>,
+    /// Allocations described for export to another process ([`DeviceCore::mark_exported`]),
+    /// until they are freed.
+    pub(crate) exported: AddrSet,
     /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
@@ -220,6 +223,7 @@ impl DeviceCore {
             next_pool_id: 1,
             routes: HashMap::new(),
             active: AddrMap::default(),
+            exported: AddrSet::default(),
             segments: BTreeMap::new(),
             expandable: BTreeMap::new(),
             growing_bytes: 0,
@@ -1090,6 +1094,18 @@ impl DeviceCore {
 
     // ---- free and record_stream ----
 
+    /// Marks live allocation `ptr` as exported to another process (the facade's
+    /// `export_region` does, for every region it describes) until it is freed: a named pool
+    /// holding one cannot sleep ([`AllocError::PoolExported`]), since the importer maps the
+    /// pool's physical pages, which a sleep releases and a wake replaces with others.
+    pub fn mark_exported(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
+        if !self.active.contains_key(&ptr.0) {
+            return Err(AllocError::UnknownPointer(ptr));
+        }
+        self.exported.insert(ptr.0);
+        Ok(())
+    }
+
     /// Frees an allocation. If other streams used it (`record_stream`), it returns to the pool
     /// only once events recorded on those streams now have completed. Freeing null is a no-op.
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
@@ -1100,6 +1116,7 @@ impl DeviceCore {
             .active
             .remove(&ptr.0)
             .ok_or(AllocError::UnknownPointer(ptr))?;
+        self.exported.remove(&ptr.0);
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Pending;
         let (size, requested, stream, pool) =

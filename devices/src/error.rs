@@ -69,6 +69,19 @@ pub enum AllocError {
         /// The pool's name.
         pool: String,
     },
+    /// A pool cannot sleep while buffers of it are exported to another process
+    /// ([`DeviceCore::mark_exported`](crate::DeviceCore::mark_exported)): the importer maps
+    /// the pool's physical pages, which a sleep releases and a wake replaces.
+    #[error(
+        "memory pool {pool:?} has {buffers} buffer(s) exported to another process: it cannot \
+         sleep until they are freed"
+    )]
+    PoolExported {
+        /// The pool's name.
+        pool: String,
+        /// Its live buffers exported.
+        buffers: usize,
+    },
     /// Waking a pool found too little device memory: the pool stays asleep, its data kept.
     #[error(
         "waking memory pool {pool:?} needs {} of device memory, {} free: it stays asleep, its data kept",

@@ -314,6 +314,7 @@ impl DeviceCore {
         self.segments.clear();
         self.blocks.clear();
         self.active.clear();
+        self.exported.clear();
         for pool in &mut self.pools {
             pool.free.clear();
             pool.unmapped.clear();

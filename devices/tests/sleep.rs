@@ -642,3 +642,45 @@ fn a_peer_added_while_a_pool_wakes_gets_access_to_its_pages() {
         "the new peer's access"
     );
 }
+
+/// Allocations marked exported keep their named pool from sleeping until they are freed:
+/// only the pool's own (a default-pool allocation marked exported does not count), each
+/// counted once, and a block reused at a freed exported address is not exported.
+#[test]
+fn exported_allocations_keep_their_pool_awake_until_freed() {
+    let (_sim, mut core, s, _) = rig(1 << 30, ES);
+    let kv = core.create_named_pool("kv_cache", PoolOptions::default());
+    let a = core.malloc_in(kv, 3 * MIB, s).unwrap();
+    let b = core.malloc_in(kv, 5 * MIB, s).unwrap();
+    let _c = core.malloc_in(kv, 7 * MIB, s).unwrap();
+    let outside = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(
+        core.mark_exported(DevicePtr(a.ptr.0 + 1)),
+        Err(AllocError::UnknownPointer(DevicePtr(a.ptr.0 + 1)))
+    );
+    core.mark_exported(outside.ptr).unwrap();
+    assert!(
+        core.begin_sleep(kv, SleepMode::Discard)
+            .map(|p| core.abort_sleep(p))
+            .is_ok(),
+        "another pool's export does not count"
+    );
+    core.mark_exported(a.ptr).unwrap();
+    core.mark_exported(b.ptr).unwrap();
+    core.mark_exported(b.ptr).unwrap();
+    match core.begin_sleep(kv, SleepMode::Discard) {
+        Err(AllocError::PoolExported { pool, buffers }) => {
+            assert_eq!((pool.as_str(), buffers), ("kv_cache", 2));
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    assert_eq!(core.pool_state(kv), Some(PoolState::Awake));
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    let again = core.malloc_in(kv, 5 * MIB, s).unwrap();
+    assert_eq!(again.ptr, a.ptr, "a freed exported address, reused");
+    let plan = core.begin_sleep(kv, SleepMode::Discard).unwrap();
+    drop(complete_sleep(&mut core, plan, s));
+    assert_eq!(core.pool_state(kv), Some(PoolState::Asleep));
+    core.check_invariants().unwrap();
+}
