@@ -932,11 +932,10 @@ impl DeviceCore {
     /// Takes a freshly allocated segment of `params.alloc_size` bytes into the books.
     fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
         let size = params.alloc_size;
-        self.total_reserved += size;
         let id = self
             .blocks
             .insert(Block::segment(ptr.0, size, params.stream, params.pool));
-        self.segments.insert(
+        self.book_segment(
             ptr.0,
             SegmentMeta {
                 size,
@@ -944,17 +943,7 @@ impl DeviceCore {
                 stream: params.stream,
             },
         );
-        let small = self.pools[params.pool].is_small;
-        for_pool(&mut self.stats.segment, small, |s| s.increase(1));
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
-        if let Some(u) = self.usage_mut(params.pool) {
-            for_pool(&mut u.segments, small, |s| s.increase(1));
-            for_pool(&mut u.reserved, small, |s| s.increase(size));
-        }
         self.stats.num_device_alloc += 1;
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.increase(1);
-        }
         self.record_in(
             TraceAction::SegmentAlloc,
             ptr.0,
@@ -1064,18 +1053,7 @@ impl DeviceCore {
         let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
         let owner = self.owner_of(pool);
-        if let Some(p) = owner.and_then(|o| self.private.get_mut(&o.0)) {
-            for_pool(&mut p.usage.allocated, small, |s| s.increase(bsize));
-        }
-        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
-        for_pool(&mut self.stats.allocated_bytes, small, |s| {
-            s.increase(bsize)
-        });
-        for_pool(&mut self.stats.active, small, |s| s.increase(1));
-        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
-        for_pool(&mut self.stats.requested_bytes, small, |s| {
-            s.increase(requested)
-        });
+        self.count_allocated(pool, small, bsize, requested);
         let oversize = bsize >= self.config.max_split_size;
         if oversize {
             self.stats.oversize_allocations.increase(1);
@@ -1089,6 +1067,44 @@ impl DeviceCore {
             small_pool: small,
             oversize,
             pool: owner,
+        }
+    }
+
+    /// Counts a block of `bsize` bytes of block pool `pool` (`small`: its small pool) made
+    /// allocated for `requested` bytes: in its private pool's usage and in the device's
+    /// statistics. Every way a block becomes allocated (a malloc, a recorded block adopted, a
+    /// restored one) counts it here.
+    pub(crate) fn count_allocated(&mut self, pool: usize, small: bool, bsize: u64, requested: u64) {
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.allocated, small, |s| s.increase(bsize));
+        }
+        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
+        for_pool(&mut self.stats.allocated_bytes, small, |s| {
+            s.increase(bsize)
+        });
+        for_pool(&mut self.stats.active, small, |s| s.increase(1));
+        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
+        for_pool(&mut self.stats.requested_bytes, small, |s| {
+            s.increase(requested)
+        });
+    }
+
+    /// Takes a segment at `addr` into the books: its metadata, the bytes reserved, and the
+    /// segment in its private pool's usage and the device's statistics (a new segment and a
+    /// restored one alike; a new one also counts a device allocation, its caller's part).
+    pub(crate) fn book_segment(&mut self, addr: u64, meta: SegmentMeta) {
+        let (size, pool) = (meta.size, meta.pool);
+        self.segments.insert(addr, meta);
+        self.total_reserved += size;
+        let small = self.pools[pool].is_small;
+        for_pool(&mut self.stats.segment, small, |s| s.increase(1));
+        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
+        if let Some(u) = self.usage_mut(pool) {
+            for_pool(&mut u.segments, small, |s| s.increase(1));
+            for_pool(&mut u.reserved, small, |s| s.increase(size));
+        }
+        if size >= self.config.max_split_size {
+            self.stats.oversize_segments.increase(1);
         }
     }
 
@@ -1116,7 +1132,9 @@ impl DeviceCore {
             .active
             .remove(&ptr.0)
             .ok_or(AllocError::UnknownPointer(ptr))?;
-        self.exported.remove(&ptr.0);
+        if !self.exported.is_empty() {
+            self.exported.remove(&ptr.0);
+        }
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Pending;
         let (size, requested, stream, pool) =

@@ -34,7 +34,6 @@ use crate::core::{DeviceCore, MemPoolId, SegmentRequest};
 use crate::error::AllocError;
 use crate::pool::{key, unmapped_key};
 use crate::restore::{RestorePool, RestoredBlock};
-use crate::stats::for_pool;
 
 impl DeviceCore {
     /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size
@@ -348,15 +347,6 @@ impl DeviceCore {
         blk.state = BlockState::Allocated;
         blk.requested = requested;
         self.active.insert(addr, range);
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.allocated, small, |s| s.increase(size));
-        }
-        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
-        for_pool(&mut self.stats.allocated_bytes, small, |s| s.increase(size));
-        for_pool(&mut self.stats.active, small, |s| s.increase(1));
-        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(size));
-        for_pool(&mut self.stats.requested_bytes, small, |s| {
-            s.increase(requested)
-        });
+        self.count_allocated(pool, small, size, requested);
     }
 }

@@ -122,16 +122,7 @@ impl DeviceCore {
                     b.state = BlockState::Allocated;
                     b.requested = req;
                     self.active.insert(shift(addr), id);
-                    if let Some(u) = self.usage_mut(pool) {
-                        for_pool(&mut u.allocated, small, |s| s.increase(bsize));
-                    }
-                    for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
-                    for_pool(&mut self.stats.allocated_bytes, small, |s| {
-                        s.increase(bsize)
-                    });
-                    for_pool(&mut self.stats.active, small, |s| s.increase(1));
-                    for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
-                    for_pool(&mut self.stats.requested_bytes, small, |s| s.increase(req));
+                    self.count_allocated(pool, small, bsize, req);
                     if bsize >= self.config.max_split_size {
                         self.stats.oversize_allocations.increase(1);
                     }
@@ -149,18 +140,7 @@ impl DeviceCore {
                 }
             }
         }
-        self.segments
-            .insert(ptr.0, SegmentMeta { size, pool, stream });
-        self.total_reserved += size;
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.segments, small, |s| s.increase(1));
-            for_pool(&mut u.reserved, small, |s| s.increase(size));
-        }
-        for_pool(&mut self.stats.segment, small, |s| s.increase(1));
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.increase(1);
-        }
+        self.book_segment(ptr.0, SegmentMeta { size, pool, stream });
         Ok(ptr)
     }
 }
