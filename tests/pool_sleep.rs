@@ -156,14 +156,24 @@ async fn sleep_needs_expandable_segments() {
     kv.wake().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wake_without_memory_keeps_the_pool_asleep_with_its_data() {
-    let alloc = build(sim(256 * MIB), "expandable_segments:True");
+/// On a 256 MiB device under `conf`: a pool `kv` whose 100 MiB buffer holds the pattern of
+/// `salt`, put to sleep with its data offloaded.
+async fn asleep_with_100_mib(
+    conf: &str,
+    salt: u8,
+) -> (Allocator, Stream, gpualloc::Pool, DeviceBuffer) {
+    let alloc = build(sim(256 * MIB), conf);
     let s = alloc.new_stream(D0).unwrap();
     let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
     let b = kv.malloc(100 * MIB, &s).await.unwrap();
-    write(&alloc, &s, &b, 3);
+    write(&alloc, &s, &b, salt);
     kv.sleep(SleepMode::Offload).await.unwrap();
+    (alloc, s, kv, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_without_memory_keeps_the_pool_asleep_with_its_data() {
+    let (alloc, s, kv, b) = asleep_with_100_mib("expandable_segments:True", 3).await;
     let hog = alloc.malloc(200 * MIB, &s).await.unwrap();
     let free = free_bytes(&alloc);
     match kv.wake().await {
@@ -198,12 +208,7 @@ async fn a_wake_gives_the_cache_back_before_it_gives_up() {
         "expandable_segments:True",
         "expandable_segments:True,per_process_memory_fraction:0.9",
     ] {
-        let alloc = build(sim(256 * MIB), conf);
-        let s = alloc.new_stream(D0).unwrap();
-        let kv = alloc.pool("kv", PoolOptions::default()).await.unwrap();
-        let b = kv.malloc(100 * MIB, &s).await.unwrap();
-        write(&alloc, &s, &b, 5);
-        kv.sleep(SleepMode::Offload).await.unwrap();
+        let (alloc, s, kv, b) = asleep_with_100_mib(conf, 5).await;
         drop(alloc.malloc(200 * MIB, &s).await.unwrap());
         let cached = alloc.stats(D0).await.unwrap().reserved_bytes[0].current;
         assert!(cached >= 200 * MIB, "{conf}: {cached}");

@@ -13,15 +13,7 @@ use gpualloc_runtime::{DeviceId, StreamHandle};
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
-use common::rig;
-
-fn quota(q: u64) -> PoolOptions {
-    PoolOptions {
-        quota: Some(q),
-        use_on_oom: false,
-        unsplit: None,
-    }
-}
+use common::{quota, rig};
 
 /// The miss of a request of `pool` (it must not hit the cache).
 fn miss_in(core: &mut DeviceCore, pool: MemPoolId, size: u64, s: StreamHandle) -> SegmentRequest {

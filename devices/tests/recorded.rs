@@ -202,13 +202,7 @@ fn a_recorded_range_stays_under_the_memory_fraction_and_a_pools_quota() {
 
     // A pool's quota counts its own pages.
     let (_backend, mut core, s) = rig(1 << 30, PAGES);
-    let kv = core.create_named_pool(
-        "kv",
-        PoolOptions {
-            quota: Some(60 * MIB),
-            ..PoolOptions::default()
-        },
-    );
+    let kv = core.create_named_pool("kv", common::quota(60 * MIB));
     let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
     let base = a.ptr.0;
     assert!(core.map_recorded_pages(base + 20 * MIB, 40 * MIB).unwrap());

@@ -151,7 +151,7 @@ mod off_the_core {
     use gpualloc::runtime::accounting::AccountingBackend;
     use gpualloc::runtime::{Backend, DeviceId, StreamHandle};
     use gpualloc::AllocatorConfig;
-    use gpualloc_devices::{map_growth, CachedOutcome, DeviceCore, Growth};
+    use gpualloc_devices::{map_growth, CachedOutcome, DeviceCore, Growth, SegmentRequest};
     use gpualloc_replay::input::{from_bytes, Trace};
     use gpualloc_replay::{replay, ReplayOptions, ReplayReport};
 
@@ -187,6 +187,14 @@ mod off_the_core {
         from_bytes("own.pickle", &bytes).unwrap().remove(0)
     }
 
+    /// A request of `size` bytes that misses the cache: the owner's part of it is to come.
+    fn miss(core: &mut DeviceCore, size: u64, s: StreamHandle) -> SegmentRequest {
+        let CachedOutcome::Miss(request) = core.try_cached(size, s).unwrap() else {
+            panic!("expected a miss of {size} bytes");
+        };
+        request
+    }
+
     /// A warm replay under `config` on a device of the rig's capacity.
     fn warm(config: AllocatorConfig) -> ReplayOptions {
         ReplayOptions {
@@ -205,9 +213,7 @@ mod off_the_core {
         // An 8 MiB block and the 12 MiB left of its 20 MiB segment.
         let a = core.malloc(8 * MIB, s).unwrap();
         let rest = core.malloc(12 * MIB, s).unwrap();
-        let CachedOutcome::Miss(request) = core.try_cached(6 * MIB, s).unwrap() else {
-            panic!("expected a miss");
-        };
+        let request = miss(&mut core, 6 * MIB, s);
         assert!(request.claim_fraction(&mut core));
         core.free(a.ptr).unwrap();
         let ptr = backend.malloc(DeviceId(0), request.alloc_size()).unwrap();
@@ -235,9 +241,7 @@ mod off_the_core {
         core.empty_cache().unwrap();
         // A 10 MiB request misses and maps the hole; the last 40 MiB (the segment's tail, which
         // best fit counts as large as it can grow) is freed meanwhile.
-        let CachedOutcome::Miss(request) = core.try_cached(10 * MIB, s).unwrap() else {
-            panic!("expected a miss");
-        };
+        let request = miss(&mut core, 10 * MIB, s);
         let Growth::Map(plan) = core.plan_growth(&request).unwrap() else {
             panic!("expected a growth");
         };
@@ -606,17 +610,13 @@ mod off_the_core {
         let b = core.malloc(1536 << 10, s).unwrap();
         core.free(a.ptr).unwrap();
         // Another request's pages, in flight past the tail.
-        let CachedOutcome::Miss(first) = core.try_cached(3 * MIB, s).unwrap() else {
-            panic!("expected a miss");
-        };
+        let first = miss(&mut core, 3 * MIB, s);
         let Growth::Map(plan) = core.plan_growth(&first).unwrap() else {
             panic!("expected a growth");
         };
         // 1.125 MiB: the hole would leave 384 KiB; the tail cannot grow now (4 MiB mapped, 2
         // being mapped, 2 more would pass the cap). Once the pages land it could.
-        let CachedOutcome::Miss(second) = core.try_cached(1152 << 10, s).unwrap() else {
-            panic!("expected a miss");
-        };
+        let second = miss(&mut core, 1152 << 10, s);
         assert!(matches!(
             core.plan_growth(&second).unwrap(),
             Growth::InPlace

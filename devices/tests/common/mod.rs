@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_devices::{AllocatorConfig, DeviceCore, PoolOptions};
 use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
@@ -15,4 +15,13 @@ pub fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, St
     let config = AllocatorConfig::parse(conf).unwrap();
     let core = DeviceCore::new(dynb, DeviceId(0), config).unwrap();
     (backend, core, s)
+}
+
+/// A named pool's options with a quota of `bytes` and nothing else.
+#[allow(dead_code)] // not every test crate including this module makes pools
+pub fn quota(bytes: u64) -> PoolOptions {
+    PoolOptions {
+        quota: Some(bytes),
+        ..PoolOptions::default()
+    }
 }
