@@ -74,41 +74,30 @@ pub fn recorded_pools(settings: &BTreeMap<String, Value>, device: i64) -> Vec<Po
     let Some(Value::List(pools)) = settings.get(POOLS_KEY) else {
         return Vec::new();
     };
-    let field = |items: &[(Value, Value)], key: &str| {
-        items
-            .iter()
-            .find(|(k, _)| k.as_str() == Some(key))
-            .map(|(_, v)| v.clone())
-    };
-    let bytes = |v: Option<Value>| match v {
-        Some(Value::Int(n)) if n >= 0 => Some(Some(n as u64)),
+    let bytes = |v: Option<&Value>| match v {
+        Some(&Value::Int(n)) if n >= 0 => Some(Some(n as u64)),
         Some(Value::Int(-1)) => Some(None),
         _ => None,
     };
     pools
         .iter()
         .filter_map(|p| {
-            let Value::Dict(items) = p else {
+            let Some(&Value::Int(d)) = p.get("device") else {
                 return None;
             };
-            let Some(Value::Int(d)) = field(items, "device") else {
-                return None;
-            };
-            let (Some(Value::Str(name)), Some(Value::Bool(named)), Some(Value::Bool(use_on_oom))) = (
-                field(items, "name"),
-                field(items, "named"),
-                field(items, "use_on_oom"),
-            ) else {
+            let (Some(Value::Str(name)), Some(&Value::Bool(named)), Some(&Value::Bool(use_on_oom))) =
+                (p.get("name"), p.get("named"), p.get("use_on_oom"))
+            else {
                 return None;
             };
             let info = PoolInfo {
-                id: bytes(field(items, "id"))??,
-                name,
+                id: bytes(p.get("id"))??,
+                name: name.clone(),
                 named,
                 options: PoolOptions {
-                    quota: bytes(field(items, "quota"))?,
+                    quota: bytes(p.get("quota"))?,
                     use_on_oom,
-                    unsplit: bytes(field(items, "unsplit"))?,
+                    unsplit: bytes(p.get("unsplit"))?,
                 },
             };
             (d == device).then_some(info)
