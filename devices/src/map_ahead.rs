@@ -79,13 +79,17 @@ impl DeviceCore {
         // Mapped bytes past `MAP_AHEAD_DIVISOR * big` all give `ahead >= big`.
         let mapped = es.mapped_bytes_capped(big.saturating_mul(MAP_AHEAD_DIVISOR));
         let ahead = (mapped / MAP_AHEAD_DIVISOR).div_ceil(es.page) * es.page;
+        // Where PyTorch's `large_segment_size` pages would end: the next multiple of it from
+        // the segment's base that holds the request. The pages ahead never go past it, so a
+        // growth never maps more than PyTorch's would (a segment of 90 MiB needing 2 MiB
+        // more maps 10 MiB, to 100 MiB, not 1/8 of 90 = 12 MiB, to 102 MiB).
+        let at = addr - es.base;
+        let boundary = (at + want).div_ceil(big) * big - at;
         let len = if ahead >= big {
-            // A large segment grows as with PyTorch's pages: to the next multiple of
-            // `large_segment_size` from the segment's base.
-            let at = addr - es.base;
-            (at + want).div_ceil(big) * big - at
+            // A large segment grows as with PyTorch's pages: to that boundary.
+            boundary
         } else {
-            want.max(ahead)
+            want.max(ahead).min(boundary)
         };
         let len = len.min(avail);
         if self.pool_room(pool).is_some_and(|room| len > room) {

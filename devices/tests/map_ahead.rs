@@ -37,10 +37,11 @@ fn growth_maps_2_mib_pages_ahead_with_one_handle_per_20_mib() {
     let b = core.malloc(30 * MIB, s).unwrap();
     assert_eq!(b.ptr.0, a.ptr.0 + 5 * MIB, "the segment grew in place");
     assert_eq!((core.reserved_bytes(), maps()), (36 * MIB, 3));
-    // 1 MiB more needed: 36 / 8 = 4.5 MiB ahead, rounded to pages: 6 MiB, one handle.
+    // 1 MiB more needed: 36 / 8 = 4.5 MiB ahead, rounded to pages: 6 MiB, but never past
+    // the 20 MiB boundary PyTorch's page would end at: 4 MiB, to 40 MiB, one handle.
     let c = core.malloc(2 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (42 * MIB, 4));
-    // 145 MiB more needed: 146 MiB, seven handles of 20 MiB and one of 6.
+    assert_eq!((core.reserved_bytes(), maps()), (40 * MIB, 4));
+    // 147 MiB more needed: 148 MiB, seven handles of 20 MiB and one of 8.
     let d = core.malloc(150 * MIB, s).unwrap();
     assert_eq!((core.reserved_bytes(), maps()), (188 * MIB, 12));
     // 1/8 of 188 MiB is over 20 MiB: from now on the segment grows as with PyTorch's pages, to
@@ -60,6 +61,39 @@ fn growth_maps_2_mib_pages_ahead_with_one_handle_per_20_mib() {
     assert_eq!(backend.used(DeviceId(0)), 0);
     assert_eq!(backend.counts().unmaps, 14, "one unmap per handle");
     core.check_invariants().unwrap();
+}
+
+/// The pages ahead stop at the 20 MiB boundary PyTorch's page would end at, so a growth never
+/// maps more than PyTorch's (cnn-counterfactual-small with expandable segments reserved
+/// 110 MiB against PyTorch's 108 MiB before: its 90 MiB segment grew by 12 MiB, to 102).
+#[test]
+fn the_pages_ahead_stop_at_pytorchs_page_boundary() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let a = core.malloc(90 * MIB, s).unwrap();
+    assert_eq!(core.reserved_bytes(), 90 * MIB);
+    // 2 MiB needed; 1/8 of 90 MiB ahead would be 12 MiB (to 102 MiB): 10 MiB, to 100 MiB.
+    let b = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(core.reserved_bytes(), 100 * MIB);
+    assert_eq!(b.ptr.0, a.ptr.0 + 90 * MIB);
+    // The boundary holds the next growth too: 8 MiB free ahead serve 8 MiB without a map.
+    let maps = backend.counts().maps;
+    let c = core.malloc(8 * MIB, s).unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().maps),
+        (100 * MIB, maps)
+    );
+    // Short of a boundary the pages ahead are 1/8 as before: a second stream's segment of
+    // 30 MiB, 2 MiB more needed: 4 MiB (30 / 8 = 3.75, in pages), to 34 MiB of 40.
+    let s2 = backend.stream_create(DeviceId(0)).unwrap();
+    let d = core.malloc(30 * MIB, s2).unwrap();
+    let e = core.malloc(2 * MIB, s2).unwrap();
+    assert_eq!(core.reserved_bytes(), 134 * MIB);
+    core.check_invariants().unwrap();
+    for p in [a.ptr, b.ptr, c.ptr, d.ptr, e.ptr] {
+        core.free(p).unwrap();
+    }
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
 }
 
 #[test]
@@ -138,11 +172,11 @@ fn the_pages_ahead_are_dropped_when_the_device_has_no_room_for_them() {
     }
 }
 
-/// Reserved bytes after `first` then 2 MiB on a 128 MiB device of which half (64 MiB) is
+/// Reserved bytes after `first` then 2 MiB on a 108 MiB device of which half (54 MiB) is
 /// allowed.
 fn under_half(first: u64) -> u64 {
     let (_, mut core, s) = rig(
-        128 * MIB,
+        108 * MIB,
         "expandable_segments:True,per_process_memory_fraction:0.5",
     );
     let a = core.malloc(first, s).unwrap();
@@ -158,10 +192,10 @@ fn under_half(first: u64) -> u64 {
 fn the_pages_ahead_fill_the_memory_fraction_up_to_its_edge() {
     // 40 MiB mapped: 5 MiB ahead, rounded to 6 MiB, fits.
     assert_eq!(under_half(40 * MIB), 46 * MIB);
-    // 56 MiB mapped: 7 MiB ahead, rounded to 8 MiB, reaches the cap exactly: allowed.
-    assert_eq!(under_half(56 * MIB), 64 * MIB);
-    // 60 MiB mapped: 8 MiB ahead would pass it: only the request's page.
-    assert_eq!(under_half(60 * MIB), 62 * MIB);
+    // 48 MiB mapped: 6 MiB ahead reaches the cap exactly: allowed.
+    assert_eq!(under_half(48 * MIB), 54 * MIB);
+    // 50 MiB mapped: 6.25 MiB ahead, rounded to 8 MiB, would pass it: only the request's page.
+    assert_eq!(under_half(50 * MIB), 52 * MIB);
 }
 
 /// In place, the fraction counts the pages a growth needs: up to the cap exactly, not past it.

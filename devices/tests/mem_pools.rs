@@ -433,30 +433,31 @@ fn an_expandable_pools_quota_is_reached_exactly_and_not_passed() {
     }
     core.free(a.ptr).unwrap();
     core.check_invariants().unwrap();
-    // In place: 34 MiB mapped; 1/8 ahead is 6 MiB, exactly the room: kept.
+    // In place, a 46 MiB quota (off PyTorch's 20 MiB page boundaries, where the pages ahead
+    // stop anyway): 40 MiB mapped; 1/8 ahead is 5 MiB, 6 in pages, exactly the room: kept.
     let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
-    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
-    let a = core.malloc_in(kv, 34 * MIB, s).unwrap();
+    let kv = core.create_named_pool("kv_cache", quota(46 * MIB));
+    let a = core.malloc_in(kv, 40 * MIB, s).unwrap();
     let b = core.malloc_in(kv, 2 * MIB, s).unwrap();
     assert_eq!(
         core.pool_usage(kv).unwrap().reserved.all().current,
-        40 * MIB
+        46 * MIB
     );
     core.free(b.ptr).unwrap();
     core.free(a.ptr).unwrap();
-    // 36 MiB mapped: 6 MiB ahead would pass 40: only the request's 2 MiB.
+    // 42 MiB mapped: 6 MiB ahead would pass 46: only the request's 2 MiB.
     let (_, mut core, s) = rig(1 << 30, "expandable_segments:True");
-    let kv = core.create_named_pool("kv_cache", quota(40 * MIB));
-    let a = core.malloc_in(kv, 36 * MIB, s).unwrap();
+    let kv = core.create_named_pool("kv_cache", quota(46 * MIB));
+    let a = core.malloc_in(kv, 42 * MIB, s).unwrap();
     let b = core.malloc_in(kv, 2 * MIB, s).unwrap();
     assert_eq!(
         core.pool_usage(kv).unwrap().reserved.all().current,
-        38 * MIB
+        44 * MIB
     );
     let c = core.malloc_in(kv, 2 * MIB, s).unwrap();
     assert_eq!(
         core.pool_usage(kv).unwrap().reserved.all().current,
-        40 * MIB
+        46 * MIB
     );
     let err = core.malloc_in(kv, 2 * MIB, s).unwrap_err();
     assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");

@@ -286,7 +286,10 @@ impl Model {
         self.insert_free(addr);
     }
 
-    /// `empty_cache`: finish every deferred free, then release each free whole segment.
+    /// `empty_cache` (`release_cached_blocks`): finish every deferred free, then release
+    /// each free whole segment, the large pool's first and then the small pool's, each pool
+    /// in its own order (`release_blocks` walks `pool.blocks`, sorted by
+    /// `BlockComparatorSize`: stream, size, address).
     fn empty_cache(&mut self) {
         let pending: Vec<u64> = self
             .blocks
@@ -297,11 +300,13 @@ impl Model {
         for a in pending {
             self.free_block(a);
         }
-        let whole: Vec<u64> = self
-            .blocks
-            .iter()
-            .filter(|(_, b)| !b.allocated && b.prev.is_none() && b.next.is_none())
-            .map(|(a, _)| *a)
+        let whole: Vec<u64> = [Self::pool(false), Self::pool(true)]
+            .into_iter()
+            .flat_map(|pool| self.pools[pool].iter().map(|&(_, _, addr)| addr))
+            .filter(|a| {
+                let b = self.blocks[a];
+                b.prev.is_none() && b.next.is_none()
+            })
             .collect();
         for a in whole {
             self.remove_free(a);
@@ -357,7 +362,11 @@ fn model_replay(trace: &Trace, conf: &str) -> Vec<(Action, u64, u64)> {
                     m.free(a, false);
                 }
             }
-            Action::SegmentFree if i == 0 || trace.events[i - 1].action != Action::SegmentFree => {
+            // A run of releases (`segment_free`, or `segment_unmap` in a run recorded with
+            // expandable segments) is a release of the cache, as the replay reads it.
+            Action::SegmentFree | Action::SegmentUnmap
+                if i == 0 || !trace.events[i - 1].action.releases_memory() =>
+            {
                 m.empty_cache();
                 pending.clear();
             }
@@ -401,7 +410,13 @@ fn the_core_under_pytorch_policy_decides_as_the_model_of_pytorchs_rules() {
                 trace.name,
                 model.len()
             );
-            assert!(allocs > 900, "{}: only {allocs}", trace.name);
+            // Every allocation of the trace is compared (qwen3's device 1 has only 199).
+            let traced = trace
+                .events
+                .iter()
+                .filter(|e| e.action == Action::Alloc && e.size > 0)
+                .count();
+            assert_eq!(allocs, traced, "{} [{conf}]", trace.name);
             if let Some(i) = (0..model.len().min(core.len())).find(|&i| model[i] != core[i]) {
                 panic!(
                     "{} [{conf}]: event {i} differs: model {:?}, core {:?}",
@@ -426,4 +441,46 @@ fn the_model_rounds_as_pytorch_documents() {
     assert_eq!(Rules::allocation_size(512), 2 << 20);
     assert_eq!(Rules::allocation_size(5 << 20), 20 << 20);
     assert_eq!(Rules::allocation_size((10 << 20) + 1), 12 << 20);
+}
+
+/// PyTorch's `release_cached_blocks` frees the large pool's whole segments before the small
+/// pool's, each pool in its `BlockComparatorSize` order (stream, then size, then address), not
+/// in address order: on a hand-built trace, four segments on streams 7 and 3, the model and
+/// the core both release 20 MiB (stream 3), 32 MiB (stream 3), 12 MiB (stream 7), then the
+/// small pool's 2 MiB (stream 7). By address the order would be 12, 32, 20, 2 MiB.
+#[test]
+fn empty_cache_releases_the_large_pool_first_then_by_stream_size_address() {
+    use gpualloc_trace::TraceEntry;
+    const MIB: u64 = 1 << 20;
+    let requests = [(7, 12 * MIB), (3, 32 * MIB), (3, 20 * MIB), (7, 1000)];
+    let mut events = Vec::new();
+    let addr = |i: usize| 0x7f00_0000_0000 + (i as u64) * 64 * MIB;
+    for (i, &(stream, size)) in requests.iter().enumerate() {
+        events.push(TraceEntry::new(Action::Alloc, addr(i), size, stream));
+    }
+    for (i, &(stream, size)) in requests.iter().enumerate() {
+        for action in [Action::FreeRequested, Action::FreeCompleted] {
+            events.push(TraceEntry::new(action, addr(i), size, stream));
+        }
+    }
+    events.push(TraceEntry::new(Action::SegmentFree, addr(0), 12 * MIB, 7));
+    let trace = Trace {
+        name: "four segments, two streams (hand-built)".into(),
+        device: 0,
+        events,
+        final_segments: None,
+        recorded_config: None,
+        pools: Vec::new(),
+    };
+    let released = |log: &[(Action, u64, u64)]| -> Vec<u64> {
+        log.iter()
+            .filter(|e| e.0 == Action::SegmentFree)
+            .map(|e| e.2 / MIB)
+            .collect()
+    };
+    let model = model_replay(&trace, "");
+    let core = core_replay(&trace, "");
+    assert_eq!(released(&model), [20, 32, 12, 2]);
+    assert_eq!(released(&core), [20, 32, 12, 2]);
+    assert_eq!(model, core);
 }

@@ -68,6 +68,11 @@ enum Command {
         /// Several replays are written as PATH-1.pickle, PATH-2.pickle, ...
         #[arg(long, value_name = "PATH")]
         export_viz: Option<PathBuf>,
+        /// Cold replay: place new segments at the highest free address first, as CUDA's
+        /// driver placed most of them in the recorded runs (the default is lowest first).
+        /// Best fit breaks ties by address, so this can change which block a request takes.
+        #[arg(long)]
+        top_down: bool,
     },
     /// Print a PyTorch-style memory summary of a snapshot's final state.
     Summary {
@@ -252,6 +257,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             capacity,
             plot,
             export_viz,
+            top_down,
         } => {
             if let Some(path) = &plot {
                 PlotFormat::of(path)?;
@@ -321,6 +327,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                             progress: Some(progress),
                             core_hook: None,
                             record_history: export_viz.is_some(),
+                            top_down,
                         };
                         match replay_core(trace, &options) {
                             Ok((r, core)) => {
