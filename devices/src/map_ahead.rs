@@ -14,7 +14,9 @@
 //!   is released in runs of at most `large_segment_size` bytes, as with PyTorch's pages;
 //! - a growth of the large pool maps ahead: at least 1/8 of what the segment has mapped, at
 //!   most `large_segment_size`, so a segment that keeps growing grows as often as with
-//!   20 MiB pages. Without room on the device for the pages ahead it maps only what the
+//!   20 MiB pages; but never past the next multiple of `large_segment_size` from the
+//!   segment's base that holds the request, where PyTorch's page would end, so a growth never
+//!   maps more than PyTorch's would. Without room on the device for the pages ahead it maps only what the
 //!   request needs; the pages ahead never push reserved memory past
 //!   `per_process_memory_fraction`.
 //!
