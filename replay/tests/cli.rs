@@ -473,3 +473,51 @@ fn json_counts_synchronizations_and_device_frees() {
     assert_eq!(row["page_unmaps"], 2);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--top-down` places a cold replay's new segments from the highest address down. Best fit
+/// breaks ties by address, so the order decides which of two equal free blocks a request
+/// takes: a 40 MiB segment split in two 20 MiB blocks and a 20 MiB segment, one block of each
+/// free; bottom-up the next 20 MiB request takes the half in the 40 MiB segment (the lower
+/// address) and a later 40 MiB request needs a third segment (100 MiB reserved); top-down it
+/// takes the 20 MiB segment, and the 40 MiB one is whole again when needed (60 MiB).
+#[test]
+fn top_down_placement_changes_which_equal_block_a_request_takes() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-cli-topdown-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mib = 1u64 << 20;
+    let events = [
+        ("alloc", 1, 40),
+        ("free_requested", 1, 40),
+        ("alloc", 2, 20), // B: the 40 MiB segment's first half
+        ("alloc", 3, 20), // C: its second half
+        ("alloc", 4, 20), // D: a new 20 MiB segment
+        ("free_requested", 2, 20),
+        ("free_requested", 4, 20),
+        ("alloc", 5, 20), // E: B's place or D's, by address
+        ("free_requested", 3, 20),
+        ("alloc", 6, 40), // F: the whole 40 MiB segment if E is not in it
+    ];
+    let text: String = events
+        .iter()
+        .map(|(action, id, size)| {
+            format!(
+                "{{\"action\":\"{action}\",\"addr\":{},\"size\":{},\"stream\":0}}\n",
+                0x7f00_0000_0000u64 + id * 0x1000_0000,
+                size * mib
+            )
+        })
+        .collect();
+    let trace = dir.join("tie.jsonl");
+    std::fs::write(&trace, text).unwrap();
+    let peak = |extra: &[&str]| {
+        let mut args = vec!["replay", trace.to_str().unwrap(), "--json"];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = gpualloc(&args);
+        assert!(ok, "{stderr}");
+        let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        row["peak_reserved_bytes"].as_u64().unwrap() / mib
+    };
+    assert_eq!(peak(&[]), 100);
+    assert_eq!(peak(&["--top-down"]), 60);
+    std::fs::remove_dir_all(&dir).ok();
+}
