@@ -20,6 +20,7 @@ use crate::fdpass::{recv_step, send_step};
 use crate::frame::{Frame, FrameReader};
 use crate::import::ImportedBuffer;
 use crate::importer::{ImporterState, Received};
+use crate::keeper::KeeperSlot;
 use crate::ledger::ExportId;
 use crate::map::SharedMapping;
 use crate::peer::{PeerCred, PeerPolicy};
@@ -77,6 +78,8 @@ pub struct AsyncExportConn {
     sock: UnixStream,
     reader: FrameReader,
     state: ExporterState,
+    /// The connection's place with the keeper (`None` only while dropping).
+    keeper: Option<KeeperSlot>,
 }
 
 impl AsyncExportConn {
@@ -87,12 +90,14 @@ impl AsyncExportConn {
         backend: Arc<dyn Backend>,
     ) -> Result<Self> {
         let peer = policy.check(sock.as_fd())?;
+        let keeper = KeeperSlot::reserve(sock.as_fd(), peer)?;
         let state = ExporterState::new(backend, peer, DEFAULT_SLOTS)?;
         send(&sock, &state.hello()?).await?;
         Ok(AsyncExportConn {
             sock,
             reader: FrameReader::new(),
             state,
+            keeper: Some(keeper),
         })
     }
 
@@ -160,7 +165,9 @@ impl AsyncExportConn {
 
 impl Drop for AsyncExportConn {
     fn drop(&mut self) {
-        self.state.hand_over(self.sock.as_fd());
+        if let Some(slot) = self.keeper.take() {
+            self.state.hand_over(slot);
+        }
     }
 }
 

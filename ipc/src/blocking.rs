@@ -15,6 +15,7 @@ use crate::fdpass::{recv_step, send_step};
 use crate::frame::{Frame, FrameReader};
 use crate::import::ImportedBuffer;
 use crate::importer::{ImporterState, Received};
+use crate::keeper::KeeperSlot;
 use crate::ledger::ExportId;
 use crate::map::SharedMapping;
 use crate::peer::{PeerCred, PeerPolicy};
@@ -56,6 +57,8 @@ pub struct ExportConn {
     sock: UnixStream,
     reader: FrameReader,
     state: ExporterState,
+    /// The connection's place with the keeper (`None` only while dropping).
+    keeper: Option<KeeperSlot>,
 }
 
 impl ExportConn {
@@ -63,12 +66,14 @@ impl ExportConn {
     /// [`DEFAULT_SLOTS`] slots).
     pub fn new(sock: UnixStream, policy: &PeerPolicy, backend: Arc<dyn Backend>) -> Result<Self> {
         let peer = policy.check(sock.as_fd())?;
+        let keeper = KeeperSlot::reserve(sock.as_fd(), peer)?;
         let state = ExporterState::new(backend, peer, DEFAULT_SLOTS)?;
         send(sock.as_fd(), &state.hello()?)?;
         Ok(ExportConn {
             sock,
             reader: FrameReader::new(),
             state,
+            keeper: Some(keeper),
         })
     }
 
@@ -146,7 +151,9 @@ impl ExportConn {
 
 impl Drop for ExportConn {
     fn drop(&mut self) {
-        self.state.hand_over(self.sock.as_fd());
+        if let Some(slot) = self.keeper.take() {
+            self.state.hand_over(slot);
+        }
     }
 }
 

@@ -117,6 +117,15 @@ pub enum IpcError {
     /// Every reference-count slot of the connection is in use.
     #[error("all {0} reference-count slots are in use")]
     SlotsExhausted(usize),
+    /// A new exporter connection would pass one of the keeper's bounds (`keeper`): the
+    /// connection is refused before anything is exported on it.
+    #[error("too many {what} (at most {limit}): connection refused")]
+    KeeperLimit {
+        /// Which bound.
+        what: &'static str,
+        /// Its value.
+        limit: usize,
+    },
     /// The GPU runtime failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

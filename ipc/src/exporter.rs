@@ -12,6 +12,7 @@ use gpualloc_runtime::{Backend, StreamHandle};
 use crate::error::{IpcError, Result};
 use crate::export::{DeviceRegion, ExportGuard};
 use crate::frame;
+use crate::keeper::KeeperSlot;
 use crate::ledger::{ExportId, ExportLedger};
 use crate::map::SharedMapping;
 use crate::message::{DeviceOffer, Message, Readiness};
@@ -238,9 +239,11 @@ impl ExporterState {
         self.ledger.outstanding()
     }
 
-    /// The connection over `sock` is being dropped: exports still out go to a keeper thread
-    /// (`keeper.rs`) that takes them back only once the importer released them or is gone.
-    pub(crate) fn hand_over(&mut self, sock: std::os::fd::BorrowedFd<'_>) {
+    /// The connection is being dropped: exports still out go to the keeper (`keeper.rs`),
+    /// which takes them back only once the importer released them or is gone; with nothing
+    /// out, the connection's place with the keeper is given back.
+    pub(crate) fn hand_over(&mut self, slot: KeeperSlot) {
+        self.collect();
         if self.outstanding() == 0 {
             return;
         }
@@ -258,7 +261,7 @@ impl ExporterState {
             peer = self.peer.pid,
             "ipc connection dropped with exports out: kept until the importer lets go"
         );
-        crate::keeper::keep_until_eof(sock, kept);
+        slot.keep(kept);
     }
 }
 

@@ -33,12 +33,20 @@
 //! - make the exporter reuse a block it may still use: a block is freed only when its
 //!   reference count (in the shared file) reaches zero, or at the importer's EOF; an importer
 //!   that writes garbage or closes its connection but keeps a buffer keeps the block (the
-//!   buffer holds the socket; a dropped exporter connection hands its exports to a keeper
-//!   thread until EOF);
+//!   buffer holds the socket; a dropped exporter connection hands its exports to the
+//!   [`keeper`] until EOF, whatever timeout or flag is on the exporter's socket);
 //! - free another importer's blocks: each connection has its own reference-count file and
 //!   ledger;
 //! - name memory it was not sent: it only ever sends `Released` frames, which carry no
 //!   pointers, only export ids the exporter checks against its ledger.
+//!
+//! **What it can make the exporter keep, and for how long:** the exports of its connections
+//! (at most [`refcount::DEFAULT_SLOTS`] per connection) for as long as it holds them or
+//! lives, and the connections themselves: every exporter connection, open or kept after its
+//! drop, takes a socket duplicate and a place with the one keeper thread of the process when
+//! it is made, at most [`keeper::MAX_CONNECTIONS_PER_PEER`] per peer process and
+//! [`keeper::MAX_CONNECTIONS`] in all; past them a connection is refused up front
+//! ([`IpcError::KeeperLimit`]), never by freeing what a peer holds.
 //!
 //! It *can* lie in the shared counters of its own exports (release early, release twice):
 //! the counter never goes below zero, and an early release only makes the exporter reuse a
@@ -66,7 +74,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod import;
 mod importer;
-mod keeper;
+pub mod keeper;
 pub mod ledger;
 mod link;
 pub mod map;

@@ -59,6 +59,10 @@ fn importer_entry() {
     let backend = tb.backend.clone();
     let stream = backend.stream_create(dev()).unwrap();
     let sock = UnixStream::connect(std::env::var(SOCK).unwrap()).unwrap();
+    if role == "consume" {
+        // A consumer that would wait for ever fails instead.
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    }
     let mut ctrl = UnixStream::connect(std::env::var(CTRL).unwrap()).unwrap();
     ctrl.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut conn = ImportConn::new(sock, &PeerPolicy::default(), backend.clone(), dev()).unwrap();
@@ -92,6 +96,40 @@ fn importer_entry() {
             ctrl.write_all(b"w").unwrap();
             drop(buf);
         }
+        "hold" => {
+            // Hold the buffer and the connection while the exporter drops its end.
+            ctrl.write_all(b"h").unwrap();
+            assert_eq!(byte(&mut ctrl), b'g');
+            backend
+                .copy_to_device(stream, buf.ptr(), &[0xee; 4096])
+                .unwrap();
+            ctrl.write_all(b"w").unwrap();
+            assert_eq!(byte(&mut ctrl), b'q');
+            drop(buf);
+            drop(conn);
+        }
+        "consume" => {
+            // The ordinary consumer: keep the newest buffer, release the one before, stop at
+            // `Closed`. The buffer held when the exporter goes must not keep `recv` waiting.
+            let mut newest = Some(buf);
+            let mut received = 1;
+            loop {
+                match conn.recv() {
+                    Ok(Received::Device(b)) => {
+                        received += 1;
+                        newest = Some(b);
+                    }
+                    Ok(other) => panic!("unexpected {other:?}"),
+                    Err(IpcError::Closed) => break,
+                    Err(e) => panic!("recv after {received} buffers: {e}"),
+                }
+            }
+            assert_eq!(received, 2);
+            ctrl.write_all(b"c").unwrap();
+            assert_eq!(byte(&mut ctrl), b'q');
+            drop(newest);
+            drop(conn);
+        }
         "drop" => {
             drop(buf);
             // Hold the connection until told to go (or 5 s pass).
@@ -119,6 +157,11 @@ struct Exporter {
 
 impl Exporter {
     fn start(role: &str) -> Exporter {
+        Exporter::start_with(role, |_| {})
+    }
+
+    /// `start`, with `setup` applied to the exporter's socket before the connection is made.
+    fn start_with(role: &str, setup: impl FnOnce(&UnixStream)) -> Exporter {
         let tb = TestBackend::from_env(dev());
         let backend = tb.backend.clone();
         let core = DeviceCore::new(backend.clone(), dev(), AllocatorConfig::default()).unwrap();
@@ -144,6 +187,9 @@ impl Exporter {
             .unwrap();
         let (sock, _) = data.accept().unwrap();
         let (ctrl, _) = ctrl.accept().unwrap();
+        ctrl.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        setup(&sock);
         let conn = ExportConn::new(sock, &PeerPolicy::default(), backend.clone()).unwrap();
         Exporter {
             tb,
@@ -293,6 +339,62 @@ fn an_offer_unread_when_the_exporter_drops_its_connection_is_kept_for_the_import
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+    ex.finish();
+}
+
+impl Exporter {
+    /// Waits (up to 5 s) until the core no longer holds `ptr`.
+    fn wait_freed(&self, ptr: DevicePtr) {
+        let t = Instant::now();
+        while self.core.lock().unwrap().allocation(ptr).is_some() {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the keeper never freed it"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// A read timeout on the exporter's socket (the caller's, taken as it is) is not the
+/// importer's end: the connection dropped while the importer holds the buffer keeps the block
+/// for as long as it holds it, well past the timeout.
+#[test]
+fn a_read_timeout_on_the_exporters_socket_frees_nothing_the_importer_holds() {
+    let mut ex = Exporter::start_with("hold", |sock| {
+        sock.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap()
+    });
+    let exported = ex.malloc();
+    ex.export(exported);
+    assert_eq!(byte(&mut ex.ctrl), b'h');
+    drop(ex.conn.take());
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        ex.core.lock().unwrap().allocation(exported).is_some(),
+        "the block was freed while the importer holds it"
+    );
+    ex.second_allocation_survives_the_importers_writes(exported);
+    ex.ctrl.write_all(b"q").unwrap();
+    ex.wait_freed(exported);
+    ex.finish();
+}
+
+/// An importer holding a buffer sees `Closed` as soon as the exporter drops its connection
+/// (its consumer loop ends and releases the buffer, and only then is the block freed).
+#[test]
+fn a_consumer_holding_a_buffer_sees_the_exporters_drop() {
+    let mut ex = Exporter::start("consume");
+    let (a, b) = (ex.malloc(), ex.malloc());
+    ex.export(a);
+    ex.export(b);
+    drop(ex.conn.take());
+    assert_eq!(byte(&mut ex.ctrl), b'c', "the consumer never saw the end");
+    // `a` was released by the consumer; `b` is held until it is told to go.
+    ex.wait_freed(a);
+    assert!(ex.core.lock().unwrap().allocation(b).is_some());
+    ex.ctrl.write_all(b"q").unwrap();
+    ex.wait_freed(b);
     ex.finish();
 }
 
