@@ -78,3 +78,59 @@ async fn async_pair_release_message_and_silent_drop() {
     backend.free(DEV, seg).unwrap();
     assert_eq!(sim.live_allocations(), 0);
 }
+
+/// An async exporter connection dropped with an export out keeps it while the importer holds
+/// it, and gives it back once the importer drops it (its connection still open).
+#[tokio::test]
+async fn a_dropped_async_exporter_keeps_the_export_until_the_importer_drops_it() {
+    use gpualloc_ipc::keeper::COLLECT_EVERY;
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let seg = backend.malloc(DEV, 2 << 20).unwrap();
+    let (a, b) = tokio::net::UnixStream::pair().unwrap();
+    let mut exp = AsyncExportConn::new(a, &PeerPolicy::default(), backend.clone())
+        .await
+        .unwrap();
+    let mut imp = AsyncImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV)
+        .await
+        .unwrap();
+    let released = Arc::new(AtomicUsize::new(0));
+    let r = released.clone();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr: seg,
+        len: 4096,
+        segment: SegmentMemory::Allocation { base: seg },
+    };
+    exp.send_device(
+        &region,
+        None,
+        Box::new(OnRelease::new(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })),
+    )
+    .await
+    .unwrap();
+    let Received::Device(buf) = imp.recv().await.unwrap() else {
+        panic!("expected a device buffer");
+    };
+    drop(exp);
+    tokio::time::sleep(COLLECT_EVERY * 2).await;
+    assert_eq!(
+        released.load(Ordering::SeqCst),
+        0,
+        "freed under the importer"
+    );
+    drop(buf);
+    let t = std::time::Instant::now();
+    while released.load(Ordering::SeqCst) == 0 {
+        assert!(
+            t.elapsed() < COLLECT_EVERY * 10,
+            "the release was not collected"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(released.load(Ordering::SeqCst), 1);
+    drop(imp);
+    backend.free(DEV, seg).unwrap();
+}

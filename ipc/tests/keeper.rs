@@ -132,6 +132,19 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
         Ok(_) => panic!("connection {} accepted", MAX_CONNECTIONS_PER_PEER + 1),
     }
     drop(b);
+    // One goes, one more comes, and the bound holds again.
+    extra.pop();
+    let (a, b) = UnixStream::pair().unwrap();
+    extra.push((
+        ExportConn::new(a, &PeerPolicy::default(), rig.backend.clone()).unwrap(),
+        b,
+    ));
+    let (a, b) = UnixStream::pair().unwrap();
+    assert!(matches!(
+        ExportConn::new(a, &PeerPolicy::default(), rig.backend.clone()),
+        Err(IpcError::KeeperLimit { .. })
+    ));
+    drop(b);
     drop(extra);
     // Dropped with the exports out: all kept, none released.
     drop(conns);
@@ -203,6 +216,61 @@ fn with_no_fd_left_a_dropped_connection_frees_nothing_the_importer_holds() {
     wait_until("the export back", || {
         rig.released.load(Ordering::SeqCst) == 1
     });
+    wait_until("the keeper's thread gone", || !keeper::running());
+    rig.backend.free(DEV, rig.ptr).unwrap();
+}
+
+/// A release made through the shared counter alone (no frame, the importer's connection
+/// open and silent: a minimal importer, or one that lies) is collected by the keeper within
+/// a few of its collection periods, not held until the importer's next byte or its end.
+#[test]
+fn the_keeper_collects_a_release_made_through_the_counter_alone() {
+    use gpualloc_ipc::counter::SharedCounter;
+    use gpualloc_ipc::fdpass::recv_step;
+    use gpualloc_ipc::frame::{Frame, FrameReader};
+    use gpualloc_ipc::keeper::COLLECT_EVERY;
+    use gpualloc_ipc::message::Message;
+    use gpualloc_ipc::refcount::RefCountFile;
+    use std::os::fd::AsFd;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let rig = Rig::new();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), rig.backend.clone()).unwrap();
+    let released = rig.released.clone();
+    conn.send_device(
+        &rig.region,
+        None,
+        Box::new(OnRelease::new(move || {
+            released.fetch_add(1, Ordering::SeqCst);
+        })),
+    )
+    .unwrap();
+    // The raw importer: the hello's counters, the offer's slot, accepted.
+    let mut reader = FrameReader::new();
+    let mut frame = || -> Frame {
+        loop {
+            let n = recv_step(b.as_fd(), &mut reader).unwrap();
+            assert!(n > 0);
+            if let Some(f) = reader.advance(n).unwrap() {
+                return f;
+            }
+        }
+    };
+    let mut hello = frame();
+    let refs = RefCountFile::open(hello.fds.remove(0)).unwrap();
+    let Message::Device(offer) = frame().message else {
+        panic!("expected a device offer");
+    };
+    let counter = &refs.counters()[offer.slot as usize];
+    assert!(counter.accept());
+    drop(conn);
+    std::thread::sleep(COLLECT_EVERY * 2);
+    assert_eq!(rig.released.load(Ordering::SeqCst), 0);
+    assert!(counter.release_one());
+    wait_until("the counter's release collected", || {
+        rig.released.load(Ordering::SeqCst) == 1
+    });
+    drop(b);
     wait_until("the keeper's thread gone", || !keeper::running());
     rig.backend.free(DEV, rig.ptr).unwrap();
 }
