@@ -93,6 +93,17 @@ impl ExporterState {
         // The importer gets its own fd of the object: sealed, it cannot shrink it under our
         // mapping (see `shm`).
         crate::shm::ensure_sealed(fd)?;
+        // Sealed now, the object can no longer change size; if it shrank before, the
+        // importer would refuse it: refuse it here, before it crosses.
+        let actual = rustix::fs::fstat(fd)
+            .map_err(|e| IpcError::os("fstat", e))?
+            .st_size as u64;
+        if actual < mapping.len() {
+            return Err(IpcError::SizeMismatch {
+                requested: mapping.len(),
+                actual,
+            });
+        }
         let msg = Message::Host {
             len: mapping.len(),
             tag,

@@ -332,3 +332,27 @@ fn an_importer_refuses_memory_the_exporter_could_still_truncate() {
     ));
     assert!(rustix::fs::ftruncate(&host, 0).is_err());
 }
+
+/// A host mapping whose memfd shrank before it was sealed is refused by the exporter itself
+/// (the importer would refuse it with the same error after it crossed the socket).
+#[test]
+fn the_exporter_refuses_a_host_mapping_longer_than_its_object() {
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), backend()).unwrap();
+    // A memfd of the caller's, mapped whole (8 KiB), then shrunk before anything sealed it.
+    let fd = unsealed(8192);
+    let host = shm::open_fd(
+        fd.try_clone().unwrap(),
+        Some(8192),
+        MapOptions::shared_rw().with_fd(gpualloc_ipc::FdAfterMap::Keep),
+    )
+    .unwrap();
+    rustix::fs::ftruncate(&fd, 4096).unwrap();
+    match conn.send_host(&host, 1) {
+        Err(IpcError::SizeMismatch { requested, actual }) => {
+            assert_eq!((requested, actual), (8192, 4096))
+        }
+        other => panic!("{other:?}"),
+    }
+    drop(b);
+}
