@@ -12,6 +12,14 @@
 //! - [`Allocator::export`] does both over an async connection, with the buffer's stream as
 //!   the producer stream (the importer's stream waits for the work queued on it).
 //!
+//! - What the importer reaches besides the buffer: the rest of its ordinary segment, or of
+//!   the physical handles behind it in an expandable segment (the driver shares whole
+//!   allocations and handles; `gpualloc_ipc::export` has the details). A buffer of a pool of
+//!   unsplit blocks is alone on its range: allocate what you export to a peer you trust with
+//!   nothing else from such a pool,
+//!   `alloc.pool("export", PoolOptions { unsplit: Some(2 << 20), ..Default::default() })`
+//!   (it needs expandable segments, the default where the backend has virtual memory).
+//!
 //! ```ignore
 //! let mut conn = AsyncExportConn::new(sock, &PeerPolicy::default(), alloc.backend().clone()).await?;
 //! let id = alloc.export(&mut conn, buf).await?; // `buf` now lives until the importer lets go

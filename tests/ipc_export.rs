@@ -288,3 +288,39 @@ async fn export_region_rejects_empty_and_foreign_buffers() {
     q.finish().await;
     p.finish().await;
 }
+
+/// A buffer of a pool of unsplit blocks exposes its own 2 MiB range to an importer; a buffer of
+/// the default pools exposes the physical handle it shares with its neighbour
+/// (`DeviceRegion::exposed`, what the ipc crate's export docs describe).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_of_an_unsplit_pool_exposes_only_its_own_range() {
+    use gpualloc::PoolOptions;
+    const MIB: u64 = 1 << 20;
+    let p = Producer::new(true);
+    let pool = p
+        .alloc
+        .pool(
+            "export",
+            PoolOptions {
+                unsplit: Some(2 * MIB),
+                ..PoolOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+    let alone = pool.malloc(MIB, &p.stream).await.unwrap();
+    let (shared, neighbour) = (
+        p.alloc.malloc(MIB, &p.stream).await.unwrap(),
+        p.alloc.malloc(MIB, &p.stream).await.unwrap(),
+    );
+    let backend = p.alloc.backend().clone();
+    let exposed = |r: gpualloc::ipc::DeviceRegion| r.exposed(&*backend).unwrap();
+    let region = p.alloc.export_region(&alone).await.unwrap();
+    assert_eq!(exposed(region), (alone.ptr(), 2 * MIB));
+    let (start, len) = exposed(p.alloc.export_region(&shared).await.unwrap());
+    assert!(len >= 2 * MIB);
+    assert!(start.0 <= neighbour.ptr().0 && neighbour.ptr().0 < start.0 + len);
+    drop((alone, shared, neighbour));
+    drop(pool);
+    p.finish().await;
+}

@@ -15,7 +15,24 @@
 //!
 //! The connection releases the guard exactly once, when the importer releases its reference
 //! or its connection ends (importer exited or was killed), or at once if the export fails.
-//! Until the facade exists, [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
+//! [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
+//!
+//! # What an importer can reach
+//! The driver shares memory by allocation (legacy IPC opens a whole `cuMemAlloc` segment) or
+//! by physical handle (a handle is mapped whole: `cuMemMap`'s offset must be zero), never by
+//! byte range. So an importer can read and write, besides the buffer it was sent:
+//! - for a buffer of an ordinary segment: the whole segment (up to the segment's size: 2 MiB
+//!   of the small pool, 20 MiB, or the size of a large request), other buffers in it included;
+//! - for a buffer of an expandable segment: the whole physical handles behind it (under the
+//!   `gpualloc` policy a handle holds one growth, up to 20 MiB; under `pytorch`, one 20 MiB
+//!   page of the large pool or 2 MiB of the small one), other buffers on them included;
+//! - for a buffer of a pool of unsplit blocks (`PoolOptions::unsplit`, with expandable
+//!   segments): its own range only, the buffer rounded up to the pool's granularity (2 MiB),
+//!   which nothing else shares. **Allocate what you export to a peer you do not trust with
+//!   your other buffers from such a pool.**
+//!
+//! [`DeviceRegion::exposed`] tells the exporter, before it sends, what the importer will
+//! reach; `ImportedBuffer::reachable` tells the importer.
 
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
@@ -168,6 +185,27 @@ impl DeviceRegion {
         })
     }
 
+    /// The exporter's memory an importer of this region can reach (start, bytes): the whole
+    /// allocation behind an ordinary segment's buffer (a legacy IPC handle opens all of it),
+    /// the whole physical handles behind an expandable one (a handle is mapped whole). Equal
+    /// to the buffer, rounded up to the granularity, only for a buffer of a pool of unsplit
+    /// blocks; see the module docs.
+    pub fn exposed(&self, backend: &dyn Backend) -> Result<(DevicePtr, u64)> {
+        match &self.segment {
+            SegmentMemory::Allocation { base } => Ok(backend.mem_address_range(*base)?),
+            SegmentMemory::Vmm { chunks } => {
+                let first = chunks
+                    .first()
+                    .ok_or_else(|| IpcError::InvalidExport("no chunks".into()))?;
+                let bytes = chunks
+                    .iter()
+                    .try_fold(0u64, |sum, c| sum.checked_add(c.size))
+                    .ok_or_else(|| IpcError::InvalidExport("chunk overflows".into()))?;
+                Ok((first.ptr, bytes))
+            }
+        }
+    }
+
     /// Checks the description and builds what travels: the offered memory and its fds.
     pub(crate) fn offer(&self, backend: &dyn Backend) -> Result<(OfferedMemory, Vec<OwnedFd>)> {
         if self.len == 0 {
@@ -212,6 +250,7 @@ impl DeviceRegion {
                         ));
                     }
                     wire.push(WireChunk {
+                        handle: c.handle.raw,
                         va_offset: at - start,
                         size: c.size,
                         handle_offset: c.handle_offset,

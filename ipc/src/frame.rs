@@ -11,8 +11,8 @@ use crate::message::Message;
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"GPAI";
-/// Protocol version this crate speaks.
-pub const VERSION: u16 = 1;
+/// Protocol version this crate speaks (2: VMM chunks name their physical handle).
+pub const VERSION: u16 = 2;
 /// Header bytes.
 pub const HEADER_LEN: usize = 16;
 /// Largest body accepted.
@@ -223,7 +223,7 @@ mod tests {
             feed(&v, 100),
             Err(IpcError::Version {
                 got: 9,
-                expected: 1
+                expected: VERSION
             })
         ));
         let mut v = bytes.clone();

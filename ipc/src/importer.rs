@@ -8,7 +8,7 @@ use gpualloc_runtime::{Backend, DeviceId};
 
 use crate::error::{IpcError, Result};
 use crate::frame::{self, Frame};
-use crate::import::ImportedBuffer;
+use crate::import::{ImportedBuffer, VmmMappings};
 use crate::ledger::ExportId;
 use crate::link::ConnLink;
 use crate::map::{FdAfterMap, MapOptions, SharedMapping};
@@ -37,6 +37,8 @@ pub(crate) struct ImporterState {
     /// A duplicate of the connection's socket each imported buffer keeps.
     pub(crate) link: Arc<ConnLink>,
     pub(crate) exporter_pid: u32,
+    /// The VMM mappings of this connection's imports, shared by buffers on the same handles.
+    pub(crate) mappings: Arc<VmmMappings>,
 }
 
 impl ImporterState {
@@ -55,6 +57,7 @@ impl ImporterState {
                 refs: Arc::new(RefCountFile::open(fd)?),
                 link: Arc::new(ConnLink::new(sock)?),
                 exporter_pid: pid,
+                mappings: Arc::default(),
             }),
             (other, _) => Err(IpcError::Unexpected {
                 expected: "hello",
@@ -83,6 +86,7 @@ impl ImporterState {
                 self.backend.clone(),
                 self.refs.clone(),
                 self.link.clone(),
+                &self.mappings,
                 self.device,
                 offer,
                 fds,

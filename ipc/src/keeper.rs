@@ -18,7 +18,7 @@
 //! - **It shuts down its sending side** when it takes a connection: the importer's `recv`
 //!   sees `Closed` at once (its consumer loop ends and releases what it held), while the
 //!   keeper still reads the releases.
-//! - **Everything it needs is taken when the connection is made** ([`KeeperSlot::reserve`]):
+//! - **Everything it needs is taken when the connection is made** (`KeeperSlot::reserve`):
 //!   the socket's duplicate, the keeper's thread and eventfd, and a place under the bounds
 //!   below. A connection that cannot have them is refused then, with a typed error; dropping
 //!   one can never fail into freeing memory a peer still maps.

@@ -16,10 +16,14 @@
 //! # Threat model
 //!
 //! A peer is admitted by [`PeerPolicy`] (by default: the same user, checked with
-//! `SO_PEERCRED`). An admitted peer is trusted with the memory it is given and nothing else.
+//! `SO_PEERCRED`). An admitted peer is trusted with the memory it is given and nothing else,
+//! where the driver's sharing allows: a device buffer is shared by its whole allocation or
+//! physical handle, so an importer also reaches the other buffers there, except for buffers
+//! of a pool of unsplit blocks, which are alone on theirs ([`export`] says exactly what is
+//! reachable for each kind; [`DeviceRegion::exposed`] says it for one buffer).
 //!
 //! **What an importer can do to the exporter:** read and write the buffers it was sent (that
-//! is the point), keep them as long as it likes (the exporter's blocks stay allocated until
+//! is the point) and what shares their allocation or physical handle (above), keep them as long as it likes (the exporter's blocks stay allocated until
 //! it releases them, closes its connection and every buffer, or dies: memory it was given is
 //! all it can waste), and send anything at all on its socket.
 //!

@@ -109,8 +109,13 @@ pub enum OfferedMemory {
 }
 
 /// One mapped piece of a VMM buffer, as it travels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WireChunk {
+    /// The exporter's name for the physical handle (its raw value): two offers naming the
+    /// same handles in the same layout are mapped once by the importer, which counts their
+    /// users. A lying exporter can only make the importer reuse a mapping of memory the
+    /// exporter sent it before, with the sizes checked against that mapping.
+    pub handle: u64,
     /// Where it is mapped, from the start of the reservation.
     pub va_offset: u64,
     /// Bytes mapped.

@@ -356,3 +356,27 @@ fn the_exporter_refuses_a_host_mapping_longer_than_its_object() {
     }
     drop(b);
 }
+
+/// What an importer of a buffer of an ordinary segment reaches: the whole allocation (a
+/// legacy IPC handle opens all of it), as `DeviceRegion::exposed` tells the exporter.
+#[test]
+fn an_ordinary_segments_buffer_exposes_its_whole_allocation() {
+    let backend = backend();
+    let base = backend.malloc(DEV, 4 << 20).unwrap();
+    let region = DeviceRegion {
+        device: DEV,
+        ptr: base.checked_add(1 << 20).unwrap(),
+        len: 4096,
+        segment: SegmentMemory::Allocation { base },
+    };
+    assert_eq!(region.exposed(&*backend).unwrap(), (base, 4 << 20));
+    let none = DeviceRegion {
+        segment: SegmentMemory::Vmm { chunks: Vec::new() },
+        ..region
+    };
+    assert!(matches!(
+        none.exposed(&*backend),
+        Err(IpcError::InvalidExport(_))
+    ));
+    backend.free(DEV, base).unwrap();
+}

@@ -351,6 +351,7 @@ fn fuzz_importer(rng: &mut StdRng, iters: u64) {
                 _ => {
                     let chunks: Vec<WireChunk> = (0..rng.random_range(0..3))
                         .map(|_| WireChunk {
+                            handle: rng.random_range(0..4),
                             va_offset: interesting(rng, gran),
                             size: interesting(rng, gran),
                             handle_offset: interesting(rng, gran),
