@@ -296,3 +296,95 @@ fn two_thousand_imports_reserve_at_most_twice_the_bytes_imported() {
     }
     p.finish(conns);
 }
+
+/// Buffers on one physical handle share the importer's mapping of it: it stays mapped (the
+/// remaining buffer reads its bytes) until the last of them is released, then goes with its
+/// reservation and handle; a last release whose unmap fails keeps its reference (the
+/// exporter does not get the block back while this process may still reach it). In one
+/// process, with a sim for each side (the fds of VMM memory cross between them).
+#[test]
+fn buffers_on_one_handle_share_a_mapping_until_the_last_goes() {
+    use gpualloc_ipc::OnRelease;
+    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
+    use gpualloc_runtime::{BackendError, DeviceId};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const DEV: DeviceId = DeviceId(0);
+    let exporter: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let importer: Arc<dyn Backend> = sim.clone();
+    let config = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let mut core = DeviceCore::new(exporter.clone(), DEV, config).unwrap();
+    let es = exporter.stream_create(DEV).unwrap();
+    let is = importer.stream_create(DEV).unwrap();
+    // Three 1 MiB buffers of the small pool: one 2 MiB page, one handle.
+    let ptrs: Vec<DevicePtr> = (0..3).map(|_| core.malloc(MIB, es).unwrap().ptr).collect();
+    for (i, p) in ptrs.iter().enumerate() {
+        exporter
+            .copy_to_device(es, *p, &pattern(0x10 + i as u8))
+            .unwrap();
+    }
+    let regions: Vec<DeviceRegion> = ptrs
+        .iter()
+        .map(|p| DeviceRegion::from_core(&core, *p).unwrap())
+        .collect();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut conn = ExportConn::new(a, &PeerPolicy::default(), exporter.clone()).unwrap();
+    let mut imp = ImportConn::new(b, &PeerPolicy::default(), importer.clone(), DEV).unwrap();
+    let released = Arc::new(AtomicUsize::new(0));
+    fn recv(
+        conn: &mut ExportConn,
+        imp: &mut ImportConn,
+        region: &DeviceRegion,
+        released: &Arc<AtomicUsize>,
+    ) -> gpualloc_ipc::ImportedBuffer {
+        let r = released.clone();
+        conn.send_device(
+            region,
+            None,
+            Box::new(OnRelease::new(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            })),
+        )
+        .unwrap();
+        match imp.recv().unwrap() {
+            Received::Device(buf) => buf,
+            other => panic!("expected a device buffer, got {other:?}"),
+        }
+    }
+    let first = recv(&mut conn, &mut imp, &regions[0], &released);
+    let second = recv(&mut conn, &mut imp, &regions[1], &released);
+    assert_eq!(first.reachable(), second.reachable(), "one mapping");
+    assert_eq!(sim.live_reservations(), 1);
+    drop(first);
+    // The mapping stays for the second buffer.
+    let mut got = vec![0u8; 4096];
+    importer
+        .copy_from_device(is, &mut got, second.ptr())
+        .unwrap();
+    assert_eq!(got, pattern(0x11));
+    assert_eq!(sim.live_reservations(), 1);
+    drop(second);
+    assert_eq!((sim.live_reservations(), sim.live_phys()), (0, 0));
+    assert_eq!(conn.collect().len(), 2);
+    // A last release whose unmap fails keeps its reference.
+    let third = recv(&mut conn, &mut imp, &regions[2], &released);
+    sim.inject(
+        Op::Unmap,
+        Fault::FailNext {
+            skip: 0,
+            count: 1,
+            error: BackendError::Injected("unmap"),
+        },
+    );
+    drop(third);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(conn.collect().len(), 0, "a failed unmap released the block");
+    assert_eq!(released.load(Ordering::SeqCst), 2);
+    assert_eq!(sim.live_reservations(), 1);
+    sim.clear_faults();
+    drop(imp);
+    drop(conn);
+    for p in ptrs {
+        let _ = core.free(p);
+    }
+}
