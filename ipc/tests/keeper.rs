@@ -22,8 +22,14 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").unwrap().count()
+/// Threads of this process named as the keeper's (`gpualloc-ipc-keeper`, which the kernel
+/// keeps as its first 15 bytes). The test harness's own threads come and go.
+fn keeper_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim_end() == "gpualloc-ipc-ke")
+        .count()
 }
 
 /// Waits up to 10 s for `done`.
@@ -105,8 +111,9 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     raise_fd_limit();
     let rig = Rig::new();
-    let (fds, threads_at_start) = (open_fds(), threads());
+    let fds = open_fds();
     assert!(!keeper::running());
+    assert_eq!(keeper_threads(), 0);
     let mut held = Vec::new();
     let mut conns = Vec::new();
     for _ in 0..1000 {
@@ -115,7 +122,7 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
         held.push((imp, buf));
     }
     assert!(keeper::running());
-    assert_eq!(threads(), threads_at_start + 1, "one keeper thread");
+    assert_eq!(keeper_threads(), 1, "one keeper thread");
     // The per-peer bound: 1,024 connections of this process, the next refused.
     let mut extra = Vec::new();
     while keeper::connections() < MAX_CONNECTIONS_PER_PEER {
@@ -151,7 +158,7 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(rig.released.load(Ordering::SeqCst), 0);
     assert_eq!(keeper::connections(), 1000);
-    assert_eq!(threads(), threads_at_start + 1, "still one keeper thread");
+    assert_eq!(keeper_threads(), 1, "still one keeper thread");
     // Half the importers release their buffer and keep their connection; the other half
     // drop their connection first and then the buffer.
     for (i, (imp, buf)) in held.into_iter().enumerate() {
@@ -168,9 +175,7 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
     });
     wait_until("the keeper's thread gone", || !keeper::running());
     assert_eq!(keeper::connections(), 0);
-    wait_until("threads back to the start", || {
-        threads() == threads_at_start
-    });
+    wait_until("no keeper thread left", || keeper_threads() == 0);
     assert_eq!(open_fds(), fds, "fds back to the start");
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(
@@ -181,16 +186,89 @@ fn a_thousand_dropped_connections_are_kept_by_one_thread_and_all_come_back_once(
     rig.backend.free(DEV, rig.ptr).unwrap();
 }
 
-/// With every fd of the process in use, dropping a connection whose export the importer
-/// holds frees nothing (the keeper needs no fd then: it took its socket's duplicate when the
-/// connection was made); a new connection is refused with a typed error.
+/// The importer of `with_no_fd_left_...`, when this binary runs as the child: receives one
+/// buffer, says so, holds it until told to go, then writes 0xee through it and releases it.
+#[test]
+fn holder_entry() {
+    let Ok(sock) = std::env::var(HOLDER_SOCK) else {
+        return;
+    };
+    let backend: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let stream = backend.stream_create(DEV).unwrap();
+    let data = UnixStream::connect(&sock).unwrap();
+    data.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut ctrl = UnixStream::connect(&sock).unwrap();
+    ctrl.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut imp = ImportConn::new(data, &PeerPolicy::default(), backend.clone(), DEV).unwrap();
+    let Received::Device(buf) = imp.recv().unwrap() else {
+        panic!("expected a device buffer");
+    };
+    // The exporter's end is closed for sending once the keeper has it: `Closed`.
+    assert!(matches!(imp.recv(), Err(IpcError::Closed)));
+    std::io::Write::write_all(&mut ctrl, b"c").unwrap();
+    let mut g = [0u8];
+    std::io::Read::read_exact(&mut ctrl, &mut g).unwrap();
+    assert_eq!(&g, b"g");
+    backend
+        .copy_to_device(stream, buf.ptr(), &[0xee; 4096])
+        .unwrap();
+    backend.stream_synchronize(stream).unwrap();
+    std::io::Write::write_all(&mut ctrl, b"w").unwrap();
+    drop(buf);
+    drop(imp);
+    backend.stream_destroy(stream).unwrap();
+}
+
+const HOLDER_SOCK: &str = "GPUALLOC_IPC_KEEPER_HOLDER_SOCK";
+
+/// With every fd of the exporter process in use, dropping a connection whose export an
+/// importer (a second process) holds frees nothing: the keeper needs no fd then, it took its
+/// socket's duplicate when the connection was made, and its thread runs already. A new
+/// connection is refused with a typed error meanwhile.
 #[test]
 fn with_no_fd_left_a_dropped_connection_frees_nothing_the_importer_holds() {
+    use std::io::Read;
+    use std::os::unix::net::UnixListener;
+    use std::process::{Command, Stdio};
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let rig = Rig::new();
-    let (conn, imp, buf) = rig.exported();
+    let path = std::env::temp_dir().join(format!("gpualloc-keeper-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "holder_entry", "--nocapture", "--test-threads=1"])
+        .env(HOLDER_SOCK, &path)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (sock, _) = listener.accept().unwrap();
+    let (mut ctrl, _) = listener.accept().unwrap();
+    ctrl.set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut conn = ExportConn::new(sock, &PeerPolicy::default(), rig.backend.clone()).unwrap();
+    let released = rig.released.clone();
+    conn.send_device(
+        &rig.region,
+        None,
+        Box::new(OnRelease::new(move || {
+            released.fetch_add(1, Ordering::SeqCst);
+        })),
+    )
+    .unwrap();
     let (a, b) = UnixStream::pair().unwrap();
-    // Use up every fd.
+    // Use up every fd (under a soft limit just above what is open, so that it is quick).
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let limit = getrlimit(Resource::Nofile);
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(open_fds() as u64 + 32),
+            maximum: limit.maximum,
+        },
+    )
+    .unwrap();
     let mut hog = Vec::new();
     while let Ok(f) = std::fs::File::open("/dev/null") {
         hog.push(f);
@@ -209,14 +287,28 @@ fn with_no_fd_left_a_dropped_connection_frees_nothing_the_importer_holds() {
         Ok(_) => panic!("a connection without an fd for its keeper"),
     }
     drop(hog);
+    setrlimit(Resource::Nofile, limit).unwrap();
     drop(b);
-    // The importer lets go: released once.
-    drop(buf);
-    drop(imp);
+    // The importer saw `Closed`; told to, it writes through its buffer (the block is still
+    // the export's), then lets go: released once.
+    let mut c = [0u8];
+    ctrl.read_exact(&mut c).unwrap();
+    assert_eq!(&c, b"c");
+    assert_eq!(rig.released.load(Ordering::SeqCst), 0);
+    std::io::Write::write_all(&mut ctrl, b"g").unwrap();
+    ctrl.read_exact(&mut c).unwrap();
+    assert_eq!(&c, b"w");
+    assert!(child.wait().unwrap().success(), "the importer failed");
+    let mut got = vec![0u8; 4096];
+    let s = rig.backend.stream_create(DEV).unwrap();
+    rig.backend.copy_from_device(s, &mut got, rig.ptr).unwrap();
+    assert_eq!(got, vec![0xee; 4096]);
+    rig.backend.stream_destroy(s).unwrap();
     wait_until("the export back", || {
         rig.released.load(Ordering::SeqCst) == 1
     });
     wait_until("the keeper's thread gone", || !keeper::running());
+    let _ = std::fs::remove_file(&path);
     rig.backend.free(DEV, rig.ptr).unwrap();
 }
 
