@@ -20,6 +20,33 @@
 //! function it does not implement returns `CUDA_ERROR_NOT_SUPPORTED` and logs its name once:
 //! never a silent success. There are no kernels (`cuModuleLoad*`, `cuLaunchKernel`).
 //!
+//! # Fidelity: the driver's documented rules, and what the emulator does
+//!
+//! | driver rule (its docs) | emulator | test |
+//! |---|---|---|
+//! | `cuIpcOpenMemHandle` of a handle this context already opened: "the reference count on the handle is incremented by 1 and the existing device pointer is returned"; `cuIpcCloseMemHandle` decrements, unmaps at zero | counts per (context, handle), same pointer; the mapping goes with the last close | `tests/cuda_rules.rs` `an_ipc_handle_opened_twice_is_closed_twice` |
+//! | `cuIpcGetMemHandle` takes "a pointer to the base of an existing device memory allocation" | a pointer inside one is `CUDA_ERROR_INVALID_VALUE` | `tests/strict.rs` `an_ipc_handle_cannot_be_opened_by_the_process_that_made_it`; the backend passes the base (`cuda_rules.rs`, `ipc-export`) |
+//! | `cuIpcCloseMemHandle` in the context that opened the handle | another context is `CUDA_ERROR_INVALID_CONTEXT` | `cuda_rules.rs` `an_ipc_handle_is_closed_in_the_context_that_opened_it` |
+//! | `cuMemMap`'s offset "currently must be zero", its flags too | `CUDA_ERROR_INVALID_VALUE` | `strict.rs` `vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver` |
+//! | a process cannot open its own IPC handle | `CUDA_ERROR_INVALID_CONTEXT` | `strict.rs` |
+//! | a faulting kernel's error is sticky: every later call in the context fails, host functions never run | `gpualloc_emu_fault_stream`: `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from then on | `cuda_rules.rs` `after_a_sticky_error_pending_futures_fail_and_the_device_is_lost` |
+//! | VMM memory is usable by a device only after `cuMemSetAccess` names it | work of another device is refused | `cuda_rules.rs` `expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled` |
+//!
+//! Still more lenient than the driver, said plainly (each is work for the fidelity issue):
+//! - an exporter's `cuMemFree` under a live import (undefined behaviour per the docs) is not
+//!   detected;
+//! - host functions run on each stream's own worker thread, where the driver may serialize
+//!   those of every stream on one callback thread (a blocking host function then stalls all);
+//! - the sticky fault raises 700 only (not 710 `CUDA_ERROR_ASSERT`, 714-719, 911 or the NVLink
+//!   one), and work on freed or unmapped memory is a per-call error, not a sticky fault;
+//! - `cuStreamDestroy` waits for the stream's work instead of returning at once;
+//! - context checks accept any retained context where the driver needs the object's own;
+//! - stream, event and handle values are never reused after destroy;
+//! - a retained context costs no device memory in `cuMemGetInfo`;
+//! - `cuMemcpyAsync` does not record a pageable host side;
+//! - a forked child calling the emulator is not refused with the driver's initialization
+//!   error.
+//!
 //! Configuration (read at `cuInit`): `GPUALLOC_EMU_DEVICES` (default 1),
 //! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384), `GPUALLOC_EMU_LATENCY=hardware` for
 //! the sim's model of real call costs (`cuMemFree` synchronizes the device, a malloc costs

@@ -209,8 +209,8 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
         // An opened IPC mapping is the exporter's memory: its device, not the opener's.
-        if let Some((_, owner)) = lock(&emu.ipc_opened).get(&ptr).copied() {
-            return out(data.cast::<c_int>(), owner as c_int);
+        if let Some(o) = lock(&emu.ipc_opened).get(&ptr).copied() {
+            return out(data.cast::<c_int>(), o.owner as c_int);
         }
         let d = emu
             .sim

@@ -47,10 +47,8 @@ pub(crate) struct Emu {
     /// Async copies whose host side was not pinned for the copying context (the driver stages
     /// them through a bounce buffer, synchronously); read by `gpualloc_emu_pageable_copies`.
     pub(crate) pageable_copies: std::sync::atomic::AtomicU64,
-    /// Mappings opened by `cuIpcOpenMemHandle`, by address: the device whose context opened
-    /// it (only that context may close it) and the device whose memory it is (what
-    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` reports).
-    pub(crate) ipc_opened: Mutex<HashMap<u64, (u32, u32)>>,
+    /// Mappings opened by `cuIpcOpenMemHandle`, by address (see [`IpcOpened`]).
+    pub(crate) ipc_opened: Mutex<HashMap<u64, IpcOpened>>,
     /// Pairs (device, peer) whose peer access was enabled.
     pub(crate) peer_access: Mutex<std::collections::HashSet<(u32, u32)>>,
     /// Virtual-memory mappings by start: (length, bit mask of the devices given access by
@@ -424,4 +422,20 @@ impl Emu {
             .copied()
             .ok_or(CUDA_ERROR_INVALID_HANDLE)
     }
+}
+
+/// One mapping opened by `cuIpcOpenMemHandle`. The driver counts opens of a handle per
+/// context: "If the handle was already opened by the current context, the reference count on
+/// the handle is incremented by 1 and the existing device pointer is returned", and each
+/// `cuIpcCloseMemHandle` decrements it; the mapping goes at zero.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IpcOpened {
+    /// The device whose context opened it (only that context may close it).
+    pub opener: u32,
+    /// The device whose memory it is (what `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` reports).
+    pub owner: u32,
+    /// The handle's bytes.
+    pub handle: [u8; 64],
+    /// Opens not yet closed.
+    pub count: u32,
 }

@@ -8,7 +8,7 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle};
 
 use crate::abi::*;
 use crate::errors::sim_err;
-use crate::state::{call, lock, out, Needs};
+use crate::state::{call, lock, out, IpcOpened, Needs};
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: c_uint = 1;
@@ -139,7 +139,8 @@ pub extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult
     })
 }
 
-/// `cuMemMap`.
+/// `cuMemMap`. Docs: "offset - Offset into the memory represented by handle from which to
+/// start mapping. Note: currently must be zero"; "flags - currently unused, must be zero".
 #[no_mangle]
 pub extern "C" fn cuMemMap(
     ptr: CUdeviceptr,
@@ -149,7 +150,7 @@ pub extern "C" fn cuMemMap(
     flags: u64,
 ) -> CUresult {
     call("cuMemMap", Needs::Context, |emu, _| {
-        if flags != 0 {
+        if flags != 0 || offset != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let h = *lock(&emu.phys)
@@ -282,7 +283,9 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     )
 }
 
-/// `cuIpcGetMemHandle` (of a `cuMemAlloc` allocation).
+/// `cuIpcGetMemHandle` (of a `cuMemAlloc` allocation). Docs: "Takes a pointer to the base
+/// of an existing device memory allocation previously allocated with cuMemAlloc": a pointer
+/// inside one is `CUDA_ERROR_INVALID_VALUE`.
 ///
 /// # Safety
 /// `handle` must be null or writable.
@@ -292,6 +295,13 @@ pub unsafe extern "C" fn cuIpcGetMemHandle(
     dptr: CUdeviceptr,
 ) -> CUresult {
     call("cuIpcGetMemHandle", Needs::Context, |emu, _| {
+        let (base, _) = emu
+            .sim
+            .mem_address_range(DevicePtr(dptr))
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        if base.0 != dptr {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         let h = emu
             .sim
             .ipc_get_mem_handle(DevicePtr(dptr))
@@ -319,29 +329,55 @@ pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
         if emu.sim.ipc_handle_pid(&handle_of) == Some(std::process::id()) {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
+        let mut opened = lock(&emu.ipc_opened);
+        // Docs: "If the handle was already opened by the current context, the reference
+        // count on the handle is incremented by 1 and the existing device pointer is
+        // returned."
+        if let Some((ptr, o)) = opened
+            .iter_mut()
+            .find(|(_, o)| o.opener == d.0 && o.handle == handle.reserved)
+        {
+            o.count += 1;
+            return out(pdptr, *ptr);
+        }
         let owner = emu.sim.ipc_handle_device(&handle_of).map_or(d.0, |o| o.0);
         let p = emu
             .sim
             .ipc_open_mem_handle(d, &handle_of)
             .map_err(sim_err)?;
-        lock(&emu.ipc_opened).insert(p.0, (d.0, owner));
+        opened.insert(
+            p.0,
+            IpcOpened {
+                opener: d.0,
+                owner,
+                handle: handle.reserved,
+                count: 1,
+            },
+        );
         out(pdptr, p.0)
     })
 }
 
 /// `cuIpcCloseMemHandle`: only in the context that opened the handle
-/// (`CUDA_ERROR_INVALID_CONTEXT` in another).
+/// (`CUDA_ERROR_INVALID_CONTEXT` in another). Docs: "Decrements the reference count of the
+/// memory returned by cuIpcOpenMemHandle by 1. When the reference count reaches 0, this API
+/// unmaps the memory."
 #[no_mangle]
 pub extern "C" fn cuIpcCloseMemHandle(dptr: CUdeviceptr) -> CUresult {
     call("cuIpcCloseMemHandle", Needs::Context, |emu, d| {
-        let opener = lock(&emu.ipc_opened).get(&dptr).map(|(o, _)| *o);
-        if opener.is_some_and(|o| o != d.0) {
+        let mut opened = lock(&emu.ipc_opened);
+        let o = opened.get_mut(&dptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if o.opener != d.0 {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        if o.count > 1 {
+            o.count -= 1;
+            return Ok(());
         }
         emu.sim
             .ipc_close_mem_handle(DevicePtr(dptr))
             .map_err(sim_err)?;
-        lock(&emu.ipc_opened).remove(&dptr);
+        opened.remove(&dptr);
         Ok(())
     })
 }

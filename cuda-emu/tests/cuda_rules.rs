@@ -267,9 +267,13 @@ fn child_entry() {
             );
         }
         // Exports an allocation of device 1: prints its IPC handle, holds it until stdin ends.
+        // The handle is asked for with a pointer inside the allocation: `ipc_get_mem_handle`
+        // promises the containing allocation's (the driver takes base pointers only).
         "ipc-export" => {
             let p = backend.malloc(DeviceId(1), 1 << 20).unwrap();
-            let h = backend.ipc_get_mem_handle(p).unwrap();
+            let h = backend
+                .ipc_get_mem_handle(p.checked_add(4096).unwrap())
+                .unwrap();
             let hex: String = h.0.iter().map(|b| format!("{b:02x}")).collect();
             println!("HANDLE {hex}");
             let mut rest = String::new();
@@ -291,6 +295,14 @@ fn child_entry() {
             }
             let handle = gpualloc_runtime::IpcMemHandle(bytes);
             let p = backend.ipc_open_mem_handle(DeviceId(2), &handle).unwrap();
+            assert_eq!(backend.mem_address_range(p).unwrap(), (p, 1 << 20));
+            if std::env::var_os("TWICE").is_some() {
+                // The driver counts opens of one handle per context and returns the same
+                // pointer: two imports from one segment, each closed once.
+                let q = backend.ipc_open_mem_handle(DeviceId(2), &handle).unwrap();
+                assert_eq!(q, p, "the driver's pointer of the handle already open");
+                backend.ipc_close_mem_handle(q).expect("the first close");
+            }
             backend
                 .ipc_close_mem_handle(p)
                 .expect("closed in the context that opened it");
@@ -561,6 +573,13 @@ fn host_memory_unmaps_and_pointer_queries_use_a_context_the_process_holds() {
 #[test]
 fn an_ipc_handle_is_closed_in_the_context_that_opened_it() {
     run_child("ipc-open-elsewhere");
+}
+
+/// Two imports of one handle (two buffers of one exported segment): the driver returns the
+/// same pointer and counts; each import closes once, and both closes succeed.
+#[test]
+fn an_ipc_handle_opened_twice_is_closed_twice() {
+    run_child_with("ipc-open-elsewhere", &[("TWICE", "1")]);
 }
 
 #[test]

@@ -184,6 +184,12 @@ fn vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver() {
                 CUDA_ERROR_INVALID_VALUE,
                 "unaligned"
             );
+            // "offset ... currently must be zero".
+            assert_eq!(
+                cuMemMap(va, gran, gran, h, 0),
+                CUDA_ERROR_INVALID_VALUE,
+                "a non-zero offset"
+            );
             assert_eq!(cuMemMap(va, 2 * gran, 0, h, 0), CUDA_SUCCESS);
             // Not accessible before cuMemSetAccess: a copy from it fails, it does not fault.
             let mut host = vec![0u8; 16];
@@ -243,6 +249,11 @@ fn an_ipc_handle_cannot_be_opened_by_the_process_that_made_it() {
             );
             assert_eq!(
                 cuIpcGetMemHandle(&mut h, p + 4096 * 1024 * 1024),
+                CUDA_ERROR_INVALID_VALUE
+            );
+            // "a pointer to the base of an existing device memory allocation": not inside.
+            assert_eq!(
+                cuIpcGetMemHandle(&mut h, p + 4096),
                 CUDA_ERROR_INVALID_VALUE
             );
         }

@@ -183,7 +183,10 @@ pub trait Backend: Send + Sync + 'static {
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle>;
     /// Releases physical memory; it lives on while a mapping of it remains.
     fn phys_release(&self, handle: PhysHandle) -> Result<()>;
-    /// Maps `size` bytes of `handle` starting at `offset` at `ptr` inside a reservation.
+    /// Maps `size` bytes of `handle` starting at `offset` at `ptr` inside a reservation. The
+    /// CUDA driver maps from offset 0 only (its docs: the offset "currently must be zero") and
+    /// the CUDA backend refuses any other; the sim and the accounting backend take any
+    /// granular offset.
     fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()>;
     /// Unmaps `[ptr, ptr + size)`, which must be exactly mapped ranges.
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()>;

@@ -43,8 +43,9 @@ pub struct CudaBackend {
     pub(crate) granularity: Vec<OnceLock<u64>>,
     pub(crate) page_size: u64,
     /// Legacy IPC mappings this backend opened, by address: the device whose context opened
-    /// each (only that context may close it; the pointer's own device is the exporter's).
-    pub(crate) ipc_opened: std::sync::Mutex<std::collections::HashMap<u64, DeviceId>>,
+    /// each (only that context may close it; the pointer's own device is the exporter's), and
+    /// the opens not yet closed (the driver returns one pointer per handle and context).
+    pub(crate) ipc_opened: std::sync::Mutex<std::collections::HashMap<u64, (DeviceId, usize)>>,
     /// Run around every unmap and free (`crate::release_hooks`).
     pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
 }

@@ -172,6 +172,9 @@ fn virtual_memory_input() {
     invalid(b.map(DevicePtr(G), 0, 0, h));
     invalid(b.map(DevicePtr(0), G, 0, h));
     invalid(b.map(DevicePtr(u64::MAX - G + 2), G, 0, h));
+    // cuMemMap's offset "currently must be zero": refused before the driver is asked.
+    let two = PhysHandle { size: 2 * G, ..h };
+    invalid(b.map(DevicePtr(G), G, G, two));
     invalid(b.unmap(DevicePtr(G), 0));
     invalid(b.unmap(DevicePtr(u64::MAX), G));
     invalid(b.set_access(D0, DevicePtr(G), 0));

@@ -202,6 +202,13 @@ impl CudaBackend {
         let offset_usize =
             usize::try_from(offset).map_err(|_| BackendError::invalid("map: offset too large"))?;
         range("map", ptr.0, size)?;
+        // Docs of cuMemMap: "offset - Offset into the memory represented by handle from
+        // which to start mapping. Note: currently must be zero."
+        if offset != 0 {
+            return Err(BackendError::invalid(
+                "map: the driver maps physical memory from offset 0 only",
+            ));
+        }
         if handle.raw == 0 {
             return Err(BackendError::InvalidHandle(
                 "map: null physical handle".into(),
@@ -324,13 +331,16 @@ impl CudaBackend {
         Ok(device)
     }
 
+    /// The handle of the allocation containing `ptr`: the driver takes the allocation's base
+    /// pointer only ("a pointer to the base of an existing device memory allocation"), so
+    /// the base is looked up first.
     pub(crate) fn cu_ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
-        let device = self.pointer_device("ipc_get_mem_handle", ptr)?;
-        self.bind_device(device)?;
+        let (base, _) = self.cu_mem_address_range(ptr)?;
         let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         drv("cuIpcGetMemHandle", || {
-            // SAFETY: `h` is a valid, writable handle struct; the driver validates `ptr`.
-            unsafe { sys::cuIpcGetMemHandle(&mut h, ptr.0) }
+            // SAFETY: `h` is a valid, writable handle struct; `base` is the start of a live
+            // allocation (the driver validates it too).
+            unsafe { sys::cuIpcGetMemHandle(&mut h, base.0) }
         })?;
         Ok(IpcMemHandle(h.reserved.map(|b| b as u8)))
     }
@@ -356,10 +366,14 @@ impl CudaBackend {
                 )
             }
         })?;
+        // The driver counts opens of one handle in one context and returns the same pointer
+        // each time: count them too, so that each import closes once.
         self.ipc_opened
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(ptr, device);
+            .entry(ptr)
+            .or_insert((device, 0))
+            .1 += 1;
         Ok(DevicePtr(ptr))
     }
 
@@ -376,11 +390,11 @@ impl CudaBackend {
     }
 
     /// Closes in the context that opened the handle (the pointer's device is the exporter's,
-    /// which differs when it was opened on another GPU); the record is dropped only when the
-    /// close succeeded, so a failed close can be retried.
+    /// which differs when it was opened on another GPU); one open is counted off only when
+    /// the close succeeded, so a failed close can be retried.
     pub(crate) fn cu_ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
         non_null("ipc_close_mem_handle", ptr.0)?;
-        let opener = self
+        let (opener, _) = self
             .ipc_opened
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -397,10 +411,13 @@ impl CudaBackend {
             // and the context current here is the one that opened it.
             unsafe { sys::cuIpcCloseMemHandle(ptr.0) }
         })?;
-        self.ipc_opened
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&ptr.0);
+        let mut opened = self.ipc_opened.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, count)) = opened.get_mut(&ptr.0) {
+            *count -= 1;
+            if *count == 0 {
+                opened.remove(&ptr.0);
+            }
+        }
         Ok(())
     }
 }
