@@ -100,12 +100,43 @@ codes! {
     CUDA_ERROR_INVALID_HANDLE = 400, "invalid resource handle";
     CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
     CUDA_ERROR_NOT_READY = 600, "device not ready";
+    CUDA_ERROR_ECC_UNCORRECTABLE = 214, "uncorrectable ECC error encountered";
+    CUDA_ERROR_NVLINK_UNCORRECTABLE = 220, "uncorrectable NVLink error detected during the execution";
+    CUDA_ERROR_CONTAINED = 226, "an exception occurred on the device that is now contained by the GPU's error containment capability";
     CUDA_ERROR_ILLEGAL_ADDRESS = 700, "an illegal memory access was encountered";
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702, "the launch timed out and was terminated";
+    CUDA_ERROR_ASSERT = 710, "device-side assert triggered";
+    CUDA_ERROR_HARDWARE_STACK_ERROR = 714, "hardware stack error";
+    CUDA_ERROR_ILLEGAL_INSTRUCTION = 715, "an illegal instruction was encountered";
+    CUDA_ERROR_MISALIGNED_ADDRESS = 716, "misaligned address";
+    CUDA_ERROR_INVALID_ADDRESS_SPACE = 717, "operation not supported on global/shared address space";
+    CUDA_ERROR_INVALID_PC = 718, "invalid program counter";
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704, "peer access is already enabled";
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712, "part or all of the requested memory range is already mapped";
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713, "pointer does not correspond to a registered memory region";
     CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
     CUDA_ERROR_NOT_PERMITTED = 800, "operation not permitted";
     CUDA_ERROR_NOT_SUPPORTED = 801, "operation not supported";
+    CUDA_ERROR_EXTERNAL_DEVICE = 911, "an error occurred on an external device";
+
     CUDA_ERROR_UNKNOWN = 999, "unknown error";
 }
+
+/// The driver's sticky error codes: after one, "any further CUDA work will return the same
+/// error. To continue using CUDA, the process must be terminated and relaunched" (the docs
+/// of each). What `gpualloc_emu_fault_stream_code` accepts.
+pub const STICKY_CODES: [CUresult; 13] = [
+    CUDA_ERROR_ECC_UNCORRECTABLE,
+    CUDA_ERROR_NVLINK_UNCORRECTABLE,
+    CUDA_ERROR_ILLEGAL_ADDRESS,
+    CUDA_ERROR_LAUNCH_TIMEOUT,
+    CUDA_ERROR_ASSERT,
+    CUDA_ERROR_HARDWARE_STACK_ERROR,
+    CUDA_ERROR_ILLEGAL_INSTRUCTION,
+    CUDA_ERROR_MISALIGNED_ADDRESS,
+    CUDA_ERROR_INVALID_ADDRESS_SPACE,
+    CUDA_ERROR_INVALID_PC,
+    CUDA_ERROR_LAUNCH_FAILED,
+    CUDA_ERROR_EXTERNAL_DEVICE,
+    CUDA_ERROR_CONTAINED,
+];

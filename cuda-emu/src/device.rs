@@ -186,8 +186,8 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
         *slot -= 1;
         if *slot == 0 {
             emu.release_exclusive(d);
-            // The context is destroyed with its last release; the next one starts clean.
-            emu.faulted[d as usize].store(false, std::sync::atomic::Ordering::Release);
+            // A sticky error outlives the context: "the process must be terminated and
+            // relaunched" (the driver's docs), so `faulted` stays.
         }
         Ok(())
     })

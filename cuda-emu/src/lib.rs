@@ -29,7 +29,7 @@
 //! | `cuIpcCloseMemHandle` in the context that opened the handle | another context is `CUDA_ERROR_INVALID_CONTEXT` | `cuda_rules.rs` `an_ipc_handle_is_closed_in_the_context_that_opened_it` |
 //! | `cuMemMap`'s offset "currently must be zero", its flags too | `CUDA_ERROR_INVALID_VALUE` | `strict.rs` `vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver` |
 //! | a process cannot open its own IPC handle | `CUDA_ERROR_INVALID_CONTEXT` | `strict.rs` |
-//! | a faulting kernel's error is sticky: every later call in the context fails, host functions never run | `gpualloc_emu_fault_stream`: `CUDA_ERROR_ILLEGAL_ADDRESS` (700) from then on | `cuda_rules.rs` `after_a_sticky_error_pending_futures_fail_and_the_device_is_lost` |
+//! | a faulting kernel's error is sticky: "any further CUDA work will return the same error ... the process must be terminated and relaunched"; host functions never run | `gpualloc_emu_fault_stream_code` raises any of [`STICKY_CODES`] (700, 702, 710 `CUDA_ERROR_ASSERT`, 714-719, 214, 220, 226, 911); every later call in the context fails with it for the life of the process, releasing the primary context does not clear it | `cuda_rules.rs` `after_a_sticky_error_pending_futures_fail_and_the_device_is_lost`, `every_sticky_code_loses_the_device` |
 //! | VMM memory is usable by a device only after `cuMemSetAccess` names it | work of another device is refused | `cuda_rules.rs` `expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled` |
 //!
 //! Still more lenient than the driver, said plainly (each is work for the fidelity issue):
@@ -37,8 +37,7 @@
 //!   detected;
 //! - host functions run on each stream's own worker thread, where the driver may serialize
 //!   those of every stream on one callback thread (a blocking host function then stalls all);
-//! - the sticky fault raises 700 only (not 710 `CUDA_ERROR_ASSERT`, 714-719, 911 or the NVLink
-//!   one), and work on freed or unmapped memory is a per-call error, not a sticky fault;
+//! - work on freed or unmapped memory is a per-call error, not a sticky fault;
 //! - `cuStreamDestroy` waits for the stream's work instead of returning at once;
 //! - context checks accept any retained context where the driver needs the object's own;
 //! - stream, event and handle values are never reused after destroy;
@@ -59,8 +58,9 @@
 //!
 //! Exported functions that are not the driver's, for tests (through `dlsym`):
 //! `gpualloc_emu_pageable_copies` (copies the driver would have staged) and
-//! `gpualloc_emu_fault_stream` (a kernel that faults when its stream reaches it: the context's
-//! sticky error, after which every call in it fails and host functions never run).
+//! `gpualloc_emu_fault_stream` / `gpualloc_emu_fault_stream_code` (a kernel that faults when
+//! its stream reaches it: the context's sticky error, after which every call in it fails and
+//! host functions never run).
 //!
 //! The device name, `gpualloc emulated device`, lets tests tell the emulator from a GPU.
 //! With `GPUALLOC_FORBID_EMULATOR` set (as `scripts/gpu-check.sh` does on a real GPU),

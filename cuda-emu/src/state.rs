@@ -64,10 +64,11 @@ pub(crate) struct Emu {
     /// `GPUALLOC_EMU_FREE_NO_SYNC`: `cuMemFree` does not synchronize (the driver says it
     /// *may*), so a caller relying on it frees memory queued work still uses.
     pub(crate) free_without_sync: bool,
-    /// Devices whose context hit a sticky error (`gpualloc_emu_fault_stream`): every call that
-    /// needs the context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` and no host function runs,
-    /// until the primary context is released by every holder.
-    pub(crate) faulted: Vec<std::sync::atomic::AtomicBool>,
+    /// Per device, the sticky error its context hit (`gpualloc_emu_fault_stream_code`; 0:
+    /// none): every call that needs the context fails with it and no host function runs, for
+    /// the life of the process (releasing the primary context does not clear it: the driver's
+    /// docs say the process must be relaunched).
+    pub(crate) faulted: Vec<std::sync::atomic::AtomicU32>,
 }
 
 static EMU: OnceLock<Emu> = OnceLock::new();
@@ -146,7 +147,7 @@ pub(crate) fn init() -> Result<(), CUresult> {
         pageable_copies: std::sync::atomic::AtomicU64::new(0),
         free_without_sync,
         faulted: (0..devices)
-            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .map(|_| std::sync::atomic::AtomicU32::new(0))
             .collect(),
         sim,
         devices,
@@ -190,8 +191,8 @@ pub(crate) fn call(
                 if lock(&emu.retained).get(d as usize).copied().unwrap_or(0) == 0 {
                     return Err(CUDA_ERROR_INVALID_CONTEXT);
                 }
-                if emu.is_faulted(d) {
-                    return Err(CUDA_ERROR_ILLEGAL_ADDRESS);
+                if let Some(code) = emu.sticky(d) {
+                    return Err(code);
                 }
                 DeviceId(d)
             }
@@ -261,11 +262,17 @@ pub(crate) fn device_of_context(ctx: CUcontext, devices: u32) -> Option<u32> {
 }
 
 impl Emu {
-    /// True once device `d`'s context hit a sticky error.
-    pub(crate) fn is_faulted(&self, d: u32) -> bool {
+    /// The sticky error device `d`'s context hit, if any.
+    pub(crate) fn sticky(&self, d: u32) -> Option<CUresult> {
         self.faulted
             .get(d as usize)
-            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
+            .map(|f| f.load(std::sync::atomic::Ordering::Acquire))
+            .filter(|code| *code != 0)
+    }
+
+    /// True once device `d`'s context hit a sticky error.
+    pub(crate) fn is_faulted(&self, d: u32) -> bool {
+        self.sticky(d).is_some()
     }
 
     /// The sim stream behind a `CUstream` (null: `device`'s default stream).

@@ -134,28 +134,52 @@ pub extern "C" fn cuLaunchHostFunc(
     })
 }
 
-/// Not a driver function: queues on `stream` what a faulting kernel does. When the stream
-/// reaches it, the context of the current device hits a sticky error
-/// (`CUDA_ERROR_ILLEGAL_ADDRESS`): from then on every call that needs that context fails with
-/// it, and no host function queued on any of its streams runs (work before it completes).
-/// Releasing the primary context by every holder clears it, as the driver's context
-/// destruction does. Tests reach it through `dlsym`.
+/// Not a driver function: [`gpualloc_emu_fault_stream_code`] with
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`, the most common kernel fault. Tests reach it through `dlsym`.
 #[no_mangle]
 pub extern "C" fn gpualloc_emu_fault_stream(stream: CUstream) -> CUresult {
-    call("gpualloc_emu_fault_stream", Needs::Context, |emu, d| {
-        let s = emu.work_stream(stream, d)?;
-        emu.sim
-            .launch_host_func(
-                s,
-                Box::new(move |_| {
-                    if let Some(emu) = crate::state::emu() {
-                        tracing::info!(device = d.0, "emulated kernel fault: sticky error");
-                        emu.faulted[d.0 as usize].store(true, std::sync::atomic::Ordering::Release);
-                    }
-                }),
-            )
-            .map_err(sim_err)
-    })
+    gpualloc_emu_fault_stream_code(stream, CUDA_ERROR_ILLEGAL_ADDRESS)
+}
+
+/// Not a driver function: queues on `stream` what a faulting kernel does. When the stream
+/// reaches it, the context of the current device hits sticky error `code` (one of
+/// [`STICKY_CODES`]: 710 is a device-side `assert`): from then on every call that needs that
+/// context fails with it, for the life of the process (releasing the primary context does
+/// not clear it), and no host function queued on any of its streams runs (work before it
+/// completes). Another code is `CUDA_ERROR_INVALID_VALUE`. Tests reach it through `dlsym`.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_fault_stream_code(stream: CUstream, code: CUresult) -> CUresult {
+    call(
+        "gpualloc_emu_fault_stream_code",
+        Needs::Context,
+        |emu, d| {
+            if !STICKY_CODES.contains(&code) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let s = emu.work_stream(stream, d)?;
+            emu.sim
+                .launch_host_func(
+                    s,
+                    Box::new(move |_| {
+                        if let Some(emu) = crate::state::emu() {
+                            tracing::info!(
+                                device = d.0,
+                                code,
+                                "emulated kernel fault: sticky error"
+                            );
+                            // The first sticky error is the one every later call reports.
+                            let _ = emu.faulted[d.0 as usize].compare_exchange(
+                                0,
+                                code,
+                                std::sync::atomic::Ordering::AcqRel,
+                                std::sync::atomic::Ordering::Acquire,
+                            );
+                        }
+                    }),
+                )
+                .map_err(sim_err)
+        },
+    )
 }
 
 /// `cuEventCreate` (timing flags accepted; the emulator keeps no timestamps).

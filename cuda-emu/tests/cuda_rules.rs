@@ -62,8 +62,18 @@ fn pageable_copies() -> u64 {
     }
 }
 
+/// The sticky error the `sticky-fault` role raises: `STICKY_CODE` (default 700), and its name.
+fn sticky_code() -> (u32, &'static str) {
+    match std::env::var("STICKY_CODE").as_deref() {
+        Ok("710") => (710, "CUDA_ERROR_ASSERT"),
+        Ok("911") => (911, "CUDA_ERROR_EXTERNAL_DEVICE"),
+        Ok("220") => (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE"),
+        _ => (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+    }
+}
+
 /// Queues the emulator's faulting kernel on `stream`: when the stream reaches it, the context
-/// of the stream's device hits a sticky error.
+/// of the stream's device hits sticky error [`sticky_code`].
 fn fault_stream(cuda: &CudaBackend, stream: &gpualloc::Stream) {
     let s = cuda.cudarc_stream(stream.handle()).unwrap();
     s.context().bind_to_thread().unwrap();
@@ -73,13 +83,13 @@ fn fault_stream(cuda: &CudaBackend, stream: &gpualloc::Stream) {
     let r = unsafe {
         let lib = cudarc::driver::sys::culib();
         let f = lib
-            .get::<unsafe extern "C" fn(*mut std::ffi::c_void) -> u32>(
-                b"gpualloc_emu_fault_stream\0",
+            .get::<unsafe extern "C" fn(*mut std::ffi::c_void, u32) -> u32>(
+                b"gpualloc_emu_fault_stream_code\0",
             )
             .expect("the emulator's fault knob");
-        f(s.cu_stream().cast())
+        f(s.cu_stream().cast(), sticky_code().0)
     };
-    assert_eq!(r, 0, "gpualloc_emu_fault_stream");
+    assert_eq!(r, 0, "gpualloc_emu_fault_stream_code");
 }
 
 /// Awaits `fut`, failing the test if it takes longer than 5 s (a hang).
@@ -457,7 +467,7 @@ fn child_entry() {
                     );
                     match &err {
                         BackendError::DeviceLost { device, cause } if *device == lost => {
-                            assert!(cause.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{cause}")
+                            assert!(cause.contains(sticky_code().1), "{cause}")
                         }
                         other => panic!("expected DeviceLost of device {lost}, got {other:?}"),
                     }
@@ -608,6 +618,15 @@ fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
 #[test]
 fn after_a_sticky_error_pending_futures_fail_and_the_device_is_lost() {
     run_child("sticky-fault");
+}
+
+/// The same after a device-side `assert` (710, the most common kernel fault in ML), an
+/// external device's error (911) and an uncorrectable NVLink error (220): sticky too.
+#[test]
+fn every_sticky_code_loses_the_device() {
+    for code in ["710", "911", "220"] {
+        run_child_with("sticky-fault", &[("STICKY_CODE", code)]);
+    }
 }
 
 #[test]

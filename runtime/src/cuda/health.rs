@@ -38,19 +38,26 @@ pub(crate) const PROBE_PERIOD: Duration = Duration::from_millis(20);
 /// How long the watchdog sleeps when no host function is pending (a launch wakes it sooner).
 const IDLE_PERIOD: Duration = Duration::from_secs(1);
 
-/// True for the driver's sticky error codes: after one, the context is unusable.
+/// True for the driver's sticky error codes: after one, the context is unusable. Each of these
+/// is documented with "any further CUDA work will return the same error. To continue using
+/// CUDA, the process must be terminated and relaunched": a device-side `assert` (710) as much
+/// as an illegal address (700).
 pub(crate) fn is_sticky(code: i32) -> bool {
     use CUresult::*;
     [
         CUDA_ERROR_ECC_UNCORRECTABLE,
+        CUDA_ERROR_NVLINK_UNCORRECTABLE,
         CUDA_ERROR_ILLEGAL_ADDRESS,
         CUDA_ERROR_LAUNCH_TIMEOUT,
+        CUDA_ERROR_ASSERT,
         CUDA_ERROR_HARDWARE_STACK_ERROR,
         CUDA_ERROR_ILLEGAL_INSTRUCTION,
         CUDA_ERROR_MISALIGNED_ADDRESS,
         CUDA_ERROR_INVALID_ADDRESS_SPACE,
         CUDA_ERROR_INVALID_PC,
         CUDA_ERROR_LAUNCH_FAILED,
+        CUDA_ERROR_EXTERNAL_DEVICE,
+        CUDA_ERROR_CONTAINED,
     ]
     .iter()
     .any(|c| *c as i32 == code)
@@ -232,7 +239,9 @@ mod tests {
 
     #[test]
     fn sticky_codes_are_told_apart() {
-        for c in [700, 714, 715, 716, 717, 718, 719, 702, 214] {
+        for c in [
+            700, 702, 710, 714, 715, 716, 717, 718, 719, 214, 220, 226, 911,
+        ] {
             assert!(is_sticky(c), "{c}");
         }
         for c in [0, 1, 2, 101, 201, 400, 600, 701, 999] {
