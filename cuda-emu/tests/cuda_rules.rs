@@ -316,6 +316,13 @@ fn child_entry() {
             backend
                 .ipc_close_mem_handle(p)
                 .expect("closed in the context that opened it");
+            // The memory is device 1's, but this process used only device 2: querying its
+            // range needs the importer's context, not one on the exporter's GPU.
+            assert_eq!(
+                active_contexts(DEVICES),
+                [false, false, true, false],
+                "a context on the exporter's device"
+            );
             drop(exporter.stdin.take());
             assert!(exporter.wait().unwrap().success());
         }

@@ -42,10 +42,8 @@ pub struct CudaBackend {
     pub(crate) events: Registry<CuEvent>,
     pub(crate) granularity: Vec<OnceLock<u64>>,
     pub(crate) page_size: u64,
-    /// Legacy IPC mappings this backend opened, by address: the device whose context opened
-    /// each (only that context may close it; the pointer's own device is the exporter's), and
-    /// the opens not yet closed (the driver returns one pointer per handle and context).
-    pub(crate) ipc_opened: std::sync::Mutex<std::collections::HashMap<u64, (DeviceId, usize)>>,
+    /// Legacy IPC mappings this backend opened, by address (see [`IpcOpened`]).
+    pub(crate) ipc_opened: std::sync::Mutex<std::collections::BTreeMap<u64, IpcOpened>>,
     /// Run around every unmap and free (`crate::release_hooks`).
     pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
 }
@@ -144,7 +142,7 @@ impl CudaBackend {
             events: Registry::new("event"),
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
             page_size: rustix::param::page_size() as u64,
-            ipc_opened: std::sync::Mutex::new(std::collections::HashMap::new()),
+            ipc_opened: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             release_hooks: Default::default(),
         }
     }
@@ -400,4 +398,17 @@ mod maps_tests {
         assert_eq!(at(0x1000), None);
         assert_eq!(at(0x7f00e000), None);
     }
+}
+
+/// A legacy IPC mapping this backend opened.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IpcOpened {
+    /// The device whose context opened it: only that context may close it, and queries of
+    /// its addresses use it (the pointer's own device is the exporter's, whose context this
+    /// process need not hold).
+    pub(crate) opener: DeviceId,
+    /// Its size.
+    pub(crate) size: u64,
+    /// Opens not yet closed (the driver returns one pointer per handle and context).
+    pub(crate) count: usize,
 }

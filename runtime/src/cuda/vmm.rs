@@ -10,7 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
-use super::backend::CudaBackend;
+use super::backend::{CudaBackend, IpcOpened};
 use super::error::{drv, with_request};
 use super::validate::{aligned, alloc_size, inside_phys, non_null, range, va_alignment};
 use crate::error::{BackendError, Result};
@@ -366,19 +366,49 @@ impl CudaBackend {
                 )
             }
         })?;
+        // Its size, in the opening context (still current).
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        let ranged = drv("cuMemGetAddressRange", || {
+            // SAFETY: both out-pointers are valid and writable; `ptr` was just opened.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        });
+        if let Err(e) = ranged {
+            // Close what was opened; the import fails as a whole.
+            let _ = drv("cuIpcCloseMemHandle", || {
+                // SAFETY: by-value address opened above, in the current context.
+                unsafe { sys::cuIpcCloseMemHandle(ptr) }
+            });
+            return Err(e);
+        }
         // The driver counts opens of one handle in one context and returns the same pointer
         // each time: count them too, so that each import closes once.
         self.ipc_opened
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry(ptr)
-            .or_insert((device, 0))
-            .1 += 1;
+            .or_insert(IpcOpened {
+                opener: device,
+                size: size as u64,
+                count: 0,
+            })
+            .count += 1;
         Ok(DevicePtr(ptr))
     }
 
+    /// The legacy IPC mapping this backend opened that holds `ptr`, if any.
+    fn ipc_opened_at(&self, ptr: DevicePtr) -> Option<(u64, IpcOpened)> {
+        let opened = self.ipc_opened.lock().unwrap_or_else(|p| p.into_inner());
+        let (base, o) = opened.range(..=ptr.0).next_back()?;
+        (ptr.0 < base.saturating_add(o.size)).then_some((*base, *o))
+    }
+
     pub(crate) fn cu_mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
-        let device = self.pointer_device("mem_address_range", ptr)?;
+        // An opened IPC mapping is queried in the context that opened it: the pointer's own
+        // device is the exporter's, and binding it would make this process a context there.
+        let device = match self.ipc_opened_at(ptr) {
+            Some((_, o)) => o.opener,
+            None => self.pointer_device("mem_address_range", ptr)?,
+        };
         self.bind_device(device)?;
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         drv("cuMemGetAddressRange", || {
@@ -394,12 +424,12 @@ impl CudaBackend {
     /// the close succeeded, so a failed close can be retried.
     pub(crate) fn cu_ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
         non_null("ipc_close_mem_handle", ptr.0)?;
-        let (opener, _) = self
+        let opener = self
             .ipc_opened
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&ptr.0)
-            .copied()
+            .map(|o| o.opener)
             .ok_or_else(|| {
                 BackendError::invalid(format!(
                     "ipc_close_mem_handle: {ptr} was not opened by ipc_open_mem_handle"
@@ -412,9 +442,9 @@ impl CudaBackend {
             unsafe { sys::cuIpcCloseMemHandle(ptr.0) }
         })?;
         let mut opened = self.ipc_opened.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, count)) = opened.get_mut(&ptr.0) {
-            *count -= 1;
-            if *count == 0 {
+        if let Some(o) = opened.get_mut(&ptr.0) {
+            o.count -= 1;
+            if o.count == 0 {
                 opened.remove(&ptr.0);
             }
         }
