@@ -161,6 +161,24 @@ fn child_entry() {
                 assert!((0..DEVICES).all(|d| b.has_vmm(DeviceId(d))));
                 assert!(!b.has_vmm(DeviceId(DEVICES)), "no such device");
                 assert_eq!(active_contexts(DEVICES), [false; 4], "has_vmm retained one");
+                // A pool of unsplit blocks checks its granularity on every device, which
+                // needs no context either.
+                let pool = alloc
+                    .pool(
+                        "unsplit",
+                        gpualloc::PoolOptions {
+                            unsplit: Some(2 << 20),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    active_contexts(DEVICES),
+                    [false; 4],
+                    "the unsplit pool retained one"
+                );
+                drop(pool);
                 let stream = alloc.new_stream(DeviceId(2)).unwrap();
                 let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
                 assert_eq!(active_contexts(DEVICES), [false, false, true, false]);
@@ -345,6 +363,19 @@ fn child_entry() {
                 let s1 = alloc.new_stream(DeviceId(1)).unwrap();
                 let buf = alloc.malloc(1 << 20, &s1).await.unwrap();
                 drop(buf);
+                // A pool of unsplit blocks, while device 2 is the other process's: its
+                // granularity needs no context, so nothing is refused for it.
+                let pool = alloc
+                    .pool(
+                        "unsplit",
+                        gpualloc::PoolOptions {
+                            unsplit: Some(2 << 20),
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .expect("an unsplit pool while another process holds device 2");
+                drop(pool);
                 let busy = alloc.new_stream(DeviceId(2));
                 assert!(busy.is_err(), "device 2 belongs to the other process");
                 let msg = busy.err().unwrap().to_string();

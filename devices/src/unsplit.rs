@@ -14,6 +14,8 @@
 //! - Everything else is a named pool's: quota, statistics, release (the range is unmapped and
 //!   its reservation freed), sleep and wake.
 
+use gpualloc_runtime::BackendError;
+
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
 use crate::sleep::PoolState;
@@ -33,10 +35,14 @@ impl DeviceCore {
         if !self.config.expandable_segments {
             return Err("a pool of unsplit blocks needs expandable_segments:True");
         }
-        let granularity = self
-            .backend
-            .vmm_granularity(self.device)
-            .map_err(|_| "the backend has no virtual memory for a pool of unsplit blocks")?;
+        let granularity = self.backend.vmm_granularity(self.device).map_err(|e| match e {
+            BackendError::NotSupported(_) => {
+                "the backend has no virtual memory for a pool of unsplit blocks"
+            }
+            // The device has virtual memory (it was asked before), but could not answer now:
+            // not a missing feature, and not said to be one.
+            _ => "the device's virtual-memory granularity could not be read (device lost or unavailable)",
+        })?;
         if !g.is_power_of_two() || g % granularity != 0 {
             return Err("unsplit: the granularity must be a power of two and a multiple of the device's (2 MiB)");
         }

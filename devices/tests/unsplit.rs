@@ -179,3 +179,37 @@ fn a_granularity_that_cannot_be_is_a_typed_error() {
         Err(AllocError::InvalidSize { .. })
     ));
 }
+
+/// A device that cannot answer its granularity (lost, or held by another process) is not
+/// reported as one without virtual memory.
+#[test]
+fn a_device_that_cannot_answer_is_not_called_one_without_virtual_memory() {
+    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
+    use gpualloc_runtime::{Backend, BackendError, DeviceId};
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let config = gpualloc_devices::AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let core = DeviceCore::new(backend, DeviceId(0), config).unwrap();
+    let lost = |error: BackendError| {
+        sim.inject(
+            Op::VmmGranularity,
+            Fault::FailNext {
+                skip: 0,
+                count: 1,
+                error,
+            },
+        );
+        match core.check_pool_options(&unsplit(2 * MIB)) {
+            Err(AllocError::NotSupported(why)) => why,
+            other => panic!("{other:?}"),
+        }
+    };
+    let why = lost(BackendError::DeviceLost {
+        device: 0,
+        cause: "CUDA_ERROR_ASSERT".into(),
+    });
+    assert!(!why.contains("no virtual memory"), "{why}");
+    assert!(why.contains("lost or unavailable"), "{why}");
+    let why = lost(BackendError::NotSupported("virtual memory".into()));
+    assert!(why.contains("no virtual memory"), "{why}");
+}

@@ -98,7 +98,11 @@ impl CudaBackend {
         if let Some(g) = slot.get() {
             return Ok(*g);
         }
-        self.bind_device(device)?;
+        // cuMemGetAllocationGranularity names its device in the properties and needs no
+        // context: asking retains none (a process that works on GPU k makes no context on the
+        // others, and a device another process holds in EXCLUSIVE_PROCESS mode still answers).
+        self.health.check(device)?;
+        self.contexts.check(device)?;
         let g = match granularity_of(device, POSIX_FD) {
             Err(BackendError::NotSupported(_) | BackendError::InvalidValue(_)) => {
                 granularity_of(device, NO_HANDLE)
