@@ -110,6 +110,10 @@ static CHECKS: &[Check] = &[
         name: "host_register_checks_alignment",
         run: host_register_alignment,
     },
+    Check {
+        name: "free_runs_release_hooks_after_queued_work",
+        run: free_runs_release_hooks_after_queued_work,
+    },
 ];
 
 /// How long a gate waits before a check gives up (a hung backend fails, never hangs).
@@ -689,4 +693,62 @@ fn host_register_alignment(b: &Arc<dyn Backend>, _d: DeviceId) -> Result<(), Str
     ok(b.host_unregister(aligned), "host_unregister")?;
     drop(buf);
     Ok(())
+}
+
+/// `free` synchronizes the device before it runs the release hooks: a hook that drops a
+/// registration (NCCL's deregistration) must not run while work queued before the free (a
+/// collective on the buffer) may still use the memory.
+fn free_runs_release_hooks_after_queued_work(
+    b: &Arc<dyn Backend>,
+    d: DeviceId,
+) -> Result<(), String> {
+    use crate::release_hooks::{Release, ReleaseHook};
+    struct Seen {
+        addr: u64,
+        work_done: Arc<AtomicBool>,
+        /// 0: not called; 1: called with the work done; 2: called before it was.
+        at_hook: AtomicU64,
+    }
+    impl ReleaseHook for Seen {
+        fn before_release(&self, r: Release) {
+            if matches!(r, Release::Free { addr, .. } if addr == self.addr) {
+                let done = self.work_done.load(Ordering::SeqCst);
+                self.at_hook
+                    .store(if done { 1 } else { 2 }, Ordering::SeqCst);
+            }
+        }
+    }
+    let Some(hooks) = b.release_hooks() else {
+        return Ok(());
+    };
+    let p = ok(b.malloc(d, 1 << 20), "malloc")?;
+    let s = ok(b.stream_create(d), "stream_create")?;
+    let work_done = Arc::new(AtomicBool::new(false));
+    let done = work_done.clone();
+    ok(
+        b.launch_host_func(
+            s,
+            Box::new(move |_| {
+                std::thread::sleep(Duration::from_millis(100));
+                done.store(true, Ordering::SeqCst);
+            }),
+        ),
+        "launch_host_func",
+    )?;
+    let seen = Arc::new(Seen {
+        addr: p.0,
+        work_done,
+        at_hook: AtomicU64::new(0),
+    });
+    let id = hooks.add(seen.clone());
+    let freed = b.free(d, p);
+    hooks.remove(id);
+    ok(freed, "free")?;
+    ok(b.stream_synchronize(s), "stream_synchronize")?;
+    ok(b.stream_destroy(s), "stream_destroy")?;
+    match seen.at_hook.load(Ordering::SeqCst) {
+        1 => Ok(()),
+        0 => Err("free ran no release hook".into()),
+        _ => Err("free ran its release hooks while queued work was still running".into()),
+    }
 }

@@ -15,7 +15,9 @@
 //! Rules:
 //! - [`ReleaseHook::before_release`] runs on the thread that is about to make the driver
 //!   call, possibly while the device's allocator is locked: keep it short, never call back
-//!   into the allocator from it (that would deadlock), never block on the allocator.
+//!   into the allocator from it (that would deadlock), never block on the allocator. For a
+//!   `free`, the device's queued work has finished by then (`free` synchronizes first), so a
+//!   deregistration never runs under work still using the memory.
 //! - [`ReleaseHook::after_release`] runs once the driver call returned (success or not).
 //! - A hook that panics is caught: the release goes on and the other hooks still run.
 //! - With no hook installed, a release pays one atomic load.

@@ -85,16 +85,17 @@ impl CudaBackend {
             device,
             addr: ptr.0,
         };
+        // The driver documents only that cuMemFree *may* synchronize: wait for the device's
+        // queued work ourselves, so none of it still uses the memory when it goes (the rule
+        // `Backend::free` states, and the cache's release path relies on), and before the
+        // release hooks, whose deregistrations (NCCL's) must not run under queued work.
+        drv("cuCtxSynchronize", || {
+            // SAFETY: no arguments; synchronizes the context current on this thread.
+            unsafe { sys::cuCtxSynchronize() }
+        })?;
         self.release_hooks.around(release, || {
             // A hook may have made another context current (NCCL binds its device's).
             self.bind_device(device)?;
-            // The driver documents only that cuMemFree *may* synchronize: wait for the
-            // device's queued work ourselves, so none of it still uses the memory when it
-            // goes (the rule `Backend::free` states, and the cache's release path relies on).
-            drv("cuCtxSynchronize", || {
-                // SAFETY: no arguments; synchronizes the context current on this thread.
-                unsafe { sys::cuCtxSynchronize() }
-            })?;
             drv("cuMemFree", || {
                 // SAFETY: cuMemFree takes the address by value and validates it (an address
                 // that is not a live allocation is CUDA_ERROR_INVALID_VALUE); the device was

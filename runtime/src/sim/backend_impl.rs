@@ -95,11 +95,11 @@ impl Backend for SimBackend {
             device,
             addr: ptr.0,
         };
-        self.release_hooks.around(release, || {
-            // cuMemFree semantics: the device is synchronized first.
-            self.drain_device(device);
-            self.free_region(device, ptr)
-        })
+        // cuMemFree semantics: the device is synchronized first, before the release hooks,
+        // so a hook's deregistration never runs under work still using the memory.
+        self.drain_device(device);
+        self.release_hooks
+            .around(release, || self.free_region(device, ptr))
     }
 
     fn release_hooks(&self) -> Option<&ReleaseHooks> {
