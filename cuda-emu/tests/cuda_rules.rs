@@ -344,10 +344,11 @@ fn child_entry() {
             drop(exporter.stdin.take());
             assert!(exporter.wait().unwrap().success());
         }
-        // Exclusive mode: hold device 2 until stdin ends.
+        // Exclusive mode: hold device `HOLD_DEVICE` (default 2) until stdin ends.
         "exclusive-hold" => {
+            let held: u32 = std::env::var("HOLD_DEVICE").map_or(2, |d| d.parse().unwrap());
             with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
-                let stream = alloc.new_stream(DeviceId(2)).unwrap();
+                let stream = alloc.new_stream(DeviceId(held)).unwrap();
                 let buf = alloc.malloc(1 << 20, &stream).await.unwrap();
                 println!("READY");
                 let mut rest = String::new();
@@ -382,6 +383,15 @@ fn child_entry() {
                 assert!(msg.contains("CUDA_ERROR_DEVICE_UNAVAILABLE"), "{msg}");
                 drop(s1);
             });
+        }
+        // Exclusive mode, while another process holds device 0: pinned host memory, this
+        // process's first call, takes the context of a device it can have.
+        "exclusive-host-first" => {
+            let pinned = backend
+                .host_alloc(1 << 20)
+                .expect("pinned host memory while device 0 is another process's");
+            backend.host_free(pinned).unwrap();
+            assert_eq!(active_contexts(DEVICES), [false, true, false, false]);
         }
         "peer-expandable" => {
             with_allocator(
@@ -551,6 +561,12 @@ fn child_entry() {
                         .unwrap();
                     within_5s("device 2", other.completed()).await.unwrap();
                     drop(b2);
+                    // Pinned host memory (any context will do) works on, through a healthy
+                    // device's context, not the lost one's.
+                    let pinned = backend
+                        .host_alloc(1 << 20)
+                        .expect("pinned host memory with a device lost");
+                    backend.host_free(pinned).unwrap();
                     // Shutting down reports the lost device and does not hang.
                     match within_5s("shutdown", alloc.shutdown()).await {
                         Ok(()) => {}
@@ -646,6 +662,31 @@ fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
 
     run_child_with(
         "exclusive-other",
+        &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],
+    );
+    drop(holder.stdin.take());
+    assert!(holder.wait().unwrap().success());
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Pinned host memory needs some context: with device 0 another process's in
+/// `EXCLUSIVE_PROCESS` mode, a process that holds none yet takes device 1's.
+#[test]
+fn pinned_memory_first_takes_a_device_this_process_can_have() {
+    let dir = std::env::temp_dir().join(format!("gpualloc-emu-excl0-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let shared = dir.to_str().unwrap().to_string();
+    let mut holder = child_command("exclusive-hold")
+        .env("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)
+        .env("HOLD_DEVICE", "0")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
+    read_until(&mut out, "READY");
+    run_child_with(
+        "exclusive-host-first",
         &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],
     );
     drop(holder.stdin.take());

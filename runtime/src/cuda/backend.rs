@@ -160,13 +160,30 @@ impl CudaBackend {
 
     /// Binds a context for calls that need *a* context but no particular device (pinned host
     /// memory, allocated and registered portable, works in every context; unmaps and pointer
-    /// queries name their memory by address): one the process already holds, so a process
-    /// that works only on GPU k never makes one on GPU 0. Device 0's when it holds none yet.
+    /// queries name their memory by address): one of a device not lost, and one the process
+    /// already holds if it holds any (a process that works only on GPU k never makes one on
+    /// another GPU; a faulted GPU's context, where every call fails, is never used for memory
+    /// of the healthy ones). Holding none, it retains the first device that gives one (a
+    /// device another process holds in `EXCLUSIVE_PROCESS` mode is passed over).
     pub(crate) fn bind_any(&self) -> Result<()> {
-        match self.contexts.any_retained() {
-            Some(ctx) => bind(ctx),
-            None => self.bind_device(DeviceId(0)).map(|_| ()),
+        let healthy = || {
+            (0..self.contexts.count())
+                .map(DeviceId)
+                .filter(|d| self.health.lost(*d).is_none())
+        };
+        if let Some(ctx) = healthy().find_map(|d| self.contexts.retained(d)) {
+            return bind(ctx);
         }
+        let mut last = None;
+        for d in healthy() {
+            match self.bind_device(d) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            BackendError::NotSupported("no device left to hold a context: every one is lost".into())
+        }))
     }
 }
 

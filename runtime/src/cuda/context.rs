@@ -47,11 +47,6 @@ impl Contexts {
         self.slot(device).map(|_| ())
     }
 
-    /// A context this process already holds (the lowest device's), if any.
-    pub(crate) fn any_retained(&self) -> Option<&Arc<CudaContext>> {
-        self.slots.iter().find_map(OnceLock::get)
-    }
-
     /// The primary context of `device` if this process retained it already.
     pub(crate) fn retained(&self, device: DeviceId) -> Option<&Arc<CudaContext>> {
         self.slot(device).ok()?.get()
