@@ -83,16 +83,20 @@ impl Pending {
     }
 
     /// The launch of `data` failed: the driver will never call it. Unregisters it and drops
-    /// the closure uncalled.
+    /// the closure uncalled; true if it did, false if the closure was called already (the
+    /// watchdog failed it with its device's loss in the meantime): then its outcome has been
+    /// reported through it, and the launch must not report an error too.
     ///
     /// # Safety
     /// `data` comes from [`Pending::register`] and was passed to neither [`trampoline`] nor
     /// this function before.
-    pub(crate) unsafe fn cancel(data: *mut c_void) {
+    #[must_use]
+    pub(crate) unsafe fn cancel(data: *mut c_void) -> bool {
         // SAFETY: per this function's contract, `data` owns one reference to a live slot.
         let slot = unsafe { Arc::from_raw(data.cast_const().cast::<Slot>()) };
-        drop(slot.take());
+        let uncalled = slot.take().is_some();
         forget(&slot);
+        uncalled
     }
 
     /// Calls every closure still pending on `device` with `error`; returns how many.
@@ -182,6 +186,25 @@ mod tests {
         }
     }
 
+    /// A launch that fails after the watchdog already failed its closure (a loss found in
+    /// between) reports once: through the closure, not through the launch as well.
+    #[test]
+    fn a_cancel_after_the_closure_was_failed_reports_nothing_more() {
+        let pending = Pending::new(2);
+        let results = Arc::new(Mutex::new(Vec::new()));
+        let data = pending.register(DeviceId(1), counting(&results)).unwrap();
+        assert_eq!(pending.fail_device(DeviceId(1), &lost()), 1);
+        // SAFETY: `data` is fresh from `register`; the driver never got it.
+        assert!(!unsafe { Pending::cancel(data) });
+        assert_eq!(*results.lock().unwrap(), vec![Err(lost())]);
+        // Uncalled: the cancel drops it and says so.
+        let data = pending.register(DeviceId(1), counting(&results)).unwrap();
+        // SAFETY: as above.
+        assert!(unsafe { Pending::cancel(data) });
+        assert_eq!(results.lock().unwrap().len(), 1);
+        assert_eq!(Arc::strong_count(&results), 1, "both closures were freed");
+    }
+
     #[test]
     fn failing_a_device_calls_its_pending_closures_with_the_error_and_only_those() {
         let pending = Pending::new(2);
@@ -221,7 +244,7 @@ mod tests {
             )
             .unwrap();
         // SAFETY: `data` is fresh from `register` and used once.
-        unsafe { Pending::cancel(data) };
+        assert!(unsafe { Pending::cancel(data) });
         assert_eq!(hits.load(Ordering::SeqCst), 0);
         assert_eq!(Arc::strong_count(&hits), 1);
         assert_eq!(pending.count(DeviceId(0)), 0);

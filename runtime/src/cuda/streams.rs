@@ -139,7 +139,11 @@ impl CudaBackend {
             other => {
                 // SAFETY: the launch failed, so the driver will never call `trampoline` with
                 // `data`; it is still ours to cancel, once.
-                unsafe { Pending::cancel(data) };
+                if !unsafe { Pending::cancel(data) } {
+                    // The watchdog found the device lost meanwhile and called the closure
+                    // with that error: reported once, through the closure.
+                    return Ok(());
+                }
                 Err(match other {
                     Ok(code) => map_code("cuLaunchHostFunc", code),
                     Err(e) => e,
