@@ -72,6 +72,9 @@ pub(crate) struct Health {
     stop: AtomicBool,
     /// True while the watchdog sleeps for [`IDLE_PERIOD`] (nothing was pending).
     idle: AtomicBool,
+    /// Set by every launch; the watchdog clears it before it decides how long to sleep, so a
+    /// launch between its scan and its sleep is never missed (see [`Health::launched`]).
+    kicked: AtomicBool,
     wake: (Mutex<()>, Condvar),
 }
 
@@ -85,6 +88,7 @@ impl Health {
             started: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             idle: AtomicBool::new(false),
+            kicked: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
         })
     }
@@ -182,9 +186,7 @@ impl Health {
             if self.stop.load(Ordering::Acquire) {
                 break;
             }
-            // Idle (nothing pending was seen): sleep long; `launched` wakes it for a new launch.
-            self.idle.store(!watched, Ordering::Release);
-            let period = if watched { PROBE_PERIOD } else { IDLE_PERIOD };
+            let period = self.sleep_period(watched);
             guard = cv
                 .wait_timeout(guard, period)
                 .unwrap_or_else(|p| p.into_inner())
@@ -193,10 +195,32 @@ impl Health {
         }
     }
 
+    /// How long the watchdog sleeps after a scan, called with its wake lock held: idle
+    /// (nothing pending was seen, and no launch since the scan began) sleeps long, else it
+    /// probes again within [`PROBE_PERIOD`].
+    ///
+    /// Why the `kicked` flag: a launch after the scan found nothing, but before `idle` is set,
+    /// saw the watchdog awake and did not notify it; without the flag it then slept a whole
+    /// [`IDLE_PERIOD`] (1 s) past a loss instead of 20 ms. With it (sequentially consistent
+    /// on both sides): either the launch's `kicked` comes before the swap here, and the sleep
+    /// is short; or after, and then its load of `idle` comes after the store here, sees it
+    /// set, and notifies under the wake lock, which the watchdog holds until it waits.
+    fn sleep_period(&self, watched: bool) -> Duration {
+        self.idle.store(!watched, Ordering::SeqCst);
+        let kicked = self.kicked.swap(false, Ordering::SeqCst);
+        if watched || kicked {
+            self.idle.store(false, Ordering::SeqCst);
+            PROBE_PERIOD
+        } else {
+            IDLE_PERIOD
+        }
+    }
+
     /// A host function was just registered: wakes an idle watchdog, so a loss is found within
-    /// [`PROBE_PERIOD`] of it rather than [`IDLE_PERIOD`]. One atomic load when it is awake.
+    /// [`PROBE_PERIOD`] of it rather than [`IDLE_PERIOD`]. A store and a load when it is awake.
     pub(crate) fn launched(&self) {
-        if self.idle.load(Ordering::Acquire) {
+        self.kicked.store(true, Ordering::SeqCst);
+        if self.idle.load(Ordering::SeqCst) {
             let _g = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
             self.wake.1.notify_all();
         }
@@ -236,6 +260,27 @@ fn probe(ctx: &cudarc::driver::safe::CudaContext) -> Option<CUresult> {
 mod tests {
     use super::*;
     use std::sync::Mutex as StdMutex;
+
+    /// A launch the scan did not see (it came after the scan, before the sleep) keeps the
+    /// watchdog's next sleep short: the race that delayed a loss's discovery to 1 s.
+    #[test]
+    fn a_launch_between_the_scan_and_the_sleep_keeps_the_sleep_short() {
+        let h = Health::new(1);
+        assert_eq!(
+            h.sleep_period(false),
+            IDLE_PERIOD,
+            "nothing pending, no launch"
+        );
+        assert!(h.idle.load(Ordering::SeqCst));
+        h.idle.store(false, Ordering::SeqCst);
+        // The launch lands while the watchdog is awake (after its scan).
+        h.launched();
+        assert_eq!(h.sleep_period(false), PROBE_PERIOD);
+        assert!(!h.idle.load(Ordering::SeqCst));
+        // The kick is used once.
+        assert_eq!(h.sleep_period(false), IDLE_PERIOD);
+        assert_eq!(h.sleep_period(true), PROBE_PERIOD, "something pending");
+    }
 
     #[test]
     fn sticky_codes_are_told_apart() {
