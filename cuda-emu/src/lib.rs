@@ -30,13 +30,12 @@
 //! | `cuMemMap`'s offset "currently must be zero", its flags too | `CUDA_ERROR_INVALID_VALUE` | `strict.rs` `vmm_sizes_unmaps_access_and_deferred_release_follow_the_driver` |
 //! | a process cannot open its own IPC handle | `CUDA_ERROR_INVALID_CONTEXT` | `strict.rs` |
 //! | a faulting kernel's error is sticky: "any further CUDA work will return the same error ... the process must be terminated and relaunched"; host functions never run | `gpualloc_emu_fault_stream_code` raises any of [`STICKY_CODES`] (700, 702, 710 `CUDA_ERROR_ASSERT`, 714-719, 214, 220, 226, 911); every later call in the context fails with it for the life of the process, releasing the primary context does not clear it | `cuda_rules.rs` `after_a_sticky_error_pending_futures_fail_and_the_device_is_lost`, `every_sticky_code_loses_the_device` |
+//! | host functions of independent streams "may be serialized" (and are, on one callback thread) | every host function of every stream runs on one callback thread, one at a time; its stream waits until it has run, so a blocking host function stalls every stream's host functions | `runtime` conformance `stream_wait_event_uses_record_at_call_time` (its earlier form, watching stream b with a host function, failed here as on a driver) |
 //! | VMM memory is usable by a device only after `cuMemSetAccess` names it | work of another device is refused | `cuda_rules.rs` `expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled` |
 //!
 //! Still more lenient than the driver, said plainly (each is work for the fidelity issue):
 //! - an exporter's `cuMemFree` under a live import (undefined behaviour per the docs) is not
 //!   detected;
-//! - host functions run on each stream's own worker thread, where the driver may serialize
-//!   those of every stream on one callback thread (a blocking host function then stalls all);
 //! - work on freed or unmapped memory is a per-call error, not a sticky fault;
 //! - `cuStreamDestroy` waits for the stream's work instead of returning at once;
 //! - context checks accept any retained context where the driver needs the object's own;

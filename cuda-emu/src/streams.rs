@@ -103,9 +103,50 @@ struct UserData(*mut c_void);
 // is the caller's to make safe to use from there.
 unsafe impl Send for UserData {}
 
-/// `cuLaunchHostFunc`: `f` runs on the stream's thread after the work before it, and may
-/// not call the driver (such calls return `CUDA_ERROR_NOT_PERMITTED`). Once the context has
-/// hit a sticky error (`gpualloc_emu_fault_stream`) it never runs, as on the driver, and
+/// A job for the callback thread.
+type CallbackJob = Box<dyn FnOnce() + Send>;
+
+/// The driver's callback thread: host functions of every stream of every context run on it,
+/// one at a time. The driver's docs: host functions "without a mandated order (in
+/// independent streams) execute in undefined order and may be serialized" — real drivers do
+/// serialize them, so a host function that blocks stalls every stream's host functions, and
+/// the emulator does the same (a stream waits at its host function until it has run).
+fn on_callback_thread(job: impl FnOnce() + Send + 'static) {
+    static CALLBACKS: std::sync::OnceLock<Option<std::sync::mpsc::Sender<CallbackJob>>> =
+        std::sync::OnceLock::new();
+    let sender = CALLBACKS.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<CallbackJob>();
+        std::thread::Builder::new()
+            .name("cuda-emu-callbacks".into())
+            .spawn(move || {
+                for job in rx {
+                    // A panicking host function must not take the thread (and every later
+                    // host function) with it.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+            })
+            .ok()
+            .map(|_| tx)
+    });
+    let Some(sender) = sender else {
+        // No callback thread could be started: run it here (the stream's own thread).
+        job();
+        return;
+    };
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let sent = sender.send(Box::new(move || {
+        job();
+        let _ = done_tx.send(());
+    }));
+    if sent.is_ok() {
+        let _ = done_rx.recv();
+    }
+}
+
+/// `cuLaunchHostFunc`: `f` runs after the work before it on the stream, on the emulator's
+/// one callback thread (shared by every stream, see `on_callback_thread`), and may not call
+/// the driver (such calls return `CUDA_ERROR_NOT_PERMITTED`). Once the context has hit a
+/// sticky error (`gpualloc_emu_fault_stream`) it never runs, as on the driver, and
 /// `user_data` is never given back.
 #[no_mangle]
 pub extern "C" fn cuLaunchHostFunc(
@@ -122,12 +163,15 @@ pub extern "C" fn cuLaunchHostFunc(
                 s,
                 Box::new(move |_| {
                     let data = data;
-                    if crate::state::emu().is_some_and(|e| e.is_faulted(d.0)) {
-                        return;
-                    }
-                    // SAFETY: calling the user's host function with its own data, as the
-                    // driver does; its safety is the caller's contract.
-                    in_host_fn(|| unsafe { f(data.0) });
+                    on_callback_thread(move || {
+                        let data = data;
+                        if crate::state::emu().is_some_and(|e| e.is_faulted(d.0)) {
+                            return;
+                        }
+                        // SAFETY: calling the user's host function with its own data, as the
+                        // driver does; its safety is the caller's contract.
+                        in_host_fn(|| unsafe { f(data.0) });
+                    });
                 }),
             )
             .map_err(sim_err)
