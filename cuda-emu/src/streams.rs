@@ -84,6 +84,13 @@ pub extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
     })
 }
 
+/// Not a driver function: the streams created and not yet destroyed, in every context (for
+/// tests: a destroy the driver refused leaves one behind). Tests reach it through `dlsym`.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_live_streams() -> u64 {
+    crate::state::emu().map_or(0, |e| lock(&e.streams).len() as u64)
+}
+
 /// `cuStreamWaitEvent`.
 #[no_mangle]
 pub extern "C" fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_uint) -> CUresult {

@@ -72,6 +72,19 @@ fn sticky_code() -> (u32, &'static str) {
     }
 }
 
+/// The emulator's count of streams created and not destroyed.
+fn live_streams() -> u64 {
+    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
+    // exports this function with exactly this signature; it takes nothing and reads a count.
+    unsafe {
+        let lib = cudarc::driver::sys::culib();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_live_streams\0")
+            .expect("the emulator's count");
+        f()
+    }
+}
+
 /// Queues the emulator's faulting kernel on `stream`: when the stream reaches it, the context
 /// of the stream's device hits sticky error [`sticky_code`].
 fn fault_stream(cuda: &CudaBackend, stream: &gpualloc::Stream) {
@@ -393,6 +406,34 @@ fn child_entry() {
             backend.host_free(pinned).unwrap();
             assert_eq!(active_contexts(DEVICES), [false, true, false, false]);
         }
+        // A host function's closure holds the last clone of a stream: its drop destroys the
+        // stream, which the driver refuses on its callback thread; the backend runs closures
+        // on a thread of its own, where it works.
+        "drop-in-host-fn" => {
+            with_allocator(&backend, AllocatorConfig::default(), |alloc| async move {
+                let backend = alloc.backend().clone();
+                let s1 = alloc.new_stream(DeviceId(0)).unwrap();
+                let s2 = alloc.new_stream(DeviceId(0)).unwrap();
+                let before = live_streams();
+                let (tx, rx) = std::sync::mpsc::channel();
+                backend
+                    .launch_host_func(
+                        s1.handle(),
+                        Box::new(move |_| {
+                            drop(s2);
+                            let _ = tx.send(());
+                        }),
+                    )
+                    .unwrap();
+                rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+                backend.stream_synchronize(s1.handle()).unwrap();
+                assert_eq!(live_streams(), before - 1, "the stream was not destroyed");
+                // And the context carries no error a later call would find.
+                let s3 = alloc.new_stream(DeviceId(0)).unwrap();
+                let buf = alloc.malloc(1 << 20, &s3).await.unwrap();
+                drop(buf);
+            });
+        }
         "peer-expandable" => {
             with_allocator(
                 &backend,
@@ -692,6 +733,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
     drop(holder.stdin.take());
     assert!(holder.wait().unwrap().success());
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A closure that drops the last clone of a stream runs where the driver allows that.
+#[test]
+fn a_host_functions_closure_may_drop_the_last_stream() {
+    run_child("drop-in-host-fn");
 }
 
 #[test]

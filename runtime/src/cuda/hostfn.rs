@@ -11,7 +11,9 @@
 //!   empty slot of a few dozen bytes leaks per host function pending at the loss; the closure
 //!   and what it holds are freed.
 //!
-//! A panic in the closure is caught: unwinding into the driver's thread would abort.
+//! The closure runs on a thread of ours, not the driver's callback thread, where no CUDA call
+//! is allowed (see [`RUNNER`]); the callback waits for it. A panic in the closure is caught:
+//! unwinding into the driver's thread would abort.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -46,6 +48,61 @@ pub(crate) struct Pending {
 fn call(f: HostFn, result: Result<()>) {
     if catch_unwind(AssertUnwindSafe(move || f(result))).is_err() {
         tracing::error!("a host function launched on a CUDA stream panicked");
+    }
+}
+
+/// A closure to run on the [`runner`] thread, and where to say it ran.
+type Job = (HostFn, Result<()>, std::sync::mpsc::Sender<()>);
+
+/// Our thread that runs the closures the driver's callback thread hands over. No CUDA call
+/// may be made on the driver's callback thread, and a closure may well make one: dropping
+/// what it captured (the last clone of a `Stream`, an `Event`, an imported buffer) destroys
+/// it, and the driver refuses that there (cudarc then records the error in the context,
+/// where every later call finds it). The trampoline hands the closure over and waits until
+/// it has run, so the stream still waits at its host function, as the driver's contract
+/// says. Started with the first launch ([`ensure_runner`]); `None` when no thread could be
+/// started, and closures then run on the driver's thread as before.
+static RUNNER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<Job>>>> =
+    std::sync::OnceLock::new();
+
+/// Starts the runner thread on first use (a launch, on a thread of the caller's).
+pub(crate) fn ensure_runner() {
+    RUNNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        match std::thread::Builder::new()
+            .name("gpualloc-cuda-hostfn".into())
+            .spawn(move || {
+                for (f, result, done) in rx {
+                    call(f, result);
+                    let _ = done.send(());
+                }
+            }) {
+            Ok(_) => Some(Mutex::new(tx)),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for host functions: they run on the driver's");
+                None
+            }
+        }
+    });
+}
+
+/// Runs `f` with `result` on the runner thread and waits for it (on the driver's callback
+/// thread); where there is none, here.
+fn call_on_runner(f: HostFn, result: Result<()>) {
+    let Some(Some(tx)) = RUNNER.get() else {
+        return call(f, result);
+    };
+    let (done, ran) = std::sync::mpsc::channel();
+    let sent = tx
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .send((f, result, done));
+    match sent {
+        Ok(()) => {
+            let _ = ran.recv();
+        }
+        // The runner is gone (never, short of a panic outside `call`): run it here.
+        Err(std::sync::mpsc::SendError((f, result, _))) => call(f, result),
     }
 }
 
@@ -147,7 +204,7 @@ pub(crate) unsafe extern "C" fn trampoline(data: *mut c_void) {
     let slot = unsafe { Arc::from_raw(data.cast_const().cast::<Slot>()) };
     if let Some(f) = slot.take() {
         forget(&slot);
-        call(f, Ok(()));
+        call_on_runner(f, Ok(()));
     }
 }
 

@@ -127,6 +127,7 @@ impl CudaBackend {
     pub(crate) fn cu_launch_host_func(&self, handle: StreamHandle, f: HostFn) -> Result<()> {
         let s = self.bound_stream(handle)?;
         self.health.ensure_watchdog(&self.contexts);
+        super::hostfn::ensure_runner();
         let data = self.health.pending.register(handle.device, f)?;
         self.health.launched();
         let r = catch("cuLaunchHostFunc", || {
