@@ -32,6 +32,10 @@ pub(crate) struct EmuStream {
 
 /// Everything `cuInit` set up.
 pub(crate) struct Emu {
+    /// The process that initialized the emulator: a forked child's calls are refused.
+    pub(crate) pid: u32,
+    /// Calls a forked child made (each refused), read by `gpualloc_emu_calls_in_forked_child`.
+    pub(crate) forked_calls: std::sync::atomic::AtomicU64,
     pub(crate) sim: Arc<SimBackend>,
     pub(crate) devices: u32,
     /// Primary-context retain counts per device.
@@ -149,6 +153,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
         faulted: (0..devices)
             .map(|_| std::sync::atomic::AtomicU32::new(0))
             .collect(),
+        pid: std::process::id(),
+        forked_calls: std::sync::atomic::AtomicU64::new(0),
         sim,
         devices,
         retained: Mutex::new(vec![0; devices as usize]),
@@ -182,6 +188,13 @@ pub(crate) fn call(
             return Err(CUDA_ERROR_NOT_PERMITTED);
         }
         let emu = EMU.get().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+        // The driver's state does not survive a fork: a child's calls fail with the
+        // initialization error (the driver's own answer), and are counted for tests.
+        if std::process::id() != emu.pid {
+            emu.forked_calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(CUDA_ERROR_NOT_INITIALIZED);
+        }
         let device = match needs {
             Needs::Init => DeviceId(0),
             Needs::Context => {

@@ -91,6 +91,15 @@ pub extern "C" fn gpualloc_emu_live_streams() -> u64 {
     crate::state::emu().map_or(0, |e| lock(&e.streams).len() as u64)
 }
 
+/// Not a driver function: the driver calls a forked child made (each refused with
+/// `CUDA_ERROR_NOT_INITIALIZED`). Tests reach it through `dlsym`.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_calls_in_forked_child() -> u64 {
+    crate::state::emu().map_or(0, |e| {
+        e.forked_calls.load(std::sync::atomic::Ordering::Relaxed)
+    })
+}
+
 /// `cuStreamWaitEvent`.
 #[no_mangle]
 pub extern "C" fn cuStreamWaitEvent(stream: CUstream, event: CUevent, flags: c_uint) -> CUresult {

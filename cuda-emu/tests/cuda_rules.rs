@@ -72,6 +72,19 @@ fn sticky_code() -> (u32, &'static str) {
     }
 }
 
+/// The driver calls this process made as a forked child.
+fn calls_in_forked_child() -> u64 {
+    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
+    // exports this function with exactly this signature; it takes nothing and reads a count.
+    unsafe {
+        let lib = cudarc::driver::sys::culib();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_calls_in_forked_child\0")
+            .expect("the emulator's count");
+        f()
+    }
+}
+
 /// The emulator's count of streams created and not destroyed.
 fn live_streams() -> u64 {
     // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
@@ -434,6 +447,37 @@ fn child_entry() {
                 drop(buf);
             });
         }
+        // A forked child drops what it inherited (a stream, an event, the backend) without a
+        // driver call: CUDA does not survive a fork.
+        "fork-drops" => {
+            let stream = backend.stream_create(DeviceId(0)).unwrap();
+            let event = backend.event_create(DeviceId(0)).unwrap();
+            backend.event_record(event, stream).unwrap();
+            backend.stream_synchronize(stream).unwrap();
+            let shared = gpualloc_runtime::Stream::from_handle(backend.clone(), stream);
+            drop(cuda);
+            // SAFETY: the child only drops objects and reads a counter through `dlsym`, then
+            // leaves with `_exit`, never returning into the test harness.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                let _ = backend.event_destroy(event);
+                drop(shared);
+                drop(backend);
+                let code = i32::from(calls_in_forked_child() != 0);
+                // SAFETY: ends the child at once, without the parent's destructors.
+                unsafe { libc::_exit(code) };
+            }
+            let mut status = 0;
+            // SAFETY: waits for our own child; `status` is a valid out-pointer.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            assert!(
+                libc::WIFEXITED(status),
+                "the child did not exit: {status:#x}"
+            );
+            assert_eq!(libc::WEXITSTATUS(status), 0, "the child called the driver");
+            backend.event_destroy(event).unwrap();
+        }
         "peer-expandable" => {
             with_allocator(
                 &backend,
@@ -739,6 +783,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// A forked child's drops of what it inherited make no driver call.
+#[test]
+fn a_forked_child_drops_what_it_inherited_without_the_driver() {
+    run_child("fork-drops");
 }
 
 #[test]

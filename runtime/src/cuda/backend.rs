@@ -46,6 +46,8 @@ pub struct CudaBackend {
     pub(crate) ipc_opened: std::sync::Mutex<std::collections::BTreeMap<u64, IpcOpened>>,
     /// Run around every unmap and free (`crate::release_hooks`).
     pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
+    /// The process that made this backend: see [`CudaBackend::forked`].
+    pub(crate) pid: u32,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -144,7 +146,18 @@ impl CudaBackend {
             page_size: rustix::param::page_size() as u64,
             ipc_opened: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             release_hooks: Default::default(),
+            pid: std::process::id(),
         }
+    }
+
+    /// True in a process forked from the one that made this backend. The driver's state does
+    /// not survive a fork (CUDA in a forked child is undefined; drivers refuse it with an
+    /// initialization error): a child holds the parent's objects (an inherited `Stream`,
+    /// `Event`, imported buffer) but must not give them back through the driver. Their
+    /// releases are no-ops there (the objects are forgotten, never destroyed), and the
+    /// backend's own drop touches nothing.
+    pub(crate) fn forked(&self) -> bool {
+        std::process::id() != self.pid
     }
 
     /// Binds the primary context of `device` on this thread and returns it.
@@ -189,6 +202,13 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        if self.forked() {
+            // Nothing of the parent's may be destroyed from here, and its threads (the
+            // watchdog's) are not in this process to be joined.
+            std::mem::forget(self.events.drain());
+            std::mem::forget(self.streams.drain());
+            return;
+        }
         // Drop events, then streams, while the contexts they name are certainly retained
         // (each also holds its own `Arc` of its context, so this order is belt and braces).
         drop(self.events.drain());
@@ -226,6 +246,9 @@ impl Backend for CudaBackend {
         self.health.seen(device, self.cu_malloc(device, size))
     }
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.health.seen(device, self.cu_free(device, ptr))
     }
     fn device_synchronize(&self, device: DeviceId) -> Result<()> {
@@ -236,6 +259,10 @@ impl Backend for CudaBackend {
         self.health.seen(device, self.cu_stream_create(device))
     }
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        if self.forked() {
+            std::mem::forget(self.streams.remove(stream.device, stream.raw)?);
+            return Ok(());
+        }
         self.health
             .seen(stream.device, self.cu_stream_destroy(stream))
     }
@@ -293,6 +320,10 @@ impl Backend for CudaBackend {
             .seen(event.device, self.cu_event_synchronize(event))
     }
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        if self.forked() {
+            std::mem::forget(self.events.remove(event.device, event.raw)?);
+            return Ok(());
+        }
         self.health.seen(event.device, self.cu_event_destroy(event))
     }
 
@@ -300,12 +331,18 @@ impl Backend for CudaBackend {
         self.cu_host_alloc(size)
     }
     fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.cu_host_free(ptr)
     }
     fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
         self.cu_host_register(ptr, len, flags)
     }
     fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.cu_host_unregister(ptr)
     }
 
@@ -320,12 +357,18 @@ impl Backend for CudaBackend {
             .seen(device, self.cu_va_reserve(device, size, alignment))
     }
     fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.health.seen(device, self.cu_va_free(device, ptr, size))
     }
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
         self.health.seen(device, self.cu_phys_create(device, size))
     }
     fn phys_release(&self, handle: PhysHandle) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.health
             .seen(handle.device, self.cu_phys_release(handle))
     }
@@ -337,6 +380,9 @@ impl Backend for CudaBackend {
         Some(&self.release_hooks)
     }
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.cu_unmap(ptr, size)
     }
     fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
@@ -358,6 +404,9 @@ impl Backend for CudaBackend {
             .seen(device, self.cu_ipc_open_mem_handle(device, handle))
     }
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
+        if self.forked() {
+            return Ok(());
+        }
         self.cu_ipc_close_mem_handle(ptr)
     }
     fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
