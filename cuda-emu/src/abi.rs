@@ -23,6 +23,8 @@ pub type CUevent = *mut c_void;
 pub type CUmemGenericAllocationHandle = u64;
 /// `CU_STREAM_NON_BLOCKING`: a stream not ordered with the legacy default stream.
 pub const CU_STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_EVENT_BLOCKING_SYNC`: a host wait on the event sleeps instead of spinning.
+pub const CU_EVENT_BLOCKING_SYNC: c_uint = 1;
 
 /// `CUhostFn`.
 pub type CUhostFn = Option<unsafe extern "C" fn(user_data: *mut c_void)>;

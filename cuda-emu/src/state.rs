@@ -44,6 +44,12 @@ pub(crate) struct Emu {
     pub(crate) default_streams: Mutex<HashMap<u32, StreamHandle>>,
     pub(crate) streams: Mutex<HashMap<u64, EmuStream>>,
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
+    /// Events created with `CU_EVENT_BLOCKING_SYNC`: a host wait on one sleeps; on any other
+    /// the driver spins a CPU core until it completes.
+    pub(crate) blocking_events: Mutex<std::collections::HashSet<u64>>,
+    /// `cuEventSynchronize` calls on events without `CU_EVENT_BLOCKING_SYNC` (each a spinning
+    /// wait on a driver), read by `gpualloc_emu_spinning_waits`.
+    pub(crate) spinning_waits: std::sync::atomic::AtomicU64,
     pub(crate) phys: Mutex<HashMap<u64, PhysHandle>>,
     pub(crate) faults: Faults,
     /// Page-locked host ranges (allocated or registered), with who may treat them as pinned.
@@ -154,6 +160,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
             .map(|_| std::sync::atomic::AtomicU32::new(0))
             .collect(),
         pid: std::process::id(),
+        blocking_events: Mutex::new(std::collections::HashSet::new()),
+        spinning_waits: std::sync::atomic::AtomicU64::new(0),
         forked_calls: std::sync::atomic::AtomicU64::new(0),
         sim,
         devices,

@@ -91,6 +91,15 @@ pub extern "C" fn gpualloc_emu_live_streams() -> u64 {
     crate::state::emu().map_or(0, |e| lock(&e.streams).len() as u64)
 }
 
+/// Not a driver function: host waits (`cuEventSynchronize`) on events created without
+/// `CU_EVENT_BLOCKING_SYNC`, each a spinning wait on a driver. Tests reach it through `dlsym`.
+#[no_mangle]
+pub extern "C" fn gpualloc_emu_spinning_waits() -> u64 {
+    crate::state::emu().map_or(0, |e| {
+        e.spinning_waits.load(std::sync::atomic::Ordering::Relaxed)
+    })
+}
+
 /// Not a driver function: the driver calls a forked child made (each refused with
 /// `CUDA_ERROR_NOT_INITIALIZED`). Tests reach it through `dlsym`.
 #[no_mangle]
@@ -254,6 +263,9 @@ pub unsafe extern "C" fn cuEventCreate(ph_event: *mut CUevent, flags: c_uint) ->
         }
         let h = emu.sim.event_create(d).map_err(sim_err)?;
         lock(&emu.events).insert(h.raw, h);
+        if flags & CU_EVENT_BLOCKING_SYNC != 0 {
+            lock(&emu.blocking_events).insert(h.raw);
+        }
         out(ph_event, h.raw as CUevent)
     })
 }
@@ -285,6 +297,11 @@ pub extern "C" fn cuEventQuery(event: CUevent) -> CUresult {
 pub extern "C" fn cuEventSynchronize(event: CUevent) -> CUresult {
     call("cuEventSynchronize", Needs::Context, |emu, _| {
         let e = emu.event(event)?;
+        if !lock(&emu.blocking_events).contains(&e.raw) {
+            // The driver busy-waits on such an event (a CPU core at 100% for the wait).
+            emu.spinning_waits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         emu.sim.event_synchronize(e).map_err(sim_err)
     })
 }
@@ -296,6 +313,7 @@ pub extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
         let e = lock(&emu.events)
             .remove(&(event as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        lock(&emu.blocking_events).remove(&e.raw);
         emu.sim.event_destroy(e).map_err(sim_err)
     })
 }

@@ -72,6 +72,19 @@ fn sticky_code() -> (u32, &'static str) {
     }
 }
 
+/// The emulator's count of host waits on events that would spin a CPU on a driver.
+fn spinning_waits() -> u64 {
+    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
+    // exports this function with exactly this signature; it takes nothing and reads a count.
+    unsafe {
+        let lib = cudarc::driver::sys::culib();
+        let f = lib
+            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_spinning_waits\0")
+            .expect("the emulator's count");
+        f()
+    }
+}
+
 /// The driver calls this process made as a forked child.
 fn calls_in_forked_child() -> u64 {
     // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
@@ -447,6 +460,16 @@ fn child_entry() {
                 drop(buf);
             });
         }
+        // The backend's host waits on events sleep: its events have CU_EVENT_BLOCKING_SYNC.
+        "event-waits" => {
+            let stream = backend.stream_create(DeviceId(0)).unwrap();
+            let event = backend.event_create(DeviceId(0)).unwrap();
+            backend.event_record(event, stream).unwrap();
+            backend.event_synchronize(event).unwrap();
+            assert_eq!(spinning_waits(), 0, "a host wait spun a CPU");
+            backend.event_destroy(event).unwrap();
+            backend.stream_destroy(stream).unwrap();
+        }
         // A forked child drops what it inherited (a stream, an event, the backend) without a
         // driver call: CUDA does not survive a fork.
         "fork-drops" => {
@@ -783,6 +806,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// A host wait on an event sleeps instead of spinning a CPU core.
+#[test]
+fn host_waits_on_events_do_not_spin() {
+    run_child("event-waits");
 }
 
 /// A forked child's drops of what it inherited make no driver call.

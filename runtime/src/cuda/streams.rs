@@ -247,11 +247,13 @@ impl CudaBackend {
     pub(crate) fn cu_event_create(&self, device: DeviceId) -> Result<EventHandle> {
         let ctx = self.bind_device(device)?.clone();
         let mut raw: sys::CUevent = std::ptr::null_mut();
+        // Blocking sync: a host wait on the event (`event_synchronize`) sleeps in the
+        // driver instead of spinning a CPU core until the event completes.
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
         drv("cuEventCreate", || {
             // SAFETY: `raw` is a valid out-pointer; the device's context is current.
-            unsafe {
-                sys::cuEventCreate(&mut raw, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            }
+            unsafe { sys::cuEventCreate(&mut raw, flags) }
         })?;
         let handle = EventHandle {
             device,
