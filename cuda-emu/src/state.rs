@@ -44,6 +44,10 @@ pub(crate) struct Emu {
     pub(crate) default_streams: Mutex<HashMap<u32, StreamHandle>>,
     pub(crate) streams: Mutex<HashMap<u64, EmuStream>>,
     pub(crate) events: Mutex<HashMap<u64, EventHandle>>,
+    /// The `CUstream` and `CUevent` values handed out: a destroyed object's value is handed
+    /// out again (the most recent first), as the driver's pointers are.
+    pub(crate) stream_values: Mutex<HandleValues>,
+    pub(crate) event_values: Mutex<HandleValues>,
     /// Events created with `CU_EVENT_BLOCKING_SYNC`: a host wait on one sleeps; on any other
     /// the driver spins a CPU core until it completes.
     pub(crate) blocking_events: Mutex<std::collections::HashSet<u64>>,
@@ -85,6 +89,39 @@ static EMU: OnceLock<Emu> = OnceLock::new();
 
 /// Where the emulator's `CUstream` values start (a stream's is this plus its sim id).
 pub(crate) const STREAM_HANDLE_BASE: u64 = 0x5_0000_0000;
+
+/// Where the emulator's `CUevent` values start.
+pub(crate) const EVENT_HANDLE_BASE: u64 = 0x6_0000_0000;
+
+/// Handle values of one kind: fresh ones from `base` on, and those of destroyed objects again
+/// (the driver reuses its pointers: a stale handle may name a newer object).
+#[derive(Debug)]
+pub(crate) struct HandleValues {
+    next: u64,
+    free: Vec<u64>,
+}
+
+impl HandleValues {
+    fn new(base: u64) -> Self {
+        HandleValues {
+            next: base,
+            free: Vec::new(),
+        }
+    }
+
+    /// A value for a new object: the most recently given back, else a fresh one.
+    pub(crate) fn take(&mut self) -> u64 {
+        self.free.pop().unwrap_or_else(|| {
+            self.next += 8;
+            self.next
+        })
+    }
+
+    /// The object named `value` was destroyed.
+    pub(crate) fn give(&mut self, value: u64) {
+        self.free.push(value);
+    }
+}
 
 /// `CU_STREAM_LEGACY`: the legacy default stream, named explicitly.
 pub(crate) const CU_STREAM_LEGACY: usize = 0x1;
@@ -169,6 +206,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
         default_streams: Mutex::new(HashMap::new()),
         streams: Mutex::new(HashMap::new()),
         events: Mutex::new(HashMap::new()),
+        stream_values: Mutex::new(HandleValues::new(STREAM_HANDLE_BASE)),
+        event_values: Mutex::new(HandleValues::new(EVENT_HANDLE_BASE)),
         phys: Mutex::new(HashMap::new()),
         faults,
     });

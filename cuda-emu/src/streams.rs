@@ -6,7 +6,7 @@ use gpualloc_runtime::Backend;
 
 use crate::abi::*;
 use crate::errors::sim_err;
-use crate::state::{call, in_host_fn, lock, out, EmuStream, Needs, STREAM_HANDLE_BASE};
+use crate::state::{call, in_host_fn, lock, out, EmuStream, Needs};
 
 /// `cuStreamCreate` (flags: default, which orders the stream with the legacy default stream
 /// as the driver does, or `CU_STREAM_NON_BLOCKING`; see `Emu::work_stream`).
@@ -22,8 +22,8 @@ pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut CUstream, flags: c_uint)
         let h = emu.sim.stream_create(d).map_err(sim_err)?;
         let blocking = flags & CU_STREAM_NON_BLOCKING == 0;
         // Like a driver's pointer, the handle is never null, CU_STREAM_LEGACY (0x1) or
-        // CU_STREAM_PER_THREAD (0x2).
-        let cu = STREAM_HANDLE_BASE + h.raw;
+        // CU_STREAM_PER_THREAD (0x2), and a destroyed stream's value is used again.
+        let cu = lock(&emu.stream_values).take();
         lock(&emu.streams).insert(
             cu,
             EmuStream {
@@ -59,6 +59,7 @@ pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
         let h = lock(&emu.streams)
             .remove(&(stream as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        lock(&emu.stream_values).give(stream as u64);
         emu.sim.stream_destroy(h.handle).map_err(sim_err)
     })
 }
@@ -262,11 +263,13 @@ pub unsafe extern "C" fn cuEventCreate(ph_event: *mut CUevent, flags: c_uint) ->
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let h = emu.sim.event_create(d).map_err(sim_err)?;
-        lock(&emu.events).insert(h.raw, h);
+        // A destroyed event's value is used again, as the driver's pointers are.
+        let cu = lock(&emu.event_values).take();
+        lock(&emu.events).insert(cu, h);
         if flags & CU_EVENT_BLOCKING_SYNC != 0 {
             lock(&emu.blocking_events).insert(h.raw);
         }
-        out(ph_event, h.raw as CUevent)
+        out(ph_event, cu as CUevent)
     })
 }
 
@@ -314,6 +317,7 @@ pub extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
             .remove(&(event as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         lock(&emu.blocking_events).remove(&e.raw);
+        lock(&emu.event_values).give(event as u64);
         emu.sim.event_destroy(e).map_err(sim_err)
     })
 }

@@ -460,6 +460,36 @@ fn child_entry() {
                 drop(buf);
             });
         }
+        // The driver reuses a destroyed object's handle value: a stale handle of ours must
+        // not name the newer object.
+        "stale-handles" => {
+            let s = backend.stream_create(DeviceId(0)).unwrap();
+            let old_event = backend.event_create(DeviceId(0)).unwrap();
+            backend.event_destroy(old_event).unwrap();
+            let new_event = backend.event_create(DeviceId(0)).unwrap();
+            assert!(
+                matches!(
+                    backend.event_record(old_event, s),
+                    Err(BackendError::InvalidHandle(_))
+                ),
+                "a destroyed event's handle named a newer one"
+            );
+            let old_stream = backend.stream_create(DeviceId(0)).unwrap();
+            backend.stream_destroy(old_stream).unwrap();
+            let new_stream = backend.stream_create(DeviceId(0)).unwrap();
+            assert!(
+                matches!(
+                    backend.stream_query(old_stream),
+                    Err(BackendError::InvalidHandle(_))
+                ),
+                "a destroyed stream's handle named a newer one"
+            );
+            backend.event_record(new_event, new_stream).unwrap();
+            backend.event_synchronize(new_event).unwrap();
+            backend.event_destroy(new_event).unwrap();
+            backend.stream_destroy(new_stream).unwrap();
+            backend.stream_destroy(s).unwrap();
+        }
         // The backend's host waits on events sleep: its events have CU_EVENT_BLOCKING_SYNC.
         "event-waits" => {
             let stream = backend.stream_create(DeviceId(0)).unwrap();
@@ -806,6 +836,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// Handles the driver reuses after destroy never make a stale handle of ours valid again.
+#[test]
+fn a_stale_handle_does_not_name_a_newer_object() {
+    run_child("stale-handles");
 }
 
 /// A host wait on an event sleeps instead of spinning a CPU core.

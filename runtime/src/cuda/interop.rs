@@ -9,7 +9,6 @@ use std::sync::Arc;
 use cudarc::driver::safe::{CudaContext, CudaStream};
 
 use super::backend::CudaBackend;
-use super::streams::raw_of;
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
 use crate::stream::Stream;
@@ -56,7 +55,12 @@ impl CudaBackend {
                 "adopt_stream: the stream belongs to a non-primary context of {device}"
             )));
         }
-        let raw = raw_of(stream.cu_stream());
+        // The same cudarc stream adopted again is the same handle (one more reference).
+        let ptr = stream.cu_stream();
+        let raw = self
+            .streams
+            .find(device, |s| s.cu_stream() == ptr)
+            .unwrap_or_else(|| self.streams.fresh());
         self.streams.insert(device, raw, stream.clone())?;
         Ok(StreamHandle { device, raw })
     }

@@ -1,8 +1,12 @@
-//! Live streams and events of the CUDA backend, by raw handle.
+//! Live streams and events of the CUDA backend, by the backend's own handle values.
 //!
 //! A handle is only passed to the driver after it is found here, and the lookup hands out an
 //! `Arc` clone, so a concurrent destroy cannot free the driver object while a call uses it.
 //! An entry is reference counted: adopting the same cudarc stream twice needs two destroys.
+//!
+//! Handle values are the backend's, never reused ([`Registry::fresh`]), not the driver's
+//! pointers: the driver reuses a destroyed object's pointer, and a stale handle a user kept
+//! would otherwise name the newer object.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -16,10 +20,12 @@ struct Entry<T> {
     refs: usize,
 }
 
-/// Raw handle → live object, with the device it belongs to.
+/// Handle value → live object, with the device it belongs to.
 pub(crate) struct Registry<T> {
     kind: &'static str,
     map: Mutex<HashMap<u64, Entry<T>>>,
+    /// The last handle value handed out.
+    last: std::sync::atomic::AtomicU64,
 }
 
 impl<T> Registry<T> {
@@ -28,7 +34,24 @@ impl<T> Registry<T> {
         Registry {
             kind,
             map: Mutex::new(HashMap::new()),
+            last: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// A handle value never handed out before (never 0).
+    pub(crate) fn fresh(&self) -> u64 {
+        self.last
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(1)
+    }
+
+    /// The handle value of the live object `matches` picks on `device`, if any (adopting a
+    /// cudarc stream already adopted names the same entry).
+    pub(crate) fn find(&self, device: DeviceId, matches: impl Fn(&T) -> bool) -> Option<u64> {
+        self.lock()
+            .iter()
+            .find(|(_, e)| e.device == device && matches(&e.value))
+            .map(|(raw, _)| *raw)
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<u64, Entry<T>>> {

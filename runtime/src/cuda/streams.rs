@@ -47,11 +47,6 @@ impl Drop for CuEvent {
     }
 }
 
-/// The raw handle of a driver pointer-typed handle, as our `raw: u64`.
-pub(crate) fn raw_of<T>(p: *mut T) -> u64 {
-    p as usize as u64
-}
-
 impl CudaBackend {
     /// The live stream named by `handle`, with its device's context bound on this thread.
     pub(crate) fn bound_stream(&self, handle: StreamHandle) -> Result<Arc<CudaStream>> {
@@ -77,7 +72,7 @@ impl CudaBackend {
         }
         let s = catch("cuStreamCreate", || ctx.new_stream())?
             .map_err(|e| from_driver_error("cuStreamCreate", e))?;
-        let raw = raw_of(s.cu_stream());
+        let raw = self.streams.fresh();
         self.streams.insert(device, raw, s)?;
         Ok(StreamHandle { device, raw })
     }
@@ -257,7 +252,7 @@ impl CudaBackend {
         })?;
         let handle = EventHandle {
             device,
-            raw: raw_of(raw),
+            raw: self.events.fresh(),
         };
         self.events
             .insert(device, handle.raw, Arc::new(CuEvent { raw, ctx }))?;
