@@ -60,7 +60,23 @@ pub extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
             .remove(&(stream as u64))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         lock(&emu.stream_values).give(stream as u64);
-        emu.sim.stream_destroy(h.handle).map_err(sim_err)
+        // Docs: "In case the device is still doing work in the stream hStream when
+        // cuStreamDestroy() is called, the function will return immediately and the resources
+        // associated with hStream will be released automatically once the device has
+        // completed all work in hStream." The sim's destroy waits for the stream's work: it
+        // runs on a thread of its own, and this call returns at once.
+        let sim = emu.sim.clone();
+        let spawned = std::thread::Builder::new()
+            .name("cuda-emu-stream-destroy".into())
+            .spawn(move || {
+                if let Err(e) = sim.stream_destroy(h.handle) {
+                    tracing::warn!(error = %e, "emulated stream destroy failed");
+                }
+            });
+        if spawned.is_err() {
+            emu.sim.stream_destroy(h.handle).map_err(sim_err)?;
+        }
+        Ok(())
     })
 }
 
