@@ -32,6 +32,7 @@
 //! | a faulting kernel's error is sticky: "any further CUDA work will return the same error ... the process must be terminated and relaunched"; host functions never run | `gpualloc_emu_fault_stream_code` raises any of [`STICKY_CODES`] (700, 702, 710 `CUDA_ERROR_ASSERT`, 714-719, 214, 220, 226, 911); every later call in the context fails with it for the life of the process, releasing the primary context does not clear it | `cuda_rules.rs` `after_a_sticky_error_pending_futures_fail_and_the_device_is_lost`, `every_sticky_code_loses_the_device` |
 //! | host functions of independent streams "may be serialized" (and are, on one callback thread) | every host function of every stream runs on one callback thread, one at a time; its stream waits until it has run, so a blocking host function stalls every stream's host functions | `runtime` conformance `stream_wait_event_uses_record_at_call_time` (its earlier form, watching stream b with a host function, failed here as on a driver) |
 //! | `cuStreamDestroy` with work queued "will return immediately"; the work completes later | the stream is destroyed on a thread of the emulator's, the call returns at once | `strict.rs` `destroying_a_stream_with_pending_work_returns_at_once_and_lets_it_complete` |
+//! | a copy from or to pageable host memory is staged synchronously by the driver, `cuMemcpyAsync` included | every copy's host side not page-locked for the copying context is counted (`gpualloc_emu_pageable_copies`) | `cuda_rules.rs` `registered_host_memory_is_pinned_for_every_device`, `a_unified_copy_records_its_host_side` |
 //! | the driver reuses a destroyed object's pointer value | `CUstream` and `CUevent` values of destroyed objects are handed out again, the most recent first | `cuda_rules.rs` `a_stale_handle_does_not_name_a_newer_object` |
 //! | a host wait on an event created without `CU_EVENT_BLOCKING_SYNC` spins a CPU core | counted (`gpualloc_emu_spinning_waits`) | `cuda_rules.rs` `host_waits_on_events_do_not_spin` |
 //! | the driver's state does not survive a fork | a forked child's calls fail with `CUDA_ERROR_NOT_INITIALIZED`, counted (`gpualloc_emu_calls_in_forked_child`) | `cuda_rules.rs` `a_forked_child_drops_what_it_inherited_without_the_driver` |
@@ -43,7 +44,6 @@
 //! - work on freed or unmapped memory is a per-call error, not a sticky fault;
 //! - context checks accept any retained context where the driver needs the object's own;
 //! - a retained context costs no device memory in `cuMemGetInfo`;
-//! - `cuMemcpyAsync` does not record a pageable host side;
 //!
 //! Configuration (read at `cuInit`): `GPUALLOC_EMU_DEVICES` (default 1),
 //! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384), `GPUALLOC_EMU_LATENCY=hardware` for

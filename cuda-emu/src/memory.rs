@@ -96,7 +96,9 @@ pub extern "C" fn cuMemsetD8Async(
     })
 }
 
-/// `cuMemcpyAsync` (unified addressing: device or page-locked host on either side).
+/// `cuMemcpyAsync` (unified addressing: device or host memory on either side). A host side
+/// that is not page-locked for this context is recorded as pageable, as for the typed copies:
+/// the driver stages such a copy synchronously.
 #[no_mangle]
 pub extern "C" fn cuMemcpyAsync(
     dst: CUdeviceptr,
@@ -106,6 +108,11 @@ pub extern "C" fn cuMemcpyAsync(
 ) -> CUresult {
     call("cuMemcpyAsync", Needs::Context, |emu, d| {
         let s = emu.work_stream(stream, d)?;
+        for side in [dst, src] {
+            if n > 0 && emu.sim.pointer_device(DevicePtr(side)).is_none() {
+                emu.note_host_side(side as usize, n, d);
+            }
+        }
         emu.check_access(dst, n as u64, s.device)?;
         emu.check_access(src, n as u64, s.device)?;
         emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)

@@ -490,6 +490,34 @@ fn child_entry() {
             backend.stream_destroy(new_stream).unwrap();
             backend.stream_destroy(s).unwrap();
         }
+        // A unified-addressing copy (`memcpy_async`, cuMemcpyAsync) records its host side
+        // like the typed copies: from pinned memory nothing, from pageable memory a staged copy.
+        "memcpy-host-side" => {
+            let s = backend.stream_create(DeviceId(0)).unwrap();
+            let dev = backend.malloc(DeviceId(0), 1 << 20).unwrap();
+            let pinned = backend.host_alloc(4096).unwrap();
+            let before = pageable_copies();
+            backend.memcpy_async(s, dev.0, pinned as u64, 4096).unwrap();
+            backend.stream_synchronize(s).unwrap();
+            assert_eq!(
+                pageable_copies(),
+                before,
+                "pinned memory counted as pageable"
+            );
+            let pageable = vec![0u8; 4096];
+            // The emulator's sim may refuse a pageable address for an async copy; the record
+            // is what is checked.
+            let _ = backend.memcpy_async(s, dev.0, pageable.as_ptr() as u64, 4096);
+            backend.stream_synchronize(s).unwrap();
+            assert_eq!(
+                pageable_copies(),
+                before + 1,
+                "a pageable host side unrecorded"
+            );
+            backend.host_free(pinned).unwrap();
+            backend.free(DeviceId(0), dev).unwrap();
+            backend.stream_destroy(s).unwrap();
+        }
         // The backend's host waits on events sleep: its events have CU_EVENT_BLOCKING_SYNC.
         "event-waits" => {
             let stream = backend.stream_create(DeviceId(0)).unwrap();
@@ -836,6 +864,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// `cuMemcpyAsync`'s host side is recorded, pinned or pageable, as the typed copies' are.
+#[test]
+fn a_unified_copy_records_its_host_side() {
+    run_child("memcpy-host-side");
 }
 
 /// Handles the driver reuses after destroy never make a stale handle of ours valid again.
