@@ -490,6 +490,41 @@ fn child_entry() {
             backend.stream_destroy(new_stream).unwrap();
             backend.stream_destroy(s).unwrap();
         }
+        // A user thread with device 1's context current (as the CUDA runtime leaves it after
+        // cudaSetDevice(1)) calls the backend on devices 2 and 3: its context is still
+        // device 1's afterwards.
+        "keep-current" => {
+            let ctx1 = cuda.cudarc_context(DeviceId(1)).unwrap();
+            ctx1.bind_to_thread().unwrap();
+            let current = || {
+                let mut c: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer; the driver is initialized.
+                let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut c) };
+                assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+                c
+            };
+            assert_eq!(current(), ctx1.cu_ctx());
+            let p = backend.malloc(DeviceId(2), 1 << 20).unwrap();
+            let s = backend.stream_create(DeviceId(3)).unwrap();
+            let q = backend.malloc(DeviceId(3), 4096).unwrap();
+            backend.memset_async(s, q, 0, 4096).unwrap();
+            let pinned = backend.host_alloc(4096).unwrap();
+            assert_eq!(
+                current(),
+                ctx1.cu_ctx(),
+                "the caller's context was switched"
+            );
+            backend.host_free(pinned).unwrap();
+            backend.stream_synchronize(s).unwrap();
+            backend.stream_destroy(s).unwrap();
+            backend.free(DeviceId(3), q).unwrap();
+            backend.free(DeviceId(2), p).unwrap();
+            assert_eq!(
+                current(),
+                ctx1.cu_ctx(),
+                "the caller's context was switched"
+            );
+        }
         // A unified-addressing copy (`memcpy_async`, cuMemcpyAsync) records its host side
         // like the typed copies: from pinned memory nothing, from pageable memory a staged copy.
         "memcpy-host-side" => {
@@ -864,6 +899,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// A backend call leaves the calling thread's current context as it found it.
+#[test]
+fn a_call_keeps_the_callers_current_context() {
+    run_child("keep-current");
 }
 
 /// `cuMemcpyAsync`'s host side is recorded, pinned or pageable, as the typed copies' are.

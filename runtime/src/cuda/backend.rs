@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::safe::CudaStream;
 use cudarc::driver::sys::{self, CUresult};
 
-use super::context::{bind, Contexts};
+use super::context::{bind, Contexts, KeepCurrent};
 use super::error::{catch, check, drv};
 use super::health::Health;
 use super::registry::Registry;
@@ -48,6 +48,10 @@ pub struct CudaBackend {
     pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
     /// The process that made this backend: see [`CudaBackend::forked`].
     pub(crate) pid: u32,
+    /// The driver was initialized (`new`): calls then keep the caller's current context
+    /// ([`KeepCurrent`]). A backend that never touched the driver (tests of input checks)
+    /// asks it nothing.
+    pub(crate) initialized: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -100,7 +104,9 @@ impl CudaBackend {
         if count == 0 {
             return Err(BackendError::Unavailable("no CUDA device".into()));
         }
-        Ok(Arc::new(Self::with_devices(count)))
+        let mut backend = Self::with_devices(count);
+        backend.initialized = true;
+        Ok(Arc::new(backend))
     }
 
     /// True when the CUDA driver library can be loaded (no other driver call is made).
@@ -147,7 +153,14 @@ impl CudaBackend {
             ipc_opened: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             release_hooks: Default::default(),
             pid: std::process::id(),
+            initialized: false,
         }
+    }
+
+    /// Keeps the caller's current context across one backend call (see [`KeepCurrent`]); not
+    /// in a forked child, which makes no driver call.
+    fn keep_current(&self) -> Option<KeepCurrent> {
+        (self.initialized && !self.forked()).then(KeepCurrent::new)
     }
 
     /// True in a process forked from the one that made this backend. The driver's state does
@@ -233,32 +246,40 @@ impl Backend for CudaBackend {
         Ok(self.contexts.count())
     }
     fn mem_info(&self, device: DeviceId) -> Result<MemInfo> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_mem_info(device))
     }
     fn total_memory(&self, device: DeviceId) -> Result<u64> {
+        let _keep = self.keep_current();
         self.cu_total_memory(device)
     }
     fn enable_peer_access(&self, device: DeviceId, peer: DeviceId) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(device, self.cu_enable_peer_access(device, peer))
     }
     fn malloc(&self, device: DeviceId, size: u64) -> Result<DevicePtr> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_malloc(device, size))
     }
     fn free(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.health.seen(device, self.cu_free(device, ptr))
     }
     fn device_synchronize(&self, device: DeviceId) -> Result<()> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_device_synchronize(device))
     }
 
     fn stream_create(&self, device: DeviceId) -> Result<StreamHandle> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_stream_create(device))
     }
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             std::mem::forget(self.streams.remove(stream.device, stream.raw)?);
             return Ok(());
@@ -267,22 +288,27 @@ impl Backend for CudaBackend {
             .seen(stream.device, self.cu_stream_destroy(stream))
     }
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_stream_synchronize(stream))
     }
     fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_stream_query(stream))
     }
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_stream_wait_event(stream, event))
     }
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_launch_host_func(stream, f))
     }
     fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_memcpy_async(stream, dst, src, len))
     }
@@ -293,33 +319,41 @@ impl Backend for CudaBackend {
         value: u8,
         len: u64,
     ) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_memset_async(stream, dst, value, len))
     }
     fn copy_to_device(&self, stream: StreamHandle, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_copy_to_device(stream, dst, src))
     }
     fn copy_from_device(&self, stream: StreamHandle, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_copy_from_device(stream, dst, src))
     }
 
     fn event_create(&self, device: DeviceId) -> Result<EventHandle> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_event_create(device))
     }
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_event_record(event, stream))
     }
     fn event_query(&self, event: EventHandle) -> Result<bool> {
+        let _keep = self.keep_current();
         self.health.seen(event.device, self.cu_event_query(event))
     }
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(event.device, self.cu_event_synchronize(event))
     }
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             std::mem::forget(self.events.remove(event.device, event.raw)?);
             return Ok(());
@@ -328,18 +362,22 @@ impl Backend for CudaBackend {
     }
 
     fn host_alloc(&self, size: u64) -> Result<*mut u8> {
+        let _keep = self.keep_current();
         self.cu_host_alloc(size)
     }
     fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.cu_host_free(ptr)
     }
     fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
+        let _keep = self.keep_current();
         self.cu_host_register(ptr, len, flags)
     }
     fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
@@ -347,25 +385,31 @@ impl Backend for CudaBackend {
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_granularity(device))
     }
     fn has_vmm(&self, device: DeviceId) -> bool {
+        let _keep = self.keep_current();
         self.cu_has_vmm(device)
     }
     fn va_reserve(&self, device: DeviceId, size: u64, alignment: u64) -> Result<DevicePtr> {
+        let _keep = self.keep_current();
         self.health
             .seen(device, self.cu_va_reserve(device, size, alignment))
     }
     fn va_free(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.health.seen(device, self.cu_va_free(device, ptr, size))
     }
     fn phys_create(&self, device: DeviceId, size: u64) -> Result<PhysHandle> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_phys_create(device, size))
     }
     fn phys_release(&self, handle: PhysHandle) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
@@ -373,6 +417,7 @@ impl Backend for CudaBackend {
             .seen(handle.device, self.cu_phys_release(handle))
     }
     fn map(&self, ptr: DevicePtr, size: u64, offset: u64, handle: PhysHandle) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(handle.device, self.cu_map(ptr, size, offset, handle))
     }
@@ -380,36 +425,44 @@ impl Backend for CudaBackend {
         Some(&self.release_hooks)
     }
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.cu_unmap(ptr, size)
     }
     fn set_access(&self, device: DeviceId, ptr: DevicePtr, size: u64) -> Result<()> {
+        let _keep = self.keep_current();
         self.health
             .seen(device, self.cu_set_access(device, ptr, size))
     }
     fn phys_export_fd(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        let _keep = self.keep_current();
         self.cu_phys_export_fd(handle)
     }
     fn phys_import_fd(&self, device: DeviceId, fd: OwnedFd) -> Result<PhysHandle> {
+        let _keep = self.keep_current();
         self.health.seen(device, self.cu_phys_import_fd(device, fd))
     }
 
     fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        let _keep = self.keep_current();
         self.cu_ipc_get_mem_handle(ptr)
     }
     fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        let _keep = self.keep_current();
         self.health
             .seen(device, self.cu_ipc_open_mem_handle(device, handle))
     }
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
+        let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.cu_ipc_close_mem_handle(ptr)
     }
     fn mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        let _keep = self.keep_current();
         self.cu_mem_address_range(ptr)
     }
 }

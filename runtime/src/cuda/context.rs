@@ -71,6 +71,45 @@ impl Contexts {
 }
 
 /// Makes `ctx` current on the calling thread (a no-op when it already is).
+/// The context current on this thread when a backend call began, made current again when the
+/// call ends ([`KeepCurrent::drop`]): the backend binds its primary contexts as it needs them,
+/// and without this a user thread that also uses the CUDA runtime (or another library) would
+/// find its current context, and so its device, silently switched after calling us.
+pub(crate) struct KeepCurrent(Option<sys::CUcontext>);
+
+impl KeepCurrent {
+    /// Remembers the current context (none is remembered when the driver cannot say).
+    pub(crate) fn new() -> KeepCurrent {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        let read = drv("cuCtxGetCurrent", || {
+            // SAFETY: `current` is a valid, writable out-pointer for the duration of the call.
+            unsafe { sys::cuCtxGetCurrent(&mut current) }
+        });
+        KeepCurrent(read.ok().map(|()| current))
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        let Some(saved) = self.0 else {
+            return;
+        };
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        let read = drv("cuCtxGetCurrent", || {
+            // SAFETY: as in `new`.
+            unsafe { sys::cuCtxGetCurrent(&mut now) }
+        });
+        if read.is_ok() && now != saved {
+            let _ = drv("cuCtxSetCurrent", || {
+                // SAFETY: `saved` was current on this thread when the call began (or null,
+                // which unbinds); a context the caller had current is still theirs to keep
+                // alive, and the driver checks the value.
+                unsafe { sys::cuCtxSetCurrent(saved) }
+            });
+        }
+    }
+}
+
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     let want = ctx.cu_ctx();
     let mut current: sys::CUcontext = std::ptr::null_mut();
