@@ -104,7 +104,9 @@ fn pinned_and_registered_host_memory_copy() {
     assert!(host.iter().all(|&x| x == 0x5a));
     b.host_free(pinned).expect("host_free");
 
-    let page = 4096usize;
+    // The host's page: 4 KiB on x86-64, 64 KiB on some aarch64 hosts (GH200).
+    let page = rustix::param::page_size();
+    assert!(4 * page as u64 <= n, "the device buffer holds four pages");
     let layout = std::alloc::Layout::from_size_align(4 * page, page).expect("layout");
     // SAFETY: non-zero size layout.
     let mem = unsafe { std::alloc::alloc_zeroed(layout) };
