@@ -525,6 +525,21 @@ fn child_entry() {
                 "the caller's context was switched"
             );
         }
+        // An earlier cudarc drop left an error in the context; a stream is then destroyed
+        // from a thread with no current context (a runtime worker): it must still go.
+        "destroy-after-cudarc-error" => {
+            let s = backend.stream_create(DeviceId(0)).unwrap();
+            let before = live_streams();
+            let ctx = cuda.cudarc_context(DeviceId(0)).unwrap();
+            ctx.record_err::<()>(Err(cudarc::driver::DriverError(
+                cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+            )));
+            let b = backend.clone();
+            std::thread::spawn(move || b.stream_destroy(s).unwrap())
+                .join()
+                .unwrap();
+            assert_eq!(live_streams(), before - 1, "the stream was not destroyed");
+        }
         // A unified-addressing copy (`memcpy_async`, cuMemcpyAsync) records its host side
         // like the typed copies: from pinned memory nothing, from pageable memory a staged copy.
         "memcpy-host-side" => {
@@ -899,6 +914,12 @@ fn pinned_memory_first_takes_a_device_this_process_can_have() {
 #[test]
 fn a_host_functions_closure_may_drop_the_last_stream() {
     run_child("drop-in-host-fn");
+}
+
+/// A stream is destroyed even when cudarc holds an error of an earlier drop in its context.
+#[test]
+fn a_stream_goes_even_after_a_cudarc_error() {
+    run_child("destroy-after-cudarc-error");
 }
 
 /// A backend call leaves the calling thread's current context as it found it.

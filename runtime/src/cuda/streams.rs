@@ -80,7 +80,21 @@ impl CudaBackend {
     pub(crate) fn cu_stream_destroy(&self, handle: StreamHandle) -> Result<()> {
         // The `Arc` (if it was ours alone, the driver stream) is dropped here, outside the
         // registry lock; cuStreamDestroy lets queued work finish first.
-        drop(self.streams.remove(handle.device, handle.raw)?);
+        let Some(s) = self.streams.remove(handle.device, handle.raw)? else {
+            return Ok(());
+        };
+        if Arc::strong_count(&s) == 1 {
+            // cudarc's drop binds through `bind_to_thread`, which gives up without binding
+            // when an earlier cudarc drop left an error in the context: the destroy then runs
+            // in whatever context the thread has (none, on a runtime worker), fails, and the
+            // stream stays. Clear such an error (logged) and bind the stream's context here.
+            let ctx = s.context();
+            if let Err(e) = ctx.check_err() {
+                tracing::warn!(error = ?e, "earlier cudarc drop on {} failed", handle.device);
+            }
+            bind(ctx)?;
+        }
+        drop(s);
         Ok(())
     }
 
