@@ -49,17 +49,38 @@ fn active_contexts(devices: u32) -> Vec<bool> {
         .collect()
 }
 
-/// The emulator's count of copies whose host side was not pinned for the copying context.
-fn pageable_copies() -> u64 {
+/// One of the emulator's counters (a function exported for tests, taking nothing).
+fn emu_counter(symbol: &[u8]) -> u64 {
     // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
-    // exports this function with exactly this signature; it takes nothing and reads a counter.
+    // exports each `gpualloc_emu_*` counter with exactly this signature; it takes nothing and
+    // reads a count.
     unsafe {
         let lib = cudarc::driver::sys::culib();
         let f = lib
-            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_pageable_copies\0")
+            .get::<unsafe extern "C" fn() -> u64>(symbol)
             .expect("the emulator's counter");
         f()
     }
+}
+
+/// Copies whose host side was not pinned for the copying context.
+fn pageable_copies() -> u64 {
+    emu_counter(b"gpualloc_emu_pageable_copies\0")
+}
+
+/// Host waits on events that would spin a CPU on a driver.
+fn spinning_waits() -> u64 {
+    emu_counter(b"gpualloc_emu_spinning_waits\0")
+}
+
+/// Driver calls this process made as a forked child.
+fn calls_in_forked_child() -> u64 {
+    emu_counter(b"gpualloc_emu_calls_in_forked_child\0")
+}
+
+/// Streams created and not destroyed.
+fn live_streams() -> u64 {
+    emu_counter(b"gpualloc_emu_live_streams\0")
 }
 
 /// The sticky error the `sticky-fault` role raises: `STICKY_CODE` (default 700), and its name.
@@ -69,45 +90,6 @@ fn sticky_code() -> (u32, &'static str) {
         Ok("911") => (911, "CUDA_ERROR_EXTERNAL_DEVICE"),
         Ok("220") => (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE"),
         _ => (700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
-    }
-}
-
-/// The emulator's count of host waits on events that would spin a CPU on a driver.
-fn spinning_waits() -> u64 {
-    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
-    // exports this function with exactly this signature; it takes nothing and reads a count.
-    unsafe {
-        let lib = cudarc::driver::sys::culib();
-        let f = lib
-            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_spinning_waits\0")
-            .expect("the emulator's count");
-        f()
-    }
-}
-
-/// The driver calls this process made as a forked child.
-fn calls_in_forked_child() -> u64 {
-    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
-    // exports this function with exactly this signature; it takes nothing and reads a count.
-    unsafe {
-        let lib = cudarc::driver::sys::culib();
-        let f = lib
-            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_calls_in_forked_child\0")
-            .expect("the emulator's count");
-        f()
-    }
-}
-
-/// The emulator's count of streams created and not destroyed.
-fn live_streams() -> u64 {
-    // SAFETY: the library cudarc loaded is the emulator (this child's LD_LIBRARY_PATH), which
-    // exports this function with exactly this signature; it takes nothing and reads a count.
-    unsafe {
-        let lib = cudarc::driver::sys::culib();
-        let f = lib
-            .get::<unsafe extern "C" fn() -> u64>(b"gpualloc_emu_live_streams\0")
-            .expect("the emulator's count");
-        f()
     }
 }
 

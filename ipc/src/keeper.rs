@@ -54,7 +54,6 @@ pub const COLLECT_EVERY: Duration = Duration::from_millis(200);
 struct Kept {
     sock: OwnedFd,
     state: ExporterState,
-    pid: u32,
 }
 
 struct Keeper {
@@ -155,11 +154,7 @@ impl KeeperSlot {
             return;
         };
         let mut k = keeper();
-        k.incoming.push(Kept {
-            sock,
-            state,
-            pid: self.pid,
-        });
+        k.incoming.push(Kept { sock, state });
         k.wake();
     }
 }
@@ -175,25 +170,18 @@ impl Drop for KeeperSlot {
     }
 }
 
-/// What a read of a kept socket found.
-enum Read {
-    /// Nothing more for now.
-    Open,
-    /// The importer's end: EOF, or its socket reset.
-    End,
-}
-
-/// Reads (and drops) everything the importer sent, without blocking.
-fn drain(sock: BorrowedFd<'_>) -> Read {
+/// Reads (and drops) everything the importer sent, without blocking; true at the importer's
+/// end (EOF, or its socket reset), false when nothing more is there for now.
+fn drained_to_end(sock: BorrowedFd<'_>) -> bool {
     let mut buf = [0u8; 4096];
     loop {
         // A plain recv: fds a peer attaches are closed by the kernel, bytes are ignored
         // (only the shared counters say what was released).
         match rustix::net::recv(sock, &mut buf, RecvFlags::DONTWAIT) {
-            Ok((0, _)) => return Read::End,
+            Ok((0, _)) => return true,
             Ok(_) | Err(Errno::INTR) => {}
-            Err(Errno::AGAIN) => return Read::Open,
-            Err(_) => return Read::End,
+            Err(Errno::AGAIN) => return false,
+            Err(_) => return true,
         }
     }
 }
@@ -235,11 +223,11 @@ fn run(wake: Arc<OwnedFd>) {
         // Backwards, so that `swap_remove` moves only entries already looked at.
         for (i, is_ready) in ready.into_iter().enumerate().rev() {
             let c = &mut kept[i];
-            let ended = is_ready && matches!(drain(c.sock.as_fd()), Read::End);
+            let ended = is_ready && drained_to_end(c.sock.as_fd());
             c.state.collect();
             if ended || c.state.outstanding() == 0 {
                 // Dropping the state takes back whatever is still out.
-                gone.push(kept.swap_remove(i).pid);
+                gone.push(kept.swap_remove(i).state.peer.pid);
             }
         }
         if !gone.is_empty() {

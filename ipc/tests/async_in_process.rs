@@ -14,19 +14,25 @@ use gpualloc_runtime::{Backend, DeviceId};
 
 const DEV: DeviceId = DeviceId(0);
 
+/// Both ends of an async connection over a socket pair, on `backend`.
+async fn connected(backend: &Arc<dyn Backend>) -> (AsyncExportConn, AsyncImportConn) {
+    let (a, b) = tokio::net::UnixStream::pair().unwrap();
+    let exp = AsyncExportConn::new(a, &PeerPolicy::default(), backend.clone())
+        .await
+        .unwrap();
+    let imp = AsyncImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV)
+        .await
+        .unwrap();
+    (exp, imp)
+}
+
 #[tokio::test]
 async fn async_pair_release_message_and_silent_drop() {
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let stream = backend.stream_create(DEV).unwrap();
     let seg = backend.malloc(DEV, 4 << 20).unwrap();
-    let (a, b) = tokio::net::UnixStream::pair().unwrap();
-    let mut exp = AsyncExportConn::new(a, &PeerPolicy::default(), backend.clone())
-        .await
-        .unwrap();
-    let mut imp = AsyncImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV)
-        .await
-        .unwrap();
+    let (mut exp, mut imp) = connected(&backend).await;
     let released = Arc::new(AtomicUsize::new(0));
 
     // Two buffers of one segment: at offset 1 MiB and 3 MiB.
@@ -87,13 +93,7 @@ async fn a_dropped_async_exporter_keeps_the_export_until_the_importer_drops_it()
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let seg = backend.malloc(DEV, 2 << 20).unwrap();
-    let (a, b) = tokio::net::UnixStream::pair().unwrap();
-    let mut exp = AsyncExportConn::new(a, &PeerPolicy::default(), backend.clone())
-        .await
-        .unwrap();
-    let mut imp = AsyncImportConn::new(b, &PeerPolicy::default(), backend.clone(), DEV)
-        .await
-        .unwrap();
+    let (mut exp, mut imp) = connected(&backend).await;
     let released = Arc::new(AtomicUsize::new(0));
     let r = released.clone();
     let region = DeviceRegion {

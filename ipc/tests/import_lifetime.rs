@@ -331,14 +331,7 @@ fn an_offer_unread_when_the_exporter_drops_its_connection_is_kept_for_the_import
     assert!(ex.core.lock().unwrap().allocation(exported).is_some());
     // The importer lets go: the keeper frees the block.
     ex.ctrl.write_all(b"q").unwrap();
-    let t = Instant::now();
-    while ex.core.lock().unwrap().allocation(exported).is_some() {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "the keeper never freed it"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    ex.wait_freed(exported);
     ex.finish();
 }
 

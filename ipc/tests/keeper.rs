@@ -80,12 +80,8 @@ impl Rig {
         }
     }
 
-    /// A connection with one export the importer received and holds.
-    fn exported(&self) -> (ExportConn, ImportConn, gpualloc_ipc::ImportedBuffer) {
-        let (a, b) = UnixStream::pair().unwrap();
-        let mut conn = ExportConn::new(a, &PeerPolicy::default(), self.backend.clone()).unwrap();
-        let mut imp =
-            ImportConn::new(b, &PeerPolicy::default(), self.backend.clone(), DEV).unwrap();
+    /// Exports the region over `conn`; its release counts in `released`.
+    fn export(&self, conn: &mut ExportConn) {
         let released = self.released.clone();
         conn.send_device(
             &self.region,
@@ -95,6 +91,15 @@ impl Rig {
             })),
         )
         .unwrap();
+    }
+
+    /// A connection with one export the importer received and holds.
+    fn exported(&self) -> (ExportConn, ImportConn, gpualloc_ipc::ImportedBuffer) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut conn = ExportConn::new(a, &PeerPolicy::default(), self.backend.clone()).unwrap();
+        let mut imp =
+            ImportConn::new(b, &PeerPolicy::default(), self.backend.clone(), DEV).unwrap();
+        self.export(&mut conn);
         let Received::Device(buf) = imp.recv().unwrap() else {
             panic!("expected a device buffer");
         };
@@ -248,15 +253,7 @@ fn with_no_fd_left_a_dropped_connection_frees_nothing_the_importer_holds() {
     ctrl.set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
     let mut conn = ExportConn::new(sock, &PeerPolicy::default(), rig.backend.clone()).unwrap();
-    let released = rig.released.clone();
-    conn.send_device(
-        &rig.region,
-        None,
-        Box::new(OnRelease::new(move || {
-            released.fetch_add(1, Ordering::SeqCst);
-        })),
-    )
-    .unwrap();
+    rig.export(&mut conn);
     let (a, b) = UnixStream::pair().unwrap();
     // Use up every fd (under a soft limit just above what is open, so that it is quick).
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
@@ -328,15 +325,7 @@ fn the_keeper_collects_a_release_made_through_the_counter_alone() {
     let rig = Rig::new();
     let (a, b) = UnixStream::pair().unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), rig.backend.clone()).unwrap();
-    let released = rig.released.clone();
-    conn.send_device(
-        &rig.region,
-        None,
-        Box::new(OnRelease::new(move || {
-            released.fetch_add(1, Ordering::SeqCst);
-        })),
-    )
-    .unwrap();
+    rig.export(&mut conn);
     // The raw importer: the hello's counters, the offer's slot, accepted.
     let mut reader = FrameReader::new();
     let mut frame = || -> Frame {

@@ -62,7 +62,7 @@ type Job = (HostFn, Result<()>, std::sync::mpsc::Sender<()>);
 /// it has run, so the stream still waits at its host function, as the driver's contract
 /// says. Started with the first launch ([`ensure_runner`]); `None` when no thread could be
 /// started, and closures then run on the driver's thread as before.
-static RUNNER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<Job>>>> =
+static RUNNER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Job>>> =
     std::sync::OnceLock::new();
 
 /// Starts the runner thread on first use (a launch, on a thread of the caller's).
@@ -77,7 +77,7 @@ pub(crate) fn ensure_runner() {
                     let _ = done.send(());
                 }
             }) {
-            Ok(_) => Some(Mutex::new(tx)),
+            Ok(_) => Some(tx),
             Err(e) => {
                 tracing::warn!(error = %e, "no thread for host functions: they run on the driver's");
                 None
@@ -93,10 +93,7 @@ fn call_on_runner(f: HostFn, result: Result<()>) {
         return call(f, result);
     };
     let (done, ran) = std::sync::mpsc::channel();
-    let sent = tx
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .send((f, result, done));
+    let sent = tx.send((f, result, done));
     match sent {
         Ok(()) => {
             let _ = ran.recv();

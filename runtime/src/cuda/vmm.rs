@@ -407,12 +407,13 @@ impl CudaBackend {
     }
 
     pub(crate) fn cu_mem_address_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
-        // An opened IPC mapping is queried in the context that opened it: the pointer's own
-        // device is the exporter's, and binding it would make this process a context there.
-        let device = match self.ipc_opened_at(ptr) {
-            Some((_, o)) => o.opener,
-            None => self.pointer_device("mem_address_range", ptr)?,
-        };
+        // An opened IPC mapping's range was read when it was opened (in the context that
+        // opened it): asking again would bind the pointer's own device, the exporter's, and
+        // make this process a context there.
+        if let Some((base, o)) = self.ipc_opened_at(ptr) {
+            return Ok((DevicePtr(base), o.size));
+        }
+        let device = self.pointer_device("mem_address_range", ptr)?;
         self.bind_device(device)?;
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         drv("cuMemGetAddressRange", || {
