@@ -147,6 +147,10 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
         let mut retained = lock(&emu.retained);
         if retained[d as usize] == 0 {
             emu.claim_exclusive(d)?;
+            if let Err(code) = emu.take_context_memory(d) {
+                emu.release_exclusive(d);
+                return Err(code);
+            }
         }
         retained[d as usize] += 1;
         drop(retained);
@@ -186,6 +190,7 @@ pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
         *slot -= 1;
         if *slot == 0 {
             emu.release_exclusive(d);
+            emu.give_context_memory(d);
             // A sticky error outlives the context: "the process must be terminated and
             // relaunched" (the driver's docs), so `faulted` stays.
         }

@@ -36,14 +36,21 @@
 //! | the driver reuses a destroyed object's pointer value | `CUstream` and `CUevent` values of destroyed objects are handed out again, the most recent first | `cuda_rules.rs` `a_stale_handle_does_not_name_a_newer_object` |
 //! | a host wait on an event created without `CU_EVENT_BLOCKING_SYNC` spins a CPU core | counted (`gpualloc_emu_spinning_waits`) | `cuda_rules.rs` `host_waits_on_events_do_not_spin` |
 //! | the driver's state does not survive a fork | a forked child's calls fail with `CUDA_ERROR_NOT_INITIALIZED`, counted (`gpualloc_emu_calls_in_forked_child`) | `cuda_rules.rs` `a_forked_child_drops_what_it_inherited_without_the_driver` |
-//! | VMM memory is usable by a device only after `cuMemSetAccess` names it | work of another device is refused | `cuda_rules.rs` `expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled` |
+//! | VMM memory is usable by a device only after `cuMemSetAccess` names it | work of another device is an illegal-address fault (below) | `cuda_rules.rs` `expandable_memory_is_usable_on_a_peer_once_peer_access_is_enabled` |
+//! | work on freed or unmapped memory, or on a mapping without access for the device running it, faults the context: `CUDA_ERROR_ILLEGAL_ADDRESS`, sticky | the copy or memset returns 700 and the context of the stream's device keeps it for the life of the process (the driver may report it at a later call; the emulator at once) | `tests/device_faults.rs` `work_on_freed_memory_is_a_sticky_fault`, `work_on_an_unmapped_range_is_a_sticky_fault`, `work_on_a_mapping_without_access_is_a_sticky_fault` |
+//! | context checks are per object: "cudaEventRecord() will fail if the input event and input stream are associated to different devices"; "a kernel launch will fail if it is issued to a stream that is not associated to the current device"; waits may cross devices | `cuEventRecord` across devices and `cuLaunchHostFunc` on another context's stream are `CUDA_ERROR_INVALID_HANDLE`; a call on a stream or event reports the sticky error of the object's own context, whichever is current | `device_faults.rs` `context_checks_are_per_object` |
+//! | "the exporting process must not free the memory while an importing process is still using it" (undefined behaviour) | an exporter's `cuMemFree` of an allocation another process has open through its IPC handle prints why and aborts the process (the importer holds a shared `flock` on the memory while it has it open) | `device_faults.rs` `freeing_memory_another_process_has_open_aborts_the_exporter` |
+//! | a context costs device memory (code, heap, local memory: a few hundred MiB on a data-center GPU) | a retained primary context takes [`CONTEXT_MIB`] (`GPUALLOC_EMU_CONTEXT_MIB`) from its device, from the first retain to the last release, visible in `cuMemGetInfo` and in what is left to allocate | `tests/capacity.rs`, `tests/backend_faults.rs` |
 //!
-//! Still more lenient than the driver, said plainly (each is work for the fidelity issue):
-//! - an exporter's `cuMemFree` under a live import (undefined behaviour per the docs) is not
-//!   detected;
-//! - work on freed or unmapped memory is a per-call error, not a sticky fault;
-//! - context checks accept any retained context where the driver needs the object's own;
-//! - a retained context costs no device memory in `cuMemGetInfo`;
+//! Still more lenient than the driver, said plainly:
+//! - a unified `cuMemcpyAsync` cannot tell a freed device pointer from pageable host memory:
+//!   that side is refused per call (`CUDA_ERROR_INVALID_VALUE`), not faulted (memsets and
+//!   the typed copies fault; the backend's `memcpy_async` is a unified copy);
+//! - `cuStreamDestroy` and `cuEventDestroy` of an object whose context faulted succeed;
+//! - `cuStreamWaitEvent` and `cuMemcpy*` on a stream of a context other than the current one
+//!   are accepted (the driver documents both as allowed);
+//! - nothing runs kernels, so a fault only comes from the calls above or
+//!   `gpualloc_emu_fault_stream_code`.
 //!
 //! Configuration (read at `cuInit`): `GPUALLOC_EMU_DEVICES` (default 1),
 //! `GPUALLOC_EMU_MEMORY_MIB` per device (default 16384), `GPUALLOC_EMU_LATENCY=hardware` for
@@ -53,7 +60,8 @@
 //! `GPUALLOC_EMU_EXCLUSIVE_PROCESS=DIR` for devices in `EXCLUSIVE_PROCESS` mode (one process's
 //! context per device, among processes given the same folder), and
 //! `GPUALLOC_EMU_FREE_NO_SYNC` for a `cuMemFree` that does not synchronize (the driver says it
-//! *may*; work still queued on freed memory then fails with a sticky error).
+//! *may*; work still queued on freed memory then fails with a sticky error), and
+//! `GPUALLOC_EMU_CONTEXT_MIB` for what a primary context costs (default [`CONTEXT_MIB`]).
 //!
 //! Exported functions that are not the driver's, for tests (through `dlsym`):
 //! `gpualloc_emu_pageable_copies` (copies the driver would have staged) and
@@ -79,6 +87,7 @@ pub use abi::*;
 pub use device::*;
 pub use errors::*;
 pub use memory::*;
+pub use state::CONTEXT_MIB;
 pub use streams::*;
 pub use unsupported::*;
 pub use vmm::*;

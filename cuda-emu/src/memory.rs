@@ -32,6 +32,18 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
             .sim
             .pointer_device(DevicePtr(dptr))
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if emu.sim.opened_by_another_process(DevicePtr(dptr)) {
+            // Docs (cuIpcOpenMemHandle): "the exporting process must not free the memory
+            // while an importing process is still using it" — undefined behaviour on the
+            // driver (the importer reads or corrupts whatever reuses the pages). Reported as
+            // loudly as possible: the exporter aborts, which fails any test.
+            eprintln!(
+                "gpualloc emulated CUDA driver: cuMemFree({dptr:#x}) while another process has \
+                 the allocation open through its IPC handle (undefined behaviour on the \
+                 driver); aborting"
+            );
+            std::process::abort();
+        }
         if emu.free_without_sync {
             emu.sim.free_without_sync(owner, DevicePtr(dptr))
         } else {
@@ -89,7 +101,7 @@ pub extern "C" fn cuMemsetD8Async(
 ) -> CUresult {
     call("cuMemsetD8Async", Needs::Context, |emu, d| {
         let s = emu.work_stream(stream, d)?;
-        emu.check_access(dst, n as u64, s.device)?;
+        emu.device_work(dst, n as u64, s.device)?;
         emu.sim
             .memset_async(s, DevicePtr(dst), value, n as u64)
             .map_err(sim_err)
@@ -108,13 +120,20 @@ pub extern "C" fn cuMemcpyAsync(
 ) -> CUresult {
     call("cuMemcpyAsync", Needs::Context, |emu, d| {
         let s = emu.work_stream(stream, d)?;
+        // Unified addressing: a side in device memory is the device's (work on it must be
+        // allowed: see `device_work`); any other is host memory. A freed device pointer looks
+        // like host memory here and is refused by the copy itself (`CUDA_ERROR_INVALID_VALUE`):
+        // only the typed copies know which side is the device's.
         for side in [dst, src] {
-            if n > 0 && emu.sim.pointer_device(DevicePtr(side)).is_none() {
+            if n == 0 {
+                continue;
+            }
+            if emu.sim.pointer_device(DevicePtr(side)).is_some() {
+                emu.device_work(side, n as u64, s.device)?;
+            } else {
                 emu.note_host_side(side as usize, n, d);
             }
         }
-        emu.check_access(dst, n as u64, s.device)?;
-        emu.check_access(src, n as u64, s.device)?;
         emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)
     })
 }
@@ -127,7 +146,12 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(
     n: usize,
     stream: CUstream,
 ) -> CUresult {
-    cuMemcpyAsync(dst, src, n, stream)
+    call("cuMemcpyDtoDAsync_v2", Needs::Context, |emu, d| {
+        let s = emu.work_stream(stream, d)?;
+        emu.device_work(src, n as u64, s.device)?;
+        emu.device_work(dst, n as u64, s.device)?;
+        emu.sim.memcpy_async(s, dst, src, n as u64).map_err(sim_err)
+    })
 }
 
 /// `cuMemcpyHtoDAsync_v2`: asynchronous from page-locked memory; from pageable memory the
@@ -151,7 +175,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         emu.note_host_side(src as usize, n, d);
-        emu.check_access(dst, n as u64, s.device)?;
+        emu.device_work(dst, n as u64, s.device)?;
         if emu.sim.memcpy_async(s, dst, src as u64, n as u64).is_ok() {
             return Ok(());
         }
@@ -184,7 +208,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         emu.note_host_side(dst as usize, n, d);
-        emu.check_access(src, n as u64, s.device)?;
+        emu.device_work(src, n as u64, s.device)?;
         if emu.sim.memcpy_async(s, dst as u64, src, n as u64).is_ok() {
             return Ok(());
         }

@@ -83,7 +83,19 @@ pub(crate) struct Emu {
     /// the life of the process (releasing the primary context does not clear it: the driver's
     /// docs say the process must be relaunched).
     pub(crate) faulted: Vec<std::sync::atomic::AtomicU32>,
+    /// Device memory a retained primary context takes (`GPUALLOC_EMU_CONTEXT_MIB`, default
+    /// [`CONTEXT_MIB`]): held from the first retain to the last release, so it shows in
+    /// `cuMemGetInfo` and in what is left to allocate, as a real context's code, heap and
+    /// local memory do.
+    pub(crate) context_bytes: u64,
+    /// The sim allocation standing for each retained primary context's memory.
+    pub(crate) context_memory: Mutex<HashMap<u32, gpualloc_runtime::DevicePtr>>,
 }
+
+/// What a primary context costs in device memory by default, in MiB. A CUDA 12 context with
+/// lazy module loading takes a few hundred MiB on a data-center GPU; the figure is round and
+/// small enough for tests' emulated devices.
+pub const CONTEXT_MIB: u64 = 64;
 
 static EMU: OnceLock<Emu> = OnceLock::new();
 
@@ -210,6 +222,8 @@ pub(crate) fn init() -> Result<(), CUresult> {
         event_values: Mutex::new(HandleValues::new(EVENT_HANDLE_BASE)),
         phys: Mutex::new(HashMap::new()),
         faults,
+        context_bytes: env_u64("GPUALLOC_EMU_CONTEXT_MIB", CONTEXT_MIB) << 20,
+        context_memory: Mutex::new(HashMap::new()),
     });
     Ok(())
 }
@@ -335,6 +349,69 @@ impl Emu {
         self.sticky(d).is_some()
     }
 
+    /// Device `d`'s context hits sticky error `code` (the first one stays: it is what every
+    /// later call reports).
+    pub(crate) fn fault(&self, d: u32, code: CUresult, why: &str) {
+        tracing::info!(device = d, code, why, "emulated device fault: sticky error");
+        if let Some(slot) = self.faulted.get(d as usize) {
+            let _ = slot.compare_exchange(
+                0,
+                code,
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+            );
+        }
+    }
+
+    /// Fails with the sticky error of the object's device `d`, if its context hit one: a call
+    /// on a stream or event reports its own context's error, whichever context is current.
+    pub(crate) fn object_ok(&self, d: DeviceId) -> Result<(), CUresult> {
+        match self.sticky(d.0) {
+            Some(code) => Err(code),
+            None => Ok(()),
+        }
+    }
+
+    /// Work of `device` touching device memory `[addr, addr + n)`: it must be live device
+    /// memory that `device` may reach. Otherwise it is what a kernel or copy engine touching
+    /// freed, unmapped or inaccessible memory does on a GPU: an illegal-address fault, sticky
+    /// for the context (the driver reports it at this or a later call; the emulator at once).
+    pub(crate) fn device_work(&self, addr: u64, n: u64, device: DeviceId) -> Result<(), CUresult> {
+        if n == 0 {
+            return Ok(());
+        }
+        let why = if !self.sim.device_memory_covers(addr, n) {
+            "work on memory that is not live device memory (freed, unmapped or never allocated)"
+        } else if self.check_access(addr, n, device).is_err() {
+            "work on a virtual-memory mapping without access for the device running it"
+        } else {
+            return Ok(());
+        };
+        self.fault(device.0, CUDA_ERROR_ILLEGAL_ADDRESS, why);
+        Err(CUDA_ERROR_ILLEGAL_ADDRESS)
+    }
+
+    /// The primary context of device `d` was retained for the first time: its memory is taken.
+    pub(crate) fn take_context_memory(&self, d: u32) -> Result<(), CUresult> {
+        if self.context_bytes == 0 {
+            return Ok(());
+        }
+        use gpualloc_runtime::Backend;
+        let p = self
+            .sim
+            .malloc(DeviceId(d), self.context_bytes)
+            .map_err(crate::errors::sim_err)?;
+        lock(&self.context_memory).insert(d, p);
+        Ok(())
+    }
+
+    /// The primary context of device `d` was released for the last time.
+    pub(crate) fn give_context_memory(&self, d: u32) {
+        if let Some(p) = lock(&self.context_memory).remove(&d) {
+            let _ = self.sim.free_without_sync(DeviceId(d), p);
+        }
+    }
+
     /// The sim stream behind a `CUstream` (null: `device`'s default stream).
     pub(crate) fn stream(&self, s: CUstream, device: DeviceId) -> Result<StreamHandle, CUresult> {
         if s as usize == CU_STREAM_PER_THREAD {
@@ -356,10 +433,12 @@ impl Emu {
             defaults.insert(device.0, h);
             return Ok(h);
         }
-        lock(&self.streams)
+        let h = lock(&self.streams)
             .get(&(s as u64))
             .map(|e| e.handle)
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        self.object_ok(h.device)?;
+        Ok(h)
     }
 
     /// The sim stream for new work on `s`, ordered as the legacy default stream is: work on
@@ -428,10 +507,8 @@ impl Emu {
 
     /// Whether work of `device` may touch `[addr, addr + n)`: outside virtual-memory mappings
     /// always (ordinary allocations follow peer access, which the emulator does not limit);
-    /// inside, only where `cuMemSetAccess` named the device. Otherwise the call is refused
-    /// with `CUDA_ERROR_INVALID_VALUE`, at once and without harm to the context: on the driver
-    /// the work would fault (a sticky error), and a test that checks the refusal could not go
-    /// on in that process. The sticky error itself is `gpualloc_emu_fault_stream`'s.
+    /// inside, only where `cuMemSetAccess` named the device (`CUDA_ERROR_INVALID_VALUE`
+    /// otherwise; [`Emu::device_work`] turns that into the context's sticky fault).
     pub(crate) fn check_access(&self, addr: u64, n: u64, device: DeviceId) -> Result<(), CUresult> {
         let end = addr.saturating_add(n.max(1));
         let maps = lock(&self.vmm_access);
@@ -484,10 +561,12 @@ impl Emu {
     }
 
     pub(crate) fn event(&self, e: CUevent) -> Result<EventHandle, CUresult> {
-        lock(&self.events)
+        let h = lock(&self.events)
             .get(&(e as u64))
             .copied()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        self.object_ok(h.device)?;
+        Ok(h)
     }
 }
 

@@ -199,6 +199,12 @@ pub extern "C" fn cuLaunchHostFunc(
     call("cuLaunchHostFunc", Needs::Context, |emu, d| {
         let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let s = emu.work_stream(stream, d)?;
+        // A launch goes to a stream of the current context (the programming guide: "A kernel
+        // launch will fail if it is issued to a stream that is not associated to the current
+        // device"); the emulator holds host-function launches to the same rule.
+        if s.device != d {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
         let data = UserData(user_data);
         emu.sim
             .launch_host_func(
@@ -243,23 +249,15 @@ pub extern "C" fn gpualloc_emu_fault_stream_code(stream: CUstream, code: CUresul
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
             let s = emu.work_stream(stream, d)?;
+            if s.device != d {
+                return Err(CUDA_ERROR_INVALID_HANDLE);
+            }
             emu.sim
                 .launch_host_func(
                     s,
                     Box::new(move |_| {
                         if let Some(emu) = crate::state::emu() {
-                            tracing::info!(
-                                device = d.0,
-                                code,
-                                "emulated kernel fault: sticky error"
-                            );
-                            // The first sticky error is the one every later call reports.
-                            let _ = emu.faulted[d.0 as usize].compare_exchange(
-                                0,
-                                code,
-                                std::sync::atomic::Ordering::AcqRel,
-                                std::sync::atomic::Ordering::Acquire,
-                            );
+                            emu.fault(d.0, code, "emulated kernel fault");
                         }
                     }),
                 )
@@ -295,6 +293,11 @@ pub extern "C" fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult {
     call("cuEventRecord", Needs::Context, |emu, d| {
         let e = emu.event(event)?;
         let s = emu.work_stream(stream, d)?;
+        // The programming guide: "cudaEventRecord() will fail if the input event and input
+        // stream are associated to different devices."
+        if e.device != s.device {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
         emu.sim.event_record(e, s).map_err(sim_err)
     })
 }

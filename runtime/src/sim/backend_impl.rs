@@ -532,6 +532,10 @@ impl Backend for SimBackend {
             .open(&path)
             .map_err(|e| BackendError::invalid(format!("cannot open IPC handle ({e})")))?;
         let fd = OwnedFd::from(file);
+        // A shared lock on the memory's file while it is open here: the exporter can tell that
+        // its allocation is still in use by another process (`opened_by_another_process`).
+        // Advisory only; the kernel drops it with the last fd of this open.
+        let _ = rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockShared);
         let size = os::memory_file_size(fd.as_fd())?;
         if size != info.size {
             return Err(BackendError::invalid(format!(

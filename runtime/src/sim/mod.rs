@@ -208,6 +208,36 @@ impl SimBackend {
         self.mem.find_containing(ptr.0, |_, r| r.device).flatten()
     }
 
+    /// True when `[addr, addr + len)` lies in live device memory right now (an allocation, a
+    /// mapped and accessible range, or an opened IPC handle): what work on a device may touch.
+    /// The emulated driver turns work outside it into the sticky fault a GPU raises.
+    pub fn device_memory_covers(&self, addr: u64, len: u64) -> bool {
+        self.pointer_device(DevicePtr(addr)).is_some()
+            && self.mem.validate(addr, len.max(1)).is_ok()
+    }
+
+    /// True when the allocation starting at `ptr` is open in another process through its IPC
+    /// handle right now (an importer holds a shared lock on the memory's file while it has it
+    /// open, see `ipc_open_mem_handle`; the kernel drops it when the importer closes the
+    /// handle or dies). The emulated driver reports a `cuMemFree` then: undefined behaviour on
+    /// the driver.
+    pub fn opened_by_another_process(&self, ptr: DevicePtr) -> bool {
+        use rustix::fs::{flock, FlockOperation};
+        self.mem
+            .with_region(ptr.0, RegionKind::Device, |r| {
+                r.fd.as_ref().is_some_and(|fd| {
+                    match flock(fd, FlockOperation::NonBlockingLockExclusive) {
+                        Ok(()) => {
+                            let _ = flock(fd, FlockOperation::Unlock);
+                            false
+                        }
+                        Err(e) => e == rustix::io::Errno::WOULDBLOCK,
+                    }
+                })
+            })
+            .unwrap_or(false)
+    }
+
     /// The process a sim IPC handle comes from (`None`: not a sim handle). The emulated
     /// driver refuses, as the real one does, to open a handle in the process that made it.
     pub fn ipc_handle_pid(&self, handle: &crate::types::IpcMemHandle) -> Option<u32> {
