@@ -2,7 +2,14 @@
 //!
 //! A `Stream` is cheap to clone (the clones share one backend stream, destroyed when the last
 //! goes). `Stream::record_event` returns an [`Event`] whose [`Event::completed`] future is
-//! woken by a host callback enqueued right after the record, never by polling.
+//! woken by a host callback, never by polling. The callback is not queued on the user's
+//! stream: a host function stops its stream until the driver's one callback thread has run
+//! it (and that thread serves every stream of the process, one function at a time), so a
+//! host function per event would stall the user's work behind every other library's
+//! callbacks. It goes to the stream's *watcher*, a stream of our own on the same device that
+//! waits for the event and then runs the callback; the user's stream only records events.
+//! The watcher is made on the stream's first `record_event` (or `completed`) and shared by
+//! the stream's clones and events.
 
 use std::fmt;
 use std::sync::Arc;
@@ -20,6 +27,57 @@ use crate::types::{DeviceId, EventHandle, StreamHandle};
 struct StreamInner {
     backend: Arc<dyn Backend>,
     handle: StreamHandle,
+    /// Made on the first event recorded (see the module's docs).
+    watcher: std::sync::OnceLock<Arc<Watcher>>,
+}
+
+/// A stream of ours beside a user's stream, on the same device: it waits for the user's
+/// events and runs the host functions that complete their futures, so that the user's stream
+/// never stops at one. Destroyed when the stream and all of its events are gone.
+struct Watcher {
+    backend: Arc<dyn Backend>,
+    handle: StreamHandle,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Err(e) = self.backend.stream_destroy(self.handle) {
+            tracing::warn!(stream = ?self.handle, error = %e, "watcher stream_destroy failed");
+        }
+    }
+}
+
+impl Watcher {
+    /// Completes `cell` once the stream has passed `event` (recorded already).
+    fn complete_after(&self, event: EventHandle, cell: &crate::sync::Arc<CompletionCell>) {
+        let waker = cell.clone();
+        let armed = self
+            .backend
+            .stream_wait_event(self.handle, event)
+            .and_then(|()| {
+                self.backend
+                    .launch_host_func(self.handle, Box::new(move |r| waker.complete(r)))
+            });
+        if let Err(e) = armed {
+            cell.complete(Err(e));
+        }
+    }
+}
+
+impl StreamInner {
+    /// The stream's watcher, made on first use.
+    fn watcher(&self) -> Result<Arc<Watcher>> {
+        if let Some(w) = self.watcher.get() {
+            return Ok(w.clone());
+        }
+        let handle = self.backend.stream_create(self.handle.device)?;
+        let made = Arc::new(Watcher {
+            backend: self.backend.clone(),
+            handle,
+        });
+        // Two threads may race here: the loser's watcher is dropped (and destroyed).
+        Ok(self.watcher.get_or_init(|| made).clone())
+    }
 }
 
 impl Drop for StreamInner {
@@ -75,6 +133,7 @@ impl Stream {
             inner: Arc::new(StreamInner {
                 backend: backend.clone(),
                 handle,
+                watcher: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -83,7 +142,11 @@ impl Stream {
     /// another library); the backend's `stream_destroy` runs when the last clone goes.
     pub fn from_handle(backend: Arc<dyn Backend>, handle: StreamHandle) -> Stream {
         Stream {
-            inner: Arc::new(StreamInner { backend, handle }),
+            inner: Arc::new(StreamInner {
+                backend,
+                handle,
+                watcher: std::sync::OnceLock::new(),
+            }),
         }
     }
 
@@ -116,32 +179,31 @@ impl Stream {
         self.inner.backend.stream_synchronize(self.inner.handle)
     }
 
-    /// A future that resolves when all work queued so far has finished.
+    /// A future that resolves when all work queued so far has finished (an event recorded
+    /// now, watched by the stream's watcher: nothing is queued on this stream but the
+    /// record).
     pub fn completed(&self) -> Completion {
-        let cell = CompletionCell::new();
-        let waker_cell = cell.clone();
-        match self
-            .inner
-            .backend
-            .launch_host_func(self.inner.handle, Box::new(move |r| waker_cell.complete(r)))
-        {
-            Ok(()) => Completion::new(cell),
+        match self.record_event() {
+            Ok(event) => event.completed(),
             Err(e) => Completion::ready(Err(e)),
         }
     }
 
-    /// Records a new event at the current end of the stream.
+    /// Records a new event at the current end of the stream. Its completion future is armed
+    /// on the first [`Event::completed`], on the stream's watcher (made by the stream's first
+    /// record): the stream itself gets no host function.
     pub fn record_event(&self) -> Result<Event> {
         let backend = &self.inner.backend;
+        let watcher = self.inner.watcher()?;
         let handle = backend.event_create(self.device())?;
         let event = Event {
             backend: backend.clone(),
             handle,
             cell: CompletionCell::new(),
+            watcher,
+            armed: std::sync::Once::new(),
         };
         backend.event_record(handle, self.inner.handle)?;
-        let cell = event.cell.clone();
-        backend.launch_host_func(self.inner.handle, Box::new(move |r| cell.complete(r)))?;
         Ok(event)
     }
 
@@ -158,6 +220,11 @@ pub struct Event {
     backend: Arc<dyn Backend>,
     handle: EventHandle,
     cell: crate::sync::Arc<CompletionCell>,
+    /// The watcher of the stream it was recorded on (not the stream: an event does not keep
+    /// its stream alive).
+    watcher: Arc<Watcher>,
+    /// The completion is armed on the watcher once, on the first `completed()`.
+    armed: std::sync::Once,
 }
 
 impl fmt::Debug for Event {
@@ -185,8 +252,13 @@ impl Event {
     }
 
     /// A future that resolves when the stream has passed the event (woken by a host
-    /// callback, no polling).
+    /// callback on the stream's watcher, no polling). After a sticky device fault (a kernel's
+    /// illegal address or `assert`) a future whose work finished just before the fault may
+    /// resolve with `DeviceLost`: the driver runs no host function once the context faulted,
+    /// and nothing tells finished from lost work then.
     pub fn completed(&self) -> Completion {
+        self.armed
+            .call_once(|| self.watcher.complete_after(self.handle, &self.cell));
         Completion::new(self.cell.clone())
     }
 }
