@@ -41,7 +41,6 @@ pub struct CudaBackend {
     pub(crate) streams: Registry<CudaStream>,
     pub(crate) events: Registry<CuEvent>,
     pub(crate) granularity: Vec<OnceLock<u64>>,
-    pub(crate) page_size: u64,
     /// Legacy IPC mappings this backend opened, by address (see [`IpcOpened`]).
     pub(crate) ipc_opened: std::sync::Mutex<std::collections::BTreeMap<u64, IpcOpened>>,
     /// Run around every unmap and free (`crate::release_hooks`).
@@ -149,7 +148,6 @@ impl CudaBackend {
             streams: Registry::new("stream"),
             events: Registry::new("event"),
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
-            page_size: rustix::param::page_size() as u64,
             ipc_opened: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             release_hooks: Default::default(),
             pid: std::process::id(),

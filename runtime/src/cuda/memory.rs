@@ -148,10 +148,10 @@ impl CudaBackend {
         len: u64,
         flags: HostRegisterFlags,
     ) -> Result<()> {
-        let bytes = host_range("host_register", ptr, len, self.page_size)?;
+        let bytes = host_range("host_register", ptr, len)?;
         self.bind_any()?;
         drv("cuMemHostRegister", || {
-            // SAFETY: `[ptr, ptr + bytes)` is a non-null, page-aligned, non-wrapping range
+            // SAFETY: `[ptr, ptr + bytes)` is a non-null, non-empty, non-wrapping range
             // (checked above); the driver checks that it is mapped memory of this process
             // and only page-locks it, never writes through it.
             unsafe { sys::cuMemHostRegister_v2(ptr.cast(), bytes, host_register_flags(flags)) }
