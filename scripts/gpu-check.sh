@@ -8,6 +8,10 @@
 #      allocator's integration tests) with GPUALLOC_BACKEND=cuda in the environment
 #      (and GPUALLOC_REQUIRE_GPU=1: tests that would skip without a GPU must fail instead;
 #      the facade's tests/backend_env.rs, cuda_interop.rs and cuda_request.rs run on CUDA),
+#      and the CUDA backend's rule tests written for the emulated driver (cuda-emu's
+#      tests/cuda_rules.rs) with GPUALLOC_RULES_ON_DRIVER=1: each scenario that reads no
+#      emulator-only knob and finds the GPUs it needs runs against NVIDIA's driver, the
+#      others print why they are skipped,
 #   3. the bench binary (binaries named bench*) with GPUALLOC_BACKEND=cuda,
 #   4. the conformance suite and tests/backend_env.rs again on every other GPU found
 #      (GPUALLOC_TEST_DEVICE=k),
@@ -84,6 +88,13 @@ build_into() {
         name="$(basename "$exe" | sed -E 's/-[0-9a-f]{16}$//')"
         cp "$exe" "$dest/tests/$name"
     done < <(executables test <"$json")
+    # Of cuda-emu's tests, the rule tests of the CUDA backend run against a real driver too
+    # (GPUALLOC_RULES_ON_DRIVER); the others call the emulator itself.
+    timeout "$(time_left 240)" cargo test -p gpualloc-cuda-emu --release --test cuda_rules \
+        --no-run --message-format=json-render-diagnostics >"$json"
+    while read -r exe; do
+        cp "$exe" "$dest/tests/cuda_rules"
+    done < <(executables test <"$json")
     timeout "$(time_left 240)" cargo build --workspace --exclude gpualloc-cuda-emu --release \
         --features "$FEATURES" --bins \
         --message-format=json-render-diagnostics >"$json"
@@ -137,7 +148,7 @@ fi
 OUT="${OUT:-$ROOT/target/gpu-check-logs}"
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
-export GPUALLOC_BACKEND=cuda GPUALLOC_REQUIRE_GPU=1 RUST_BACKTRACE=1
+export GPUALLOC_BACKEND=cuda GPUALLOC_REQUIRE_GPU=1 RUST_BACKTRACE=1 GPUALLOC_RULES_ON_DRIVER=1
 # The driver loaded here must be NVIDIA's: the emulated driver refuses cuInit when this is
 # set, so a stray one on the library path fails every CUDA test instead of passing them.
 export GPUALLOC_FORBID_EMULATOR=1
