@@ -432,7 +432,12 @@ fn copy(
             Direction::Out => (host, dev),
             Direction::In => (dev, host),
         };
-        result = backend.memcpy_async(stream, dst, src, len);
+        // SAFETY: the host side lies in `chunks[chunk]` (`pieces` keeps `offset + len` within
+        // it), pinned memory of the host pool that only this sleep or wake uses, borrowed until
+        // this function returns: after the stream is synchronized below (or the device was
+        // lost, and runs no more work). The device side is the pool's block (checked by the
+        // backend).
+        result = unsafe { backend.memcpy_async(stream, dst, src, len) };
         if result.is_err() {
             break;
         }

@@ -304,14 +304,18 @@ pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, flags: c
             device_map: flags & 2 != 0,
             read_only: flags & 8 != 0,
         };
-        emu.sim
-            .host_register(p.cast::<u8>(), bytesize as u64, flags)
-            .map_err(|e| match e {
-                gpualloc_runtime::BackendError::InvalidValue(m) if m.contains("already") => {
-                    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
-                }
-                e => sim_err(e),
-            })?;
+        // SAFETY: the driver API's contract for `cuMemHostRegister` is the backend's: the
+        // caller keeps the range mapped until it unregisters it.
+        unsafe {
+            emu.sim
+                .host_register(p.cast::<u8>(), bytesize as u64, flags)
+        }
+        .map_err(|e| match e {
+            gpualloc_runtime::BackendError::InvalidValue(m) if m.contains("already") => {
+                CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+            }
+            e => sim_err(e),
+        })?;
         lock(&emu.pinned).push(range);
         Ok(())
     })

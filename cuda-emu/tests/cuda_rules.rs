@@ -264,8 +264,8 @@ fn child_entry() {
             // SAFETY: a non-zero size; freed below with the same layout.
             let host = unsafe { std::alloc::alloc_zeroed(layout) };
             assert!(!host.is_null());
-            backend
-                .host_register(host, LEN as u64, HostRegisterFlags::default())
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_register(host, LEN as u64, HostRegisterFlags::default()) }
                 .unwrap();
             let d1 = DeviceId(1);
             let s = backend.stream_create(d1).unwrap();
@@ -283,7 +283,8 @@ fn child_entry() {
             let pageable = vec![1u8; 4096];
             backend.copy_to_device(s, dst, &pageable).unwrap();
             assert_eq!(pageable_copies() - before, 1);
-            backend.host_unregister(host).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_unregister(host) }.unwrap();
             // SAFETY: allocated above with this layout, unregistered, no longer used.
             unsafe { std::alloc::dealloc(host, layout) };
             backend.free(d1, dst).unwrap();
@@ -298,9 +299,8 @@ fn child_entry() {
             let layout = std::alloc::Layout::from_size_align(1 << 16, 4096).unwrap();
             // SAFETY: a non-zero size; freed below with the same layout.
             let host = unsafe { std::alloc::alloc_zeroed(layout) };
-            backend
-                .host_register(host, 1 << 16, HostRegisterFlags::default())
-                .unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_register(host, 1 << 16, HostRegisterFlags::default()) }.unwrap();
             let p = backend.malloc(d3, 1 << 20).unwrap();
             backend.ipc_get_mem_handle(p).unwrap();
             let g = backend.vmm_granularity(d3).unwrap();
@@ -311,10 +311,12 @@ fn child_entry() {
             backend.unmap(va, g).unwrap();
             backend.phys_release(phys).unwrap();
             backend.va_free(d3, va, g).unwrap();
-            backend.host_unregister(host).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_unregister(host) }.unwrap();
             // SAFETY: allocated above with this layout, unregistered, no longer used.
             unsafe { std::alloc::dealloc(host, layout) };
-            backend.host_free(pinned).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_free(pinned) }.unwrap();
             backend.free(d3, p).unwrap();
             backend.stream_destroy(s).unwrap();
             assert_eq!(
@@ -419,7 +421,8 @@ fn child_entry() {
             let pinned = backend
                 .host_alloc(1 << 20)
                 .expect("pinned host memory while device 0 is another process's");
-            backend.host_free(pinned).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_free(pinned) }.unwrap();
             assert_eq!(active_contexts(DEVICES), [false, true, false, false]);
         }
         // A host function's closure holds the last clone of a stream: its drop destroys the
@@ -504,7 +507,8 @@ fn child_entry() {
                 ctx1.cu_ctx(),
                 "the caller's context was switched"
             );
-            backend.host_free(pinned).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_free(pinned) }.unwrap();
             backend.stream_synchronize(s).unwrap();
             backend.stream_destroy(s).unwrap();
             backend.free(DeviceId(3), q).unwrap();
@@ -537,7 +541,8 @@ fn child_entry() {
             let dev = backend.malloc(DeviceId(0), 1 << 20).unwrap();
             let pinned = backend.host_alloc(4096).unwrap();
             let before = pageable_copies();
-            backend.memcpy_async(s, dev.0, pinned as u64, 4096).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.memcpy_async(s, dev.0, pinned as u64, 4096) }.unwrap();
             backend.stream_synchronize(s).unwrap();
             assert_eq!(
                 pageable_copies(),
@@ -547,14 +552,18 @@ fn child_entry() {
             let pageable = vec![0u8; 4096];
             // The emulator's sim may refuse a pageable address for an async copy; the record
             // is what is checked.
-            let _ = backend.memcpy_async(s, dev.0, pageable.as_ptr() as u64, 4096);
+            // SAFETY: a pageable Vec, against the contract on purpose (the emulator counts
+            // it): a driver stages a copy from pageable memory before the call returns, and
+            // the Vec outlives the synchronize below.
+            let _ = unsafe { backend.memcpy_async(s, dev.0, pageable.as_ptr() as u64, 4096) };
             backend.stream_synchronize(s).unwrap();
             assert_eq!(
                 pageable_copies(),
                 before + 1,
                 "a pageable host side unrecorded"
             );
-            backend.host_free(pinned).unwrap();
+            // SAFETY: this test's own host memory, kept until its copies completed.
+            unsafe { backend.host_free(pinned) }.unwrap();
             backend.free(DeviceId(0), dev).unwrap();
             backend.stream_destroy(s).unwrap();
         }
@@ -836,7 +845,8 @@ fn child_entry() {
                     let pinned = backend
                         .host_alloc(1 << 20)
                         .expect("pinned host memory with a device lost");
-                    backend.host_free(pinned).unwrap();
+                    // SAFETY: this test's own host memory, kept until its copies completed.
+                    unsafe { backend.host_free(pinned) }.unwrap();
                     // Shutting down reports the lost device and does not hang.
                     match within_5s("shutdown", alloc.shutdown()).await {
                         Ok(()) => {}

@@ -142,7 +142,8 @@ fn destroying_a_stream_with_pending_work_returns_at_once_and_lets_it_complete() 
             t.elapsed() < std::time::Duration::from_millis(150),
             "cuStreamDestroy waited for the stream's work"
         );
-        assert_eq!(cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE, "gone");
+        // (Not checked: that `s` is gone. Its value is reused at once, as the driver's are,
+        // and may already name another test's new stream: this flaked.)
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while RAN.load(Ordering::SeqCst) == 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));

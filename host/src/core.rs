@@ -520,11 +520,15 @@ impl HostCore {
             mapping.as_mut_slice(),
             self.config.pinned_num_register_threads,
         );
-        self.backend.host_register(
-            mapping.as_ptr(),
-            mapping.len() as u64,
-            HostRegisterFlags::default(),
-        )?;
+        // SAFETY: the mapping is the segment's own (`Origin::Registered`): it is unregistered
+        // in `release_memory` before it is dropped.
+        unsafe {
+            self.backend.host_register(
+                mapping.as_ptr(),
+                mapping.len() as u64,
+                HostRegisterFlags::default(),
+            )
+        }?;
         Ok((mapping.addr(), Origin::Registered(mapping)))
     }
 
@@ -685,8 +689,12 @@ fn release_memory(
     let t0 = clock.now();
     match origin {
         Origin::Reserve => return Ok(()),
-        Origin::HostAlloc => backend.host_free(addr as *mut u8)?,
-        Origin::Registered(m) => backend.host_unregister(m.as_ptr())?,
+        // SAFETY (both): the pool releases a segment only when every block of it is free and
+        // past the events recorded on it, so no copy is pending and no buffer refers to it;
+        // `addr` came from this backend's `host_alloc`, the mapping was registered by
+        // `alloc_registered`.
+        Origin::HostAlloc => unsafe { backend.host_free(addr as *mut u8) }?,
+        Origin::Registered(m) => unsafe { backend.host_unregister(m.as_ptr()) }?,
     }
     let dt = clock.now().saturating_sub(t0);
     stats.host_free_time.record(dt);

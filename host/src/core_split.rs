@@ -84,11 +84,15 @@ impl FreshRequest {
                 })?;
                 let mut mapping = PageMapping::new(len)?;
                 prefault(mapping.as_mut_slice(), threads);
-                self.backend.host_register(
-                    mapping.as_ptr(),
-                    mapping.len() as u64,
-                    HostRegisterFlags::default(),
-                )?;
+                // SAFETY: the mapping is the segment's own: it is unregistered before it
+                // is dropped (`release_memory`).
+                unsafe {
+                    self.backend.host_register(
+                        mapping.as_ptr(),
+                        mapping.len() as u64,
+                        HostRegisterFlags::default(),
+                    )
+                }?;
                 (mapping.addr(), Origin::Registered(mapping))
             }
         };

@@ -62,7 +62,11 @@ fn sixty_four_concurrent_registrations_of_one_range_share_one_backend_call() {
             let reg = reg.clone();
             let mem = mem.clone();
             tasks.push(tokio::spawn(async move {
-                reg.register(mem.as_ptr(), 64 * MIB, RW).unwrap().await
+                // SAFETY: this test's own mapped memory, which outlives the registration; no copy
+                // is queued on it.
+                unsafe { reg.register(mem.as_ptr(), 64 * MIB, RW) }
+                    .unwrap()
+                    .await
             }));
         }
         let mut ids = Vec::new();
@@ -93,7 +97,9 @@ fn metadata_is_recorded_at_once_and_the_future_resolves_when_usable() {
     runtime().block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
         let started = Instant::now();
-        let pending = reg.register(mem.as_ptr(), 8 * MIB, RW).unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let pending = unsafe { reg.register(mem.as_ptr(), 8 * MIB, RW) }.unwrap();
         let recorded = started.elapsed();
         assert!(
             recorded < Duration::from_millis(40),
@@ -125,7 +131,12 @@ fn a_failed_call_fails_every_sharer_and_leaves_nothing() {
         .unwrap();
     rt.block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
-        let b = reg.register(upper, 2 * MIB, RW).unwrap().await.unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let b = unsafe { reg.register(upper, 2 * MIB, RW) }
+            .unwrap()
+            .await
+            .unwrap();
         sim.inject(
             Op::HostRegister,
             Fault::FailNext {
@@ -136,8 +147,12 @@ fn a_failed_call_fails_every_sharer_and_leaves_nothing() {
         );
         // a: the lower half, whose call fails (and its retry); c: both halves, sharing a's
         // call in flight and b's registered range.
-        let a = reg.register(mem.as_ptr(), 2 * MIB, RW).unwrap();
-        let c = reg.register(mem.as_ptr(), 4 * MIB, RW).unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let a = unsafe { reg.register(mem.as_ptr(), 2 * MIB, RW) }.unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let c = unsafe { reg.register(mem.as_ptr(), 4 * MIB, RW) }.unwrap();
         let (a_id, c_id) = (a.id(), c.id());
         assert_eq!(reg.backend_ranges()[0].users.len(), 2, "c joined a's range");
         let (ra, rc) = tokio::join!(a, c);
@@ -176,7 +191,9 @@ fn release_during_the_call_unregisters_when_it_finishes() {
     let mem = PageMapping::new(4 * MIB as usize).unwrap();
     runtime().block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
-        let pending = reg.register(mem.as_ptr(), 4 * MIB, RW).unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let pending = unsafe { reg.register(mem.as_ptr(), 4 * MIB, RW) }.unwrap();
         let id = pending.id();
         drop(pending); // cancels nothing: the registration stays recorded
         reg.release(id).unwrap().await.unwrap();
@@ -194,14 +211,16 @@ fn a_registration_waits_for_an_overlapping_unregister_in_flight() {
     let mem = PageMapping::new(4 * MIB as usize).unwrap();
     runtime().block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
-        let a = reg
-            .register(mem.as_ptr(), 4 * MIB, RW)
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let a = unsafe { reg.register(mem.as_ptr(), 4 * MIB, RW) }
             .unwrap()
             .await
             .unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
         let released = reg.release(a).unwrap(); // 40 ms unregister, in flight
-        let b = reg
-            .register(mem.as_ptr().wrapping_add(MIB as usize), MIB, RW)
+        let b = unsafe { reg.register(mem.as_ptr().wrapping_add(MIB as usize), MIB, RW) }
             .unwrap()
             .await
             .unwrap();
@@ -233,8 +252,9 @@ fn ticks_during_registration(mode: RegistrationMode) -> u64 {
             }
         });
         tokio::task::yield_now().await;
-        let id = reg
-            .register(mem.as_ptr(), page_size() as u64, RW)
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        let id = unsafe { reg.register(mem.as_ptr(), page_size() as u64, RW) }
             .unwrap()
             .await
             .unwrap();

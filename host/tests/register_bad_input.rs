@@ -19,28 +19,33 @@ fn bad_input_gets_typed_errors() {
     let backend: Arc<dyn Backend> = sim.clone();
     let p = page_size() as u64;
     let mut reg = HostRegistry::new(backend);
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
 
     assert_eq!(
-        reg.register(std::ptr::null(), p, RW),
+        unsafe { reg.register(std::ptr::null(), p, RW) },
         Err(RegisterError::NullPointer)
     );
     let mem = PageMapping::new(4 * p as usize).unwrap();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
     assert_eq!(
-        reg.register(mem.as_ptr(), 0, RW),
+        unsafe { reg.register(mem.as_ptr(), 0, RW) },
         Err(RegisterError::ZeroLength { ptr: mem.addr() })
     );
     // wraps the address space, and wraps only once rounded up to a page
     let top = (u64::MAX - 10) as *const u8;
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
     assert!(matches!(
-        reg.register(top, 11, RW),
+        unsafe { reg.register(top, 11, RW) },
         Err(RegisterError::Wraps { .. })
     ));
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
     assert!(matches!(
-        reg.register(top, u64::MAX, RW),
+        unsafe { reg.register(top, u64::MAX, RW) },
         Err(RegisterError::Wraps { .. })
     ));
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
     assert!(matches!(
-        reg.register(top, 5, RW),
+        unsafe { reg.register(top, 5, RW) },
         Err(RegisterError::Wraps { .. })
     ));
     assert_eq!(
@@ -50,7 +55,8 @@ fn bad_input_gets_typed_errors() {
     );
 
     // unmapped: page 1 (below mmap_min_addr) and the top of the address space
-    let err = reg.register(p as *const u8, p, RW).unwrap_err();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+    let err = unsafe { reg.register(p as *const u8, p, RW) }.unwrap_err();
     assert_eq!(
         err,
         RegisterError::Unmapped {
@@ -59,7 +65,8 @@ fn bad_input_gets_typed_errors() {
         }
     );
     let high = u64::MAX - 2 * p + 1;
-    let err = reg.register(high as *const u8, p, RW).unwrap_err();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+    let err = unsafe { reg.register(high as *const u8, p, RW) }.unwrap_err();
     assert!(matches!(err, RegisterError::Unmapped { .. }), "{err:?}");
     // partly inaccessible: the middle page of a live mapping made PROT_NONE
     let guarded = PageMapping::new(3 * p as usize).unwrap();
@@ -73,8 +80,9 @@ fn bad_input_gets_typed_errors() {
         )
     }
     .unwrap();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
     assert_eq!(
-        reg.register(guarded.as_ptr(), 3 * p, RW),
+        unsafe { reg.register(guarded.as_ptr(), 3 * p, RW) },
         Err(RegisterError::Unmapped {
             range: guarded.addr()..guarded.addr() + 3 * p,
             hole: guarded.addr() + p
@@ -83,7 +91,8 @@ fn bad_input_gets_typed_errors() {
     assert!(reg.is_empty() && reg.backend_ranges().is_empty());
 
     // releasing twice, and a handle never issued
-    let id = reg.register(mem.as_ptr(), 4 * p, RW).unwrap();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+    let id = unsafe { reg.register(mem.as_ptr(), 4 * p, RW) }.unwrap();
     reg.release(id).unwrap();
     assert_eq!(reg.release(id), Err(RegisterError::UnknownRegistration(id)));
     let never = RegistrationId(999_999);
@@ -98,8 +107,10 @@ fn bad_input_gets_typed_errors() {
         read_only: true,
         ..RW
     };
-    let r = reg.register(mem.as_ptr(), 2 * p, ro).unwrap();
-    let err = reg.register(mem.as_ptr(), 4 * p, RW).unwrap_err();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+    let r = unsafe { reg.register(mem.as_ptr(), 2 * p, ro) }.unwrap();
+    // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+    let err = unsafe { reg.register(mem.as_ptr(), 4 * p, RW) }.unwrap_err();
     assert!(matches!(err, RegisterError::FlagConflict { .. }), "{err:?}");
     assert_eq!(reg.backend_ranges().len(), 1);
     reg.release(r).unwrap();
@@ -125,27 +136,34 @@ fn async_registry_needs_a_runtime_and_refuses_bad_input() {
     rt.block_on(async {
         let reg = AsyncRegistry::new(backend).unwrap();
         let p = page_size() as u64;
+        // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
         assert_eq!(
-            reg.register(std::ptr::null(), p, RW).map(|f| f.id()),
+            unsafe { reg.register(std::ptr::null(), p, RW) }.map(|f| f.id()),
             Err(RegisterError::NullPointer)
         );
+        // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
         assert!(matches!(
-            reg.register(p as *const u8, 0, RW),
+            unsafe { reg.register(p as *const u8, 0, RW) },
             Err(RegisterError::ZeroLength { .. })
         ));
+        // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
         assert!(matches!(
-            reg.register((u64::MAX - 1) as *const u8, 2, RW),
+            unsafe { reg.register((u64::MAX - 1) as *const u8, 2, RW) },
             Err(RegisterError::Wraps { .. })
         ));
-        let err = reg
-            .register(p as *const u8, p, RW)
+        // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+        let err = unsafe { reg.register(p as *const u8, p, RW) }
             .unwrap()
             .await
             .unwrap_err();
         assert!(matches!(err, RegisterError::Unmapped { .. }), "{err:?}");
         assert!(reg.backend_ranges().is_empty());
         let mem = PageMapping::new(p as usize).unwrap();
-        let id = reg.register(mem.as_ptr(), p, RW).unwrap().await.unwrap();
+        // SAFETY: bad input or this test's own memory; no copy is ever queued on it.
+        let id = unsafe { reg.register(mem.as_ptr(), p, RW) }
+            .unwrap()
+            .await
+            .unwrap();
         reg.release(id).unwrap().await.unwrap();
         assert!(matches!(
             reg.release(id),

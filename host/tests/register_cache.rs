@@ -31,8 +31,10 @@ fn hundred_registrations_of_one_512_mib_range_make_one_backend_call() {
     // A real 512 MiB anonymous mapping; its pages are never touched.
     let mem = PageMapping::new(512 * MIB as usize).unwrap();
     let mut reg = HostRegistry::new(backend);
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
     let ids: Vec<_> = (0..100)
-        .map(|_| reg.register(mem.as_ptr(), 512 * MIB, RW).unwrap())
+        .map(|_| unsafe { reg.register(mem.as_ptr(), 512 * MIB, RW) }.unwrap())
         .collect();
     assert_eq!(sim.counts().get(Op::HostRegister), 1);
     assert_eq!(reg.stats().cache_hits, 99);
@@ -57,7 +59,9 @@ fn hundred_registrations_of_one_512_mib_range_make_one_backend_call() {
     assert!(reg.backend_ranges().is_empty());
     assert!(reg.query(mem.as_ptr()).is_none());
     // nothing is left at the backend: registering the range directly succeeds
-    sim.host_register(mem.as_ptr(), 512 * MIB, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    unsafe { sim.host_register(mem.as_ptr(), 512 * MIB, RW) }.unwrap();
     sim.host_unregister(mem.as_ptr()).unwrap();
 }
 
@@ -70,18 +74,24 @@ fn overlapping_and_adjacent_ranges_register_only_the_missing_parts() {
     let at = |page: u64| (base + page * p) as *const u8;
     let mut reg = HostRegistry::new(backend);
     // an unaligned user range: pages 4..8 are registered, the handle keeps the user range
-    let a = reg
-        .register(at(4).wrapping_add(100), 4 * p - 200, RW)
-        .unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is
+    // queued on it.
+    let a = unsafe { reg.register(at(4).wrapping_add(100), 4 * p - 200, RW) }.unwrap();
     let info = reg.info(a).unwrap();
     assert_eq!(info.user_range, base + 4 * p + 100..base + 8 * p - 100);
     assert_eq!(info.page_range, base + 4 * p..base + 8 * p);
     // overlapping: only pages 8..12 are new
-    let b = reg.register(at(6), 6 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let b = unsafe { reg.register(at(6), 6 * p, RW) }.unwrap();
     // adjacent: its own backend range, not merged
-    let c = reg.register(at(12), 2 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let c = unsafe { reg.register(at(12), 2 * p, RW) }.unwrap();
     // covered by a and b together: no call
-    let d = reg.register(at(5), 6 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let d = unsafe { reg.register(at(5), 6 * p, RW) }.unwrap();
     let ranges: Vec<_> = reg
         .backend_ranges()
         .iter()
@@ -128,7 +138,9 @@ fn a_failed_call_is_retried_once_then_dropped_from_the_cache() {
             error: injected(),
         },
     );
-    let a = reg.register(at(0), 4 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let a = unsafe { reg.register(at(0), 4 * p, RW) }.unwrap();
     assert_eq!(sim.counts().get(Op::HostRegister), 2);
 
     // two failures: typed error, cache and backend as before
@@ -140,7 +152,9 @@ fn a_failed_call_is_retried_once_then_dropped_from_the_cache() {
             error: injected(),
         },
     );
-    let err = reg.register(at(8), 4 * p, RW).unwrap_err();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let err = unsafe { reg.register(at(8), 4 * p, RW) }.unwrap_err();
     assert!(
         matches!(&err, RegisterError::Backend { op: "host_register", source, .. } if *source == injected()),
         "{err:?}"
@@ -150,7 +164,9 @@ fn a_failed_call_is_retried_once_then_dropped_from_the_cache() {
     assert_eq!(reg.backend_ranges().len(), 1);
 
     // a registration with two gaps whose second gap fails: the first is unregistered again
-    let mid = reg.register(at(6), 2 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let mid = unsafe { reg.register(at(6), 2 * p, RW) }.unwrap();
     sim.reset_counts();
     sim.inject(
         Op::HostRegister,
@@ -161,14 +177,18 @@ fn a_failed_call_is_retried_once_then_dropped_from_the_cache() {
         },
     );
     let before = reg.backend_ranges();
-    assert!(reg.register(at(2), 10 * p, RW).is_err()); // gaps: pages 4..6 ok, 8..12 fails
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    assert!(unsafe { reg.register(at(2), 10 * p, RW) }.is_err()); // gaps: pages 4..6 ok, 8..12 fails
     assert_eq!(sim.counts().get(Op::HostRegister), 3);
     assert_eq!(sim.counts().get(Op::HostUnregister), 1);
     assert_eq!(reg.backend_ranges(), before);
     reg.cache().check_invariants().unwrap();
     // the backend agrees: pages 4..6 and 8..12 are free to register directly
     for (page, n) in [(4, 2), (8, 4)] {
-        sim.host_register(at(page) as *mut u8, n * p, RW).unwrap();
+        // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued
+        // on it.
+        unsafe { sim.host_register(at(page) as *mut u8, n * p, RW) }.unwrap();
         sim.host_unregister(at(page) as *mut u8).unwrap();
     }
     reg.release(mid).unwrap();
@@ -244,9 +264,12 @@ fn a_slow_registration_logs_the_mappings_it_crosses() {
         .with_ansi(false)
         .finish();
     let mut reg = HostRegistry::new(backend).with_slow_threshold(Duration::from_micros(500));
-    let id =
-        tracing::subscriber::with_default(subscriber, || reg.register(mem.as_ptr(), 64 * p, ro))
-            .unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let id = tracing::subscriber::with_default(subscriber, || unsafe {
+        reg.register(mem.as_ptr(), 64 * p, ro)
+    })
+    .unwrap();
     // 20 µs base + 64 mappings × 10 µs: 660 µs on the sim's model
     let slow = reg.stats().slowest.clone().unwrap();
     assert_eq!(slow.mappings, Some(64));
@@ -259,6 +282,8 @@ fn a_slow_registration_logs_the_mappings_it_crosses() {
     let (_, fast) = sim();
     let small = PageMapping::new(p as usize).unwrap();
     let mut reg = HostRegistry::new(fast).with_slow_threshold(Duration::from_secs(1));
-    reg.register(small.as_ptr(), p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    unsafe { reg.register(small.as_ptr(), p, RW) }.unwrap();
     assert_eq!(reg.stats().slow_registrations, 0);
 }

@@ -25,7 +25,9 @@ fn kernels_see_cpu_writes_and_the_cpu_sees_kernel_writes() {
     let mut mem = PageMapping::new(2 * p).unwrap();
     let addr = mem.addr();
     let mut reg = HostRegistry::new(backend);
-    let id = reg.register(mem.as_ptr(), 2 * p as u64, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let id = unsafe { reg.register(mem.as_ptr(), 2 * p as u64, RW) }.unwrap();
     let guard = CoherenceGuard::new(reg.info(id).unwrap().user_range);
     assert_eq!(guard.range(), addr..addr + 2 * p as u64);
 

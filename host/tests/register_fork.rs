@@ -25,7 +25,9 @@ fn child_checks(reg: &mut HostRegistry, mem: &PageMapping, parent: u32) -> i32 {
     if !reg.is_forked() || child == parent {
         return 1;
     }
-    match reg.register(mem.as_ptr(), p, RW) {
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    match unsafe { reg.register(mem.as_ptr(), p, RW) } {
         Err(RegisterError::Forked {
             parent: pp,
             child: cc,
@@ -54,7 +56,9 @@ fn child_checks(reg: &mut HostRegistry, mem: &PageMapping, parent: u32) -> i32 {
     if forgotten.len() != 1 || forgotten[0].user_range != (mem.addr()..mem.addr() + 4 * p) {
         return 7;
     }
-    let Ok(id) = reg.register(mem.as_ptr(), 4 * p, RW) else {
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let Ok(id) = (unsafe { reg.register(mem.as_ptr(), 4 * p, RW) }) else {
         return 8;
     };
     if child_sim.counts().get(Op::HostRegister) != 1
@@ -75,7 +79,9 @@ fn registrations_do_not_survive_fork() {
     let p = page_size() as u64;
     let mem = PageMapping::new(4 * p as usize).unwrap();
     let mut reg = HostRegistry::new(backend);
-    let id = reg.register(mem.as_ptr(), 4 * p, RW).unwrap();
+    // SAFETY: this test's own mapped memory, which outlives the registration; no copy is queued on
+    // it.
+    let id = unsafe { reg.register(mem.as_ptr(), 4 * p, RW) }.unwrap();
     let parent = std::process::id();
 
     // SAFETY: the child only runs `child_checks` (plain Rust on memory it owns a copy of, no

@@ -213,7 +213,9 @@ impl Harness {
                 .max(1);
             let ptr = self.mem.addr() + first * self.p + offset;
             let end_page = (ptr + len - self.mem.addr()).div_ceil(self.p);
-            match self.reg.register(ptr as *const u8, len, FLAGS) {
+            // SAFETY: a range inside `self.mem`, which outlives the registry; no copy is ever
+            // queued on it.
+            match unsafe { self.reg.register(ptr as *const u8, len, FLAGS) } {
                 Ok(id) => {
                     self.model.register(id.0, first..end_page);
                     let info = self.reg.info(id).unwrap();

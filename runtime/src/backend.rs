@@ -130,7 +130,25 @@ pub trait Backend: Send + Sync + 'static {
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()>;
     /// Copies `len` bytes from `src` to `dst` in stream order. Both are device or
     /// page-locked host addresses (unified addressing).
-    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()>;
+    ///
+    /// # Safety
+    /// On a GPU the copy writes and reads host memory by address, later, from the copy
+    /// engine: nothing can check a host side. The caller guarantees that each side that is
+    /// host memory is page-locked memory of this process (from [`Backend::host_alloc`] or
+    /// registered with [`Backend::host_register`]), stays allocated and registered until the
+    /// stream has passed the copy, and that nothing else reads `dst` or writes either range
+    /// meanwhile. Device sides are checked by the backend (unknown device addresses are
+    /// errors).
+    ///
+    /// Safe code cannot make such a copy (nor free or (un)register host memory) through the
+    /// trait:
+    /// ```compile_fail,E0133
+    /// fn overwrite(b: &dyn gpualloc_runtime::Backend, s: gpualloc_runtime::StreamHandle) {
+    ///     let _ = b.memcpy_async(s, 0x1000, 0x2000, 64);
+    /// }
+    /// ```
+    unsafe fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64)
+        -> Result<()>;
     /// Sets `len` bytes at `dst` to `value` in stream order.
     fn memset_async(&self, stream: StreamHandle, dst: DevicePtr, value: u8, len: u64)
         -> Result<()>;
@@ -157,12 +175,25 @@ pub trait Backend: Send + Sync + 'static {
     /// Allocates `size` bytes of page-locked host memory (`cuMemHostAlloc`).
     fn host_alloc(&self, size: u64) -> Result<*mut u8>;
     /// Frees memory from [`Backend::host_alloc`].
-    fn host_free(&self, ptr: *mut u8) -> Result<()>;
-    /// Page-locks existing host memory `[ptr, ptr + len)` (`cuMemHostRegister`).
-    /// `ptr` and `len` must be page aligned.
-    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()>;
+    ///
+    /// # Safety
+    /// `ptr` came from this backend's `host_alloc` and is not freed yet, nothing refers to
+    /// the memory any more (no reference, no copy queued that the streams have not passed):
+    /// freeing unmaps it.
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()>;
+    /// Page-locks existing host memory `[ptr, ptr + len)` (`cuMemHostRegister`), any byte
+    /// range (the driver locks the pages it touches).
+    ///
+    /// # Safety
+    /// The range is memory of this process that stays mapped until
+    /// [`Backend::host_unregister`]: copies queued into a registered range write it by
+    /// address.
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()>;
     /// Undoes [`Backend::host_register`] of the range starting at `ptr`.
-    fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+    ///
+    /// # Safety
+    /// No copy queued on the range is still pending (the streams have passed them all).
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
 
     // ---- virtual memory ----
 

@@ -262,7 +262,11 @@ fn memset_and_memcpy_async(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Stri
         b.memset_async(s.h, DevicePtr(x.p.0 + 1000), 0x11, 24),
         "memset_async (inner)",
     )?;
-    ok(b.memcpy_async(s.h, y.p.0, x.p.0, len), "memcpy_async")?;
+    // SAFETY: both sides are device memory (checked by the backend).
+    ok(
+        unsafe { b.memcpy_async(s.h, y.p.0, x.p.0, len) },
+        "memcpy_async",
+    )?;
     ok(b.stream_synchronize(s.h), "stream_synchronize")?;
     let mut back = vec![0u8; len as usize];
     ok(b.copy_from_device(s.h, &mut back, y.p), "copy_from_device")?;
@@ -302,7 +306,11 @@ fn events_order_across_streams(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), 
     ok(b.event_record(e, sa.h), "event_record")?;
     // B waits for the event, copies x to y, and looks at A's flag.
     ok(b.stream_wait_event(sb.h, e), "stream_wait_event")?;
-    ok(b.memcpy_async(sb.h, y.p.0, x.p.0, len), "memcpy on b")?;
+    // SAFETY: both sides are device memory (checked by the backend).
+    ok(
+        unsafe { b.memcpy_async(sb.h, y.p.0, x.p.0, len) },
+        "memcpy on b",
+    )?;
     let (flag, saw) = (a_done.clone(), b_saw.clone());
     ok(
         b.launch_host_func(
@@ -356,15 +364,19 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
     let start = base.next_multiple_of(page);
     let offset = start - base;
     let ptr = start as *mut u8;
+    // SAFETY: `[ptr, ptr + len)` lies in `host`, which this function keeps alive (and only
+    // reads through atomics) until after `host_unregister` below.
     ok(
-        b.host_register(ptr, len as u64, HostRegisterFlags::default()),
+        unsafe { b.host_register(ptr, len as u64, HostRegisterFlags::default()) },
         "host_register",
     )?;
     let result = (|| {
         let open = gate(b, s.h)?;
         ok(b.memset_async(s.h, a.p, 0xC3, len as u64), "memset")?;
+        // SAFETY: the host side is the range registered above, read only through atomics
+        // and kept registered until the stream is synchronized below.
         ok(
-            b.memcpy_async(s.h, start as u64, a.p.0, len as u64),
+            unsafe { b.memcpy_async(s.h, start as u64, a.p.0, len as u64) },
             "memcpy to host",
         )?;
         let seen = Arc::new(AtomicU64::new(u64::MAX));
@@ -389,7 +401,9 @@ fn host_callback_after_work(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), Str
             format!("host fn saw {n} of {len} copied bytes")
         })
     })();
-    ok(b.host_unregister(ptr), "host_unregister")?;
+    // SAFETY: the stream was synchronized (or the copy failed to queue): nothing is pending
+    // on the range.
+    ok(unsafe { b.host_unregister(ptr) }, "host_unregister")?;
     result
 }
 
@@ -680,26 +694,31 @@ fn host_register_byte_ranges(b: &Arc<dyn Backend>, d: DeviceId) -> Result<(), St
     let unaligned = base.wrapping_add(offset + 24);
     let len = page as u64 + 100;
     let flags = HostRegisterFlags::default();
+    // SAFETY (both registrations and the copy): the range lies in `buf`, which stays alive
+    // and untouched until the stream is synchronized and the range unregistered below.
     expect_err(
-        b.host_register(unaligned, 0, flags),
+        unsafe { b.host_register(unaligned, 0, flags) },
         "zero length",
         is_invalid,
     )?;
     ok(
-        b.host_register(unaligned, len, flags),
+        unsafe { b.host_register(unaligned, len, flags) },
         "host_register of an unaligned range",
     )?;
     let copied = (|| {
         let s = b.stream_create(d)?;
         let dev = b.malloc(d, len)?;
         b.memset_async(s, dev, 0x5c, len)?;
-        b.memcpy_async(s, unaligned as u64, dev.0, len)?;
+        // SAFETY: as above.
+        unsafe { b.memcpy_async(s, unaligned as u64, dev.0, len) }?;
         b.stream_synchronize(s)?;
         b.free(d, dev)?;
         b.stream_destroy(s)
     })();
     ok(copied, "a copy into the registered range")?;
-    let ok_unreg = ok(b.host_unregister(unaligned), "host_unregister");
+    // SAFETY: the stream was synchronized, or the copy was not queued, or the context is
+    // lost (a lost context runs no more work).
+    let ok_unreg = ok(unsafe { b.host_unregister(unaligned) }, "host_unregister");
     let range = offset + 24..offset + 24 + len as usize;
     if !buf[range.clone()].iter().all(|x| *x == 0x5c) || buf[range.end] != 0 {
         return Err("the copy into the unaligned registered range went wrong".into());

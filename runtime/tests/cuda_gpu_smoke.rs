@@ -96,13 +96,14 @@ fn pinned_and_registered_host_memory_copy() {
     let pinned = b.host_alloc(n).expect("host_alloc");
     let dev = b.malloc(D0, n).expect("malloc");
     b.memset_async(s.handle(), dev, 0x5a, n).expect("memset");
-    b.memcpy_async(s.handle(), pinned as u64, dev.0, n)
-        .expect("memcpy d2h");
+    // SAFETY: `pinned` is `n` bytes from host_alloc, untouched until the sync below.
+    unsafe { b.memcpy_async(s.handle(), pinned as u64, dev.0, n) }.expect("memcpy d2h");
     s.synchronize().expect("sync");
     // SAFETY: `pinned` is `n` bytes from host_alloc and the copy into it has completed.
     let host = unsafe { std::slice::from_raw_parts(pinned, n as usize) };
     assert!(host.iter().all(|&x| x == 0x5a));
-    b.host_free(pinned).expect("host_free");
+    // SAFETY: from host_alloc above; `host` is not used after this and the copy is done.
+    unsafe { b.host_free(pinned) }.expect("host_free");
 
     // The host's page: 4 KiB on x86-64, 64 KiB on some aarch64 hosts (GH200).
     let page = rustix::param::page_size();
@@ -115,15 +116,17 @@ fn pinned_and_registered_host_memory_copy() {
         portable: true,
         ..Default::default()
     };
-    b.host_register(mem, 4 * page as u64, flags)
-        .expect("register");
-    b.memcpy_async(s.handle(), mem as u64, dev.0, 4 * page as u64)
+    // SAFETY: `mem` is 4 pages of ours, freed only after the unregister below.
+    unsafe { b.host_register(mem, 4 * page as u64, flags) }.expect("register");
+    // SAFETY: the registered range, untouched until the sync below.
+    unsafe { b.memcpy_async(s.handle(), mem as u64, dev.0, 4 * page as u64) }
         .expect("memcpy to registered");
     s.synchronize().expect("sync");
     // SAFETY: `mem` is 4 pages we allocated; the copy into it has completed.
     let host = unsafe { std::slice::from_raw_parts(mem, 4 * page) };
     assert!(host.iter().all(|&x| x == 0x5a));
-    b.host_unregister(mem).expect("unregister");
+    // SAFETY: the copy into it has completed.
+    unsafe { b.host_unregister(mem) }.expect("unregister");
     // SAFETY: allocated above with this layout, no longer registered or used.
     unsafe { std::alloc::dealloc(mem, layout) };
     b.free(D0, dev).expect("free");
@@ -139,8 +142,8 @@ fn events_order_work_across_streams() {
     b.memset_async(s1.handle(), a, 0x11, n).expect("memset");
     let ev = s1.record_event().expect("record");
     s2.wait_event(&ev).expect("wait");
-    b.memcpy_async(s2.handle(), c.0, a.0, n)
-        .expect("copy on s2");
+    // SAFETY: device memory on both sides (checked by the backend).
+    unsafe { b.memcpy_async(s2.handle(), c.0, a.0, n) }.expect("copy on s2");
     let mut back = vec![0u8; 4096];
     let last_page = c.checked_add(n - 4096).expect("ptr");
     b.copy_from_device(s2.handle(), &mut back, last_page)

@@ -100,9 +100,8 @@ fn host_costs_scale_with_size_and_mappings() {
     // Pinned memory is already page-locked: registering it again is an error.
     let page = rustix::param::page_size() as u64;
     let a = sim.host_alloc(page).unwrap();
-    assert!(sim
-        .host_register(a, page, HostRegisterFlags::default())
-        .is_err());
+    // SAFETY: the sim's own pinned memory, freed below; the call is refused.
+    assert!(unsafe { sim.host_register(a, page, HostRegisterFlags::default()) }.is_err());
     sim.host_free(a).unwrap();
 
     // Build host ranges with a known number of OS mappings from another sim's VMM: three
@@ -122,10 +121,12 @@ fn host_costs_scale_with_size_and_mappings() {
     other.set_access(D0, va, 6 * g).unwrap();
 
     let flags = HostRegisterFlags::default();
-    let ((), three_took) = timed(|| sim.host_register(va.0 as *mut u8, 3 * g, flags).unwrap());
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+    let ((), three_took) =
+        timed(|| unsafe { sim.host_register(va.0 as *mut u8, 3 * g, flags) }.unwrap());
     let ((), one_took) = timed(|| {
-        sim.host_register(single.0 as *mut u8, 3 * g, flags)
-            .unwrap()
+        // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+        unsafe { sim.host_register(single.0 as *mut u8, 3 * g, flags) }.unwrap()
     });
     assert!(
         three_took >= Duration::from_millis(15),

@@ -221,11 +221,13 @@ fn read_only_registration_is_read_only_for_the_device() {
         read_only: true,
         ..HostRegisterFlags::default()
     };
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
     assert!(
-        invalid(sim.host_register(ro, page, rw)),
+        invalid(unsafe { sim.host_register(ro, page, rw) }),
         "read-only pages registered writable"
     );
-    sim.host_register(ro, page, ro_flags).unwrap();
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+    unsafe { sim.host_register(ro, page, ro_flags) }.unwrap();
     let dev = sim.malloc(D0, page).unwrap();
     sim.memcpy_async(s, dev.0, ro as u64, page).unwrap();
     let mut out = vec![0u8; page as usize];
@@ -302,25 +304,34 @@ fn pinned_and_registered_host_memory() {
     let start = (buf.as_mut_ptr() as u64).next_multiple_of(page);
     let flags = HostRegisterFlags::default();
     let at = |a: u64| a as *mut u8;
-    sim.host_register(at(start + 4 * page + 1), page - 2, flags)
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+    unsafe { sim.host_register(at(start + 4 * page + 1), page - 2, flags) }
         .expect("an unaligned range registers");
     sim.host_unregister(at(start + 4 * page + 1)).unwrap();
-    assert!(invalid(sim.host_register(at(start), 0, flags)), "empty");
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
     assert!(
-        invalid(sim.host_register(at(0x1000), page, flags)),
+        invalid(unsafe { sim.host_register(at(start), 0, flags) }),
+        "empty"
+    );
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+    assert!(
+        invalid(unsafe { sim.host_register(at(0x1000), page, flags) }),
         "unmapped range"
     );
     // A reserved (PROT_NONE) range is mapped but not accessible: registering it is refused.
     let g = sim.vmm_granularity(D0).unwrap();
     let va = sim.va_reserve(D0, g, 0).unwrap();
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
     assert!(
-        invalid(sim.host_register(at(va.0), page, flags)),
+        invalid(unsafe { sim.host_register(at(va.0), page, flags) }),
         "PROT_NONE range"
     );
     sim.va_free(D0, va, g).unwrap();
-    sim.host_register(at(start), 2 * page, flags).unwrap();
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
+    unsafe { sim.host_register(at(start), 2 * page, flags) }.unwrap();
+    // SAFETY: the range is this test's own buffer, which outlives it and every copy.
     assert!(
-        invalid(sim.host_register(at(start + page), 2 * page, flags)),
+        invalid(unsafe { sim.host_register(at(start + page), 2 * page, flags) }),
         "overlap"
     );
     sim.memset_async(s, dev, 0x17, page).unwrap();

@@ -189,6 +189,9 @@ impl HostAllocator {
             return Ok(false);
         }
         self.record(src, dst, stream)?;
+        // SAFETY: `src` is pinned memory of the host pool, held past the copy by the event
+        // just recorded (its reuse waits for the stream); this function's contract keeps the
+        // caller off its bytes until then.
         self.actor()
             .backend
             .memcpy_async(stream.handle(), dst.ptr().0, src.ptr().0, src.len())?;
@@ -214,6 +217,7 @@ impl HostAllocator {
             return Ok(false);
         }
         self.record(dst, src, stream)?;
+        // SAFETY: as in `copy_h2d_unchecked`, for `dst`.
         self.actor()
             .backend
             .memcpy_async(stream.handle(), dst.ptr().0, src.ptr().0, src.len())?;

@@ -109,7 +109,8 @@ impl Drop for Inner {
         let ranges = self.lock().cache.drain();
         let mut calls = 0;
         for r in ranges {
-            if let Err(e) = exec::unregister(&*self.backend, &r, &mut calls) {
+            // SAFETY: the registry is dropped: `register`'s contract has no copy pending.
+            if let Err(e) = unsafe { exec::unregister(&*self.backend, &r, &mut calls) } {
                 tracing::warn!(error = %e, "unregister at registry drop failed");
             }
         }
@@ -231,7 +232,13 @@ impl AsyncRegistry {
     /// the future that resolves when it is usable. Bad input and flag conflicts fail here,
     /// with the same errors as [`super::HostRegistry::register`]; backend failures resolve
     /// the future to an error.
-    pub fn register(
+    ///
+    /// # Safety
+    /// The range is memory of this process that stays mapped while any registration covers
+    /// it, and no copy queued on it is still pending when the last registration covering it
+    /// is released (or the registry dropped): the driver copies into a registered range by
+    /// address, later (see [`gpualloc_runtime::Backend::host_register`]).
+    pub unsafe fn register(
         &self,
         ptr: *const u8,
         len: u64,
@@ -379,7 +386,8 @@ async fn register_job(
         let slow = inner.slow_threshold;
         move || {
             let mut calls = 0;
-            let r = exec::register(&*backend, &range, flags, slow, &mut calls);
+            // SAFETY: a part of a range given to the unsafe `register`, under its contract.
+            let r = unsafe { exec::register(&*backend, &range, flags, slow, &mut calls) };
             (calls, r)
         }
     };
@@ -422,7 +430,9 @@ async fn unregister_job(inner: Arc<Inner>, range: Range<u64>, tx: DoneTx) {
         let range = range.clone();
         move || {
             let mut calls = 0;
-            let r = exec::unregister(&*backend, &range, &mut calls);
+            // SAFETY: the range's last registration was released (or its registration
+            // failed): `register`'s contract has no copy pending on it.
+            let r = unsafe { exec::unregister(&*backend, &range, &mut calls) };
             (calls, r)
         }
     };

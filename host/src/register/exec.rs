@@ -20,7 +20,11 @@ pub const DEFAULT_SLOW_THRESHOLD: Duration = Duration::from_millis(10);
 
 /// Registers `range` at the backend (see the module docs); `calls` counts the backend calls
 /// made. On success, returns the slow-call record when the call was slow.
-pub fn register(
+///
+/// # Safety
+/// As [`gpualloc_runtime::Backend::host_register`]: the range stays mapped until it is
+/// unregistered.
+pub unsafe fn register(
     backend: &dyn Backend,
     range: &Range<u64>,
     flags: HostRegisterFlags,
@@ -31,7 +35,8 @@ pub fn register(
     let ptr = range.start as *mut u8;
     let started = Instant::now();
     *calls += 1;
-    if let Err(first) = backend.host_register(ptr, len, flags) {
+    // SAFETY: this function's own contract.
+    if let Err(first) = unsafe { backend.host_register(ptr, len, flags) } {
         if let Some(Err(hole)) = own_mappings_crossed(range, !flags.read_only) {
             return Err(RegisterError::Unmapped {
                 range: range.clone(),
@@ -40,13 +45,14 @@ pub fn register(
         }
         tracing::debug!(start = range.start, len, error = %first, "host_register failed; retrying once");
         *calls += 1;
-        backend
-            .host_register(ptr, len, flags)
-            .map_err(|source| RegisterError::Backend {
+        // SAFETY: as above.
+        unsafe { backend.host_register(ptr, len, flags) }.map_err(|source| {
+            RegisterError::Backend {
                 op: "host_register",
                 range: range.clone(),
                 source,
-            })?;
+            }
+        })?;
     }
     let took = started.elapsed();
     let slow = (took >= slow_threshold).then(|| {
@@ -79,20 +85,25 @@ pub fn register(
 
 /// Unregisters the backend range starting at `range.start`, retrying once; `calls` counts
 /// the backend calls made.
-pub fn unregister(
+///
+/// # Safety
+/// As [`gpualloc_runtime::Backend::host_unregister`]: no copy queued on the range is still
+/// pending.
+pub unsafe fn unregister(
     backend: &dyn Backend,
     range: &Range<u64>,
     calls: &mut u64,
 ) -> RegisterResult<()> {
     let ptr = range.start as *mut u8;
     *calls += 1;
-    match backend.host_unregister(ptr) {
+    // SAFETY: this function's own contract.
+    match unsafe { backend.host_unregister(ptr) } {
         Ok(()) => Ok(()),
         Err(first) => {
             tracing::debug!(start = range.start, error = %first, "host_unregister failed; retrying once");
             *calls += 1;
-            backend
-                .host_unregister(ptr)
+            // SAFETY: as above.
+            unsafe { backend.host_unregister(ptr) }
                 .map_err(|source| {
                     tracing::warn!(start = range.start, error = %source, "host_unregister failed twice; dropping the range from the cache");
                     RegisterError::Backend {

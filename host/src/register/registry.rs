@@ -71,7 +71,13 @@ impl HostRegistry {
     /// [`RegisterError::Wraps`], [`RegisterError::FlagConflict`],
     /// [`RegisterError::Unmapped`], [`RegisterError::Backend`], [`RegisterError::Forked`].
     /// On any error the cache and the backend are as before the call.
-    pub fn register(
+    ///
+    /// # Safety
+    /// The range is memory of this process that stays mapped while any registration covers
+    /// it, and no copy queued on it is still pending when the last registration covering it
+    /// is released (or the registry dropped): the driver copies into a registered range by
+    /// address, later (see [`gpualloc_runtime::Backend::host_register`]).
+    pub unsafe fn register(
         &mut self,
         ptr: *const u8,
         len: u64,
@@ -83,13 +89,16 @@ impl HostRegistry {
             self.stats.cache_hits += 1;
         }
         for (i, range) in plan.new_ranges.iter().enumerate() {
-            let result = exec::register(
-                &*self.backend,
-                range,
-                flags,
-                self.slow_threshold,
-                &mut self.stats.backend_registers,
-            );
+            // SAFETY: a part of the caller's range, under this function's contract.
+            let result = unsafe {
+                exec::register(
+                    &*self.backend,
+                    range,
+                    flags,
+                    self.slow_threshold,
+                    &mut self.stats.backend_registers,
+                )
+            };
             match result {
                 Ok(slow) => {
                     if let Some(slow) = slow {
@@ -104,9 +113,10 @@ impl HostRegistry {
                         undo.extend(self.cache.range_failed(rest.start).unregister);
                     }
                     for r in &undo {
-                        if let Err(u) =
+                        // SAFETY: registered by this call just now: nothing was queued on it.
+                        if let Err(u) = unsafe {
                             exec::unregister(&*self.backend, r, &mut self.stats.backend_unregisters)
-                        {
+                        } {
                             tracing::warn!(error = %u, "undoing a partial registration failed");
                         }
                     }
@@ -128,7 +138,10 @@ impl HostRegistry {
         self.stats.releases += 1;
         let mut first_err = None;
         for r in &undo {
-            if let Err(e) = exec::unregister(&*self.backend, r, &mut self.stats.backend_unregisters)
+            // SAFETY: the last registration of the range is released: `register`'s contract
+            // has no copy pending on it.
+            if let Err(e) =
+                unsafe { exec::unregister(&*self.backend, r, &mut self.stats.backend_unregisters) }
             {
                 self.stats.backend_failures += 1;
                 first_err.get_or_insert(e);
@@ -201,7 +214,8 @@ impl Drop for HostRegistry {
         }
         let mut calls = 0;
         for r in self.cache.drain() {
-            if let Err(e) = exec::unregister(&*self.backend, &r, &mut calls) {
+            // SAFETY: the registry is dropped: `register`'s contract has no copy pending.
+            if let Err(e) = unsafe { exec::unregister(&*self.backend, &r, &mut calls) } {
                 tracing::warn!(error = %e, "unregister at registry drop failed");
             }
         }

@@ -305,7 +305,13 @@ impl Backend for CudaBackend {
         self.health
             .seen(stream.device, self.cu_launch_host_func(stream, f))
     }
-    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
+    unsafe fn memcpy_async(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        src: u64,
+        len: u64,
+    ) -> Result<()> {
         let _keep = self.keep_current();
         self.health
             .seen(stream.device, self.cu_memcpy_async(stream, dst, src, len))
@@ -363,18 +369,18 @@ impl Backend for CudaBackend {
         let _keep = self.keep_current();
         self.cu_host_alloc(size)
     }
-    fn host_free(&self, ptr: *mut u8) -> Result<()> {
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
         let _keep = self.keep_current();
         if self.forked() {
             return Ok(());
         }
         self.cu_host_free(ptr)
     }
-    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
         let _keep = self.keep_current();
         self.cu_host_register(ptr, len, flags)
     }
-    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
         let _keep = self.keep_current();
         if self.forked() {
             return Ok(());

@@ -71,7 +71,8 @@ fn unknown_streams_and_events() {
     bad_handle(b.event_synchronize(e));
     bad_handle(b.event_destroy(e));
     bad_handle(b.event_record(e, s));
-    bad_handle(b.memcpy_async(s, 0x1000, 0x2000, 64));
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    bad_handle(unsafe { b.memcpy_async(s, 0x1000, 0x2000, 64) });
     bad_handle(b.memset_async(s, DevicePtr(0x1000), 0, 64));
     bad_handle(b.copy_to_device(s, DevicePtr(0x1000), &[1, 2, 3]));
     bad_handle(b.copy_from_device(s, &mut [0; 3], DevicePtr(0x1000)));
@@ -116,12 +117,15 @@ fn copies() {
         raw: 0xdead,
     };
     // Empty copies are no-ops, as in CUDA (even on an unknown stream: nothing is enqueued).
-    assert_eq!(b.memcpy_async(s, 0x1000, 0x2000, 0), Ok(()));
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    assert_eq!(unsafe { b.memcpy_async(s, 0x1000, 0x2000, 0) }, Ok(()));
     assert_eq!(b.memset_async(s, DevicePtr(0x1000), 7, 0), Ok(()));
     assert_eq!(b.copy_to_device(s, DevicePtr(0x1000), &[]), Ok(()));
     assert_eq!(b.copy_from_device(s, &mut [], DevicePtr(0x1000)), Ok(()));
-    invalid(b.memcpy_async(s, u64::MAX - 8, 0x2000, 64));
-    invalid(b.memcpy_async(s, 0x1000, 0, 64));
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.memcpy_async(s, u64::MAX - 8, 0x2000, 64) });
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.memcpy_async(s, 0x1000, 0, 64) });
     invalid(b.memset_async(s, DevicePtr(0), 0, 64));
     invalid(b.copy_to_device(s, DevicePtr(u64::MAX), &[1, 2]));
     invalid(b.copy_from_device(s, &mut [0; 2], DevicePtr(0)));
@@ -131,13 +135,18 @@ fn copies() {
 fn host_memory_input() {
     let b = detached();
     invalid(b.host_alloc(0));
-    invalid(b.host_free(std::ptr::null_mut()));
-    invalid(b.host_unregister(std::ptr::null_mut()));
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.host_free(std::ptr::null_mut()) });
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.host_unregister(std::ptr::null_mut()) });
     let f = HostRegisterFlags::default();
-    invalid(b.host_register(std::ptr::null_mut(), 4096, f));
-    invalid(b.host_register(0x10001 as *mut u8, 4096, f));
-    invalid(b.host_register(0x10000 as *mut u8, 0, f));
-    invalid(b.host_register(0x10000 as *mut u8, 100, f));
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.host_register(std::ptr::null_mut(), 4096, f) });
+    // SAFETY: no driver: refused before any call, nothing is touched.
+    invalid(unsafe { b.host_register(0x10000 as *mut u8, 0, f) });
+    // SAFETY: as above (a range that wraps).
+    invalid(unsafe { b.host_register((u64::MAX - 100) as usize as *mut u8, 4096, f) });
+    // (An unaligned range is the driver's to take: it asks for no alignment.)
 }
 
 #[test]

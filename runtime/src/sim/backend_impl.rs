@@ -235,18 +235,14 @@ impl Backend for SimBackend {
         )
     }
 
-    fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
-        self.enter(Op::MemcpyAsync)?;
-        let (shared, tx) = self.stream(stream)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.mem.validate_write(dst, len)?;
-        self.mem.validate(src, len)?;
-        let mem = self.mem.clone();
-        latency::pay(self.latency().launch);
-        let touches = [(dst, len), (src, len)];
-        self.enqueue_timed(&shared, &tx, len, &touches, move || mem.copy(dst, src, len))
+    unsafe fn memcpy_async(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        src: u64,
+        len: u64,
+    ) -> Result<()> {
+        SimBackend::memcpy_async(self, stream, dst, src, len)
     }
 
     fn memset_async(
@@ -398,18 +394,11 @@ impl Backend for SimBackend {
         Ok(addr as *mut u8)
     }
 
-    fn host_free(&self, ptr: *mut u8) -> Result<()> {
-        self.enter(Op::HostFree)?;
-        let region = self
-            .mem
-            .remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
-        let len = region.len;
-        drop(region);
-        latency::pay(self.latency().host_free_cost(len));
-        Ok(())
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        SimBackend::host_free(self, ptr)
     }
 
-    fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
         self.enter(Op::HostRegister)?;
         let start = ptr as u64;
         if len == 0 {
@@ -439,11 +428,8 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        self.enter(Op::HostUnregister)?;
-        self.mem.remove(ptr as u64, RegionKind::RegisteredHost)?;
-        latency::pay(self.latency().host_unregister);
-        Ok(())
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        SimBackend::host_unregister(self, ptr)
     }
 
     fn vmm_granularity(&self, device: DeviceId) -> Result<u64> {
@@ -565,6 +551,51 @@ impl Backend for SimBackend {
         let region = self.mem.remove(ptr.0, RegionKind::IpcOpened)?;
         drop(region);
         latency::pay(self.latency().ipc);
+        Ok(())
+    }
+}
+
+/// The calls the [`Backend`] trait marks `unsafe` because a GPU cannot check host addresses;
+/// the sim checks every one, so it offers them safe.
+impl SimBackend {
+    /// [`Backend::memcpy_async`], safe on the sim: every address is checked against the sim's
+    /// own regions (device memory, its pinned memory, and ranges registered through the unsafe
+    /// [`Backend::host_register`], whose contract keeps them mapped) when the copy is queued
+    /// and again, under the region table's lock, when it runs; nothing else is touched.
+    pub fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
+        self.enter(Op::MemcpyAsync)?;
+        let (shared, tx) = self.stream(stream)?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.mem.validate_write(dst, len)?;
+        self.mem.validate(src, len)?;
+        let mem = self.mem.clone();
+        latency::pay(self.latency().launch);
+        let touches = [(dst, len), (src, len)];
+        self.enqueue_timed(&shared, &tx, len, &touches, move || mem.copy(dst, src, len))
+    }
+
+    /// [`Backend::host_free`], safe on the sim: only a pinned allocation of the sim's own is
+    /// freed, under the region table's write lock, so a queued copy that reaches it later
+    /// fails instead of touching unmapped memory.
+    pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        self.enter(Op::HostFree)?;
+        let region = self
+            .mem
+            .remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
+        let len = region.len;
+        drop(region);
+        latency::pay(self.latency().host_free_cost(len));
+        Ok(())
+    }
+
+    /// [`Backend::host_unregister`], safe on the sim: copies queued on the range fail once
+    /// it is gone (they check the region table when they run).
+    pub fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.enter(Op::HostUnregister)?;
+        self.mem.remove(ptr as u64, RegionKind::RegisteredHost)?;
+        latency::pay(self.latency().host_unregister);
         Ok(())
     }
 }

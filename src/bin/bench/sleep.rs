@@ -78,9 +78,8 @@ pub(crate) async fn sleep_figures(figures: &mut Vec<Figure>) {
     backend.stream_synchronize(h).expect("sync");
     let t = Instant::now();
     let host = alloc.host().malloc(GIB).await.expect("pinned");
-    backend
-        .memcpy_async(h, host.ptr().0, one.ptr().0, GIB)
-        .expect("copy");
+    // SAFETY: `host` is a live pinned buffer of GIB bytes, untouched until the synchronize.
+    unsafe { backend.memcpy_async(h, host.ptr().0, one.ptr().0, GIB) }.expect("copy");
     backend.stream_synchronize(h).expect("sync");
     let out_ref = t.elapsed();
     let t = Instant::now();
@@ -93,9 +92,8 @@ pub(crate) async fn sleep_figures(figures: &mut Vec<Figure>) {
         .expect("pool");
     let t = Instant::now();
     let two = again.malloc(GIB, &stream).await.expect("malloc");
-    backend
-        .memcpy_async(h, two.ptr().0, host.ptr().0, GIB)
-        .expect("copy");
+    // SAFETY: as above; `host` is dropped only after the synchronize.
+    unsafe { backend.memcpy_async(h, two.ptr().0, host.ptr().0, GIB) }.expect("copy");
     backend.stream_synchronize(h).expect("sync");
     let in_ref = t.elapsed();
     drop((two, again, host));
