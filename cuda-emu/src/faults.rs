@@ -27,6 +27,8 @@ pub(crate) struct Rule {
 pub(crate) struct Faults {
     rules: HashMap<String, Vec<Rule>>,
     calls: Mutex<HashMap<&'static str, u64>>,
+    /// Faults injected so far, per function (read by `gpualloc_emu_faults_injected`).
+    hits: Mutex<HashMap<&'static str, u64>>,
 }
 
 fn code_of(text: &str) -> Option<CUresult> {
@@ -71,6 +73,7 @@ impl Faults {
         Ok(Faults {
             rules,
             calls: Mutex::default(),
+            hits: Mutex::default(),
         })
     }
 
@@ -88,10 +91,38 @@ impl Faults {
         match rules.iter().find(|r| n >= r.first && n - r.first < r.count) {
             Some(r) => {
                 tracing::info!(function = name, call = n, code = r.code, "injected fault");
+                *crate::state::lock(&self.hits).entry(name).or_insert(0) += 1;
                 Err(r.code)
             }
             None => Ok(()),
         }
+    }
+
+    /// Faults injected so far into calls of `name`.
+    pub(crate) fn injected(&self, name: &str) -> u64 {
+        crate::state::lock(&self.hits)
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// Not a driver function: how many faults `GPUALLOC_EMU_FAULTS` has injected so far into
+/// calls of the function named by the NUL-terminated `name` (0 before `cuInit`). Tests reach
+/// it through `dlsym`.
+///
+/// # Safety
+/// `name` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn gpualloc_emu_faults_injected(name: *const std::ffi::c_char) -> u64 {
+    if name.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null and NUL-terminated (the caller's contract).
+    let name = unsafe { std::ffi::CStr::from_ptr(name) };
+    match (crate::state::emu(), name.to_str()) {
+        (Some(emu), Ok(name)) => emu.faults.injected(name),
+        _ => 0,
     }
 }
 
@@ -111,6 +142,14 @@ mod tests {
         let rec: Vec<_> = (0..3).map(|_| f.check("cuEventRecord")).collect();
         assert_eq!(rec, vec![Err(999), Err(999), Ok(())]);
         assert_eq!(f.check("cuMemAlloc_v2"), Ok(()));
+        assert_eq!(
+            (
+                f.injected("cuMemMap"),
+                f.injected("cuEventRecord"),
+                f.injected("x")
+            ),
+            (1, 2, 0)
+        );
         for bad in [
             "cuMemMap",
             "cuMemMap:0:2",

@@ -86,6 +86,7 @@ mod vmm;
 pub use abi::*;
 pub use device::*;
 pub use errors::*;
+pub use faults::gpualloc_emu_faults_injected;
 pub use memory::*;
 pub use state::CONTEXT_MIB;
 pub use streams::*;
