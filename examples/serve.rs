@@ -1,4 +1,4 @@
-//! An inference-server-like workload on the simulated GPU, with no setup:
+//! An inference-server-like workload, with no setup:
 //! `cargo run --release --example serve [-- --requests N --concurrency C --pools --history F]`.
 //!
 //! Concurrent requests of varying sizes (input activations, outputs, scratch) run on two
@@ -7,6 +7,12 @@
 //! second stream (`record_stream`) for post-processing. Any memory handed out while another
 //! stream still uses it shows up as a mismatch. The devices are small, so requests also wait
 //! for memory (`MallocOptions::wait_for`) instead of failing.
+//!
+//! On a driver (feature `cuda`, with `GPUALLOC_BACKEND=cuda`, or a GPU present): every GPU the
+//! driver shows, four streams each, with their own memory. There are no kernels of ours
+//! there: a write is a memset, and a check copies the bytes to the host in stream order
+//! (blocking the task's worker thread for the copy) and compares them there. CI runs it this
+//! way on the emulated driver.
 //!
 //! `--pools` (with `expandable_segments:True`): two memory pools per device, as a server with
 //! two models has. Requests allocate from a `kv_cache` pool; a second model's `weights` pool
@@ -27,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
-use gpualloc::runtime::BackendError;
+use gpualloc::runtime::{Backend, BackendError};
 use gpualloc::{
     Allocator, AllocatorConfig, DeviceBuffer, DeviceId, DevicePtr, Error, HistoryOptions,
     MallocOptions, Pool, PoolOptions, SleepMode, Stream,
@@ -35,10 +41,11 @@ use gpualloc::{
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-const DEVICES: u32 = 2;
+/// Simulated devices.
+const SIM_DEVICES: u32 = 2;
 const STREAMS_PER_DEVICE: usize = 4;
-/// Small on purpose: requests sometimes wait for memory.
-const CAPACITY: u64 = 320 * MIB;
+/// A simulated device's memory: small on purpose, requests sometimes wait for memory.
+const SIM_CAPACITY: u64 = 320 * MIB;
 
 struct Args {
     requests: u64,
@@ -80,13 +87,17 @@ fn parse_args() -> Result<Args, String> {
 
 /// Writes the snapshot with the recorded history to `path`, reads it back and checks its
 /// segments against `stats()`. False on a mismatch.
-async fn write_history(alloc: &Allocator, path: &std::path::Path) -> Result<bool, Error> {
+async fn write_history(
+    alloc: &Allocator,
+    devices: u32,
+    path: &std::path::Path,
+) -> Result<bool, Error> {
     alloc.dump_snapshot(path).await?;
     let bytes = std::fs::read(path).map_err(|e| Error::Internal(format!("{e}")))?;
     let snap = gpualloc::trace::Snapshot::from_pickle(&bytes)
         .map_err(|e| Error::Internal(format!("reading {}: {e}", path.display())))?;
     let mut ok = true;
-    for d in 0..DEVICES {
+    for d in 0..devices {
         let reserved: u64 = snap
             .segments
             .iter()
@@ -168,31 +179,229 @@ fn check_regions(
     Ok(true)
 }
 
-/// Enqueues a kernel that checks `buf` holds `byte` (counting a mismatch, and failing the
-/// kernel, if not) and then fills `next` (if any) with `next_byte`.
-fn check_then_fill(
-    sim: &SimBackend,
-    stream: &Stream,
-    duration: Duration,
-    check: (&DeviceBuffer, u8),
-    next: Option<(&DeviceBuffer, u8)>,
-    counters: &Arc<Counters>,
-) -> Result<(), BackendError> {
-    let (cptr, clen, cbyte) = (check.0.ptr(), check.0.len(), check.1);
-    let next = next.map(|(b, v)| (b.ptr(), b.len(), v));
-    let counters = counters.clone();
-    sim.launch_kernel(stream.handle(), duration, move |m| {
-        if !check_regions(m, cptr, clen, cbyte)? {
+/// What runs the requests' kernels (see the module docs).
+#[derive(Clone)]
+enum Gpu {
+    /// The simulated GPU: its kernels write and check the bytes on the device.
+    Sim(Arc<SimBackend>),
+    /// A driver: memsets, and checks by a stream-ordered copy to the host (made only in a
+    /// build with feature `cuda`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Driver(Arc<dyn Backend>),
+}
+
+impl Gpu {
+    /// A driver when `GPUALLOC_BACKEND` says `cuda` (an error if there is none), or when it
+    /// says nothing and a GPU is present; else the simulated GPU.
+    fn choose() -> Result<Gpu, Error> {
+        let sim = || -> Result<Gpu, Error> {
+            Ok(Gpu::Sim(SimBackend::new(SimConfig {
+                devices: SIM_DEVICES,
+                capacity_per_device: SIM_CAPACITY,
+                ..SimConfig::default()
+            })?))
+        };
+        match gpualloc::BackendKind::from_env()? {
+            gpualloc::BackendKind::Cuda => Gpu::driver(),
+            gpualloc::BackendKind::Sim => sim(),
+            _ => Gpu::driver().or_else(|_| sim()),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn driver() -> Result<Gpu, Error> {
+        let backend: Arc<dyn Backend> = gpualloc::runtime::cuda::CudaBackend::new()?;
+        Ok(Gpu::Driver(backend))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn driver() -> Result<Gpu, Error> {
+        Err(
+            BackendError::Unavailable("this build has no CUDA backend (feature `cuda`)".into())
+                .into(),
+        )
+    }
+
+    fn backend(&self) -> Arc<dyn Backend> {
+        match self {
+            Gpu::Sim(sim) => sim.clone(),
+            Gpu::Driver(b) => b.clone(),
+        }
+    }
+
+    /// The devices the requests use.
+    fn devices(&self) -> Result<u32, Error> {
+        match self {
+            Gpu::Sim(_) => Ok(SIM_DEVICES),
+            Gpu::Driver(b) => Ok(b.device_count()?),
+        }
+    }
+
+    /// The memory the requests may use on a device (the least free of any device, on a
+    /// driver).
+    fn capacity(&self) -> Result<u64, Error> {
+        match self {
+            Gpu::Sim(_) => Ok(SIM_CAPACITY),
+            Gpu::Driver(b) => {
+                let mut least = u64::MAX;
+                for d in 0..b.device_count()? {
+                    least = least.min(b.mem_info(DeviceId(d))?.free);
+                }
+                Ok(least)
+            }
+        }
+    }
+
+    /// What the process holds on the device side: live allocations on the sim, the driver's
+    /// used bytes per device on a driver.
+    fn held(&self) -> Result<Vec<u64>, Error> {
+        match self {
+            Gpu::Sim(sim) => Ok(vec![sim.live_allocations() as u64]),
+            Gpu::Driver(b) => (0..b.device_count()?)
+                .map(|d| {
+                    let info = b.mem_info(DeviceId(d))?;
+                    Ok(info.total - info.free)
+                })
+                .collect(),
+        }
+    }
+
+    /// Kernels that failed (the sim's; a driver runs none of ours).
+    fn kernel_failures(&self) -> u64 {
+        match self {
+            Gpu::Sim(sim) => sim.kernel_failures(),
+            Gpu::Driver(_) => 0,
+        }
+    }
+
+    /// Fills each of `fills` with its byte, after the work before it on `stream`.
+    fn fill(
+        &self,
+        stream: &Stream,
+        duration: Duration,
+        fills: Vec<(DevicePtr, u64, u8)>,
+    ) -> Result<(), BackendError> {
+        match self {
+            Gpu::Sim(sim) => sim.launch_kernel(stream.handle(), duration, move |m| {
+                for (ptr, len, byte) in &fills {
+                    fill_regions(m, *ptr, *len, *byte)?;
+                }
+                Ok(())
+            }),
+            Gpu::Driver(b) => {
+                for (ptr, len, byte) in fills {
+                    for (p, l) in regions(ptr, len) {
+                        b.memset_async(stream.handle(), p, byte, l)?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Fills every byte of `[ptr, ptr + len)` with `byte`, in stream order.
+    fn fill_every_byte(
+        &self,
+        stream: &Stream,
+        (ptr, len, byte): (DevicePtr, u64, u8),
+    ) -> Result<(), BackendError> {
+        match self {
+            Gpu::Sim(sim) => sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+                m.fill(ptr, len, byte)
+            }),
+            Gpu::Driver(b) => b.memset_async(stream.handle(), ptr, byte, len),
+        }
+    }
+
+    /// True when all of `[ptr, ptr + len)` holds `byte` once the work before it on `stream`
+    /// is done: a stream-ordered copy to the host (a driver only).
+    fn holds_on_driver(
+        b: &Arc<dyn Backend>,
+        stream: &Stream,
+        (ptr, len, byte): (DevicePtr, u64, u8),
+        every_byte: bool,
+    ) -> Result<bool, BackendError> {
+        let parts = match every_byte {
+            true => vec![(ptr, len)],
+            false => regions(ptr, len),
+        };
+        for (p, l) in parts {
+            let mut host = vec![0u8; l as usize];
+            tokio::task::block_in_place(|| b.copy_from_device(stream.handle(), &mut host, p))?;
+            if host.iter().any(|x| *x != byte) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Checks that `check` holds its byte (counting a mismatch, and failing, if not) and then
+    /// fills `next` (if any), in stream order.
+    fn check_then_fill(
+        &self,
+        stream: &Stream,
+        duration: Duration,
+        check: (&DeviceBuffer, u8),
+        next: Option<(&DeviceBuffer, u8)>,
+        counters: &Arc<Counters>,
+    ) -> Result<(), BackendError> {
+        let (cptr, clen, cbyte) = (check.0.ptr(), check.0.len(), check.1);
+        let next = next.map(|(b, v)| (b.ptr(), b.len(), v));
+        let mismatch = |counters: &Counters| {
             counters.mismatches.fetch_add(1, Ordering::Relaxed);
-            return Err(BackendError::invalid(
-                "data mismatch: memory reused while in use",
-            ));
+            BackendError::invalid("data mismatch: memory reused while in use")
+        };
+        match self {
+            Gpu::Sim(sim) => {
+                let counters = counters.clone();
+                sim.launch_kernel(stream.handle(), duration, move |m| {
+                    if !check_regions(m, cptr, clen, cbyte)? {
+                        return Err(mismatch(&counters));
+                    }
+                    if let Some((ptr, len, byte)) = next {
+                        fill_regions(m, ptr, len, byte)?;
+                    }
+                    Ok(())
+                })
+            }
+            Gpu::Driver(b) => {
+                if !Gpu::holds_on_driver(b, stream, (cptr, clen, cbyte), false)? {
+                    return Err(mismatch(counters));
+                }
+                match next {
+                    Some(fill) => self.fill(stream, duration, vec![fill]),
+                    None => Ok(()),
+                }
+            }
         }
-        if let Some((ptr, len, byte)) = next {
-            fill_regions(m, ptr, len, byte)?;
+    }
+
+    /// Adds to `bad` when `[ptr, ptr + len)` does not hold `byte` once `stream` has run the
+    /// work before (every byte).
+    fn count_if_changed(
+        &self,
+        stream: &Stream,
+        (ptr, len, byte): (DevicePtr, u64, u8),
+        bad: &Arc<AtomicU64>,
+    ) -> Result<(), BackendError> {
+        match self {
+            Gpu::Sim(sim) => {
+                let bad = bad.clone();
+                sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+                    if !m.check(ptr, len, byte)? {
+                        bad.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(())
+                })
+            }
+            Gpu::Driver(b) => {
+                if !Gpu::holds_on_driver(b, stream, (ptr, len, byte), true)? {
+                    bad.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
         }
-        Ok(())
-    })
+    }
 }
 
 struct Timing {
@@ -204,14 +413,14 @@ async fn request(
     id: u64,
     alloc: Allocator,
     pool: Option<Pool>,
-    sim: Arc<SimBackend>,
+    gpu: Gpu,
     streams: Arc<Vec<Vec<Stream>>>,
     budgets: Arc<Vec<Arc<tokio::sync::Semaphore>>>,
     counters: Arc<Counters>,
 ) -> Result<Timing, Error> {
     let start = Instant::now();
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (id + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
-    let dev = (id % DEVICES as u64) as usize;
+    let dev = (id % streams.len() as u64) as usize;
     let stream = &streams[dev][(rng.next() % STREAMS_PER_DEVICE as u64) as usize];
     let tokens = 1 + rng.next() % 1024;
     let sizes = [
@@ -253,21 +462,22 @@ async fn request(
     let compute = Duration::from_micros(20 + tokens / 8);
 
     // Load the input and scratch, run the "model", then check everything.
-    let (iptr, ilen, sptr, slen) = (input.ptr(), input.len(), scratch.ptr(), scratch.len());
-    sim.launch_kernel(stream.handle(), Duration::from_micros(10), move |m| {
-        fill_regions(m, iptr, ilen, p)?;
-        fill_regions(m, sptr, slen, p ^ 0x33)
-    })?;
-    check_then_fill(
-        &sim,
+    gpu.fill(
+        stream,
+        Duration::from_micros(10),
+        vec![
+            (input.ptr(), input.len(), p),
+            (scratch.ptr(), scratch.len(), p ^ 0x33),
+        ],
+    )?;
+    gpu.check_then_fill(
         stream,
         compute,
         (&input, p),
         Some((&output, p ^ 0x5A)),
         &counters,
     )?;
-    check_then_fill(
-        &sim,
+    gpu.check_then_fill(
         stream,
         Duration::ZERO,
         (&scratch, p ^ 0x33),
@@ -283,8 +493,7 @@ async fn request(
         if other != stream {
             other.wait_event(&stream.record_event()?)?;
             output.record_stream(other)?;
-            check_then_fill(
-                &sim,
+            gpu.check_then_fill(
                 other,
                 Duration::from_micros(30),
                 (&output, p ^ 0x5A),
@@ -292,7 +501,7 @@ async fn request(
                 &counters,
             )?;
             drop(output);
-            check_then_fill(&sim, stream, Duration::ZERO, (&input, p), None, &counters)?;
+            gpu.check_then_fill(stream, Duration::ZERO, (&input, p), None, &counters)?;
             drop(input);
             stream.completed().await?;
             other.completed().await?;
@@ -302,14 +511,7 @@ async fn request(
             });
         }
     }
-    check_then_fill(
-        &sim,
-        stream,
-        Duration::ZERO,
-        (&output, p ^ 0x5A),
-        None,
-        &counters,
-    )?;
+    gpu.check_then_fill(stream, Duration::ZERO, (&output, p ^ 0x5A), None, &counters)?;
     drop(output);
     drop(input);
     stream.completed().await?;
@@ -337,14 +539,13 @@ fn percentiles(label: &str, unit: &str, scale: f64, samples: &mut [u64]) {
 }
 
 async fn run(args: Args) -> Result<bool, Error> {
-    let sim = SimBackend::new(SimConfig {
-        devices: DEVICES,
-        capacity_per_device: CAPACITY,
-        ..SimConfig::default()
-    })?;
+    let gpu = Gpu::choose()?;
+    let devices = gpu.devices()?;
+    let capacity = gpu.capacity()?;
+    let held_before = gpu.held()?;
     // GPUALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) applies if set; `--pools` needs expandable
     // segments (a pool sleeps by unmapping its pages).
-    let mut builder = Allocator::builder().backend_instance(sim.clone());
+    let mut builder = Allocator::builder().backend_instance(gpu.backend());
     if args.pools {
         let config = AllocatorConfig::from_env()
             .map_err(|e| Error::Internal(format!("GPUALLOC_CONF: {e}")))?
@@ -352,7 +553,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         builder = builder.config(config);
     }
     let alloc = builder.build()?;
-    let streams: Vec<Vec<Stream>> = (0..DEVICES)
+    let streams: Vec<Vec<Stream>> = (0..devices)
         .map(|d| {
             (0..STREAMS_PER_DEVICE)
                 .map(|_| alloc.new_stream(DeviceId(d)))
@@ -367,9 +568,9 @@ async fn run(args: Args) -> Result<bool, Error> {
     let allowed = alloc
         .config()
         .per_process_memory_fraction
-        .map_or(CAPACITY, |f| (CAPACITY as f64 * f) as u64);
+        .map_or(capacity, |f| (capacity as f64 * f) as u64);
     let weights = if args.pools {
-        Some(load_weights(&alloc, &sim, &streams).await?)
+        Some(load_weights(&alloc, &gpu, &streams).await?)
     } else {
         None
     };
@@ -389,15 +590,19 @@ async fn run(args: Args) -> Result<bool, Error> {
         None => None,
     };
     let budgets: Arc<Vec<_>> = Arc::new(
-        (0..DEVICES)
+        (0..devices)
             .map(|_| Arc::new(tokio::sync::Semaphore::new(budget_mib)))
             .collect(),
     );
+    let kind = match &gpu {
+        Gpu::Sim(_) => "simulated devices",
+        Gpu::Driver(_) => "devices of the CUDA driver",
+    };
     println!(
-        "serve: {} requests, {} in flight, {DEVICES} simulated devices x {STREAMS_PER_DEVICE} streams, {} MiB each",
+        "serve: {} requests, {} in flight, {devices} {kind} x {STREAMS_PER_DEVICE} streams, {} MiB each",
         args.requests,
         args.concurrency,
-        CAPACITY / MIB
+        capacity / MIB
     );
 
     let done = Arc::new(AtomicU64::new(0));
@@ -410,7 +615,7 @@ async fn run(args: Args) -> Result<bool, Error> {
                 let now = done.load(Ordering::Relaxed);
                 if now == last {
                     eprintln!("serve: no request finished in 5 s ({now} done)");
-                    for d in 0..DEVICES {
+                    for d in 0..devices {
                         if let Ok(a) = alloc.device_actor(DeviceId(d)) {
                             eprintln!("  {}", a.describe());
                         }
@@ -435,9 +640,9 @@ async fn run(args: Args) -> Result<bool, Error> {
             .acquire_owned()
             .await
             .map_err(|e| Error::Internal(e.to_string()))?;
-        let (alloc, sim, streams, budgets, counters, kv) = (
+        let (alloc, gpu, streams, budgets, counters, kv) = (
             alloc.clone(),
-            sim.clone(),
+            gpu.clone(),
             streams.clone(),
             budgets.clone(),
             counters.clone(),
@@ -445,7 +650,7 @@ async fn run(args: Args) -> Result<bool, Error> {
         );
         let done = done.clone();
         handles.push(tokio::spawn(async move {
-            let r = request(id, alloc, kv, sim, streams, budgets, counters).await;
+            let r = request(id, alloc, kv, gpu, streams, budgets, counters).await;
             done.fetch_add(1, Ordering::Relaxed);
             drop(permit);
             r
@@ -498,7 +703,7 @@ async fn run(args: Args) -> Result<bool, Error> {
     percentiles("malloc latency", "us", 1e3, &mut mallocs);
     percentiles("request latency", "ms", 1e6, &mut requests);
     let mut device_mallocs = 0;
-    for d in 0..DEVICES {
+    for d in 0..devices {
         let st = alloc.stats(DeviceId(d)).await?;
         device_mallocs += st.num_device_alloc;
         println!(
@@ -529,7 +734,7 @@ async fn run(args: Args) -> Result<bool, Error> {
             r.woken_at - r.slept_at
         );
         if let Some(kv) = &kv {
-            for d in 0..DEVICES {
+            for d in 0..devices {
                 let u = kv.usage(DeviceId(d)).await?;
                 println!(
                     "kv_cache pool, device {d}: peak reserved {:.1} MiB, peak allocated {:.1} MiB",
@@ -538,7 +743,7 @@ async fn run(args: Args) -> Result<bool, Error> {
                 );
             }
         }
-        let bad = check_weights(&sim, w).await?;
+        let bad = check_weights(&gpu, w).await?;
         if bad > 0 {
             counters.mismatches.fetch_add(bad, Ordering::Relaxed);
             eprintln!("weights: {bad} buffers changed across the sleep");
@@ -549,17 +754,28 @@ async fn run(args: Args) -> Result<bool, Error> {
     println!();
     print!("{}", alloc.memory_summary().await?);
     if let Some(path) = &args.history {
-        if !write_history(&alloc, path).await? {
+        if !write_history(&alloc, devices, path).await? {
             errors += 1;
         }
     }
     drop((slept, kv));
 
     let mismatches = counters.mismatches.load(Ordering::Relaxed);
-    let failures = sim.kernel_failures();
+    let failures = gpu.kernel_failures();
     alloc.shutdown().await?;
     drop(streams);
-    let leaked = sim.live_allocations();
+    // What is held beyond what was before the allocator: allocations on the sim, devices
+    // whose used memory grew on a driver.
+    let leaked = gpu
+        .held()?
+        .iter()
+        .zip(&held_before)
+        .filter(|(now, before)| now > before)
+        .map(|(now, before)| match &gpu {
+            Gpu::Sim(_) => now - before,
+            Gpu::Driver(_) => 1,
+        })
+        .sum::<u64>();
     println!("data mismatches: {mismatches}, failed kernels: {failures}, errors: {errors}, leaked allocations: {leaked}");
     Ok(mismatches == 0 && failures == 0 && errors == 0 && leaked == 0)
 }
@@ -567,6 +783,7 @@ async fn run(args: Args) -> Result<bool, Error> {
 /// A second model's weights: a pool per device of buffers written with a pattern.
 struct Weights {
     pool: Pool,
+    devices: u32,
     /// (buffer, its stream, the byte it holds).
     buffers: Vec<(DeviceBuffer, Stream, u8)>,
     bytes_per_device: u64,
@@ -591,7 +808,7 @@ const WEIGHT_BUFFERS: u64 = 8;
 
 async fn load_weights(
     alloc: &Allocator,
-    sim: &Arc<SimBackend>,
+    gpu: &Gpu,
     streams: &[Vec<Stream>],
 ) -> Result<Weights, Error> {
     let pool = alloc.pool("weights", PoolOptions::default()).await?;
@@ -603,10 +820,8 @@ async fn load_weights(
         for i in 0..WEIGHT_BUFFERS {
             let buf = pool.malloc(6 * MIB + i * 4097, stream).await?;
             bytes_per_device += buf.len();
-            let (ptr, len, byte) = (buf.ptr(), buf.len(), (d as u64 * 16 + i + 1) as u8);
-            sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
-                m.fill(ptr, len, byte)
-            })?;
+            let byte = (d as u64 * 16 + i + 1) as u8;
+            gpu.fill_every_byte(stream, (buf.ptr(), buf.len(), byte))?;
             buffers.push((buf, stream.clone(), byte));
         }
         stream.completed().await?;
@@ -618,6 +833,7 @@ async fn load_weights(
     }
     Ok(Weights {
         pool,
+        devices: streams.len() as u32,
         buffers,
         bytes_per_device,
         reserved_per_device,
@@ -645,7 +861,7 @@ async fn sleep_and_wake(
     let t = Instant::now();
     w.pool.sleep(SleepMode::Offload).await?;
     w.report.sleep_ms = t.elapsed().as_secs_f64() * 1e3;
-    for d in 0..DEVICES {
+    for d in 0..w.devices {
         w.report
             .freed
             .push(w.pool.usage(DeviceId(d)).await?.asleep_bytes);
@@ -668,16 +884,10 @@ async fn sleep_and_wake(
 }
 
 /// Checks every byte of the weights on the device; returns how many buffers changed.
-async fn check_weights(sim: &Arc<SimBackend>, w: &Weights) -> Result<u64, Error> {
+async fn check_weights(gpu: &Gpu, w: &Weights) -> Result<u64, Error> {
     let bad = Arc::new(AtomicU64::new(0));
     for (buf, stream, byte) in &w.buffers {
-        let (ptr, len, byte, bad) = (buf.ptr(), buf.len(), *byte, bad.clone());
-        sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
-            if !m.check(ptr, len, byte)? {
-                bad.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok(())
-        })?;
+        gpu.count_if_changed(stream, (buf.ptr(), buf.len(), *byte), &bad)?;
     }
     for (_, stream, _) in &w.buffers {
         stream.completed().await?;

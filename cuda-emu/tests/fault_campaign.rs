@@ -12,8 +12,10 @@
 //! lost, give everything back at shutdown: no stream alive, and the fds, threads and device
 //! memory (`cuMemGetInfo`) it held before the workloads. The child reports the faults the
 //! driver actually injected per entry point. CI runs `GPUALLOC_FAULT_SEEDS` seeds (default
-//! 12); the figures of a long run are in `BENCHMARKS.md`. (`serve` itself drives the sim's
-//! kernels, which the driver has no counterpart of, so the campaign runs its shapes here.)
+//! 12); the figures of a long run are in `BENCHMARKS.md`.
+//!
+//! `serve_survives_injected_driver_faults` runs the `serve` example itself (built with feature
+//! `cuda`, named by `GPUALLOC_SERVE_BIN`) on the CUDA backend under the same faults.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
@@ -609,6 +611,110 @@ fn the_allocator_survives_injected_driver_faults() {
     assert!(
         seeds < 12 || total > 0,
         "no fault was injected: the campaign tested nothing"
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The ways `serve` runs in [`serve_survives_injected_driver_faults`]: arguments and config.
+const SERVE_MODES: [(&str, &[&str], &str); 4] = [
+    ("plain", &[], ""),
+    ("--pools", &["--pools"], ""),
+    ("expandable", &[], "expandable_segments:True"),
+    ("ordinary", &[], "expandable_segments:False"),
+];
+
+/// The `serve` example itself on the CUDA backend (two emulated devices), each seed's faults
+/// injected into its driver, one of [`SERVE_MODES`] per seed in turn. Every run must end
+/// within the bound, exit 0 (no fault reached or all absorbed) or 1 (an error it printed),
+/// never panic or die of a signal, and report no data mismatch. Needs the example built with
+/// feature `cuda`: `GPUALLOC_SERVE_BIN` names it (`.ci/run` builds and names it); without it
+/// the test says why it does nothing. `GPUALLOC_SERVE_FAULT_SEEDS` seeds (default 8).
+#[test]
+fn serve_survives_injected_driver_faults() {
+    let Some(bin) = std::env::var_os("GPUALLOC_SERVE_BIN") else {
+        println!(
+            "skipped: GPUALLOC_SERVE_BIN does not name a serve binary built with feature cuda"
+        );
+        return;
+    };
+    let seeds: u64 = std::env::var("GPUALLOC_SERVE_FAULT_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8);
+    let dir = gpualloc_cuda_emu::emulator_dir().expect("the emulator library is built");
+    let mut outcomes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for seed in 1..=seeds {
+        let (mode, args, conf) = SERVE_MODES[(seed % 4) as usize];
+        let spec: Vec<String> = faults_of(seed)
+            .iter()
+            .map(|(f, n, c, code)| format!("{f}:{n}+{c}:{code}"))
+            .collect();
+        let mut child = Command::new(&bin)
+            .args(["--requests", "200", "--concurrency", "16"])
+            .args(args)
+            .env("GPUALLOC_BACKEND", "cuda")
+            .env("GPUALLOC_EMU_DEVICES", "2")
+            .env("GPUALLOC_EMU_MEMORY_MIB", "384")
+            .env("GPUALLOC_EMU_FAULTS", spec.join(","))
+            .env("GPUALLOC_CONF", conf)
+            .env("LD_LIBRARY_PATH", &dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("serve starts");
+        // Read while it runs (a full pipe would stall it).
+        let mut stdout = child.stdout.take().unwrap();
+        let mut stderr = child.stderr.take().unwrap();
+        let out_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut stdout, &mut s);
+            s
+        });
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+            s
+        });
+        let start = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if start.elapsed() > BOUND {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (out, err) = (out_reader.join().unwrap(), err_reader.join().unwrap());
+        let what = format!("seed {seed} ({mode}) [{}]", spec.join(","));
+        let mismatches: u64 = out
+            .lines()
+            .find_map(|l| l.split_once("data mismatches: ").map(|(_, r)| r))
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0);
+        let tail = || err.lines().rev().take(12).collect::<Vec<_>>().join("\n");
+        match status {
+            None => failures.push(format!("{what}: no end within {BOUND:?}\n{}", tail())),
+            Some(_) if err.contains("panicked") => {
+                failures.push(format!("{what}: panicked\n{}", tail()))
+            }
+            Some(_) if mismatches > 0 => {
+                failures.push(format!("{what}: {mismatches} data mismatches\n{}", tail()))
+            }
+            Some(s) if s.code() == Some(0) => *outcomes.entry("ok".into()).or_default() += 1,
+            Some(s) if s.code() == Some(1) => {
+                *outcomes.entry("typed errors".into()).or_default() += 1
+            }
+            Some(s) => failures.push(format!("{what}: {s}\n{}", tail())),
+        }
+    }
+    println!(
+        "serve under faults: {seeds} runs: {outcomes:?}; failed: {}",
+        failures.len()
     );
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
