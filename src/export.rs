@@ -4,8 +4,9 @@
 //!   pointer, length, and the memory behind it (the base of its ordinary segment, or the
 //!   mapped physical pages of its expandable segment), which only the device core knows; it
 //!   is read under the device actor's mailbox like any other request. The buffer counts as
-//!   exported from then until it is freed: a named pool holding one refuses to sleep
-//!   (`AllocError::PoolExported`).
+//!   exported from then until it is freed, or unmarked with
+//!   [`Allocator::unexport_region`] (a region never sent): a named pool holding one refuses
+//!   to sleep (`AllocError::PoolExported`).
 //! - A `DeviceBuffer` is an [`ExportGuard`]: moved into `send_device`, it keeps its block
 //!   allocated and unused while any importer holds it; when the importer releases it (or its
 //!   connection ends) the guard is dropped, and the buffer's drop returns the block.
@@ -40,7 +41,11 @@ impl ExportGuard for DeviceBuffer {}
 
 impl Allocator {
     /// Describes live `buffer` of this allocator for export (see the module docs). Errors
-    /// for an empty buffer, a buffer of another allocator, and after a fork.
+    /// for an empty buffer, a buffer of another allocator, and after a fork. The buffer is
+    /// marked exported until it is freed (its pool may not sleep: the importer maps its
+    /// pages); a region that ends up not shared is unmarked with
+    /// [`Allocator::unexport_region`]. ([`Allocator::export`] needs neither: a send that
+    /// fails frees the buffer.)
     pub async fn export_region(&self, buffer: &DeviceBuffer) -> Result<DeviceRegion, Error> {
         let actor = self.device_actor(buffer.device())?;
         actor.process.check()?;
@@ -62,6 +67,22 @@ impl Allocator {
             })
             .await??;
         Ok(region)
+    }
+
+    /// Undoes [`Allocator::export_region`] for a region that was never shared (or whose
+    /// importers are all gone): `buffer`'s pool may sleep again. Returns whether it was
+    /// marked. Unmarking a buffer another process still maps lets its pool sleep under the
+    /// importer, which then sees other memory: only the exporter knows, so it is the caller's
+    /// to say.
+    pub async fn unexport_region(&self, buffer: &DeviceBuffer) -> Result<bool, Error> {
+        let actor = self.device_actor(buffer.device())?;
+        if !Arc::ptr_eq(actor, buffer.actor()) {
+            return Err(Error::Export(
+                "the buffer belongs to another allocator".into(),
+            ));
+        }
+        let ptr = buffer.ptr();
+        Ok(actor.call(move |st| st.core.unmark_exported(ptr)).await??)
     }
 
     /// Exports `buffer` over `conn`: the importer maps the same device memory, and its

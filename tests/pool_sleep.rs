@@ -1,4 +1,4 @@
-//! Sleep and wake of a pool through the public API (issue 19, section 2): 1,000 buffers keep
+//! Sleep and wake of a pool through the public API: 1,000 buffers keep
 //! their bytes at the same addresses, the device has the memory back while the pool sleeps,
 //! other pools keep serving, a wake without memory keeps the pool asleep with its data, a
 //! waiting malloc resumes at the wake, and dropped sleep and wake futures still finish.
@@ -244,6 +244,17 @@ async fn a_pool_with_an_exported_buffer_does_not_sleep() {
         other => panic!("{other:?}"),
     }
     assert_eq!(kv.state(D0).await.unwrap(), PoolState::Awake);
+    // A region described but never sent can be unmarked: the pool sleeps and wakes again,
+    // and the buffer's bytes are its own; marked again, the pool is refused sleep again.
+    assert!(alloc.unexport_region(&shared).await.unwrap());
+    assert!(!alloc.unexport_region(&shared).await.unwrap(), "twice");
+    kv.sleep(SleepMode::Offload).await.unwrap();
+    kv.wake().await.unwrap();
+    alloc.export_region(&shared).await.unwrap();
+    assert!(matches!(
+        kv.sleep(SleepMode::Offload).await,
+        Err(Error::Alloc(AllocError::PoolExported { .. }))
+    ));
     // Once the exported buffer is freed (its importer let go), the pool sleeps; a block
     // reused at the same address is not exported.
     let at = shared.ptr();

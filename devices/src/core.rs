@@ -1122,6 +1122,15 @@ impl DeviceCore {
         Ok(())
     }
 
+    /// Undoes [`DeviceCore::mark_exported`] for live allocation `ptr` (a region described but
+    /// never shared): its pool may sleep again. False when it was not marked.
+    pub fn unmark_exported(&mut self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        if !self.active.contains_key(&ptr.0) {
+            return Err(AllocError::UnknownPointer(ptr));
+        }
+        Ok(self.exported.remove(&ptr.0))
+    }
+
     /// Frees an allocation. If other streams used it (`record_stream`), it returns to the pool
     /// only once events recorded on those streams now have completed. Freeing null is a no-op.
     pub fn free(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
