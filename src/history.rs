@@ -1,4 +1,4 @@
-//! What a live service did with its memory (issue 23): record the allocator's history, dump
+//! What a live service did with its memory: record the allocator's history, dump
 //! a snapshot PyTorch's memory viewer opens, get called when a `malloc` runs out of memory.
 //!
 //! The three steps PyTorch's users know (`_record_memory_history`, `_dump_snapshot`, drag the

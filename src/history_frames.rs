@@ -1,4 +1,4 @@
-//! The frames a recorded allocation carries (issue 23): the `tracing` span stack current at
+//! The frames a recorded allocation carries: the `tracing` span stack current at
 //! the `malloc`, and optionally a backtrace. PyTorch records Python and C++ stacks; a Rust
 //! service's useful context is its spans (which request, which model, which handler), and
 //! they survive `.await` points, where a backtrace shows only the executor's frames.

@@ -1,4 +1,4 @@
-//! NCCL user-buffer registration of a pool (feature `nccl`; issue 19, section 4).
+//! NCCL user-buffer registration of a pool (feature `nccl`).
 //!
 //! NCCL moves data fastest (zero-copy, NVLS, CollNet) between buffers registered with a
 //! communicator (`ncclCommRegister`). A registration must be dropped before its memory is

@@ -1,6 +1,5 @@
 //! [`Allocator::watch_segments`]: every range of device memory the allocator maps and
-//! unmaps, for NCCL buffer registration, UCX's registration cache, NVSHMEM (issue 19,
-//! section 4).
+//! unmaps, for NCCL buffer registration, UCX's registration cache, NVSHMEM.
 //!
 //! ```no_run
 //! # async fn demo(alloc: gpualloc::Allocator) -> Result<(), gpualloc::Error> {

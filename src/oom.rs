@@ -1,4 +1,4 @@
-//! Out-of-memory observers (issue 23): [`AllocatorBuilder::on_oom`](crate::AllocatorBuilder::on_oom)
+//! Out-of-memory observers: [`AllocatorBuilder::on_oom`](crate::AllocatorBuilder::on_oom)
 //! callbacks and the `oom_snapshot_path` config key, PyTorch's
 //! `_cuda_attach_out_of_memory_observer` plus the `_dump_snapshot` its users call from it.
 //!

@@ -1,9 +1,9 @@
 //! Keeping an outside registration cache in step with the allocator's segments: every range
 //! the allocator maps is registered, and every registration is dropped *before* its memory is
 //! unmapped or freed. This is what NCCL's user-buffer registration (`ncclCommRegister`,
-//! the `nccl` feature's `gpualloc::nccl`), UCX's memory registration and NVSHMEM need
-//! (issue 19, section 4). The registrar itself is a trait, [`SegmentRegistrar`], so the rules
-//! are tested on the sim with a fake one.
+//! the `nccl` feature's `gpualloc::nccl`), UCX's memory registration and NVSHMEM need. The
+//! registrar itself is a trait, [`SegmentRegistrar`], so the rules are tested on the sim with
+//! a fake one.
 //!
 //! ```no_run
 //! # async fn demo(alloc: gpualloc::Allocator, pool: gpualloc::Pool) -> Result<(), gpualloc::Error> {

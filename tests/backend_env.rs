@@ -220,7 +220,7 @@ async fn pools_keep_their_memory_apart() {
     }
 }
 
-/// A pool sleeps and wakes (issue 19, section 2): its memory goes back to the device while it
+/// A pool sleeps and wakes: its memory goes back to the device while it
 /// sleeps and its data is back at the same addresses after the wake, on this backend's
 /// virtual memory (the CUDA driver's `cuMemUnmap` / `cuMemMap` under the emulator).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,7 +262,7 @@ async fn a_pool_sleeps_and_wakes_at_the_same_addresses() {
     alloc.shutdown().await.unwrap();
 }
 
-/// A pool of unsplit blocks (issue 19, section 4): each buffer a range of its own, aligned to
+/// A pool of unsplit blocks: each buffer a range of its own, aligned to
 /// the pool's granularity, announced to a segment watcher with the buffer's address and size,
 /// and its data intact, on this backend's virtual memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,7 +318,7 @@ async fn shutdown_with_live_buffers_returns_everything() {
     assert!(alloc.shutdown().await.is_ok(), "idempotent");
 }
 
-/// Segment registration (issue 19, section 4; what the NCCL adapter is built on) on this
+/// Segment registration (what the NCCL adapter is built on) on this
 /// backend's unmap and free: a fake registrar follows a pool's ranges, and a second release
 /// hook finds no registration left on memory at the moment it is unmapped or freed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

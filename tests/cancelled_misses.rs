@@ -1,4 +1,4 @@
-//! Misses whose requests were cancelled (issue 15, section 3): their memory lands in the
+//! Misses whose requests were cancelled: their memory lands in the
 //! cache, a live request that finds the device full while they are in flight waits for them
 //! and retries instead of failing, and an out-of-memory report says where the memory is.
 

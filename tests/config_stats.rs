@@ -1,6 +1,6 @@
 //! The typed config is held to the string parser's rules at `build()`, and the statistics API
 //! a PyTorch user expects: resets through the actor, named pool accessors, the flat map with
-//! PyTorch's 122 keys (issue 15, section 5).
+//! PyTorch's 122 keys.
 
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::{Allocator, AllocatorConfig, ConfigError, DeviceId, Error, StatType};

@@ -1,4 +1,4 @@
-//! A stream that is dropped does not strand its cached blocks (issue 19, section 3): once its
+//! A stream that is dropped does not strand its cached blocks: once its
 //! work is done its free segments serve any other stream of the device (ordinary segments) or go
 //! back to the device (expandable ones, whose pages are unmapped after that stream alone is
 //! synchronized), never with a device-wide synchronize. The vllm#52951 pattern: a server that

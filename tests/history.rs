@@ -1,5 +1,5 @@
 //! Recording a live allocator's history and dumping it as PyTorch's snapshot pickle, through
-//! the public API (issue 23): the history has exactly the events a workload caused, in order,
+//! the public API: the history has exactly the events a workload caused, in order,
 //! in every config (the thread cache's round trips included: its slots record them, and a
 //! block freed on one thread after another revived it keeps its order);
 //! the ring keeps the newest entries; the pickle reads back with segments that agree with

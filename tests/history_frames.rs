@@ -1,4 +1,4 @@
-//! Frames of recorded allocations (issue 23): with `HistoryOptions::spans` each allocation
+//! Frames of recorded allocations: with `HistoryOptions::spans` each allocation
 //! carries the `tracing` span stack current at its `malloc` (names with fields, innermost
 //! first, across `.await` points), in its `alloc` entry, in its block while it lives and in the
 //! dumped pickle; with `backtraces` a backtrace comes first; without the options, none.

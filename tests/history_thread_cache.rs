@@ -1,4 +1,4 @@
-//! The thread cache while history is recorded (issue 23): it keeps serving round trips, and
+//! The thread cache while history is recorded: it keeps serving round trips, and
 //! records them in its slots. Through the public API: a buffer revived on one thread and
 //! dropped on another keeps its order, while other requests take the gate (and so collect
 //! the slots) at any moment; a block evicted from a full slot is freed once; a thread whose

@@ -1,4 +1,4 @@
-//! Cache hits keep flowing while a miss makes slow driver calls (issue 15, section 2): the
+//! Cache hits keep flowing while a miss makes slow driver calls: the
 //! pages of an expandable growth are mapped, and a garbage-collection pass frees segments,
 //! outside the actor's gate. Checked by order, not by time: with each slow call costing
 //! 300 ms on the sim, a hit must come back while the miss is still in flight.

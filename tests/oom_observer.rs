@@ -1,4 +1,4 @@
-//! Out-of-memory observers through the public API (issue 23): `on_oom` callbacks run once per
+//! Out-of-memory observers through the public API: `on_oom` callbacks run once per
 //! failed `malloc` (of the allocator or a pool, at once or after a wait), never for other
 //! errors or for a wait that ends in a buffer; they run off the gate (one frees a buffer it
 //! kept and the next request fits); one that panics does not stop the others; and

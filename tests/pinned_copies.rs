@@ -1,4 +1,4 @@
-//! Copies between pinned and device memory cannot race safe code (issue 15, section 6): the
+//! Copies between pinned and device memory cannot race safe code: the
 //! copy takes the pinned buffer and hands it back once the stream has passed it. Also: size 0
 //! is an empty buffer for pinned memory too, and the `unsafe` escape hatch.
 

@@ -1,4 +1,4 @@
-//! Named memory pools through the public API (issue 19, section 1): a pool's blocks never
+//! Named memory pools through the public API: a pool's blocks never
 //! serve another pool's requests (thread cache on or off, expandable segments or not), a quota
 //! fails with a typed error naming the pool or waits for a free in the pool, usage adds up to
 //! the device's statistics, and dropping the last handle releases the pool.

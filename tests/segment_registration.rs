@@ -1,4 +1,4 @@
-//! Segment registration through the public API (issue 19, section 4; what the `nccl`
+//! Segment registration through the public API (what the `nccl`
 //! feature's adapter is built on): a fake registrar is kept equal to the chosen pool's
 //! ranges, never holds a registration of memory being unmapped or freed (a second release
 //! hook checks at every release), survives a registrar that fails or panics, catches up after

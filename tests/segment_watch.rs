@@ -1,4 +1,4 @@
-//! The segment observer through the public API (issue 19, section 4): a watch's ranges plus
+//! The segment observer through the public API: a watch's ranges plus
 //! the events after them always equal what the allocator holds (early and late watchers, two
 //! configs, pools, a sleep), and an observer that lags or panics does not disturb the
 //! allocator or the other observers.

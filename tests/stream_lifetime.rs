@@ -1,5 +1,5 @@
-//! A user's `Stream` may be dropped while the allocator still caches blocks of it (issue 15,
-//! section 1). The allocator keeps every stream it needs alive (see `Stream`'s docs), so every
+//! A user's `Stream` may be dropped while the allocator still caches blocks of it. The
+//! allocator keeps every stream it needs alive (see `Stream`'s docs), so every
 //! path that touches a cached block's stream keeps working afterwards: a malloc on another
 //! stream, the out-of-memory chain, `empty_cache`, snapshots, shutdown, the thread cache, and
 //! frees of buffers recorded on a stream the user dropped. Run in every config.

@@ -1,4 +1,4 @@
-//! Waiting for memory (issue 15, section 4): a request that can never fit fails at once, and a
+//! Waiting for memory: a request that can never fit fails at once, and a
 //! large waiter at the head does not block smaller ones that fit, while its own wait is
 //! bounded (it is overtaken at most `MAX_OVERTAKES` times).
 

@@ -1,7 +1,7 @@
 //! What the device maps and unmaps, for those who must know every range of device memory the
 //! allocator holds: NCCL's user-buffer registration (`ncclCommRegister`, PyTorch's allocator
 //! trace tracker), UCX's registration cache (invalidated when a range is released),
-//! NVSHMEM. (issue 19, section 4.)
+//! NVSHMEM.
 //!
 //! - [`DeviceCore::set_segment_sink`] installs a function the core calls with a
 //!   [`SegmentEvent`] whenever a segment is allocated or freed, pages of an expandable segment

@@ -86,77 +86,87 @@ pub struct Deviation {
     pub evidence: &'static str,
 }
 
-/// Every departure of the `gpualloc` policy from PyTorch's rules.
+/// Every departure of the `gpualloc` policy from PyTorch's rules: the one copy of the table.
+/// The README shows it as [`deviations_table`] renders it (`devices/tests/departures.rs`
+/// checks that they are the same); cells are Markdown.
 pub const DEVIATIONS: &[Deviation] = &[
     Deviation {
-        rule: "max_split_size with expandable segments",
-        pytorch: "applies to expandable blocks as to any other: a free block of at least \
-              max_split_size is not given to a smaller request, nor to a larger one it \
-              exceeds by more than max_non_split_rounding",
-        gpualloc: "applies only to blocks of ordinary segments; an expandable block is split \
-               like any other (the proposal of PyTorch PR #193400, not merged)",
-        why: "in an expandable segment a freed oversize block cannot be released while a live \
-          block follows it, so refusing it makes the segment map new pages for every such \
-          request: reserved memory grows without bound in a plain alloc/free cycle",
-        evidence: "max_split_size_mb:128,expandable_segments:True, peak reserved (gpualloc \
-               replay --policy both): llama-lora-finetune 5.74 GiB under pytorch vs 5.51 GiB, \
-               transformer-lm-train 13.26 GiB vs 12.98 GiB; devices/tests/expandable.rs, 100 \
-               cycles of two 40 MiB buffers and a kept 2 MiB one under max_split_size_mb:64: \
-               8,200 MiB vs 280 MiB (peak allocated 280 MiB)",
+        rule: "`max_split_size` with expandable segments",
+        pytorch: "limits expandable blocks as any other: a free block of at least `max_split_size` \
+                   is not given to a smaller request, nor to a larger one it exceeds by more than \
+                   `max_non_split_rounding`",
+        gpualloc: "limits only blocks of ordinary segments (the proposal of PyTorch PR #193400, not \
+                    merged)",
+        why: "in an expandable segment a freed oversize block cannot be released while a live block \
+               follows it, so refusing it maps new pages for every such request: reserved memory \
+               grows without bound in a plain alloc/free cycle",
+        evidence: "`max_split_size_mb:128,expandable_segments:True`, peak reserved: \
+                    llama-lora-finetune 5.74 GiB (PyTorch) vs 5.51 GiB, transformer-lm-train 13.26 \
+                    GiB vs 12.98 GiB; a 100-cycle alloc/free loop (`devices/tests/expandable.rs`): \
+                    8,200 MiB vs 280 MiB",
     },
     Deviation {
         rule: "best fit in expandable segments (dead remainders)",
-        pytorch: "a large-pool request takes the smallest free block that holds it and splits \
-                  off whatever remains, 512 B or more",
-        gpualloc: "a large-pool best fit that would leave a remainder under 512 KiB (and is \
-                   not the segment's tail) is passed over for the tail, which grows if it must; \
-                   where it cannot grow, the passed-over block is taken after all, before any \
-                   cache is released",
-        why: "in the large pool every request is over 1 MiB, so such a remainder is dead until \
-              a neighbour is freed; kept activations landing in the holes of freed temporaries \
-              pile these up",
-        evidence: "expandable_segments:True, peak reserved (gpualloc replay --policy both): \
-                   transformer-lm-forward-bf16 786 MiB under pytorch vs 766 MiB (fragmentation \
-                   5.38% vs 2.91%), llama-lora-finetune and transformer-lm-train unchanged; \
-                   devices/tests/placement.rs",
+        pytorch: "a large-pool request takes the smallest free block that holds it and splits off \
+                   whatever remains, 512 B or more",
+        gpualloc: "a best fit that would leave under 512 KiB (and is not the segment's tail) is \
+                    passed over for the tail, which grows if it must; where it cannot grow the \
+                    passed-over block is taken after all, before any cache is released \
+                    (`devices/src/placement.rs`)",
+        why: "every large-pool request is over 1 MiB, so such a remainder is dead until a neighbour \
+               is freed; kept activations landing in the holes of freed temporaries pile them up",
+        evidence: "`expandable_segments:True`, peak reserved: transformer-lm-forward-bf16 786 MiB \
+                    (PyTorch) vs 766 MiB, fragmentation 5.38% vs 2.91%; the other two traces \
+                    unchanged (`devices/tests/placement.rs`)",
     },
     Deviation {
         rule: "large-pool pages of expandable segments",
-        pytorch: "20 MiB pages (large_segment_size), one physical handle each; a growth maps \
-                  the pages the request needs",
-        gpualloc: "2 MiB pages, one physical handle per growth of up to 20 MiB; a growth maps \
-                   1/8 of what the segment has mapped ahead of the request, never past the \
-                   next 20 MiB boundary from the segment's base (where PyTorch's page would \
-                   end), and once 1/8 reaches 20 MiB grows to that boundary as PyTorch does; the pages \
-                   ahead are dropped where the device or per_process_memory_fraction has no \
-                   room, and the fraction counts the pages mapped, not a 20 MiB segment \
-                   (devices/src/map_ahead.rs)",
-        why: "on a small model a 20 MiB page is most of the memory reserved and unused; one \
-              handle per growth keeps the driver calls of 20 MiB pages, and the 20 MiB \
-              boundary keeps large segments as PyTorch lays them out",
-        evidence: "expandable_segments:True, peak reserved (gpualloc replay --policy both): a \
-                   generated MiniLM-like inference (replay/tests/small_model.rs) 92 MiB under \
-                   pytorch vs 84 MiB (fragmentation 14.05% vs 5.86%); the seven shared \
-                   traces at PyTorch's peak or below but llama7b-offload-10streams (+4 MiB), \
-                   driver map calls 18 against 9 on cnn-counterfactual-small, +0.05% to +9.5% \
-                   on the others (replay/tests/real_traces.rs); devices/tests/map_ahead.rs",
+        pytorch: "20 MiB pages (`large_segment_size`), one physical handle each; a growth maps the \
+                   pages the request needs",
+        gpualloc: "2 MiB pages, one physical handle per growth of up to 20 MiB; a growth maps 1/8 \
+                    of what the segment has mapped ahead of the request, never past the next 20 MiB \
+                    boundary from the segment's base (where PyTorch's page would end), and once 1/8 \
+                    reaches 20 MiB grows to that boundary as PyTorch does; the pages ahead are \
+                    dropped where the device or `per_process_memory_fraction` has no room, and the \
+                    fraction counts the pages mapped, not a 20 MiB segment \
+                    (`devices/src/map_ahead.rs`)",
+        why: "on a small model a 20 MiB page is most of the memory reserved and unused; one handle \
+               per growth keeps the driver calls of 20 MiB pages, and the 20 MiB boundary keeps \
+               large segments as PyTorch lays them out",
+        evidence: "`expandable_segments:True`, peak reserved: a generated MiniLM-like inference \
+                    (`replay/tests/small_model.rs`) 92 MiB (PyTorch) vs 84 MiB, fragmentation 14.05% \
+                    vs 5.86%; the seven shared traces at PyTorch's peak or below but \
+                    llama7b-offload-10streams (+4 MiB), driver map calls 18 against 9 on \
+                    cnn-counterfactual-small, +0.05% to +9.5% on the others \
+                    (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`)",
     },
     Deviation {
-        rule: "segments under a config that does not name expandable_segments",
-        pytorch: "ordinary segments (cudaMalloc), expandable ones only when asked",
-        gpualloc: "expandable segments where every device of the backend has virtual memory \
-                   (asked without a context: CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_\
-                   SUPPORTED on CUDA), with the rules above; expandable_segments:False keeps \
-                   ordinary ones (AllocatorConfig::resolved; the core itself runs the config \
-                   it is given)",
-        why: "an expandable segment grows where an ordinary one would allocate a new segment, \
-              so the large pool's free memory is one block per stream instead of a remainder \
-              in each 20 MiB or larger segment; PyTorch's own advice for fragmentation",
-        evidence: "default config, peak reserved (gpualloc replay --policy both): \
-                   llama-lora-finetune 6,192 MiB under pytorch vs 5,642 MiB, \
-                   transformer-lm-forward-bf16 822 vs 766 MiB, transformer-lm-train 13,436 vs \
-                   13,296 MiB, the generated MiniLM-like inference 102 vs 84 MiB; driver calls \
-                   during warm-up: 230 / 43 / 240 / 12 segment mallocs against 329 / 45 / 673 / \
-                   16 page maps (replay/tests/real_traces.rs, small_model.rs)",
+        rule: "segments under a config that does not name `expandable_segments`",
+        pytorch: "ordinary segments (`cudaMalloc`); expandable ones only when asked",
+        gpualloc: "expandable segments where every device of the backend has virtual memory (asked \
+                    without a context: CUDA's `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` attribute), with \
+                    the rules above; `expandable_segments:False` keeps ordinary ones \
+                    (`AllocatorConfig::resolved`)",
+        why: "an expandable segment grows where an ordinary one would allocate another segment, so \
+               the large pool's free memory is one block per stream instead of a remainder in each \
+               segment (PyTorch's own advice against fragmentation)",
+        evidence: "default config, peak reserved: llama-lora-finetune 6,192 MiB (PyTorch) vs 5,642 \
+                    MiB, transformer-lm-forward-bf16 822 vs 766 MiB, transformer-lm-train 13,436 vs \
+                    13,296 MiB, a generated MiniLM-like inference 102 vs 84 MiB; driver calls during \
+                    warm-up: 230 / 43 / 240 / 12 segment mallocs vs 329 / 45 / 673 / 16 page maps, \
+                    none after (`replay/tests/real_traces.rs`, `small_model.rs`)",
     },
 ];
+
+/// [`DEVIATIONS`] as the README's Markdown table: a header and one row per departure.
+pub fn deviations_table() -> String {
+    let mut table =
+        String::from("| rule | PyTorch | gpualloc | why | effect |\n|---|---|---|---|---|\n");
+    for d in DEVIATIONS {
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            d.rule, d.pytorch, d.gpualloc, d.why, d.evidence
+        ));
+    }
+    table
+}

@@ -1,4 +1,4 @@
-//! The history's times and marks (issue 23): entries are stamped with the time last set, or
+//! The history's times and marks: entries are stamped with the time last set, or
 //! with the trace clock while one is set; a snapshot taken while recording leaves PyTorch's
 //! `snapshot` mark with the allocated bytes.
 

@@ -1,4 +1,4 @@
-//! Prints the pinned-host numbers issue 6 asks for:
+//! Prints the pinned-host allocator's numbers:
 //! - memory held for a 1.1 GiB request with and without `pinned_max_round_threshold_mb`
 //!   (on the accounting backend: addresses only, nothing is touched);
 //! - the speed-up of prefaulting fresh memory on N threads over 1 (real page faults).

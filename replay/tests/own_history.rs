@@ -1,4 +1,4 @@
-//! The allocator's own history replays to itself (issue 23): a workload run through the public
+//! The allocator's own history replays to itself: a workload run through the public
 //! API on the sim while recording (cross-stream frees, frees that wait, an out-of-memory
 //! request, `empty_cache`), dumped with `snapshot_pickle`, read back and replayed warm with the
 //! same config, puts every allocation at the address the live allocator gave it, with

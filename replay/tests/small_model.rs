@@ -1,4 +1,4 @@
-//! A small model's inference, generated (issue 18 asks for one under 100 MiB): a
+//! A small model's inference, generated (one under 100 MiB): a
 //! MiniLM-L6-like sentence encoder in fp16 (6 layers, hidden 384, 12 heads, FFN 1536, a
 //! 30,522-token embedding; 43 MiB of weights) serving 200 batches of 1–32 sequences of 16–128
 //! tokens, one stream. Each layer allocates and frees what its eager forward pass would: q, k, v,

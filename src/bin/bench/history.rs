@@ -1,4 +1,4 @@
-//! What recording the history costs (section `history`, issue 23), hit pairs (malloc + drop
+//! What recording the history costs (section `history`), hit pairs (malloc + drop
 //! of 4 KiB on one stream, 200,000 after warm-up) on the accounting backend:
 //!
 //! - `hit_pair_history_on_median_ns` / `_p99_ns`: recording into a full ring of the default

@@ -1,4 +1,4 @@
-//! Sleep and wake of a pool (section `sleep`, issue 19 section 2), on the sim with its default
+//! Sleep and wake of a pool (section `sleep`), on the sim with its default
 //! latency model (real-hardware driver latencies; copies at 40 ms/GiB plus this machine's
 //! memcpy) or on the GPU with `GPUALLOC_BACKEND=cuda`:
 //!
