@@ -675,6 +675,18 @@ fn exported_allocations_keep_their_pool_awake_until_freed() {
         other => panic!("{:?}", other.map(|_| ())),
     }
     assert_eq!(core.pool_state(kv), Some(PoolState::Awake));
+    // Unmarked (a region never shared), `b` no longer counts; a second unmark finds nothing,
+    // an unknown pointer is an error.
+    assert_eq!(core.unmark_exported(b.ptr), Ok(true));
+    assert_eq!(core.unmark_exported(b.ptr), Ok(false));
+    assert_eq!(
+        core.unmark_exported(DevicePtr(b.ptr.0 + 1)),
+        Err(AllocError::UnknownPointer(DevicePtr(b.ptr.0 + 1)))
+    );
+    match core.begin_sleep(kv, SleepMode::Discard) {
+        Err(AllocError::PoolExported { buffers, .. }) => assert_eq!(buffers, 1),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
     core.free(a.ptr).unwrap();
     core.free(b.ptr).unwrap();
     let again = core.malloc_in(kv, 5 * MIB, s).unwrap();

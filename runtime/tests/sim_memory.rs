@@ -111,8 +111,17 @@ fn device_pointers_are_real_addresses_shared_by_ipc() {
         .unwrap();
     // A handle for an interior pointer names the whole allocation.
     let h = sim.ipc_get_mem_handle(DevicePtr(p.0 + 100)).unwrap();
+    assert!(!sim.opened_by_another_process(p), "not opened yet");
     let q = sim.ipc_open_mem_handle(D0, &h).unwrap();
     assert_ne!(q, p, "the opened allocation is a second mapping");
+    // An open of the handle holds a shared lock on the memory, which the exporter sees (the
+    // emulated driver's check for a free under a live import; here the open is this process's
+    // own, a second open file of the memory all the same).
+    assert!(sim.opened_by_another_process(p));
+    assert!(
+        !sim.opened_by_another_process(DevicePtr(p.0 + 100)),
+        "not a start"
+    );
     let mut out = [0u8; 12];
     sim.copy_from_device(s, &mut out, DevicePtr(q.0 + 100))
         .unwrap();
@@ -122,7 +131,16 @@ fn device_pointers_are_real_addresses_shared_by_ipc() {
     let mut head = [0u8; 4];
     sim.copy_from_device(s, &mut head, p).unwrap();
     assert_eq!(head, [0xEE; 4]);
+    // Live device memory: the allocation and the opened mapping; not past the end.
+    assert!(sim.device_memory_covers(p.0, 1 << 20));
+    assert!(sim.device_memory_covers(q.0 + 4096, 4096));
+    assert!(!sim.device_memory_covers(p.0, (1 << 20) + 1));
     sim.ipc_close_mem_handle(q).unwrap();
+    assert!(!sim.opened_by_another_process(p), "closed");
+    assert!(
+        !sim.device_memory_covers(q.0, 1),
+        "an opened mapping, closed"
+    );
     assert!(invalid(sim.ipc_close_mem_handle(q)));
     assert!(invalid(sim.ipc_open_mem_handle(D0, &IpcMemHandle([0; 64]))));
     let mut forged = h;
@@ -130,6 +148,7 @@ fn device_pointers_are_real_addresses_shared_by_ipc() {
     assert!(invalid(sim.ipc_open_mem_handle(D0, &forged)));
     assert!(invalid(sim.ipc_get_mem_handle(DevicePtr(8))));
     sim.free(D0, p).unwrap();
+    assert!(!sim.device_memory_covers(p.0, 1), "freed");
     sim.stream_destroy(s).unwrap();
 }
 

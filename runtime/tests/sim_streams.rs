@@ -10,6 +10,47 @@ use gpualloc_runtime::{Backend, BackendError, DeviceId, Stream};
 
 const D0: DeviceId = DeviceId(0);
 
+/// A stream's events are watched by a stream of the library's own (its watcher), made at the
+/// first record and shared by the stream's events: the user's stream gets no host function,
+/// and the watcher goes with the last of the stream and its events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_are_watched_on_one_stream_of_ours_that_goes_with_them() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let before = sim.live_streams();
+    let stream = Stream::new(&backend, D0).unwrap();
+    assert_eq!(sim.live_streams(), before + 1);
+    sim.reset_counts();
+    let first = stream.record_event().unwrap();
+    let second = stream.record_event().unwrap();
+    assert_eq!(
+        sim.live_streams(),
+        before + 2,
+        "one watcher for both events"
+    );
+    assert_eq!(
+        sim.counts().get(Op::LaunchHostFunc),
+        0,
+        "recording queues no host function"
+    );
+    first.completed().await.unwrap();
+    second.completed().await.unwrap();
+    stream.completed().await.unwrap();
+    assert_eq!(
+        sim.counts().get(Op::LaunchHostFunc),
+        3,
+        "one per future asked for, on the watcher"
+    );
+    drop(stream);
+    assert_eq!(
+        sim.live_streams(),
+        before + 1,
+        "the events hold the watcher"
+    );
+    drop((first, second));
+    assert_eq!(sim.live_streams(), before, "the watcher went with them");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_completed_future_wakes_after_the_kernel() {
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
