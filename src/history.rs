@@ -42,7 +42,7 @@
 //! - [`Allocator::stop_history`] stops and clears the rings.
 //! - [`Allocator::snapshot_pickle`] writes segments, blocks, `device_traces` and
 //!   `allocator_settings` as PyTorch's `_dump_snapshot` does, with only the pickle opcodes
-//!   MemoryViz.js reads (`gpualloc_trace::from_allocator`).
+//!   MemoryViz.js reads (`gpualloc_devices::snapshot_pickle`).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -154,7 +154,7 @@ impl Allocator {
     /// which PyTorch's memory viewer opens.
     pub async fn snapshot_pickle(&self) -> Result<Vec<u8>, Error> {
         let devices = self.snapshot().await?;
-        gpualloc_trace::from_allocator::to_pickle(&devices, self.config())
+        gpualloc_devices::snapshot_pickle::to_pickle(&devices, self.config())
             .map_err(|e| Error::Internal(format!("writing the snapshot pickle: {e}")))
     }
 

@@ -220,8 +220,9 @@ async fn a_dumped_snapshot_reads_back_and_agrees_with_stats() {
         assert_eq!(again.device_traces[0].len(), trace.len() + 1);
         // Read back, the pickle is exactly the typed snapshot it was written from.
         let snaps = alloc.snapshot().await.unwrap();
-        let typed = gpualloc::trace::from_allocator::to_snapshot(&snaps, alloc.config());
-        let written = gpualloc::trace::from_allocator::to_pickle(&snaps, alloc.config()).unwrap();
+        let typed = gpualloc::devices::snapshot_pickle::to_snapshot(&snaps, alloc.config());
+        let written =
+            gpualloc::devices::snapshot_pickle::to_pickle(&snaps, alloc.config()).unwrap();
         assert_eq!(
             gpualloc_trace::Snapshot::from_pickle(&written).unwrap(),
             typed,

@@ -35,6 +35,7 @@ mod shrink;
 pub mod sizes;
 mod sleep;
 pub mod snapshot;
+pub mod snapshot_pickle;
 pub mod stats;
 mod streams;
 mod summary;

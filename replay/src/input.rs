@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use gpualloc_devices::snapshot_pickle::{recorded_pools, POLICY_KEY};
 use gpualloc_devices::PoolInfo;
 use gpualloc_devices::{AllocatorConfig, Policy};
-use gpualloc_trace::from_allocator::{recorded_pools, POLICY_KEY};
 use gpualloc_trace::pickle::Value;
 use gpualloc_trace::{Action, BlockState, SegmentType, Snapshot, TraceEntry};
 
@@ -57,7 +57,7 @@ pub struct Trace {
     pub final_segments: Option<Vec<FinalSegment>>,
     /// The config the recording ran under, when the snapshot's `allocator_settings` say:
     /// their `PYTORCH_CUDA_ALLOC_CONF`, under PyTorch's policy, or under the policy gpualloc
-    /// wrote beside it (`gpualloc_trace::from_allocator::POLICY_KEY`). None when absent or
+    /// wrote beside it (`gpualloc_devices::snapshot_pickle::POLICY_KEY`). None when absent or
     /// not in a syntax the replay knows.
     pub recorded_config: Option<AllocatorConfig>,
     /// The device's private pools as gpualloc recorded them (`allocator_settings`'

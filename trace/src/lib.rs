@@ -7,9 +7,10 @@
 //!   imported from and exported to pickles MemoryViz.js opens.
 //! - [`rmm_csv`]: RMM's `logging_resource_adaptor` CSV logs.
 //! - [`jsonl`]: a documented JSON Lines trace format.
-//! - [`from_allocator`]: the allocator's own snapshots written as PyTorch's.
 //!
-//! All of them produce [`TraceEntry`] lists.
+//! All of them produce [`TraceEntry`] lists. A leaf: it knows nothing of the allocator; the
+//! allocator's own snapshots are written in these formats by
+//! `gpualloc_devices::snapshot_pickle`.
 //!
 //! ```no_run
 //! use gpualloc_trace::{Action, Snapshot};
@@ -27,7 +28,6 @@
 
 mod error;
 mod event;
-pub mod from_allocator;
 pub mod jsonl;
 pub mod pickle;
 pub mod rmm_csv;

@@ -1,18 +1,17 @@
-//! The allocator's state ([`DeviceSnapshot`]s of `gpualloc-devices`) as a PyTorch memory
-//! snapshot that PyTorch's memory viewer (`memory_viz`, MemoryViz.js) opens: `segments`,
+//! The allocator's state ([`DeviceSnapshot`]s) as a PyTorch memory snapshot (the format is
+//! `gpualloc-trace`'s, a leaf crate that knows nothing of the core) that PyTorch's memory viewer (`memory_viz`, MemoryViz.js) opens: `segments`,
 //! `device_traces` and `allocator_settings`, written with only the pickle opcodes
 //! MemoryViz.js decodes. Shared by the allocator (`Allocator::snapshot_pickle`) and the
 //! replay tool (`gpualloc replay --export`).
 
 use std::collections::BTreeMap;
 
-use crate::pickle::Value;
-use crate::{
+use gpualloc_trace::pickle::Value;
+use gpualloc_trace::{
     Action, Block, BlockState, Frame, Segment, SegmentType, Snapshot, TraceEntry, TraceError,
 };
-use gpualloc_devices::{
-    AllocatorConfig, BlockStateName, DeviceSnapshot, PoolInfo, PoolOptions, TraceAction,
-};
+
+use crate::{AllocatorConfig, BlockStateName, DeviceSnapshot, PoolInfo, PoolOptions, TraceAction};
 
 fn action(a: TraceAction) -> Action {
     match a {
@@ -29,7 +28,7 @@ fn action(a: TraceAction) -> Action {
 }
 
 /// The allocator's frames in PyTorch's form.
-fn frames(frames: Option<&[gpualloc_devices::Frame]>) -> Vec<Frame> {
+fn frames(frames: Option<&[crate::Frame]>) -> Vec<Frame> {
     frames
         .unwrap_or_default()
         .iter()
