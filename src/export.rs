@@ -29,7 +29,9 @@
 
 use std::sync::Arc;
 
-use gpualloc_ipc::{AsyncExportConn, DeviceRegion, ExportGuard, ExportId};
+use gpualloc_devices::{AllocationMemory, DeviceCore};
+use gpualloc_ipc::{AsyncExportConn, DeviceRegion, ExportGuard, ExportId, SegmentMemory, VmmChunk};
+use gpualloc_runtime::DevicePtr;
 
 use crate::allocator::Allocator;
 use crate::buffer::DeviceBuffer;
@@ -60,7 +62,7 @@ impl Allocator {
         let ptr = buffer.ptr();
         let region = actor
             .call(move |st| {
-                let region = DeviceRegion::from_core(&st.core, ptr)?;
+                let region = region_of(&st.core, ptr)?;
                 // Until the buffer is freed its pool may not sleep (`AllocError::PoolExported`).
                 st.core.mark_exported(ptr)?;
                 Ok::<_, Error>(region)
@@ -100,4 +102,31 @@ impl Allocator {
             .send_device(&region, Some(producer), Box::new(buffer))
             .await?)
     }
+}
+
+/// Describes live allocation `ptr` of `core` as the ipc crate's [`DeviceRegion`] (the ipc
+/// crate does not know the core): its requested length, and its ordinary segment's base or
+/// the mapped physical handles of its expandable segment.
+fn region_of(core: &DeviceCore, ptr: DevicePtr) -> Result<DeviceRegion, Error> {
+    let (len, memory) = core.allocation_memory(ptr)?;
+    let segment = match memory {
+        AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
+        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
+            chunks: pages
+                .into_iter()
+                .map(|(ptr, size, handle)| VmmChunk {
+                    ptr,
+                    size,
+                    handle,
+                    handle_offset: 0,
+                })
+                .collect(),
+        },
+    };
+    Ok(DeviceRegion {
+        device: core.device(),
+        ptr,
+        len,
+        segment,
+    })
 }

@@ -58,6 +58,7 @@ pub use mem_pools::{PoolOptions, PoolUsage};
 pub use observer::{
     HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
 };
+pub use pages::AllocationMemory;
 pub use policy::Policy;
 pub use restore::{RestorePool, RestoredBlock};
 pub use round_trips::RoundTrips;

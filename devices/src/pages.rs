@@ -1,11 +1,56 @@
-//! Which physical pages back a range of an expandable segment: what exporting a buffer of
-//! such a segment to another process needs (the ipc crate sends one fd per page).
+//! Which memory backs a live allocation: what exporting a buffer to another process needs
+//! (the ipc crate opens an ordinary segment by a legacy IPC handle of its base, and sends an
+//! expandable one's physical pages as one fd each). The ipc crate knows nothing of the core:
+//! its user (the facade, or a test) turns [`AllocationMemory`] into the ipc crate's region.
 
 use gpualloc_runtime::{DevicePtr, PhysHandle};
 
 use crate::core::DeviceCore;
+use crate::error::AllocError;
+
+/// The memory behind a live allocation (see [`DeviceCore::allocation_memory`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllocationMemory {
+    /// In an ordinary segment starting at `base` (one driver allocation).
+    Segment {
+        /// The segment's base address.
+        base: DevicePtr,
+    },
+    /// In an expandable segment: the physical handles covering it, in address order (see
+    /// [`DeviceCore::expandable_pages`]).
+    Pages(Vec<(DevicePtr, u64, PhysHandle)>),
+}
 
 impl DeviceCore {
+    /// The requested length of live allocation `ptr` and the memory behind it: its ordinary
+    /// segment's base, or the mapped physical handles of its expandable segment that cover
+    /// it. `UnknownPointer` for anything but the start of a live allocation.
+    pub fn allocation_memory(&self, ptr: DevicePtr) -> Result<(u64, AllocationMemory), AllocError> {
+        let alloc = self
+            .allocation(ptr)
+            .ok_or(AllocError::UnknownPointer(ptr))?;
+        if let Some(pages) = self.expandable_pages(ptr, alloc.size) {
+            return Ok((alloc.size, AllocationMemory::Pages(pages)));
+        }
+        let snap = self.snapshot();
+        let seg = snap
+            .segments
+            .iter()
+            .find(|s| s.address <= ptr.0 && ptr.0 < s.address.saturating_add(s.total_size))
+            .ok_or(AllocError::UnknownPointer(ptr))?;
+        if seg.is_expandable {
+            return Err(AllocError::NotSupported(
+                "an allocation on unmapped pages of its expandable segment",
+            ));
+        }
+        Ok((
+            alloc.size,
+            AllocationMemory::Segment {
+                base: DevicePtr(seg.address),
+            },
+        ))
+    }
+
     /// The physical handles covering `[ptr, ptr + len)` of an expandable segment, in address
     /// order, as (where the handle is mapped, its size, the handle; mapped whole, at handle
     /// offset 0, as CUDA requires). A handle may cover several pages (`map_ahead.rs`), so the

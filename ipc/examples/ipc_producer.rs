@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
-    shm, AsyncExportConn, Backing, CoreGuard, DeviceRegion, MapOptions, PeerPolicy, Returned,
+    shm, AsyncExportConn, Backing, DeviceRegion, MapOptions, OnRelease, PeerPolicy, Returned,
 };
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
@@ -73,13 +73,18 @@ async fn main() -> Result<(), Box<dyn Error>> {
     };
     let data: Vec<u8> = (0..DEV_LEN).map(|i| (i % 251) as u8).collect();
     backend.copy_to_device(stream, ptr, &data)?;
-    let region = DeviceRegion::from_core(&*core.lock().map_err(|_| "poisoned")?, ptr)?;
+    let region = region_of(&*core.lock().map_err(|_| "poisoned")?, ptr)?;
+    // Released by the consumer (or its death): the block goes back to the core.
+    let guard = {
+        let core = core.clone();
+        OnRelease::new(move || {
+            if let Ok(mut core) = core.lock() {
+                let _ = core.free(ptr);
+            }
+        })
+    };
     let id = conn
-        .send_device(
-            &region,
-            Some(stream),
-            Box::new(CoreGuard::new(core.clone(), ptr)),
-        )
+        .send_device(&region, Some(stream), Box::new(guard))
         .await?;
     println!("shared device buffer {ptr} ({DEV_LEN} bytes) as export {id}");
 
@@ -107,4 +112,35 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     let _ = std::fs::remove_file(&path);
     Ok(())
+}
+
+/// Live allocation `ptr` of `core` as a region to export (what the facade's `export_region`
+/// does: the ipc crate does not know the core).
+fn region_of(
+    core: &gpualloc_devices::DeviceCore,
+    ptr: gpualloc_runtime::DevicePtr,
+) -> Result<DeviceRegion, Box<dyn std::error::Error>> {
+    use gpualloc_devices::AllocationMemory;
+    use gpualloc_ipc::{SegmentMemory, VmmChunk};
+    let (len, memory) = core.allocation_memory(ptr)?;
+    let segment = match memory {
+        AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
+        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
+            chunks: pages
+                .into_iter()
+                .map(|(ptr, size, handle)| VmmChunk {
+                    ptr,
+                    size,
+                    handle,
+                    handle_offset: 0,
+                })
+                .collect(),
+        },
+    };
+    Ok(DeviceRegion {
+        device: core.device(),
+        ptr,
+        len,
+        segment,
+    })
 }

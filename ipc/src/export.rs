@@ -5,9 +5,10 @@
 //! # How the facade plugs in
 //! The ipc crate does not know `DeviceBuffer`. To export one, the facade
 //! 1. describes it as a [`DeviceRegion`]: its device, pointer and length, and either the
-//!    base of its ordinary segment ([`SegmentMemory::Allocation`], from the device actor's
-//!    snapshot, see [`DeviceRegion::from_core`]) or, for an expandable segment, the mapped
-//!    physical chunks that cover it ([`SegmentMemory::Vmm`]);
+//!    base of its ordinary segment ([`SegmentMemory::Allocation`]) or, for an expandable
+//!    segment, the mapped physical chunks that cover it ([`SegmentMemory::Vmm`]), as the
+//!    device core tells them (`gpualloc_devices::DeviceCore::allocation_memory`: this crate
+//!    does not depend on the core);
 //! 2. moves the `DeviceBuffer` itself into the guard (`impl ExportGuard for DeviceBuffer {}`:
 //!    releasing drops the buffer, which sends its free to the actor). The user no longer
 //!    holds the buffer, so the block stays allocated and unused;
@@ -15,7 +16,7 @@
 //!
 //! The connection releases the guard exactly once, when the importer releases its reference
 //! or its connection ends (importer exited or was killed), or at once if the export fails.
-//! [`CoreGuard`] does the same for a [`DeviceCore`] behind a mutex.
+//! [`OnRelease`] runs any closure then (a test's guard frees the block in its core).
 //!
 //! # What an importer can reach
 //! The driver shares memory by allocation (legacy IPC opens a whole `cuMemAlloc` segment) or
@@ -35,9 +36,7 @@
 //! reach; `ImportedBuffer::reachable` tells the importer.
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
 
-use gpualloc_devices::DeviceCore;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, PhysHandle};
 
 use crate::error::{IpcError, Result};
@@ -69,31 +68,6 @@ impl<F: FnOnce() + Send + 'static> Drop for OnRelease<F> {
     fn drop(&mut self) {
         if let Some(f) = self.0.take() {
             f()
-        }
-    }
-}
-
-/// An [`ExportGuard`] that frees `ptr` in a shared [`DeviceCore`] when released (dropped);
-/// the block then returns to its pool, after any recorded stream uses.
-pub struct CoreGuard {
-    core: Arc<Mutex<DeviceCore>>,
-    ptr: DevicePtr,
-}
-
-impl CoreGuard {
-    /// Guards allocation `ptr` of `core`.
-    pub fn new(core: Arc<Mutex<DeviceCore>>, ptr: DevicePtr) -> Self {
-        CoreGuard { core, ptr }
-    }
-}
-
-impl ExportGuard for CoreGuard {}
-
-impl Drop for CoreGuard {
-    fn drop(&mut self) {
-        let mut core = self.core.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = core.free(self.ptr) {
-            tracing::warn!(ptr = %self.ptr, error = %e, "freeing a released export failed");
         }
     }
 }
@@ -142,49 +116,6 @@ pub struct DeviceRegion {
 }
 
 impl DeviceRegion {
-    /// Describes live allocation `ptr` of `core`: its requested length, and its segment from
-    /// the snapshot: the segment base for an ordinary segment, the mapped physical pages
-    /// covering the buffer for an expandable one.
-    pub fn from_core(core: &DeviceCore, ptr: DevicePtr) -> Result<DeviceRegion> {
-        let alloc = core
-            .allocation(ptr)
-            .ok_or_else(|| IpcError::InvalidExport(format!("{ptr} is not a live allocation")))?;
-        let segment = if let Some(pages) = core.expandable_pages(ptr, alloc.size) {
-            SegmentMemory::Vmm {
-                chunks: pages
-                    .into_iter()
-                    .map(|(at, size, handle)| VmmChunk {
-                        ptr: at,
-                        size,
-                        handle,
-                        handle_offset: 0,
-                    })
-                    .collect(),
-            }
-        } else {
-            let snap = core.snapshot();
-            let seg = snap
-                .segments
-                .iter()
-                .find(|s| s.address <= ptr.0 && ptr.0 < s.address.saturating_add(s.total_size))
-                .ok_or_else(|| IpcError::InvalidExport(format!("no segment holds {ptr}")))?;
-            if seg.is_expandable {
-                return Err(IpcError::InvalidExport(format!(
-                    "{ptr} is not on mapped pages of its expandable segment"
-                )));
-            }
-            SegmentMemory::Allocation {
-                base: DevicePtr(seg.address),
-            }
-        };
-        Ok(DeviceRegion {
-            device: core.device(),
-            ptr,
-            len: alloc.size,
-            segment,
-        })
-    }
-
     /// The exporter's memory an importer of this region can reach (start, bytes): the whole
     /// allocation behind an ordinary segment's buffer (a legacy IPC handle opens all of it),
     /// the whole physical handles behind an expandable one (a handle is mapped whole). Equal

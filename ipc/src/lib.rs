@@ -91,7 +91,7 @@ pub mod shm;
 pub use asynchronous::{AsyncExportConn, AsyncImportConn};
 pub use blocking::{ExportConn, ImportConn};
 pub use error::{IpcError, Result};
-pub use export::{CoreGuard, DeviceRegion, ExportGuard, OnRelease, SegmentMemory, VmmChunk};
+pub use export::{DeviceRegion, ExportGuard, OnRelease, SegmentMemory, VmmChunk};
 pub use exporter::{Returned, ServeEnd};
 pub use import::ImportedBuffer;
 pub use importer::Received;

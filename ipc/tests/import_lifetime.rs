@@ -20,11 +20,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{dev, TestBackend};
+use common::{core_guard, dev, region, TestBackend};
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
-    CoreGuard, DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received,
-    Returned, SegmentMemory,
+    DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received, Returned,
+    SegmentMemory,
 };
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
@@ -213,8 +213,8 @@ impl Exporter {
     }
 
     fn export(&mut self, ptr: DevicePtr) -> u64 {
-        let region = DeviceRegion::from_core(&self.core.lock().unwrap(), ptr).unwrap();
-        let guard = Box::new(CoreGuard::new(self.core.clone(), ptr));
+        let region = region(&self.core.lock().unwrap(), ptr);
+        let guard = core_guard(self.core.clone(), ptr);
         let stream = self.stream;
         self.conn()
             .send_device(&region, Some(stream), guard)

@@ -19,9 +19,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{dev, TestBackend};
+use common::{core_guard, dev, region, TestBackend};
 use gpualloc_devices::{AllocatorConfig, DeviceCore, PoolOptions, StatType};
-use gpualloc_ipc::{CoreGuard, DeviceRegion, ExportConn, ImportConn, PeerPolicy, Received};
+use gpualloc_ipc::{DeviceRegion, ExportConn, ImportConn, PeerPolicy, Received};
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
 const ROLE: &str = "GPUALLOC_IPC_REACH_ROLE";
@@ -193,8 +193,8 @@ impl Parent {
     }
 
     fn export(&self, conn: &mut ExportConn, ptr: DevicePtr) {
-        let region = DeviceRegion::from_core(&self.core.lock().unwrap(), ptr).unwrap();
-        let guard = Box::new(CoreGuard::new(self.core.clone(), ptr));
+        let region = region(&self.core.lock().unwrap(), ptr);
+        let guard = core_guard(self.core.clone(), ptr);
         conn.send_device(&region, Some(self.stream), guard).unwrap();
     }
 
@@ -252,8 +252,7 @@ fn a_buffer_of_an_unsplit_pool_is_imported_alone() {
     }
     // What the exporter can tell before sending.
     let exposed = |ptr| {
-        DeviceRegion::from_core(&p.core.lock().unwrap(), ptr)
-            .unwrap()
+        region(&p.core.lock().unwrap(), ptr)
             .exposed(&*p.backend)
             .unwrap()
     };
@@ -316,10 +315,7 @@ fn buffers_on_one_handle_share_a_mapping_until_the_last_goes() {
             .copy_to_device(es, *p, &pattern(0x10 + i as u8))
             .unwrap();
     }
-    let regions: Vec<DeviceRegion> = ptrs
-        .iter()
-        .map(|p| DeviceRegion::from_core(&core, *p).unwrap())
-        .collect();
+    let regions: Vec<DeviceRegion> = ptrs.iter().map(|p| region(&core, *p)).collect();
     let (a, b) = UnixStream::pair().unwrap();
     let mut conn = ExportConn::new(a, &PeerPolicy::default(), exporter.clone()).unwrap();
     let mut imp = ImportConn::new(b, &PeerPolicy::default(), importer.clone(), DEV).unwrap();

@@ -13,11 +13,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{dev, TestBackend};
+use common::{core_guard, dev, region, TestBackend};
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
-    shm, AsyncExportConn, Backing, CoreGuard, DeviceRegion, ExportConn, ImportConn, MapOptions,
-    OnRelease, PeerPolicy, Received, Returned, SegmentMemory, VmmChunk,
+    shm, AsyncExportConn, Backing, DeviceRegion, ExportConn, ImportConn, MapOptions, OnRelease,
+    PeerPolicy, Received, Returned, SegmentMemory, VmmChunk,
 };
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
@@ -206,7 +206,7 @@ async fn round_trip(expandable: bool) {
     p.backend
         .copy_to_device(p.stream, ptr, &pattern(DEV_LEN, 2))
         .unwrap();
-    let region = DeviceRegion::from_core(&p.core.lock().unwrap(), ptr).unwrap();
+    let region = region(&p.core.lock().unwrap(), ptr);
     assert_eq!(region.len, DEV_LEN as u64);
     match &region.segment {
         SegmentMemory::Allocation { .. } => assert!(!expandable),
@@ -215,7 +215,7 @@ async fn round_trip(expandable: bool) {
             assert!(!chunks.is_empty());
         }
     }
-    let guard = Box::new(CoreGuard::new(p.core.clone(), ptr));
+    let guard = core_guard(p.core.clone(), ptr);
     let id = conn
         .send_device(&region, Some(p.stream), guard)
         .await
@@ -270,8 +270,8 @@ async fn killed_importer_is_reclaimed_and_nothing_leaks() {
     p.backend
         .copy_to_device(p.stream, ptr, &pattern(DEV_LEN, 2))
         .unwrap();
-    let region = DeviceRegion::from_core(&p.core.lock().unwrap(), ptr).unwrap();
-    let guard = Box::new(CoreGuard::new(p.core.clone(), ptr));
+    let region = region(&p.core.lock().unwrap(), ptr);
+    let guard = core_guard(p.core.clone(), ptr);
     conn.send_device(&region, Some(p.stream), guard)
         .await
         .unwrap();

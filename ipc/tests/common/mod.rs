@@ -96,3 +96,47 @@ fn cuda() -> Arc<dyn Backend> {
 fn cuda() -> Arc<dyn Backend> {
     panic!("GPUALLOC_BACKEND=cuda but these tests were built without the `cuda` feature")
 }
+
+/// Live allocation `ptr` of `core` as a [`gpualloc_ipc::DeviceRegion`] (what the facade's
+/// `export_region` does; the ipc crate does not know the core).
+pub fn region(
+    core: &gpualloc_devices::DeviceCore,
+    ptr: gpualloc_runtime::DevicePtr,
+) -> gpualloc_ipc::DeviceRegion {
+    use gpualloc_devices::AllocationMemory;
+    use gpualloc_ipc::{SegmentMemory, VmmChunk};
+    let (len, memory) = core.allocation_memory(ptr).expect("a live allocation");
+    let segment = match memory {
+        AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
+        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
+            chunks: pages
+                .into_iter()
+                .map(|(ptr, size, handle)| VmmChunk {
+                    ptr,
+                    size,
+                    handle,
+                    handle_offset: 0,
+                })
+                .collect(),
+        },
+    };
+    gpualloc_ipc::DeviceRegion {
+        device: core.device(),
+        ptr,
+        len,
+        segment,
+    }
+}
+
+/// A guard that frees `ptr` in `core` when the export is released.
+pub fn core_guard(
+    core: Arc<Mutex<gpualloc_devices::DeviceCore>>,
+    ptr: gpualloc_runtime::DevicePtr,
+) -> Box<dyn gpualloc_ipc::ExportGuard> {
+    Box::new(gpualloc_ipc::OnRelease::new(move || {
+        let mut core = core.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = core.free(ptr) {
+            eprintln!("freeing a released export failed: {e}");
+        }
+    }))
+}
