@@ -30,7 +30,7 @@
 use std::sync::Arc;
 
 use gpualloc_devices::{AllocationMemory, DeviceCore};
-use gpualloc_ipc::{AsyncExportConn, DeviceRegion, ExportGuard, ExportId, SegmentMemory, VmmChunk};
+use gpualloc_ipc::{AsyncExportConn, DeviceRegion, ExportGuard, ExportId, SegmentMemory};
 use gpualloc_runtime::DevicePtr;
 
 use crate::allocator::Allocator;
@@ -111,17 +111,7 @@ fn region_of(core: &DeviceCore, ptr: DevicePtr) -> Result<DeviceRegion, Error> {
     let (len, memory) = core.allocation_memory(ptr)?;
     let segment = match memory {
         AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
-        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
-            chunks: pages
-                .into_iter()
-                .map(|(ptr, size, handle)| VmmChunk {
-                    ptr,
-                    size,
-                    handle,
-                    handle_offset: 0,
-                })
-                .collect(),
-        },
+        AllocationMemory::Pages(pages) => SegmentMemory::from_pages(pages),
     };
     Ok(DeviceRegion {
         device: core.device(),

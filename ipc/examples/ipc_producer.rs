@@ -121,21 +121,11 @@ fn region_of(
     ptr: gpualloc_runtime::DevicePtr,
 ) -> Result<DeviceRegion, Box<dyn std::error::Error>> {
     use gpualloc_devices::AllocationMemory;
-    use gpualloc_ipc::{SegmentMemory, VmmChunk};
+    use gpualloc_ipc::SegmentMemory;
     let (len, memory) = core.allocation_memory(ptr)?;
     let segment = match memory {
         AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
-        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
-            chunks: pages
-                .into_iter()
-                .map(|(ptr, size, handle)| VmmChunk {
-                    ptr,
-                    size,
-                    handle,
-                    handle_offset: 0,
-                })
-                .collect(),
-        },
+        AllocationMemory::Pages(pages) => SegmentMemory::from_pages(pages),
     };
     Ok(DeviceRegion {
         device: core.device(),

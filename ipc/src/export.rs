@@ -89,6 +89,25 @@ pub enum SegmentMemory {
     },
 }
 
+impl SegmentMemory {
+    /// An expandable segment's mapped physical handles, in address order, as (where, bytes,
+    /// handle), each mapped whole at handle offset 0 (what
+    /// `gpualloc_devices::DeviceCore::allocation_memory` gives).
+    pub fn from_pages(pages: impl IntoIterator<Item = (DevicePtr, u64, PhysHandle)>) -> Self {
+        SegmentMemory::Vmm {
+            chunks: pages
+                .into_iter()
+                .map(|(ptr, size, handle)| VmmChunk {
+                    ptr,
+                    size,
+                    handle,
+                    handle_offset: 0,
+                })
+                .collect(),
+        }
+    }
+}
+
 /// One mapped piece of physical memory in the exporter's address space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VmmChunk {

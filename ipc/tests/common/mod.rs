@@ -104,21 +104,11 @@ pub fn region(
     ptr: gpualloc_runtime::DevicePtr,
 ) -> gpualloc_ipc::DeviceRegion {
     use gpualloc_devices::AllocationMemory;
-    use gpualloc_ipc::{SegmentMemory, VmmChunk};
+    use gpualloc_ipc::SegmentMemory;
     let (len, memory) = core.allocation_memory(ptr).expect("a live allocation");
     let segment = match memory {
         AllocationMemory::Segment { base } => SegmentMemory::Allocation { base },
-        AllocationMemory::Pages(pages) => SegmentMemory::Vmm {
-            chunks: pages
-                .into_iter()
-                .map(|(ptr, size, handle)| VmmChunk {
-                    ptr,
-                    size,
-                    handle,
-                    handle_offset: 0,
-                })
-                .collect(),
-        },
+        AllocationMemory::Pages(pages) => SegmentMemory::from_pages(pages),
     };
     gpualloc_ipc::DeviceRegion {
         device: core.device(),
