@@ -110,6 +110,46 @@ mod tests {
     }
 
     #[test]
+    fn allocation_memory_names_the_segment_base_or_the_pages() {
+        use crate::{AllocError, AllocationMemory};
+        let sim: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
+        let stream = sim.stream_create(DeviceId(0)).unwrap();
+        let config = AllocatorConfig::default().with_expandable_segments(false);
+        let mut plain = DeviceCore::new(sim.clone(), DeviceId(0), config).unwrap();
+        let first = plain.malloc(3 << 20, stream).unwrap();
+        let second = plain.malloc(1 << 20, stream).unwrap();
+        assert_eq!(
+            plain.allocation_memory(first.ptr),
+            Ok((3 << 20, AllocationMemory::Segment { base: first.ptr }))
+        );
+        // A block inside a segment: the segment's base, not its own address.
+        let (len, memory) = plain.allocation_memory(second.ptr).unwrap();
+        assert_eq!(len, 1 << 20);
+        let AllocationMemory::Segment { base } = memory else {
+            panic!("{memory:?}")
+        };
+        assert!(base.0 <= second.ptr.0);
+        let inner = DevicePtr(first.ptr.0 + 512);
+        assert_eq!(
+            plain.allocation_memory(inner),
+            Err(AllocError::UnknownPointer(inner))
+        );
+        let config = AllocatorConfig::default().with_expandable_segments(true);
+        let mut core = DeviceCore::new(sim, DeviceId(0), config).unwrap();
+        let a = core.malloc(3 << 20, stream).unwrap();
+        assert_eq!(
+            core.allocation_memory(a.ptr),
+            Ok((
+                3 << 20,
+                AllocationMemory::Pages(core.expandable_pages(a.ptr, a.size).unwrap())
+            ))
+        );
+        plain.free(first.ptr).unwrap();
+        plain.free(second.ptr).unwrap();
+        core.free(a.ptr).unwrap();
+    }
+
+    #[test]
     fn pages_are_whole_physical_handles() {
         const MIB: u64 = 1 << 20;
         let sim: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();
