@@ -382,7 +382,7 @@ impl Emu {
         }
         let why = if !self.sim.device_memory_covers(addr, n) {
             "work on memory that is not live device memory (freed, unmapped or never allocated)"
-        } else if self.check_access(addr, n, device).is_err() {
+        } else if !self.accessible(addr, n, device) {
             "work on a virtual-memory mapping without access for the device running it"
         } else {
             return Ok(());
@@ -507,9 +507,9 @@ impl Emu {
 
     /// Whether work of `device` may touch `[addr, addr + n)`: outside virtual-memory mappings
     /// always (ordinary allocations follow peer access, which the emulator does not limit);
-    /// inside, only where `cuMemSetAccess` named the device (`CUDA_ERROR_INVALID_VALUE`
-    /// otherwise; [`Emu::device_work`] turns that into the context's sticky fault).
-    pub(crate) fn check_access(&self, addr: u64, n: u64, device: DeviceId) -> Result<(), CUresult> {
+    /// inside, only where `cuMemSetAccess` named the device ([`Emu::device_work`] turns a
+    /// `false` into the context's sticky fault).
+    fn accessible(&self, addr: u64, n: u64, device: DeviceId) -> bool {
         let end = addr.saturating_add(n.max(1));
         let maps = lock(&self.vmm_access);
         let first = maps
@@ -517,13 +517,10 @@ impl Emu {
             .next_back()
             .map(|(s, _)| *s)
             .unwrap_or(addr);
-        for (start, (len, mask)) in maps.range(first..end) {
+        maps.range(first..end).all(|(start, (len, mask))| {
             let overlaps = *start < end && start + len > addr;
-            if overlaps && mask & (1u64 << device.0.min(63)) == 0 {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-        }
-        Ok(())
+            !overlaps || mask & (1u64 << device.0.min(63)) != 0
+        })
     }
 
     /// Counts an async copy whose host side `[p, p + n)` is not pinned for `device`'s context.

@@ -986,53 +986,39 @@ fn an_ipc_handle_opened_twice_is_closed_twice() {
 
 #[test]
 fn in_exclusive_process_mode_a_second_process_works_on_the_other_devices() {
-    if skipped_on_driver("exclusive-hold") {
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("gpualloc-emu-exclusive-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let shared = dir.to_str().unwrap().to_string();
-    let mut holder = child_command("exclusive-hold")
-        .env("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
-    read_until(&mut out, "READY");
-
-    run_child_with(
-        "exclusive-other",
-        &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],
-    );
-    drop(holder.stdin.take());
-    assert!(holder.wait().unwrap().success());
-    std::fs::remove_dir_all(&dir).ok();
+    with_exclusive_holder("exclusive", None, "exclusive-other");
 }
 
 /// Pinned host memory needs some context: with device 0 another process's in
 /// `EXCLUSIVE_PROCESS` mode, a process that holds none yet takes device 1's.
 #[test]
 fn pinned_memory_first_takes_a_device_this_process_can_have() {
+    with_exclusive_holder("excl0", Some("0"), "exclusive-host-first");
+}
+
+/// Runs scenario `role` while another process (`exclusive-hold`, holding device
+/// `hold_device`, or its default) holds devices in `EXCLUSIVE_PROCESS` mode; both share a
+/// lock folder named after `tag`.
+fn with_exclusive_holder(tag: &str, hold_device: Option<&str>, role: &str) {
     if skipped_on_driver("exclusive-hold") {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("gpualloc-emu-excl0-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("gpualloc-emu-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let shared = dir.to_str().unwrap().to_string();
-    let mut holder = child_command("exclusive-hold")
-        .env("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)
-        .env("HOLD_DEVICE", "0")
+    let mut holder = child_command("exclusive-hold");
+    holder.env("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared);
+    if let Some(d) = hold_device {
+        holder.env("HOLD_DEVICE", d);
+    }
+    let mut holder = holder
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
     read_until(&mut out, "READY");
-    run_child_with(
-        "exclusive-host-first",
-        &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)],
-    );
+    run_child_with(role, &[("GPUALLOC_EMU_EXCLUSIVE_PROCESS", &shared)]);
     drop(holder.stdin.take());
     assert!(holder.wait().unwrap().success());
     std::fs::remove_dir_all(&dir).ok();

@@ -8,7 +8,10 @@
 //!   current; an event is recorded only on a stream of its own device, and a launch goes only
 //!   to a stream of the current context;
 //! - an exporter's `cuMemFree` of an allocation another process has open through its IPC
-//!   handle (undefined behaviour on the driver) aborts the exporter.
+//!   handle (undefined behaviour on the driver) aborts the exporter;
+//! - `cuStreamDestroy` with work queued returns at once, the work still runs, and the handle
+//!   is gone (in a process of its own: the driver reuses a destroyed handle's value, which a
+//!   test on another thread could take at once).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -176,6 +179,37 @@ fn child(role: &str) {
             assert_eq!(cuMemsetD8Async(p0, 1, 16, s0), CUDA_SUCCESS);
             assert_eq!(cuMemFree_v2(p0), CUDA_SUCCESS);
         }
+        // Docs of `cuStreamDestroy`: with work still queued "the function will return
+        // immediately and the resources associated with hStream will be released
+        // automatically once the device has completed all work in hStream".
+        "destroy" => {
+            static RAN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            unsafe extern "C" fn mark(_: *mut std::ffi::c_void) {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                RAN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            bind();
+            let s = common::stream_with(CU_STREAM_NON_BLOCKING);
+            assert_eq!(cuLaunchHostFunc(s, Some(mark), null.cast()), CUDA_SUCCESS);
+            let t = std::time::Instant::now();
+            assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+            assert!(
+                t.elapsed() < std::time::Duration::from_millis(150),
+                "cuStreamDestroy waited for the stream's work"
+            );
+            assert_eq!(cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE, "gone");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while RAN.load(std::sync::atomic::Ordering::SeqCst) == 0
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            assert_eq!(
+                RAN.load(std::sync::atomic::Ordering::SeqCst),
+                1,
+                "the queued work still ran"
+            );
+        }
         // Exports an allocation to an importer (a child of this process), which opens it
         // and says so; then frees it while the importer has it open, or once it closed it
         // when `GPUALLOC_EMU_TEST_CLOSE_FIRST` is set.
@@ -279,6 +313,11 @@ fn work_on_an_unmapped_range_is_a_sticky_fault() {
 #[test]
 fn work_on_a_mapping_without_access_is_a_sticky_fault() {
     passes("no-access");
+}
+
+#[test]
+fn destroying_a_stream_with_pending_work_returns_at_once_and_lets_it_complete() {
+    passes("destroy");
 }
 
 #[test]

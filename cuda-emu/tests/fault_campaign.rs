@@ -247,7 +247,7 @@ fn campaign_child() {
     rt.shutdown_timeout(Duration::from_secs(5));
     let baseline = if warm { Held::settled(&backend) } else { None };
     let rt = runtime();
-    for (index, (_, config, pools)) in configs().into_iter().enumerate() {
+    for (index, (name, config, pools)) in configs().into_iter().enumerate() {
         let r = rt.block_on(async {
             tokio::time::timeout(
                 BOUND / 5,
@@ -262,7 +262,7 @@ fn campaign_child() {
                 lost |= e.is_device_lost();
             }
             Err(_) => {
-                println!("HANG in the workload");
+                println!("HANG in the workload ({name})");
                 std::process::exit(11);
             }
         }

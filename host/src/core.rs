@@ -497,7 +497,12 @@ impl HostCore {
     fn alloc_segment(&mut self, bytes: u64) -> Result<(u64, Origin)> {
         let t0 = self.clock.now();
         let got = if self.config.pinned_use_cuda_host_register {
-            self.alloc_registered(bytes)?
+            alloc_registered(
+                self.backend.as_ref(),
+                bytes,
+                bytes,
+                self.config.pinned_num_register_threads,
+            )?
         } else {
             (self.backend.host_alloc(bytes)? as u64, Origin::HostAlloc)
         };
@@ -510,26 +515,6 @@ impl HostCore {
             "pinned segment allocated"
         );
         Ok(got)
-    }
-
-    /// The register path: map, prefault on N threads, register.
-    fn alloc_registered(&self, bytes: u64) -> Result<(u64, Origin)> {
-        let len = usize::try_from(bytes).map_err(|_| HostError::TooLarge { requested: bytes })?;
-        let mut mapping = PageMapping::new(len)?;
-        prefault(
-            mapping.as_mut_slice(),
-            self.config.pinned_num_register_threads,
-        );
-        // SAFETY: the mapping is the segment's own (`Origin::Registered`): it is unregistered
-        // in `release_memory` before it is dropped.
-        unsafe {
-            self.backend.host_register(
-                mapping.as_ptr(),
-                mapping.len() as u64,
-                HostRegisterFlags::default(),
-            )
-        }?;
-        Ok((mapping.addr(), Origin::Registered(mapping)))
     }
 
     /// Allocates the reserve segment on first need, if configured.
@@ -675,6 +660,30 @@ impl Drop for HostCore {
             );
         }
     }
+}
+
+/// The register path of a new segment: map `bytes`, prefault them on `threads` threads, and
+/// register them (`requested`: what the user asked for, named in a too-large error). Shared by
+/// `HostCore::alloc_segment` and the split malloc's `FreshRequest::allocate`.
+fn alloc_registered(
+    backend: &dyn Backend,
+    bytes: u64,
+    requested: u64,
+    threads: usize,
+) -> Result<(u64, Origin)> {
+    let len = usize::try_from(bytes).map_err(|_| HostError::TooLarge { requested })?;
+    let mut mapping = PageMapping::new(len)?;
+    prefault(mapping.as_mut_slice(), threads);
+    // SAFETY: the mapping is the segment's own (`Origin::Registered`): it is unregistered in
+    // `release_memory` before it is dropped.
+    unsafe {
+        backend.host_register(
+            mapping.as_ptr(),
+            mapping.len() as u64,
+            HostRegisterFlags::default(),
+        )
+    }?;
+    Ok((mapping.addr(), Origin::Registered(mapping)))
 }
 
 /// The backend half of releasing memory from `HostCore::alloc_segment`, timed into

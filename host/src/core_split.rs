@@ -14,13 +14,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc_runtime::{Backend, HostRegisterFlags};
+use gpualloc_runtime::Backend;
 
 use crate::clock::Clock;
 use crate::core::{HostCore, Origin};
-use crate::error::{HostError, Result};
-use crate::mapping::PageMapping;
-use crate::prefault::prefault;
+use crate::error::Result;
 use crate::HostBlock;
 
 /// What [`HostCore::lookup_miss`] found.
@@ -79,21 +77,7 @@ impl FreshRequest {
                 Origin::HostAlloc,
             ),
             Some(threads) => {
-                let len = usize::try_from(self.bytes).map_err(|_| HostError::TooLarge {
-                    requested: self.requested,
-                })?;
-                let mut mapping = PageMapping::new(len)?;
-                prefault(mapping.as_mut_slice(), threads);
-                // SAFETY: the mapping is the segment's own: it is unregistered before it
-                // is dropped (`release_memory`).
-                unsafe {
-                    self.backend.host_register(
-                        mapping.as_ptr(),
-                        mapping.len() as u64,
-                        HostRegisterFlags::default(),
-                    )
-                }?;
-                (mapping.addr(), Origin::Registered(mapping))
+                super::alloc_registered(self.backend.as_ref(), self.bytes, self.requested, threads)?
             }
         };
         Ok(FreshMemory {
@@ -162,6 +146,8 @@ mod tests {
     use super::*;
     use crate::{HostConfig, HostPtr, ManualClock};
     use gpualloc_runtime::accounting::AccountingBackend;
+
+    use crate::HostError;
 
     const MIB: u64 = 1 << 20;
 
