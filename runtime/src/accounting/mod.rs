@@ -15,9 +15,12 @@
 //! non-overlapping ranges (which count against the same capacity) and `host_unregister` removes
 //! them. IPC is not modelled: those calls return `NotSupported`.
 
+mod address_space;
+
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 
+use self::address_space::AddressSpace;
 use crate::backend::Backend;
 use crate::error::{BackendError, Result};
 use crate::sync::{lock, Mutex};
@@ -65,10 +68,10 @@ pub struct AccountingCounts {
     pub host_unregisters: u64,
 }
 
-#[derive(Default)]
 struct HostState {
-    /// Live `host_alloc` allocations: start → size (rounded to [`HOST_PAGE`]).
-    allocs: BTreeMap<u64, u64>,
+    /// Live `host_alloc` allocations: start → size (rounded to [`HOST_PAGE`]), in the host
+    /// window.
+    allocs: AddressSpace,
     /// Registered ranges: start → length.
     registered: BTreeMap<u64, u64>,
     /// Bytes of `allocs` plus `registered`.
@@ -84,27 +87,43 @@ impl HostState {
 
     /// Lowest [`HOST_PAGE`]-aligned gap of `size` bytes in the host window.
     fn find_gap(&self, size: u64) -> Option<u64> {
-        let mut cursor = HOST_BASE;
-        for (&s, &len) in &self.allocs {
-            if s >= cursor + size {
-                break;
-            }
-            cursor = cursor.max(s + len);
-        }
-        (cursor + size <= HOST_BASE + HOST_WINDOW).then_some(cursor)
+        self.allocs.find(size, HOST_PAGE, false)
     }
 }
 
-#[derive(Default)]
+impl Default for HostState {
+    fn default() -> Self {
+        HostState {
+            allocs: AddressSpace::new(HOST_BASE, HOST_BASE + HOST_WINDOW),
+            registered: BTreeMap::new(),
+            used: 0,
+        }
+    }
+}
+
 struct DeviceState {
-    /// Live allocations and reservations: start → size.
-    ranges: BTreeMap<u64, u64>,
+    /// Live allocations and reservations: start → size, and the gaps of the device's window.
+    ranges: AddressSpace,
     /// Which of `ranges` are reservations (va_reserve) rather than malloc'd memory.
     reservations: BTreeMap<u64, u64>,
     /// Mapped ranges inside reservations: start → (size, phys raw).
     mapped: BTreeMap<u64, (u64, u64)>,
     used: u64,
     place_next: Option<u64>,
+}
+
+impl DeviceState {
+    /// Device `index`, with its own address window.
+    fn new(index: u32) -> Self {
+        let lo = BASE + u64::from(index) * WINDOW;
+        DeviceState {
+            ranges: AddressSpace::new(lo, lo + WINDOW),
+            reservations: BTreeMap::new(),
+            mapped: BTreeMap::new(),
+            used: 0,
+            place_next: None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -137,7 +156,7 @@ impl AccountingBackend {
     /// `devices` devices of `capacity` bytes each; events complete as soon as recorded.
     pub fn new(devices: u32, capacity: u64) -> Self {
         let state = State {
-            devices: (0..devices).map(|_| DeviceState::default()).collect(),
+            devices: (0..devices).map(DeviceState::new).collect(),
             next_id: 1,
             ..State::default()
         };
@@ -310,48 +329,18 @@ impl AccountingBackend {
     /// when `highest_first`), or `want` if free.
     fn find_gap(
         dev: &DeviceState,
-        index: u32,
         size: u64,
         want: Option<u64>,
         align: u64,
         highest_first: bool,
     ) -> Option<u64> {
-        let lo = BASE + u64::from(index) * WINDOW;
-        let hi = lo + WINDOW;
-        let free_at = |start: u64| {
-            let overlaps_before = dev
-                .ranges
-                .range(..start.saturating_add(size))
-                .next_back()
-                .is_some_and(|(s, len)| s + len > start);
-            !overlaps_before
-        };
         if let Some(addr) = want {
-            if addr % 512 == 0 && addr.checked_add(size).is_some() && free_at(addr) {
+            if addr % 512 == 0 && addr.checked_add(size).is_some() && dev.ranges.is_free(addr, size)
+            {
                 return Some(addr);
             }
         }
-        if highest_first {
-            // The highest aligned start below each range, walking down from the window's top.
-            let mut top = hi;
-            for (&s, &len) in dev.ranges.range(lo..hi).rev() {
-                let start = top.checked_sub(size)? / align * align;
-                if start >= s + len {
-                    return (start >= lo).then_some(start);
-                }
-                top = top.min(s);
-            }
-            let start = top.checked_sub(size)? / align * align;
-            return (start >= lo).then_some(start);
-        }
-        let mut cursor = lo.next_multiple_of(align);
-        for (&s, &len) in dev.ranges.range(lo..hi) {
-            if s >= cursor + size {
-                break;
-            }
-            cursor = cursor.max((s + len).next_multiple_of(align));
-        }
-        (cursor + size <= hi).then_some(cursor)
+        dev.ranges.find(size, align, highest_first)
     }
 
     fn new_id(state: &mut State) -> u64 {
@@ -405,10 +394,12 @@ impl Backend for AccountingBackend {
                 what: device.to_string(),
             });
         }
-        let addr = Self::find_gap(dev, device.0, size, want, ALIGNMENT, self.highest_first)
-            .ok_or_else(|| BackendError::OutOfMemory {
-                requested: size,
-                what: device.to_string(),
+        let addr =
+            Self::find_gap(dev, size, want, ALIGNMENT, self.highest_first).ok_or_else(|| {
+                BackendError::OutOfMemory {
+                    requested: size,
+                    what: device.to_string(),
+                }
             })?;
         dev.ranges.insert(addr, size);
         dev.used += rounded;
@@ -426,7 +417,7 @@ impl Backend for AccountingBackend {
         }
         let size = dev
             .ranges
-            .remove(&ptr.0)
+            .remove(ptr.0)
             .ok_or_else(|| BackendError::invalid(format!("free of unknown pointer {ptr}")))?;
         dev.used -= Self::check_size(size)?;
         state.counts.frees += 1;
@@ -609,13 +600,16 @@ impl Backend for AccountingBackend {
         let want = dev.place_next.take();
         let addr = Self::find_gap(
             dev,
-            device.0,
             rounded,
             want,
             alignment.max(ALIGNMENT),
             self.highest_first,
         )
-        .ok_or_else(|| BackendError::invalid("address space exhausted"))?;
+        .ok_or_else(|| {
+            BackendError::invalid(format!(
+                "address space exhausted: {rounded} bytes aligned to {alignment}, want {want:?}"
+            ))
+        })?;
         dev.ranges.insert(addr, rounded);
         dev.reservations.insert(addr, rounded);
         Ok(DevicePtr(addr))
@@ -638,7 +632,7 @@ impl Backend for AccountingBackend {
             )));
         }
         dev.reservations.remove(&ptr.0);
-        dev.ranges.remove(&ptr.0);
+        dev.ranges.remove(ptr.0);
         Ok(())
     }
 
@@ -788,7 +782,7 @@ impl AccountingBackend {
     /// [`Backend::host_free`], safe here (no memory is touched).
     pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
         let mut state = lock(&self.state);
-        let size = state.host.allocs.remove(&(ptr as u64)).ok_or_else(|| {
+        let size = state.host.allocs.remove(ptr as u64).ok_or_else(|| {
             BackendError::invalid(format!("host_free of unknown pointer {ptr:?}"))
         })?;
         state.host.used -= size;
@@ -809,7 +803,7 @@ impl AccountingBackend {
         }
         let mut state = lock(&self.state);
         if HostState::overlaps(&state.host.registered, start, len)
-            || HostState::overlaps(&state.host.allocs, start, len)
+            || HostState::overlaps(state.host.allocs.ranges(), start, len)
         {
             return Err(BackendError::invalid(format!(
                 "host_register of {len} bytes at {ptr:?} overlaps pinned memory"
