@@ -83,6 +83,9 @@ pub use gpualloc_devices::{
 };
 pub use gpualloc_host as host;
 pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
+/// Registering host memory the user already has with the backend (deduplicated,
+/// reference-counted, async on tokio's blocking pool): the `gpualloc-host-register` crate.
+pub use gpualloc_host_register as host_register;
 pub use gpualloc_ipc as ipc;
 pub use gpualloc_runtime as runtime;
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};

@@ -14,8 +14,9 @@
 //!   (the only `unsafe` code is in `mapping`).
 //! - [`addr_map`]: the block table's cheap address hasher.
 //! - [`stats`]: [`HostStats`] with PyTorch's host keys; [`clock`]: [`Clock`]; [`error`].
-//! - [`register`]: registering memory the user already has ([`HostRegistry`],
-//!   [`AsyncRegistry`]): interval cache, async registration, coherence, fork.
+//!
+//! Registering memory the user already has (`cuMemHostRegister` of a `Vec` or a mapped file)
+//! is a concept of its own, in the crate `gpualloc-host-register`.
 
 pub use gpualloc_runtime::addr_map;
 pub mod clock;
@@ -25,7 +26,6 @@ pub mod error;
 pub mod free_list;
 pub mod mapping;
 pub mod prefault;
-pub mod register;
 pub mod reserve;
 pub mod size_class;
 pub mod stats;
@@ -35,9 +35,6 @@ pub use config::{ConfigError, HostConfig};
 pub use core::HostCore;
 pub use error::{HostError, Result};
 pub use prefault::prefault;
-pub use register::{
-    AsyncRegistry, CoherenceGuard, HostRegistry, RegisterError, RegistrationId, RegistrationInfo,
-};
 pub use stats::{DurationStat, HostStats, Stat};
 
 use std::fmt;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
-use gpualloc_host::register::{HostRegistry, RegisterError};
+use gpualloc_host_register::{HostRegistry, RegisterError};
 use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
 

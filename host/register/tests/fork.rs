@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
-use gpualloc_host::register::{HostRegistry, RegisterError};
+use gpualloc_host_register::{HostRegistry, RegisterError};
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, HostRegisterFlags};
 

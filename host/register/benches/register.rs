@@ -12,13 +12,13 @@
 //! Prints p50/p99 per mode and the p99 ratio (the seed, §3.2, reports about 4x lower tail
 //! latency). The sim reads `/proc/self/maps` in every `host_register` (CPU work that does not
 //! parallelize on a small, busy machine), so the numbers depend on the core count.
-//! `cargo bench -p gpualloc-host --bench register`; under `cargo test` it runs one round.
+//! `cargo bench -p gpualloc-host-register --bench register`; under `cargo test` it runs one round.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpualloc_host::mapping::PageMapping;
-use gpualloc_host::register::{AsyncOptions, AsyncRegistry, RegistrationMode};
+use gpualloc_host_register::{AsyncOptions, AsyncRegistry, RegistrationMode};
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, HostRegisterFlags};
 

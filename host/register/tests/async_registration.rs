@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpualloc_host::mapping::{page_size, PageMapping};
-use gpualloc_host::register::{AsyncRegistry, RegisterError, RegistrationMode};
+use gpualloc_host_register::{AsyncRegistry, RegisterError, RegistrationMode};
 use gpualloc_runtime::sim::{Fault, LatencyModel, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
 

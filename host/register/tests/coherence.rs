@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
-use gpualloc_host::register::{CoherenceGuard, HostRegistry};
+use gpualloc_host_register::{CoherenceGuard, HostRegistry};
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, HostRegisterFlags, Stream};
 

@@ -58,7 +58,7 @@ pub enum RegisterError {
     #[error("{0} is not a live registration (released twice, or its registration failed)")]
     UnknownRegistration(RegistrationId),
     /// The registry was created in another process: this is a `fork()`ed child, where no
-    /// registration of the parent exists at the backend. See [`crate::register::fork`].
+    /// registration of the parent exists at the backend. See [`crate::fork`].
     #[error(
         "registry created in process {parent} used in forked child {child}; call reset_after_fork"
     )]

@@ -49,7 +49,7 @@ impl HostRegistry {
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         HostRegistry {
             backend,
-            cache: IntervalCache::new(crate::mapping::page_size() as u64),
+            cache: IntervalCache::new(crate::page_size()),
             process: ProcessGuard::new(),
             slow_threshold: DEFAULT_SLOW_THRESHOLD,
             stats: RegistryStats::default(),

@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
-use gpualloc_host::register::{HostRegistry, RegistrationId};
+use gpualloc_host_register::{HostRegistry, RegistrationId};
 use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, HostRegisterFlags, Stream};
 

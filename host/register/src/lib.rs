@@ -1,18 +1,23 @@
 //! Registering host memory the user already has (a big `Vec`, an mmapped model file) with
-//! the backend (`cuMemHostRegister` on CUDA), after ROCm's SVM lessons (seed
-//! `rocm-svm-notes`).
+//! the backend (`cuMemHostRegister` on CUDA), after ROCm's shared-virtual-memory lessons: a
+//! concept of its own, apart from the pinned-host caching allocator (`gpualloc-host`), which
+//! allocates the memory it pins itself.
+//!
+//! Feature `async` (on by default) adds [`AsyncRegistry`], on tokio's blocking pool; without
+//! it the crate needs no async runtime.
 //!
 //! - [`interval_cache`]: [`IntervalCache`], the pure interval cache (§3.1): dedup, reference
 //!   counts per backend range, only missing parts registered, never split.
 //! - [`registry`]: [`HostRegistry`], the synchronous registry over a `Backend`.
-//! - [`async_registry`]: [`AsyncRegistry`], backend calls on tokio's blocking pool, shared
-//!   completions for concurrent registrations of one range (§3.2).
+//! - `async_registry` (feature `async`): `AsyncRegistry`, backend calls on tokio's blocking
+//!   pool, shared completions for concurrent registrations of one range (§3.2).
 //! - [`coherence`]: [`CoherenceGuard`], CPU/device ordering at hand-overs (§3.3).
 //! - [`fork`]: registrations do not survive `fork()` (§2.3): detection and the typed error.
 //! - [`exec`]: the backend calls (retry once, failure classification, slow-call log with the
 //!   number of OS mappings crossed, §2.1); [`maps`]: `/proc/self/maps`.
 //! - [`stats`]: [`RegistryStats`]; [`error`]: [`RegisterError`].
 
+#[cfg(feature = "async")]
 pub mod async_registry;
 pub mod coherence;
 pub mod error;
@@ -23,6 +28,7 @@ pub use gpualloc_runtime::procmaps as maps;
 pub mod registry;
 pub mod stats;
 
+#[cfg(feature = "async")]
 pub use async_registry::{
     AsyncOptions, AsyncRegistry, PendingRegistration, PendingRelease, RegistrationMode,
 };
@@ -32,19 +38,28 @@ pub use interval_cache::{BackendRange, IntervalCache, RegistrationId, Registrati
 pub use registry::HostRegistry;
 pub use stats::{RegistryStats, SlowRegistration};
 
+/// The OS page size: the unit the registry rounds ranges to.
+pub fn page_size() -> u64 {
+    rustix::param::page_size() as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn send_sync<T: Send + Sync>() {}
+    #[cfg(feature = "async")]
     fn send<T: Send>() {}
 
     #[test]
     fn handles_cross_threads() {
         send_sync::<HostRegistry>();
-        send_sync::<AsyncRegistry>();
         send_sync::<CoherenceGuard>();
-        send::<PendingRegistration>();
-        send::<PendingRelease>();
+        #[cfg(feature = "async")]
+        {
+            send_sync::<AsyncRegistry>();
+            send::<PendingRegistration>();
+            send::<PendingRelease>();
+        }
     }
 }

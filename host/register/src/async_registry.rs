@@ -219,7 +219,7 @@ impl AsyncRegistry {
                 slow_threshold: options.slow_threshold,
                 process: ProcessGuard::new(),
                 state: Mutex::new(State {
-                    cache: IntervalCache::new(crate::mapping::page_size() as u64),
+                    cache: IntervalCache::new(crate::page_size()),
                     pending: HashMap::new(),
                     unregistering: BTreeMap::new(),
                     stats: RegistryStats::default(),
