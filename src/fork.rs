@@ -2,9 +2,9 @@
 //! forked child gets [`Error::Forked`](crate::Error::Forked) instead of touching device
 //! state and threads that did not survive the fork (which could hang).
 //!
-//! The check itself costs one memory load (see `gpualloc_runtime::actor::fork`).
+//! The check itself costs one memory load (see `gpualloc_actor::fork`).
 
-use gpualloc_runtime::actor::ForkGuard;
+use gpualloc_actor::ForkGuard;
 
 use crate::error::Error;
 

@@ -25,7 +25,7 @@
 //!   `DevicePtrMut<u8>` and a kernel argument; `Stream` to and from `Arc<CudaStream>`).
 //!
 //! How it works: each device's caching core sits behind a flat-combining mailbox
-//! (`gpualloc_runtime::actor`). A cache hit takes the mailbox's gate and runs inline on the
+//! (`gpualloc_actor`). A cache hit takes the mailbox's gate and runs inline on the
 //! caller's thread (no channel, no wake-up); when the gate is busy the request is queued
 //! and run by the holder. In front of that, each thread parks a few blocks it freed and
 //! hands them straight back to its next request of the same size on the same stream,

@@ -9,7 +9,7 @@ pub struct MallocOptions {
     /// other buffers to be freed instead of failing at once. Waiters are served first come,
     /// first served, except that a later waiter that fits may overtake a head that does not
     /// (at most `MAX_OVERTAKES` = 8 times per head, then memory waits for the head alone:
-    /// `gpualloc::runtime::actor::waiters`). A request larger than the device (or its
+    /// `gpualloc_actor::waiters`). A request larger than the device (or its
     /// `per_process_memory_fraction` cap) fails at once: no free can make room for it. A
     /// cancelled waiter leaves the queue cleanly; on timeout the result is the same
     /// out-of-memory error as without waiting. `None` (the default): fail at once.

@@ -10,8 +10,8 @@ mod common;
 use common::{until_waiting, MIB};
 use gpualloc::devices::TraceAction;
 use gpualloc::runtime::accounting::AccountingBackend;
-use gpualloc::runtime::actor::waiters::MAX_OVERTAKES;
 use gpualloc::{Allocator, DeviceBuffer, DeviceId, Error, HistoryOptions, MallocOptions, Stream};
+use gpualloc_actor::waiters::MAX_OVERTAKES;
 use tokio::task::JoinHandle;
 
 const LONG: Duration = Duration::from_secs(20);

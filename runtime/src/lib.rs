@@ -12,7 +12,6 @@
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
 pub mod accounting;
-pub mod actor;
 pub mod addr_map;
 pub mod backend;
 pub mod completion;

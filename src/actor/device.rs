@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc_actor::mailbox::Call;
+use gpualloc_actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_devices::{
     AllocError, Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot,
     DeviceStats, MemPoolId, SegmentRequest,
 };
-use gpualloc_runtime::actor::mailbox::Call;
-use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
 
 use crate::actor::landing::{CancelOnDrop, Landing};

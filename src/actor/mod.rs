@@ -1,6 +1,6 @@
 //! The per-device actor: one [`DeviceActor`] per GPU owns that device's
 //! [`DeviceCore`](gpualloc_devices::DeviceCore) behind a flat-combining
-//! [`Mailbox`](gpualloc_runtime::actor::Mailbox).
+//! [`Mailbox`](gpualloc_actor::Mailbox).
 //!
 //! - `state`: the guarded state and its messages (Malloc/RecordStream/EmptyCache/Stats/
 //!   Snapshot/Shutdown run as jobs; Free and RecordStream are plain messages so a buffer's

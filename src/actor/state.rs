@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
+use gpualloc_actor::mailbox::{Actor, Job};
+use gpualloc_actor::{ReaperArm, Waiters};
 use gpualloc_devices::{DeviceCore, RoundTrips};
-use gpualloc_runtime::actor::mailbox::{Actor, Job};
-use gpualloc_runtime::actor::{ReaperArm, Waiters};
 use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;

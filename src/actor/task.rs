@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc_runtime::actor::{Actor, Mailbox, ReaperArm, Shutdown};
+use gpualloc_actor::{Actor, Mailbox, ReaperArm, Shutdown};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 

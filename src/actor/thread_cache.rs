@@ -51,8 +51,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arrayvec::ArrayVec;
+use gpualloc_actor::thread_slots::{thread_index, SlotState, ThreadSlots, MAX_SLOTS};
 use gpualloc_devices::{Allocation, Frames, RoundTrips, TraceAction, TraceEntry};
-use gpualloc_runtime::actor::thread_slots::{thread_index, SlotState, ThreadSlots, MAX_SLOTS};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 /// Blocks one thread keeps parked at most.

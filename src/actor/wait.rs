@@ -4,8 +4,8 @@
 //! can make room for it. A waiter woken by a free that still does not fit passes the memory
 //! on to the waiters behind it, so a large head does not block smaller requests that fit;
 //! the head is overtaken at most `MAX_OVERTAKES` times, then memory waits for it alone
-//! (`gpualloc_runtime::actor::waiters`).
-//! The queue itself is `gpualloc_runtime::actor::Waiters`; frees and released caches wake
+//! (`gpualloc_actor::waiters`).
+//! The queue itself is `gpualloc_actor::Waiters`; frees and released caches wake
 //! its head (`state.rs`, `slow.rs`).
 
 use std::sync::Arc;

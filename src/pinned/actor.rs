@@ -12,11 +12,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use gpualloc_actor::mailbox::Call;
+use gpualloc_actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_devices::AllocError;
 use gpualloc_host::core::split::Lookup;
 use gpualloc_host::{HostBlock, HostCore, HostStats};
-use gpualloc_runtime::actor::mailbox::Call;
-use gpualloc_runtime::actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_runtime::Backend;
 
 use crate::error::Error;

@@ -1,6 +1,6 @@
 //! The pinned-host side of the facade: one [`HostActor`] owns the
 //! [`HostCore`](gpualloc_host::HostCore) behind the same flat-combining
-//! [`Mailbox`](gpualloc_runtime::actor::Mailbox) the device actors use, and
+//! [`Mailbox`](gpualloc_actor::Mailbox) the device actors use, and
 //! [`Allocator::host`](crate::Allocator::host) hands out a cheap [`HostAllocator`] handle.
 //!
 //! - `state`: the guarded state and its messages (Free and RecordStream are plain messages, so

@@ -3,9 +3,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use gpualloc_actor::mailbox::{Actor, Job};
+use gpualloc_actor::ReaperArm;
 use gpualloc_host::{HostCore, HostPtr};
-use gpualloc_runtime::actor::mailbox::{Actor, Job};
-use gpualloc_runtime::actor::ReaperArm;
 use gpualloc_runtime::Stream;
 
 /// Signals shared between the guarded state and the actor's users.

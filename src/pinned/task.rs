@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_runtime::actor::{Mailbox, ReaperArm, Shutdown};
+use gpualloc_actor::{Mailbox, ReaperArm, Shutdown};
 
 use crate::actor::ActorParts;
 use crate::pinned::actor::HostActor;

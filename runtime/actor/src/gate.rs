@@ -11,7 +11,7 @@
 //! pairs a gate store with a load of another flag (a store-buffer pattern), and on x86 the
 //! read-modify-writes cost the same either way.
 
-use crate::sync::atomic::{AtomicUsize, Ordering};
+use gpualloc_runtime::sync::atomic::{AtomicUsize, Ordering};
 
 const LOCKED: usize = 1;
 const PENDING: usize = 2;

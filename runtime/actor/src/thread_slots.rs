@@ -22,8 +22,8 @@
 //! slot either that visit sees the owner's update or the owner's later read sees the flag.
 //! No fence is needed on the owners' path (`tests/loom_thread_slots.rs` checks both).
 
-use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::{lock, Mutex};
+use gpualloc_runtime::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use gpualloc_runtime::sync::{lock, Mutex};
 
 /// Most slots a [`ThreadSlots`] can have (one bit each in the dirty word).
 pub const MAX_SLOTS: usize = 64;

@@ -7,8 +7,8 @@
 
 #![cfg(loom)]
 
-use gpualloc_runtime::actor::mailbox::{Actor, Call, Job};
-use gpualloc_runtime::actor::{Mailbox, ReaperArm, Shutdown, Waiters};
+use gpualloc_actor::mailbox::{Actor, Call, Job};
+use gpualloc_actor::{Mailbox, ReaperArm, Shutdown, Waiters};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use futures::future::{select, Either};
 
-use crate::actor::notify::Notify;
-use crate::actor::shutdown::Shutdown;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::notify::Notify;
+use crate::shutdown::Shutdown;
+use gpualloc_runtime::sync::atomic::{AtomicBool, Ordering};
 
 /// The reaper's wake-up flag. See the module docs.
 #[derive(Debug, Default)]

@@ -6,7 +6,7 @@
 //! on the gate, which hands it to the current holder (who drains before releasing) or, if
 //! the holder released in between, back to the poster, who then drains itself.
 
-use crate::actor::mailbox::{Actor, Mailbox};
+use crate::mailbox::{Actor, Mailbox};
 
 impl<S: Actor> Mailbox<S> {
     /// Delivers `msg`; never waits for the gate. See the module docs.

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use crate::sync::{lock, Arc, Mutex};
+use gpualloc_runtime::sync::{lock, Arc, Mutex};
 
 enum Slot<T> {
     Waiting(Option<Waker>),

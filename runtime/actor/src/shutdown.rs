@@ -5,8 +5,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use crate::sync::atomic::{AtomicBool, Ordering};
-use crate::sync::{lock, Mutex};
+use gpualloc_runtime::sync::atomic::{AtomicBool, Ordering};
+use gpualloc_runtime::sync::{lock, Mutex};
 
 /// The shutdown signal. See the module docs.
 #[derive(Default)]

@@ -7,7 +7,7 @@
 
 #![cfg(loom)]
 
-use gpualloc_runtime::actor::{SlotState, ThreadSlots, Waiters};
+use gpualloc_actor::{SlotState, ThreadSlots, Waiters};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;

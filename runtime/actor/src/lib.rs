@@ -1,5 +1,5 @@
 //! Actor plumbing shared by the device and host actors: small pieces, each on its own, all
-//! built on [`crate::sync`] so loom can model-check them (`tests/loom_actor.rs`).
+//! built on [`gpualloc_runtime::sync`] so loom can model-check them (`tests/loom_actor.rs`).
 //!
 //! - [`gate`]: the one-word lock of a flat-combining cell (locked + work-pending bits).
 //! - [`mailbox`]: the flat-combining cell: a state behind the gate that callers run their own

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use crate::sync::{lock, Mutex};
+use gpualloc_runtime::sync::{lock, Mutex};
 
 #[derive(Default)]
 struct State {

@@ -3,7 +3,7 @@
 
 #![cfg(not(loom))]
 
-use gpualloc_runtime::actor::thread_slots::thread_index;
+use gpualloc_actor::thread_slots::thread_index;
 
 #[test]
 fn an_exited_threads_index_is_reused_by_the_next_thread() {

@@ -15,11 +15,11 @@
 //! a thread dropping a buffer): handlers must be quick and must never block. Slow work is
 //! done by the requester outside the gate.
 
-use crate::actor::gate::{Acquired, Gate};
-use crate::actor::notify::Notify;
-use crate::actor::reply::{reply_slot, ReplyFuture};
-use crate::sync::atomic::{AtomicBool, Ordering};
-use crate::sync::{lock, Mutex, MutexGuard};
+use crate::gate::{Acquired, Gate};
+use crate::notify::Notify;
+use crate::reply::{reply_slot, ReplyFuture};
+use gpualloc_runtime::sync::atomic::{AtomicBool, Ordering};
+use gpualloc_runtime::sync::{lock, Mutex, MutexGuard};
 
 #[cfg(not(loom))]
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -40,7 +40,7 @@ pub trait Actor: Send + 'static {
     fn job(job: Job<Self>) -> Self::Msg;
     /// Runs first whenever a thread takes the gate, before queued messages and the holder's
     /// own request: the place to fold in work done beside the state without the gate (e.g.
-    /// per-thread slots, [`crate::actor::ThreadSlots`]). Must be quick and must not block.
+    /// per-thread slots, [`crate::ThreadSlots`]). Must be quick and must not block.
     fn on_acquire(&mut self) {}
 }
 

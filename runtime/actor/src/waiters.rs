@@ -27,8 +27,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use crate::sync::atomic::{AtomicUsize, Ordering};
-use crate::sync::{lock, Mutex};
+use gpualloc_runtime::sync::atomic::{AtomicUsize, Ordering};
+use gpualloc_runtime::sync::{lock, Mutex};
 
 /// How many later waiters may be served while the head waits, before memory that comes back
 /// is offered to the head alone (see the module docs).
