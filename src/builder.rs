@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_host::{HostConfig, HostCore, HostError, MonotonicClock};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
 

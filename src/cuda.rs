@@ -181,7 +181,7 @@ unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut DeviceBuffer> for LaunchArgs<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpualloc_runtime::accounting::AccountingBackend;
+    use gpualloc_accounting::AccountingBackend;
 
     fn takes_cudarc_slices<T: CuDevicePtr<u8> + CuDevicePtrMut<u8>>() {}
 

@@ -87,6 +87,11 @@ pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 /// reference-counted, async on tokio's blocking pool): the `gpualloc-host-register` crate.
 pub use gpualloc_host_register as host_register;
 pub use gpualloc_ipc as ipc;
-pub use gpualloc_runtime as runtime;
+/// The GPU runtime layer: the `Backend` port, streams and events, the sim and CUDA backends
+/// (`gpualloc-runtime`), and the accounting backend (`gpualloc-accounting`).
+pub mod runtime {
+    pub use gpualloc_accounting as accounting;
+    pub use gpualloc_runtime::*;
+}
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};
 pub use gpualloc_trace as trace;

@@ -153,7 +153,7 @@ pub fn free_detached(
 mod tests {
     use std::sync::Arc;
 
-    use gpualloc_runtime::accounting::AccountingBackend;
+    use gpualloc_accounting::AccountingBackend;
     use gpualloc_runtime::Backend;
 
     use super::*;

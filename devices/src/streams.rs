@@ -30,7 +30,7 @@ impl DeviceCore {
 mod tests {
     use std::sync::Arc;
 
-    use gpualloc_runtime::accounting::AccountingBackend;
+    use gpualloc_accounting::AccountingBackend;
     use gpualloc_runtime::{Backend, DeviceId};
 
     use crate::config::AllocatorConfig;

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, CrossStreamFree, DeviceCore, CROSS_STREAM_LOG};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 

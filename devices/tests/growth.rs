@@ -7,11 +7,11 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     map_growth, release_reservation, AllocatorConfig, CachedOutcome, DeviceCore, Growth,
     GrowthPlan, SegmentRequest,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
 

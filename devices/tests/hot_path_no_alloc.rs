@@ -8,8 +8,8 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 struct Counting;

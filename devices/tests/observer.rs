@@ -4,11 +4,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocatorConfig, DeviceCore, HeldRanges,
     MemPoolId, PoolOptions, SegmentAction, SegmentEvent, SleepMode,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 

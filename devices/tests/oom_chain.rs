@@ -4,8 +4,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocError, AllocatorConfig, CachedOutcome, DeviceCore, TraceAction};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const MIB: u64 = 1 << 20;

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::orphans::ORPHAN_STREAM;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 

@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     map_growth, Allocation, AllocatorConfig, CachedOutcome, DeviceCore, Growth, Policy,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 

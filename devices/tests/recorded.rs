@@ -6,12 +6,12 @@ mod common;
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     release_slept_pages, wait_for_pool_streams, AllocError, CachedOutcome, DeviceCore,
     DeviceSnapshot, Growth, MemPoolId, PoolOptions, RestorePool, RestoredBlock, SleepMode,
     StatType, TraceAction,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const MIB: u64 = 1 << 20;

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore, DeviceStats, RoundTrips, StatType};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 
 fn core(config: AllocatorConfig) -> (DeviceCore, Stream) {

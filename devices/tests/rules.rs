@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, StatType};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const KIB: u64 = 1 << 10;

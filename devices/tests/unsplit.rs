@@ -3,11 +3,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Growth, PoolOptions, SegmentAction,
     SegmentEvent, SleepMode,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
 const MIB: u64 = 1 << 20;

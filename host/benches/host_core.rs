@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_host::mapping::PageMapping;
 use gpualloc_host::{prefault, HostConfig, HostCore, MonotonicClock};
-use gpualloc_runtime::accounting::AccountingBackend;
 
 fn cache_hit(c: &mut Criterion) {
     let backend = Arc::new(AccountingBackend::new(1, 1 << 30));

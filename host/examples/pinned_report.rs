@@ -10,9 +10,9 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_host::mapping::PageMapping;
 use gpualloc_host::{prefault, HostConfig, HostCore, ManualClock};
-use gpualloc_runtime::accounting::AccountingBackend;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;

@@ -145,7 +145,7 @@ impl HostCore {
 mod tests {
     use super::*;
     use crate::{HostConfig, HostPtr, ManualClock};
-    use gpualloc_runtime::accounting::AccountingBackend;
+    use gpualloc_accounting::AccountingBackend;
 
     use crate::HostError;
 

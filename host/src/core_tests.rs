@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 use super::*;

@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_host::{HostConfig, HostCore, HostError, HostPtr, ManualClock};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 use proptest::prelude::*;
 

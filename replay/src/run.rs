@@ -37,13 +37,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, Allocation, AllocatorConfig,
     DeviceCore, MemPoolId, Policy, PoolInfo, PoolOptions, PoolState, RestorePool, RestoredBlock,
     SleepMode,
 };
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 use gpualloc_trace::Action;

@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{memory_summary, AllocatorConfig, DeviceCore, RestorePool, RestoredBlock};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 use crate::input::{FinalSegment, Trace};

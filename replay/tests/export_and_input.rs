@@ -5,11 +5,11 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_replay::export::to_pickle;
 use gpualloc_replay::input::from_bytes;
 use gpualloc_replay::{replay, ReplayError, ReplayOptions};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 use gpualloc_trace::pickle::{opcodes_used, MEMORYVIZ_WHITELIST};
 use gpualloc_trace::{Action, Snapshot};

@@ -21,10 +21,10 @@ use std::sync::Arc;
 mod common;
 
 use common::all_traces;
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, Policy, TraceAction};
 use gpualloc_replay::analysis::{deferred_frees, live_at_start};
 use gpualloc_replay::{replay_core, ReplayOptions, Trace};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 use gpualloc_trace::Action;
 

@@ -3,15 +3,14 @@
 //! - [`Backend`]: every GPU-runtime operation the allocators need, object safe, typed errors.
 //! - [`sim`]: a simulated GPU made of real OS memory (memfd, mmap, worker-thread streams);
 //!   the embedded default, what every test and benchmark runs on.
-//! - [`accounting`]: a backend that only counts bytes and hands out addresses, for replaying
-//!   traces far larger than this machine's memory.
+//! - The accounting backend (addresses and byte counts only, for replays) is the crate
+//!   `gpualloc-accounting`; the actor plumbing is `gpualloc-actor`.
 //! - `cuda` (feature `cuda`): the same trait on cudarc's driver API.
 //! - [`Stream`], [`Event`] and [`Completion`]: RAII handles and futures that resolve when the
 //!   GPU has passed a point, woken by a backend host callback rather than polling.
 //!
 //! Concurrency primitives come from [`sync`], which is loom's under `cfg(loom)`.
 
-pub mod accounting;
 pub mod addr_map;
 pub mod backend;
 pub mod completion;

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore, PoolOptions};
-use gpualloc_runtime::accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
 /// A core on one accounting device of `capacity` bytes under config `conf`, its backend and a

@@ -2,7 +2,7 @@
 //! highest first with `highest_address_first` (a trace replay's model of a driver that hands
 //! out addresses downwards).
 
-use gpualloc_runtime::accounting::AccountingBackend;
+use gpualloc_accounting::AccountingBackend;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 
 const DEV: DeviceId = DeviceId(0);

@@ -21,13 +21,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 
 use self::address_space::AddressSpace;
-use crate::backend::Backend;
-use crate::error::{BackendError, Result};
-use crate::sync::{lock, Mutex};
-use crate::types::{
+use gpualloc_runtime::sync::{lock, Mutex};
+use gpualloc_runtime::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,
 };
+use gpualloc_runtime::Backend;
+use gpualloc_runtime::{BackendError, Result};
 
 /// Alignment of every device allocation and reservation (real drivers give at least this for
 /// large allocations; the allocator only relies on 512 B).
