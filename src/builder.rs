@@ -13,8 +13,8 @@ use std::time::Duration;
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_host::{HostConfig, HostCore, HostError, MonotonicClock};
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 use crate::actor::{spawn_actor_task, DeviceActor};
 use crate::allocator::Allocator;

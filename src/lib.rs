@@ -87,11 +87,13 @@ pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 /// reference-counted, async on tokio's blocking pool): the `gpualloc-host-register` crate.
 pub use gpualloc_host_register as host_register;
 pub use gpualloc_ipc as ipc;
-/// The GPU runtime layer: the `Backend` port, streams and events, the sim and CUDA backends
-/// (`gpualloc-runtime`), and the accounting backend (`gpualloc-accounting`).
+/// The GPU runtime layer: the `Backend` port, streams and events, the CUDA backend
+/// (`gpualloc-runtime`), the simulated GPU (`gpualloc-sim`) and the accounting backend
+/// (`gpualloc-accounting`), under the paths they always had.
 pub mod runtime {
     pub use gpualloc_accounting as accounting;
     pub use gpualloc_runtime::*;
+    pub use gpualloc_sim as sim;
 }
 pub use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, Event, Stream};
 pub use gpualloc_trace as trace;

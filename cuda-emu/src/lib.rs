@@ -7,7 +7,7 @@
 //! first on `LD_LIBRARY_PATH` (see [`emulator_dir`]), it is what cudarc's dynamic loading
 //! opens, so the real CUDA backend runs, unchanged, without a GPU. It is never built under
 //! the driver's name, so it cannot shadow a real driver by accident. Behind the symbols is
-//! gpualloc's simulated GPU (`gpualloc_runtime::sim`): memfd-backed device memory, real
+//! gpualloc's simulated GPU (`gpualloc_sim`): memfd-backed device memory, real
 //! virtual-memory reservations and mappings, worker-thread streams.
 //!
 //! It is strict where the driver documents a rule, because strictness is what finds bugs:

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use gpualloc_runtime::sim::{LatencyModel, SimBackend, SimConfig};
 use gpualloc_runtime::{DeviceId, EventHandle, PhysHandle, StreamHandle};
+use gpualloc_sim::{LatencyModel, SimBackend, SimConfig};
 
 use crate::abi::*;
 use crate::faults::Faults;

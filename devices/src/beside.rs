@@ -81,8 +81,8 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
-    use gpualloc_runtime::sim::{SimBackend, SimConfig};
     use gpualloc_runtime::{Backend, DeviceId};
+    use gpualloc_sim::{SimBackend, SimConfig};
 
     use crate::trace::{Frame, TraceAction, TraceEntry};
     use crate::{AllocatorConfig, DeviceCore};

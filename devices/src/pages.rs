@@ -83,8 +83,8 @@ impl DeviceCore {
 mod tests {
     use std::sync::Arc;
 
-    use gpualloc_runtime::sim::{SimBackend, SimConfig};
     use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+    use gpualloc_sim::{SimBackend, SimConfig};
 
     use crate::{AllocatorConfig, DeviceCore};
 

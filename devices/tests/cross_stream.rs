@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, CrossStreamFree, DeviceCore, CROSS_STREAM_LOG};
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 const D0: DeviceId = DeviceId(0);

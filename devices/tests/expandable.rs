@@ -129,12 +129,12 @@ fn a_map_that_fails_half_way_rolls_back() {
 fn sim_rig(
     devices: u32,
 ) -> (
-    Arc<gpualloc_runtime::sim::SimBackend>,
+    Arc<gpualloc_sim::SimBackend>,
     Arc<dyn Backend>,
     DeviceCore,
     StreamHandle,
 ) {
-    use gpualloc_runtime::sim::{SimBackend, SimConfig};
+    use gpualloc_sim::{SimBackend, SimConfig};
     let sim = SimBackend::new(SimConfig::fast(devices)).unwrap();
     let dynb: Arc<dyn Backend> = sim.clone();
     let s = dynb.stream_create(DeviceId(0)).unwrap();
@@ -149,8 +149,8 @@ fn sim_rig(
 
 #[test]
 fn a_failed_map_on_the_sim_rolls_back_too() {
-    use gpualloc_runtime::sim::{Fault, Op};
     use gpualloc_runtime::BackendError;
+    use gpualloc_sim::{Fault, Op};
     let (sim, dynb, mut core, s) = sim_rig(1);
     let oom = BackendError::OutOfMemory {
         requested: 20 * MIB,
@@ -315,7 +315,7 @@ fn max_split_size_limits_expandable_blocks_only_under_pytorch_policy() {
 #[test]
 fn a_peer_gets_access_to_mapped_and_later_pages() {
     use gpualloc_devices::{map_growth, Growth, SegmentRequest};
-    use gpualloc_runtime::sim::Op;
+    use gpualloc_sim::Op;
     let (sim, dynb, mut core, s) = sim_rig(4);
     let grants = || sim.counts().get(Op::SetAccess);
     // Two runs of mapped pages: two segments (two streams), 40 MiB each.

@@ -12,8 +12,8 @@ use gpualloc_devices::{
     map_growth, release_reservation, AllocatorConfig, CachedOutcome, DeviceCore, Growth,
     GrowthPlan, SegmentRequest,
 };
-use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
+use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 

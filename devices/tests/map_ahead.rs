@@ -301,8 +301,8 @@ fn the_small_pool_and_pytorch_policy_map_exactly_what_is_needed() {
 /// not (the first growth), in place and off the core.
 #[test]
 fn other_driver_errors_are_not_retried_without_the_pages_ahead() {
-    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
     use gpualloc_runtime::BackendError;
+    use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
     for (first, off_core) in [(0, false), (64 * MIB, false), (0, true), (64 * MIB, true)] {
         let simb = SimBackend::new(SimConfig::fast(1)).unwrap();
         let sim: Arc<dyn Backend> = simb.clone();

@@ -9,8 +9,8 @@ use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocatorConfig, DeviceCore, HeldRanges,
     MemPoolId, PoolOptions, SegmentAction, SegmentEvent, SleepMode,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore, TraceAction};
-use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
+use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 

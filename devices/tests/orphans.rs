@@ -7,8 +7,8 @@ use std::sync::Arc;
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::orphans::ORPHAN_STREAM;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 

@@ -9,8 +9,8 @@ use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     map_growth, Allocation, AllocatorConfig, CachedOutcome, DeviceCore, Growth, Policy,
 };
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;

@@ -10,8 +10,8 @@ use gpualloc_devices::{
     CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions, PoolState, SleepMode, SleepPlan,
     StatType,
 };
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;

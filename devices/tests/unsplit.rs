@@ -184,8 +184,8 @@ fn a_granularity_that_cannot_be_is_a_typed_error() {
 /// reported as one without virtual memory.
 #[test]
 fn a_device_that_cannot_answer_is_not_called_one_without_virtual_memory() {
-    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
     use gpualloc_runtime::{Backend, BackendError, DeviceId};
+    use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let config = gpualloc_devices::AllocatorConfig::parse("expandable_segments:True").unwrap();

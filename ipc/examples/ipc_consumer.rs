@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gpualloc_ipc::{ImportConn, PeerPolicy, Received};
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const DEV: DeviceId = DeviceId(0);
 

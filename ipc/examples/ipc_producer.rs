@@ -18,8 +18,8 @@ use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_ipc::{
     shm, AsyncExportConn, Backing, DeviceRegion, MapOptions, OnRelease, PeerPolicy, Returned,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const DEV: DeviceId = DeviceId(0);
 const DEV_LEN: usize = 4 << 20;

@@ -301,8 +301,8 @@ fn dup(fd: std::os::fd::BorrowedFd<'_>) -> Result<OwnedFd> {
 mod tests {
     use super::*;
     use crate::export::{OnRelease, SegmentMemory};
-    use gpualloc_runtime::sim::{SimBackend, SimConfig};
     use gpualloc_runtime::DeviceId;
+    use gpualloc_sim::{SimBackend, SimConfig};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]

@@ -9,8 +9,8 @@ use gpualloc_ipc::{
     AsyncExportConn, AsyncImportConn, DeviceRegion, OnRelease, PeerPolicy, Received, Returned,
     SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const DEV: DeviceId = DeviceId(0);
 

@@ -19,8 +19,8 @@ use gpualloc_ipc::{
     shm, Backing, DeviceRegion, ExportConn, ImportConn, IpcError, MapOptions, OnRelease,
     PeerPolicy, SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const DEV: DeviceId = DeviceId(0);
 

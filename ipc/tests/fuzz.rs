@@ -29,8 +29,8 @@ use gpualloc_ipc::refcount::RefCountFile;
 use gpualloc_ipc::{
     DeviceRegion, ExportConn, ImportConn, OnRelease, PeerPolicy, Received, SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use gpualloc_sim::{SimBackend, SimConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -18,8 +18,8 @@ use gpualloc_ipc::message::Message;
 use gpualloc_ipc::{
     shm, Backing, DeviceRegion, ExportConn, MapOptions, OnRelease, PeerPolicy, SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::Backend;
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const ROLE: &str = "GPUALLOC_IPC_HOSTILE_ROLE";
 const SOCK: &str = "GPUALLOC_IPC_HOSTILE_SOCK";

@@ -26,8 +26,8 @@ use gpualloc_ipc::{
     DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received, Returned,
     SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const ROLE: &str = "GPUALLOC_IPC_LIFETIME_ROLE";
 const SOCK: &str = "GPUALLOC_IPC_LIFETIME_SOCK";
@@ -452,8 +452,8 @@ fn wait_returned_answers_at_once_for_unknown_and_returned_ids() {
 /// mapping). In one process on the sim, with the close failed by fault injection.
 #[test]
 fn a_failed_close_does_not_release_the_block() {
-    use gpualloc_runtime::sim::{Fault, Op};
     use gpualloc_runtime::BackendError;
+    use gpualloc_sim::{Fault, Op};
     let sim = SimBackend::new(SimConfig::fast(dev().0 + 1)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let (a, b) = UnixStream::pair().unwrap();

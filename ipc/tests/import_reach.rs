@@ -297,8 +297,8 @@ fn two_thousand_imports_reserve_at_most_twice_the_bytes_imported() {
 #[test]
 fn buffers_on_one_handle_share_a_mapping_until_the_last_goes() {
     use gpualloc_ipc::OnRelease;
-    use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
     use gpualloc_runtime::{BackendError, DeviceId};
+    use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
     use std::sync::atomic::{AtomicUsize, Ordering};
     const DEV: DeviceId = DeviceId(0);
     let exporter: Arc<dyn Backend> = SimBackend::new(SimConfig::fast(1)).unwrap();

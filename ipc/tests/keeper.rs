@@ -12,8 +12,8 @@ use gpualloc_ipc::keeper::{self, MAX_CONNECTIONS_PER_PEER};
 use gpualloc_ipc::{
     DeviceRegion, ExportConn, ImportConn, IpcError, OnRelease, PeerPolicy, Received, SegmentMemory,
 };
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 const DEV: DeviceId = DeviceId(0);

@@ -2,8 +2,9 @@
 //!
 //! It is object safe (`Arc<dyn Backend>`), `Send + Sync`, and speaks in plain handles
 //! ([`crate::types`]). Every operation returns a typed [`BackendError`](crate::BackendError);
-//! none panics on bad input. Two implementations exist: [`crate::sim::SimBackend`], the
-//! simulated GPU every test runs, and `cuda::CudaBackend` behind the `cuda` feature.
+//! none panics on bad input. Three implementations exist: `SimBackend` (crate `gpualloc-sim`),
+//! the simulated GPU every test runs; `AccountingBackend` (crate `gpualloc-accounting`),
+//! addresses and byte counts only; and `cuda::CudaBackend` behind the `cuda` feature.
 //!
 //! Semantics follow CUDA's driver API, so code written against the sim behaves the same on
 //! a GPU:

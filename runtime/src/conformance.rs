@@ -1,6 +1,6 @@
 //! The backend conformance suite: checks written once against `Arc<dyn Backend>`, using
 //! only trait methods, that every backend must pass. The sim runs them in
-//! `tests/conformance_sim.rs`; the CUDA backend runs the same list on a GPU.
+//! `runtime/sim/tests/conformance.rs` (crate `gpualloc-sim`); the CUDA backend runs the same list on a GPU.
 //!
 //! Delays are made with host functions that block (on a gate or a short sleep), which is
 //! legal on every backend; no check calls the backend from a host function.

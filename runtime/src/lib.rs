@@ -1,10 +1,10 @@
 //! The GPU runtime layer of gpualloc.
 //!
 //! - [`Backend`]: every GPU-runtime operation the allocators need, object safe, typed errors.
-//! - [`sim`]: a simulated GPU made of real OS memory (memfd, mmap, worker-thread streams);
-//!   the embedded default, what every test and benchmark runs on.
-//! - The accounting backend (addresses and byte counts only, for replays) is the crate
-//!   `gpualloc-accounting`; the actor plumbing is `gpualloc-actor`.
+//! - The simulated GPU (real OS memory: memfd, mmap, worker-thread streams; the embedded
+//!   default, what every test and benchmark runs on) is the crate `gpualloc-sim`; the
+//!   accounting backend (addresses and byte counts only, for replays) is `gpualloc-accounting`;
+//!   the actor plumbing is `gpualloc-actor`.
 //! - `cuda` (feature `cuda`): the same trait on cudarc's driver API.
 //! - [`Stream`], [`Event`] and [`Completion`]: RAII handles and futures that resolve when the
 //!   GPU has passed a point, woken by a backend host callback rather than polling.
@@ -20,7 +20,6 @@ pub mod cuda;
 pub mod error;
 pub mod procmaps;
 pub mod release_hooks;
-pub mod sim;
 pub mod stat;
 pub mod stream;
 pub mod sync;

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use gpualloc_host::mapping::PageMapping;
 use gpualloc_host_register::{AsyncOptions, AsyncRegistry, RegistrationMode};
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, HostRegisterFlags};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const TASKS: usize = 64;
 const RANGE: usize = 64 << 20;

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use gpualloc_host::mapping::{page_size, PageMapping};
 use gpualloc_host_register::{AsyncRegistry, RegisterError, RegistrationMode};
-use gpualloc_runtime::sim::{Fault, LatencyModel, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
+use gpualloc_sim::{Fault, LatencyModel, Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 const RW: HostRegisterFlags = HostRegisterFlags {

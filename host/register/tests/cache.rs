@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
 use gpualloc_host_register::{HostRegistry, RegisterError};
-use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
+use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 const RW: HostRegisterFlags = HostRegisterFlags {

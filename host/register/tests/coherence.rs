@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
 use gpualloc_host_register::{CoherenceGuard, HostRegistry};
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, HostRegisterFlags, Stream};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const RW: HostRegisterFlags = HostRegisterFlags {
     portable: false,

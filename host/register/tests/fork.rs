@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
 use gpualloc_host_register::{HostRegistry, RegisterError};
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, HostRegisterFlags};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const RW: HostRegisterFlags = HostRegisterFlags {
     portable: false,

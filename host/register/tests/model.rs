@@ -15,8 +15,8 @@ use std::sync::Arc;
 
 use gpualloc_host::mapping::{page_size, PageMapping};
 use gpualloc_host_register::{HostRegistry, RegistrationId};
-use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, HostRegisterFlags, Stream};
+use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
 
 const PAGES: u64 = 256;
 const FLAGS: HostRegisterFlags = HostRegisterFlags {

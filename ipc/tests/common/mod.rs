@@ -5,8 +5,8 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 /// A backend for one process of a test, with what is needed to check it leaked nothing.
 pub struct TestBackend {

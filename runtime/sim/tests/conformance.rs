@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use gpualloc_runtime::conformance::checks;
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 #[test]
 fn sim_passes_every_conformance_check() {

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::error::{BackendError, Result};
-use crate::sim::os::{self, Mapping};
-use crate::types::DeviceId;
+use crate::os::{self, Mapping};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::DeviceId;
 
 /// What a region is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

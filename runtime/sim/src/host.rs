@@ -1,8 +1,8 @@
 //! Host-side helpers of the sim: checking and costing ranges for `host_register` against this
-//! process's memory map (parsed by [`crate::procmaps`]).
+//! process's memory map (parsed by [`gpualloc_runtime::procmaps`]).
 
-use crate::error::{BackendError, Result};
-use crate::procmaps::{mappings_crossed, parse_maps};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::procmaps::{mappings_crossed, parse_maps};
 
 /// Counts the mappings of this process that `[start, end)` crosses, or errors when part of
 /// the range is not mapped, or not readable (and writable, when `need_write`): the device must

@@ -4,15 +4,15 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::backend::Backend;
-use crate::error::{BackendError, Result};
-use crate::release_hooks::{Release, ReleaseHooks};
-use crate::sim::ipc::IpcInfo;
-use crate::sim::memory::{Region, RegionKind};
-use crate::sim::os::{self, Mapping};
-use crate::sim::queue::{SimEvent, SimStream};
-use crate::sim::{host, latency, lock, Op, SimBackend};
-use crate::types::{
+use crate::ipc::IpcInfo;
+use crate::memory::{Region, RegionKind};
+use crate::os::{self, Mapping};
+use crate::queue::{SimEvent, SimStream};
+use crate::{host, latency, lock, Op, SimBackend};
+use gpualloc_runtime::backend::Backend;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::release_hooks::{Release, ReleaseHooks};
+use gpualloc_runtime::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,
 };
@@ -205,7 +205,7 @@ impl Backend for SimBackend {
         self.enter(Op::UnorderedUsers)?;
         let (shared, _tx) = self.stream(stream)?;
         let end = ptr.0.saturating_add(len);
-        let others: Vec<Arc<crate::sim::queue::StreamShared>> = self
+        let others: Vec<Arc<crate::queue::StreamShared>> = self
             .device_streams(shared.device)
             .into_iter()
             .filter(|s| s.raw != shared.raw)

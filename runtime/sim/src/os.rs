@@ -12,7 +12,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
-use crate::error::{BackendError, Result};
+use gpualloc_runtime::error::{BackendError, Result};
 
 /// The system page size in bytes.
 pub(crate) fn page_size() -> u64 {

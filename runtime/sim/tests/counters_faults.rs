@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use gpualloc_runtime::sim::{Fault, Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId};
+use gpualloc_sim::{Fault, Op, SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 

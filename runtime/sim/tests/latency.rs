@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use gpualloc_runtime::sim::{LatencyModel, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, HostRegisterFlags};
+use gpualloc_sim::{LatencyModel, SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 

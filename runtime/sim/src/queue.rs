@@ -18,8 +18,8 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::error::{BackendError, Result};
-use crate::types::DeviceId;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::DeviceId;
 
 /// A unit of stream work. `Err` becomes the stream's sticky error.
 pub(crate) type Task = Box<dyn FnOnce() -> Result<()> + Send + 'static>;

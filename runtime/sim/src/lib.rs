@@ -19,7 +19,7 @@
 //! Differences from CUDA, on purpose: an IPC handle may be opened in the process that made
 //! it (useful in tests); kernels are Rust closures launched with [`SimBackend::launch_kernel`].
 //!
-//! The sim uses `std::sync` directly (not [`crate::sync`]): its threads are real OS threads
+//! The sim uses `std::sync` directly (not [`gpualloc_runtime::sync`]): its threads are real OS threads
 //! and it is not itself model-checked.
 
 mod backend_impl;
@@ -46,8 +46,8 @@ pub use faults::Fault;
 pub use kernel::KernelMemory;
 pub use latency::{sleeping_now, LatencyModel, SLEEP_QUANTUM};
 
-use crate::error::{BackendError, Result};
-use crate::types::{DeviceId, DevicePtr, EventHandle, StreamHandle};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, EventHandle, StreamHandle};
 use memory::{Memory, RegionKind};
 use queue::{SimEvent, SimStream, StreamShared, Task};
 use vmm::VmmState;
@@ -109,7 +109,7 @@ pub struct SimBackend {
     vmm: Mutex<VmmState>,
     next_id: AtomicU64,
     page: u64,
-    release_hooks: crate::release_hooks::ReleaseHooks,
+    release_hooks: gpualloc_runtime::release_hooks::ReleaseHooks,
 }
 
 impl SimBackend {
@@ -240,13 +240,16 @@ impl SimBackend {
 
     /// The process a sim IPC handle comes from (`None`: not a sim handle). The emulated
     /// driver refuses, as the real one does, to open a handle in the process that made it.
-    pub fn ipc_handle_pid(&self, handle: &crate::types::IpcMemHandle) -> Option<u32> {
+    pub fn ipc_handle_pid(&self, handle: &gpualloc_runtime::types::IpcMemHandle) -> Option<u32> {
         ipc::IpcInfo::decode(handle).ok().map(|i| i.pid)
     }
 
     /// The device whose memory a legacy IPC handle names (as `ipc_handle_pid`, for the
     /// emulated driver).
-    pub fn ipc_handle_device(&self, handle: &crate::types::IpcMemHandle) -> Option<DeviceId> {
+    pub fn ipc_handle_device(
+        &self,
+        handle: &gpualloc_runtime::types::IpcMemHandle,
+    ) -> Option<DeviceId> {
         ipc::IpcInfo::decode(handle)
             .ok()
             .map(|i| DeviceId(i.device))

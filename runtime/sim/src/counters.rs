@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 macro_rules! ops {
     ($($variant:ident => $name:literal),* $(,)?) => {
-        /// One backend operation: a variant per [`Backend`](crate::Backend) method, plus the
+        /// One backend operation: a variant per [`Backend`](gpualloc_runtime::Backend) method, plus the
         /// sim-only kernel launch.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum Op {

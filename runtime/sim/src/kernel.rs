@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
-use crate::error::Result;
-use crate::sim::memory::Memory;
-use crate::types::DevicePtr;
+use crate::memory::Memory;
+use gpualloc_runtime::error::Result;
+use gpualloc_runtime::types::DevicePtr;
 
 /// Safe access to device memory from a simulated kernel. Every access is validated against
 /// the sim's region table (a freed or unmapped pointer is an `InvalidValue` error, the sim's

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, Stream};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{
     Backend, BackendError, DeviceId, DevicePtr, HostRegisterFlags, IpcMemHandle,
 };
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 const D1: DeviceId = DeviceId(1);

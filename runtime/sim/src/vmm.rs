@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, OwnedFd};
 
-use crate::error::{BackendError, Result};
-use crate::sim::memory::{Region, RegionKind};
-use crate::sim::os::{self, Mapping};
-use crate::sim::{latency, lock, SimBackend};
-use crate::types::{DeviceId, DevicePtr, PhysHandle};
+use crate::memory::{Region, RegionKind};
+use crate::os::{self, Mapping};
+use crate::{latency, lock, SimBackend};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, PhysHandle};
 
 /// One mapping inside a reservation.
 #[derive(Debug)]

@@ -2,8 +2,8 @@
 //! allocations, pinned memory and a VMM mapping behave exactly like a byte-array model.
 #![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use gpualloc_sim::{SimBackend, SimConfig};
 use proptest::prelude::*;
 
 const D0: DeviceId = DeviceId(0);

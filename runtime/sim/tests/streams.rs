@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpualloc_runtime::sim::{Op, SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, BackendError, DeviceId, Stream};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 

@@ -5,8 +5,8 @@
 
 use std::process::Command;
 
-use gpualloc_runtime::sim::{SimBackend, SimConfig};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, IpcMemHandle};
+use gpualloc_sim::{SimBackend, SimConfig};
 
 const D0: DeviceId = DeviceId(0);
 const ENV: &str = "GPUALLOC_SIM_IPC_CHILD_HANDLE";

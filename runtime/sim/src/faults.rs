@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::error::{BackendError, Result};
-use crate::sim::counters::Op;
+use crate::counters::Op;
+use gpualloc_runtime::error::{BackendError, Result};
 
 /// How calls of one [`Op`] fail.
 #[derive(Debug, Clone, PartialEq)]

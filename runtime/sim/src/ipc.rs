@@ -1,7 +1,7 @@
 //! The sim's legacy IPC handle layout: which process, which memfd, which allocation.
 
-use crate::error::{BackendError, Result};
-use crate::types::IpcMemHandle;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::IpcMemHandle;
 
 const MAGIC: &[u8; 8] = b"GPUASIM\x01";
 
