@@ -262,7 +262,7 @@ fn host_config(config: &AllocatorConfig) -> Result<HostConfig, Error> {
 pub fn cuda_backend() -> Result<Arc<dyn Backend>, Error> {
     #[cfg(feature = "cuda")]
     {
-        Ok(gpualloc_runtime::cuda::CudaBackend::new()?)
+        Ok(gpualloc_cuda::CudaBackend::new()?)
     }
     #[cfg(not(feature = "cuda"))]
     {

@@ -31,7 +31,7 @@ use cudarc::driver::{
     CudaContext, CudaStream, DevicePtr as CuDevicePtr, DevicePtrMut as CuDevicePtrMut, DeviceSlice,
     LaunchArgs, PushKernelArg, SyncOnDrop,
 };
-use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::{Backend, BackendError, DeviceId, Stream};
 
 use crate::allocator::Allocator;

@@ -87,11 +87,14 @@ pub use gpualloc_host::{HostConfig, HostError, HostPtr, HostStats};
 /// reference-counted, async on tokio's blocking pool): the `gpualloc-host-register` crate.
 pub use gpualloc_host_register as host_register;
 pub use gpualloc_ipc as ipc;
-/// The GPU runtime layer: the `Backend` port, streams and events, the CUDA backend
-/// (`gpualloc-runtime`), the simulated GPU (`gpualloc-sim`) and the accounting backend
-/// (`gpualloc-accounting`), under the paths they always had.
+/// The GPU runtime layer: the `Backend` port, streams and events (`gpualloc-runtime`), the
+/// simulated GPU (`gpualloc-sim`), the CUDA backend (`gpualloc-cuda`, feature `cuda`) and the
+/// accounting backend (`gpualloc-accounting`), under the paths they always had.
 pub mod runtime {
     pub use gpualloc_accounting as accounting;
+    /// The CUDA backend (`gpualloc-cuda`, feature `cuda`).
+    #[cfg(feature = "cuda")]
+    pub use gpualloc_cuda as cuda;
     pub use gpualloc_runtime::*;
     pub use gpualloc_sim as sim;
 }

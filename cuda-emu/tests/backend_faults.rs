@@ -8,8 +8,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpualloc_cuda::CudaBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
-use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_FAULT_ROLE";

@@ -6,8 +6,8 @@
 use std::process::Command;
 use std::sync::Arc;
 
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::conformance::run_all;
-use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_CHILD";

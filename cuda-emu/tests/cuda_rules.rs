@@ -30,7 +30,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use gpualloc::{Allocator, AllocatorConfig, DeviceId};
-use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::{Backend, BackendError, HostRegisterFlags};
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_MULTI_ROLE";

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpualloc::{Allocator, AllocatorConfig, DeviceId, PoolOptions, SleepMode};
-use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::Backend;
 
 const SEED: &str = "GPUALLOC_FAULT_CAMPAIGN_SEED";

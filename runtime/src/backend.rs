@@ -4,7 +4,7 @@
 //! ([`crate::types`]). Every operation returns a typed [`BackendError`](crate::BackendError);
 //! none panics on bad input. Three implementations exist: `SimBackend` (crate `gpualloc-sim`),
 //! the simulated GPU every test runs; `AccountingBackend` (crate `gpualloc-accounting`),
-//! addresses and byte counts only; and `cuda::CudaBackend` behind the `cuda` feature.
+//! addresses and byte counts only; and `CudaBackend` (crate `gpualloc-cuda`).
 //!
 //! Semantics follow CUDA's driver API, so code written against the sim behaves the same on
 //! a GPU:

@@ -5,7 +5,7 @@
 //!   default, what every test and benchmark runs on) is the crate `gpualloc-sim`; the
 //!   accounting backend (addresses and byte counts only, for replays) is `gpualloc-accounting`;
 //!   the actor plumbing is `gpualloc-actor`.
-//! - `cuda` (feature `cuda`): the same trait on cudarc's driver API.
+//! - The CUDA backend (the same trait on cudarc's driver API) is the crate `gpualloc-cuda`.
 //! - [`Stream`], [`Event`] and [`Completion`]: RAII handles and futures that resolve when the
 //!   GPU has passed a point, woken by a backend host callback rather than polling.
 //!
@@ -15,8 +15,6 @@ pub mod addr_map;
 pub mod backend;
 pub mod completion;
 pub mod conformance;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod error;
 pub mod procmaps;
 pub mod release_hooks;

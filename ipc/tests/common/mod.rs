@@ -87,7 +87,7 @@ impl TestBackend {
 
 #[cfg(feature = "cuda")]
 fn cuda() -> Arc<dyn Backend> {
-    gpualloc_runtime::cuda::CudaBackend::new().unwrap_or_else(|e| {
+    gpualloc_cuda::CudaBackend::new().unwrap_or_else(|e| {
         panic!("GPUALLOC_BACKEND=cuda but the CUDA backend is unavailable: {e}")
     })
 }

@@ -3,7 +3,7 @@
 //! detaches, the memory waiters' queue (wake vs cancel vs timeout), the reaper's
 //! arm/disarm, and shutdown racing in-flight requests.
 //!
-//! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-runtime --release --test loom_actor`.
+//! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-actor --release --test loom_actor`.
 
 #![cfg(loom)]
 

@@ -3,7 +3,7 @@
 //! collects, a park racing a request that starts waiting for memory, a revive racing
 //! shutdown, and a revive's lane racing the close that drops every lane.
 //!
-//! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-runtime --release --test loom_thread_slots`.
+//! Run: `RUSTFLAGS="--cfg loom" cargo test -p gpualloc-actor --release --test loom_thread_slots`.
 
 #![cfg(loom)]
 

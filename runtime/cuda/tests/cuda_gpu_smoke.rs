@@ -2,11 +2,10 @@
 //! import, pinned and registered host memory, events across streams, IPC handles, stream
 //! interop). They need a GPU: without one each test prints why it skipped (and fails if
 //! `GPUALLOC_REQUIRE_GPU` is set, as `scripts/gpu-check.sh` does).
-#![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 
-use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::{Backend, BackendError, DeviceId, HostRegisterFlags, Stream};
 
 const D0: DeviceId = DeviceId(0);

@@ -11,8 +11,8 @@ use cudarc::driver::sys;
 use super::backend::CudaBackend;
 use super::error::{catch, check, drv, with_request};
 use super::validate::{alloc_size, host_range, host_register_flags, non_null};
-use crate::error::{BackendError, Result};
-use crate::types::{DeviceId, DevicePtr, HostRegisterFlags, MemInfo};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, HostRegisterFlags, MemInfo};
 
 impl CudaBackend {
     pub(crate) fn cu_mem_info(&self, device: DeviceId) -> Result<MemInfo> {
@@ -81,7 +81,7 @@ impl CudaBackend {
         self.contexts.check(device)?;
         non_null("free", ptr.0)?;
         self.bind_device(device)?;
-        let release = crate::release_hooks::Release::Free {
+        let release = gpualloc_runtime::release_hooks::Release::Free {
             device,
             addr: ptr.0,
         };

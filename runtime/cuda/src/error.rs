@@ -10,7 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::CUresult;
 
-use crate::error::{BackendError, Result};
+use gpualloc_runtime::error::{BackendError, Result};
 
 /// The class of failure of a non-success `CUresult` from the call `op`.
 ///

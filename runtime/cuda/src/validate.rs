@@ -3,8 +3,8 @@
 
 use cudarc::driver::sys;
 
-use crate::error::{BackendError, Result};
-use crate::types::HostRegisterFlags;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::HostRegisterFlags;
 
 /// A size the caller allocates or maps: non-zero and representable as `usize`.
 pub(crate) fn alloc_size(op: &'static str, size: u64) -> Result<usize> {

@@ -5,9 +5,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::CudaBackend;
-use crate::backend::Backend;
-use crate::error::BackendError;
-use crate::types::{DeviceId, DevicePtr, EventHandle, HostRegisterFlags, PhysHandle, StreamHandle};
+use gpualloc_runtime::error::BackendError;
+use gpualloc_runtime::types::{
+    DeviceId, DevicePtr, EventHandle, HostRegisterFlags, PhysHandle, StreamHandle,
+};
+use gpualloc_runtime::Backend;
 
 const D0: DeviceId = DeviceId(0);
 const G: u64 = 2 << 20;
@@ -16,14 +18,14 @@ fn detached() -> CudaBackend {
     CudaBackend::with_devices(2)
 }
 
-fn invalid<T: std::fmt::Debug>(r: crate::Result<T>) {
+fn invalid<T: std::fmt::Debug>(r: gpualloc_runtime::Result<T>) {
     assert!(
         matches!(r, Err(BackendError::InvalidValue(_))),
         "expected InvalidValue, got {r:?}"
     );
 }
 
-fn bad_handle<T: std::fmt::Debug>(r: crate::Result<T>) {
+fn bad_handle<T: std::fmt::Debug>(r: gpualloc_runtime::Result<T>) {
     assert!(
         matches!(r, Err(BackendError::InvalidHandle(_))),
         "expected InvalidHandle, got {r:?}"
@@ -199,7 +201,7 @@ fn ipc_input() {
     let b = detached();
     invalid(b.ipc_get_mem_handle(DevicePtr(0)));
     invalid(b.ipc_close_mem_handle(DevicePtr(0)));
-    let h = crate::types::IpcMemHandle([0; 64]);
+    let h = gpualloc_runtime::types::IpcMemHandle([0; 64]);
     assert_eq!(
         b.ipc_open_mem_handle(DeviceId(2), &h),
         Err(BackendError::InvalidDevice(2))

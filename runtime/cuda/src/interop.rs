@@ -9,10 +9,10 @@ use std::sync::Arc;
 use cudarc::driver::safe::{CudaContext, CudaStream};
 
 use super::backend::CudaBackend;
-use crate::backend::Backend;
-use crate::error::{BackendError, Result};
-use crate::stream::Stream;
-use crate::types::{DeviceId, StreamHandle};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::stream::Stream;
+use gpualloc_runtime::types::{DeviceId, StreamHandle};
+use gpualloc_runtime::Backend;
 
 /// The driver's `CU_STREAM_PER_THREAD` handle value.
 const CU_STREAM_PER_THREAD: usize = 0x2;

@@ -13,8 +13,8 @@ use cudarc::driver::sys;
 use super::backend::{CudaBackend, IpcOpened};
 use super::error::{drv, with_request};
 use super::validate::{aligned, alloc_size, inside_phys, non_null, range, va_alignment};
-use crate::error::{BackendError, Result};
-use crate::types::{DeviceId, DevicePtr, IpcMemHandle, PhysHandle};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, IpcMemHandle, PhysHandle};
 
 /// Allocation properties of pinned device memory on `device`.
 fn alloc_prop(
@@ -234,7 +234,7 @@ impl CudaBackend {
     pub(crate) fn cu_unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {
         let bytes = alloc_size("unmap", size)?;
         range("unmap", ptr.0, size)?;
-        let release = crate::release_hooks::Release::Unmap { addr: ptr.0, size };
+        let release = gpualloc_runtime::release_hooks::Release::Unmap { addr: ptr.0, size };
         self.release_hooks.around(release, || {
             self.bind_any()?;
             drv("cuMemUnmap", || {

@@ -28,8 +28,8 @@ use cudarc::driver::sys::{self, CUresult};
 use super::context::{bind, Contexts};
 use super::error::catch;
 use super::hostfn::Pending;
-use crate::error::{BackendError, Result};
-use crate::types::DeviceId;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::DeviceId;
 
 /// How often the watchdog probes devices with pending host functions: the longest a future
 /// waits past the loss of its device.

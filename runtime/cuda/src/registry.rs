@@ -11,8 +11,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::error::{BackendError, Result};
-use crate::types::DeviceId;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::DeviceId;
 
 struct Entry<T> {
     device: DeviceId,

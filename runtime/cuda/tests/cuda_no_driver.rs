@@ -2,12 +2,11 @@
 //! return the typed `Unavailable` error (never panic); with a GPU it must work, and a short
 //! smoke test runs. The test prints which case it saw; with `GPUALLOC_REQUIRE_GPU` set (as
 //! `scripts/gpu-check.sh` does) the no-GPU case fails instead.
-#![cfg(feature = "cuda")]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use gpualloc_runtime::cuda::CudaBackend;
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::{Backend, BackendError, DeviceId, Stream};
 
 #[test]

@@ -1,12 +1,12 @@
 //! Runs the backend conformance suite, unchanged, on the CUDA backend. Without a GPU (or a
 //! driver) it prints why it skipped, and fails if `GPUALLOC_REQUIRE_GPU` is set, as
 //! `scripts/gpu-check.sh` does.
-#![cfg(all(feature = "cuda", not(loom)))]
+#![cfg(not(loom))]
 
 use std::sync::Arc;
 
+use gpualloc_cuda::CudaBackend;
 use gpualloc_runtime::conformance::checks;
-use gpualloc_runtime::cuda::CudaBackend;
 use gpualloc_runtime::{Backend, DeviceId};
 
 #[test]

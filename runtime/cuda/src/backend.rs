@@ -14,12 +14,12 @@ use super::error::{catch, check, drv};
 use super::health::Health;
 use super::registry::Registry;
 use super::streams::CuEvent;
-use crate::backend::Backend;
-use crate::error::{BackendError, Result};
-use crate::types::{
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,
 };
+use gpualloc_runtime::Backend;
 
 /// The [`Backend`] on NVIDIA's driver API, through cudarc (dynamically loaded: it builds
 /// without a toolkit and fails with a typed error, not a panic, without a driver).
@@ -43,8 +43,8 @@ pub struct CudaBackend {
     pub(crate) granularity: Vec<OnceLock<u64>>,
     /// Legacy IPC mappings this backend opened, by address (see [`IpcOpened`]).
     pub(crate) ipc_opened: std::sync::Mutex<std::collections::BTreeMap<u64, IpcOpened>>,
-    /// Run around every unmap and free (`crate::release_hooks`).
-    pub(crate) release_hooks: crate::release_hooks::ReleaseHooks,
+    /// Run around every unmap and free (`gpualloc_runtime::release_hooks`).
+    pub(crate) release_hooks: gpualloc_runtime::release_hooks::ReleaseHooks,
     /// The process that made this backend: see [`CudaBackend::forked`].
     pub(crate) pid: u32,
     /// The driver was initialized (`new`): calls then keep the caller's current context
@@ -425,7 +425,7 @@ impl Backend for CudaBackend {
         self.health
             .seen(handle.device, self.cu_map(ptr, size, offset, handle))
     }
-    fn release_hooks(&self) -> Option<&crate::release_hooks::ReleaseHooks> {
+    fn release_hooks(&self) -> Option<&gpualloc_runtime::release_hooks::ReleaseHooks> {
         Some(&self.release_hooks)
     }
     fn unmap(&self, ptr: DevicePtr, size: u64) -> Result<()> {

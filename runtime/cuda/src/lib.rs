@@ -1,5 +1,5 @@
-//! The CUDA backend: the [`Backend`](crate::Backend) trait on NVIDIA's driver API through
-//! cudarc (feature `cuda`; the driver is loaded at run time, so this builds with no toolkit).
+//! The CUDA backend: the [`Backend`](gpualloc_runtime::Backend) trait on NVIDIA's driver API through
+//! cudarc (the driver is loaded at run time, so this builds with no toolkit).
 //!
 //! - [`CudaBackend::new`] fails with a typed `Unavailable` error when there is no driver or
 //!   no device; nothing here panics.

@@ -21,8 +21,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::error::{BackendError, Result};
-use crate::types::{DeviceId, HostFn};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, HostFn};
 
 /// One launched host function: its closure until someone calls it.
 pub(crate) struct Slot {

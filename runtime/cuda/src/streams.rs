@@ -15,8 +15,8 @@ use super::context::bind;
 use super::error::{catch, drv, from_driver_error, map_code};
 use super::hostfn::{trampoline, Pending};
 use super::validate::range;
-use crate::error::{BackendError, Result};
-use crate::types::{DeviceId, DevicePtr, EventHandle, HostFn, StreamHandle};
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, EventHandle, HostFn, StreamHandle};
 
 /// A driver event and the context it was created in.
 pub(crate) struct CuEvent {

@@ -13,8 +13,8 @@ use cudarc::driver::safe::CudaContext;
 use cudarc::driver::sys;
 
 use super::error::{catch, drv, from_driver_error};
-use crate::error::{BackendError, Result};
-use crate::types::DeviceId;
+use gpualloc_runtime::error::{BackendError, Result};
+use gpualloc_runtime::types::DeviceId;
 
 /// Lazily retained primary contexts, one slot per device.
 pub(crate) struct Contexts {
