@@ -7,8 +7,8 @@ use std::process::Command;
 use std::sync::Arc;
 
 use gpualloc_cuda::CudaBackend;
-use gpualloc_runtime::conformance::run_all;
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_testkit::conformance::run_all;
 
 const ROLE: &str = "GPUALLOC_CUDA_EMU_CHILD";
 /// The device the child checks (its ordinal).

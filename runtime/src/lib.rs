@@ -14,7 +14,6 @@
 pub mod addr_map;
 pub mod backend;
 pub mod completion;
-pub mod conformance;
 pub mod error;
 pub mod procmaps;
 pub mod release_hooks;

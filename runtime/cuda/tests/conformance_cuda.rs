@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use gpualloc_cuda::CudaBackend;
-use gpualloc_runtime::conformance::checks;
 use gpualloc_runtime::{Backend, DeviceId};
+use gpualloc_testkit::conformance::checks;
 
 #[test]
 fn cuda_passes_every_conformance_check() {

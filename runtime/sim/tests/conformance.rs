@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use gpualloc_runtime::conformance::checks;
 use gpualloc_runtime::{Backend, DeviceId};
 use gpualloc_sim::{SimBackend, SimConfig};
+use gpualloc_testkit::conformance::checks;
 
 #[test]
 fn sim_passes_every_conformance_check() {

@@ -1,6 +1,7 @@
 //! The backend conformance suite: checks written once against `Arc<dyn Backend>`, using
 //! only trait methods, that every backend must pass. The sim runs them in
-//! `runtime/sim/tests/conformance.rs` (crate `gpualloc-sim`); the CUDA backend runs the same list on a GPU.
+//! `runtime/sim/tests/conformance.rs`; the CUDA backend runs the same list in
+//! `runtime/cuda/tests/conformance_cuda.rs` (on a GPU, or the emulated driver in CI).
 //!
 //! Delays are made with host functions that block (on a gate or a short sleep), which is
 //! legal on every backend; no check calls the backend from a host function.
@@ -11,9 +12,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::Backend;
-use crate::error::BackendError;
-use crate::types::{DeviceId, DevicePtr, HostRegisterFlags, StreamHandle};
+use gpualloc_runtime::types::{DeviceId, DevicePtr, HostRegisterFlags, StreamHandle};
+use gpualloc_runtime::Backend;
+use gpualloc_runtime::BackendError;
 
 /// One conformance check: a name and a function that returns `Err(reason)` on failure.
 pub struct Check {
@@ -733,7 +734,7 @@ fn free_runs_release_hooks_after_queued_work(
     b: &Arc<dyn Backend>,
     d: DeviceId,
 ) -> Result<(), String> {
-    use crate::release_hooks::{Release, ReleaseHook};
+    use gpualloc_runtime::release_hooks::{Release, ReleaseHook};
     struct Seen {
         addr: u64,
         work_done: Arc<AtomicBool>,
