@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpualloc_actor::landing::{CancelOnDrop, Landing, LandingOwner};
 use gpualloc_actor::mailbox::Call;
 use gpualloc_actor::{Mailbox, ReplyFuture, Shutdown};
 use gpualloc_devices::{
@@ -21,7 +22,6 @@ use gpualloc_devices::{
 };
 use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
 
-use crate::actor::landing::{CancelOnDrop, Landing};
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
 use crate::actor::thread_cache::{Park, ParkedFree, Recording, Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
@@ -373,7 +373,7 @@ impl DeviceActor {
                 // The blocking task runs to completion even if this future is dropped; the
                 // landing then returns its block to the cache (never to a user): nothing
                 // leaks. Until it lands its bytes count as in flight, and requests that run
-                // out of memory meanwhile wait for it (`malloc`; `landing.rs`).
+                // out of memory meanwhile wait for it (`malloc`; `gpualloc_actor::landing`).
                 let landing = Landing::new(self.clone());
                 let mut guard = CancelOnDrop(Some(landing.clone()));
                 let task = landing.clone();
@@ -490,5 +490,18 @@ fn cached(
     match pool {
         Some(p) => core.try_cached_in(p, size, stream),
         None => core.try_cached(size, stream),
+    }
+}
+
+/// Misses in flight: counted while they run on the blocking pool, and announced to requests
+/// that ran out of memory meanwhile when they land (`DeviceActor::malloc`).
+impl LandingOwner for DeviceActor {
+    fn started(&self) {
+        self.misses_in_flight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn landed(&self) {
+        self.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.miss_landed.notify_waiters();
     }
 }

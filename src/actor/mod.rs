@@ -5,8 +5,9 @@
 //! - `state`: the guarded state and its messages (Malloc/RecordStream/EmptyCache/Stats/
 //!   Snapshot/Shutdown run as jobs; Free and RecordStream are plain messages so a buffer's
 //!   `Drop` never allocates).
-//! - `device`: the actor's shared handle and the async request paths (hits inline).
-//! - `landing`: where a miss lands: its request, or the cache if the request was cancelled.
+//! - `device`: the actor's shared handle and the async request paths (hits inline); a miss
+//!   lands through `gpualloc_actor::landing` (its request, or the cache if the request was
+//!   cancelled).
 //! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
 //!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
 //! - `streams`: the streams the core still names, kept alive after their users dropped them.
@@ -16,7 +17,6 @@
 //! - `wait`: malloc that waits for memory (FIFO, bounded, cancellable) instead of failing.
 
 mod device;
-mod landing;
 mod slow;
 mod state;
 mod streams;

@@ -7,6 +7,8 @@
 //! - [`handoff`]: posting a message from anywhere (e.g. `Drop` on any thread) without ever
 //!   blocking.
 //! - [`reply`]: a one-shot reply slot and the future that awaits it.
+//! - [`landing`]: where work done off the gate lands: its request, or dropped if the request
+//!   was cancelled, then announced to its owner.
 //! - [`notify`]: a single-waiter wake-up with a stored permit.
 //! - [`waiters`]: the FIFO queue of requests waiting for memory (woken by frees, cancel-safe).
 //! - [`reaper`]: the arm/disarm logic of the timed reaper (interval while work is pending,
@@ -22,6 +24,7 @@
 pub mod fork;
 pub mod gate;
 pub mod handoff;
+pub mod landing;
 pub mod mailbox;
 pub mod notify;
 pub mod reaper;
