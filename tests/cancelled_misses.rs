@@ -172,3 +172,43 @@ async fn concurrent_misses_respect_the_memory_fraction() {
     drop(served);
     alloc.shutdown().await.unwrap();
 }
+
+/// A miss whose backend panics after its request was cancelled (a custom backend's bug) ends
+/// without delivering anything: it must not count as in flight forever, or every request
+/// that later runs out of memory waits for it to land. (Before, it stayed in flight.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_miss_whose_backend_panicked_does_not_stay_in_flight() {
+    use gpualloc::runtime::sim::{Fault, Op};
+    // Expandable segments: a miss creates a physical handle (slow here), then maps it (the
+    // injected panic), so the request can be cancelled in between.
+    let sim = common::sim_with(
+        1024 * MIB,
+        LatencyModel {
+            phys: Duration::from_millis(300),
+            ..LatencyModel::zero()
+        },
+    );
+    let alloc = build(sim.clone(), "expandable_segments:True,thread_cache:False");
+    let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+    sim.inject(Op::Map, Fault::PanicNext { skip: 0 });
+    let (a, s) = (alloc.clone(), alloc.new_stream(DeviceId(0)).unwrap());
+    let request = tokio::spawn(async move { a.malloc(64 * MIB, &s).await });
+    for _ in 0..2500 {
+        if actor.misses_in_flight() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(actor.misses_in_flight(), 1, "the miss is not in flight");
+    request.abort();
+    let _ = request.await;
+    for _ in 0..5000 {
+        if actor.misses_in_flight() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(sim.counts().get(Op::Map), 1, "the map was tried");
+    assert_eq!(actor.misses_in_flight(), 0, "the dead miss still counts");
+    sim.clear_faults();
+}

@@ -151,3 +151,19 @@ fn a_request_that_sees_the_miss_landed_finds_its_block_in_the_cache() {
         assert_eq!(owner.in_flight.load(Ordering::Acquire), 0);
     });
 }
+
+/// The task ends without delivering (its work panicked) while its request is cancelled:
+/// whichever handle goes last announces the landing, once.
+#[test]
+fn a_task_that_dies_racing_a_cancel_lands_once() {
+    loom::model(|| {
+        let owner = Arc::new(Owner::default());
+        let landing: Arc<Landing<Buffer, Owner>> = Landing::new(owner.clone());
+        let task = landing.clone();
+        let t = thread::spawn(move || drop(task));
+        drop(CancelOnDrop(Some(landing)));
+        t.join().unwrap();
+        assert_eq!(owner.landed.load(Ordering::Acquire), 1);
+        assert_eq!(owner.in_flight.load(Ordering::Acquire), 0);
+    });
+}
