@@ -14,8 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_actor::landing::{CancelOnDrop, Landing, LandingOwner};
-use gpualloc_actor::mailbox::Call;
-use gpualloc_actor::{Mailbox, ReplyFuture, Shutdown};
+use gpualloc_actor::{Mailbox, ReplySpin, Shutdown};
 use gpualloc_devices::{
     AllocError, Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot,
     DeviceStats, MemPoolId, SegmentRequest,
@@ -36,8 +35,12 @@ use crate::history_frames::recording;
 /// throughput of 64 contending tasks on two cores.
 const SPINS: usize = 24;
 
-/// Checks of a queued request's reply before its task waits to be woken.
-const REPLY_SPINS: usize = 12;
+/// Checks of a queued request's reply before its task waits to be woken, with doubling
+/// pauses (`Mailbox::run`).
+const REPLY_SPIN: ReplySpin = ReplySpin {
+    rounds: 12,
+    doubling: true,
+};
 
 /// A request that ran out of memory while other misses were in flight waits for them to land
 /// (their memory, if their requests were cancelled, lands in the cache) and retries: at most
@@ -188,32 +191,9 @@ impl DeviceActor {
         R: Send + 'static,
         F: FnOnce(&mut DeviceState) -> R + Send + 'static,
     {
-        match self.mailbox.call(f) {
-            Call::Ready(r) => Ok(r),
-            Call::Queued(rx) => self.await_reply(rx).await,
-        }
-    }
-
-    /// Awaits a queued reply. It always comes: holders drain before releasing the gate and
-    /// hand leftovers only to a live actor task.
-    ///
-    /// Flat combining: the holder is usually running our request right now, so first spin
-    /// briefly on the reply (or take the gate and run the queue ourselves if it frees up):
-    /// this keeps the worker thread hot instead of parking it and being woken again.
-    async fn await_reply<R>(&self, rx: ReplyFuture<R>) -> Result<R, Error> {
-        for round in 0..REPLY_SPINS {
-            if rx.is_ready() {
-                break;
-            }
-            if !self.mailbox.is_busy() {
-                self.mailbox.drain();
-            }
-            // Back off: every check reads lines the holder is writing.
-            for _ in 0..(1u32 << round.min(6)) {
-                std::hint::spin_loop();
-            }
-        }
-        rx.await
+        self.mailbox
+            .run(f, REPLY_SPIN)
+            .await
             .ok_or_else(|| Error::Internal("a queued request was dropped".into()))
     }
 

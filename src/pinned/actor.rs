@@ -12,8 +12,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use gpualloc_actor::mailbox::Call;
-use gpualloc_actor::{Mailbox, ReplyFuture, Shutdown};
+use gpualloc_actor::{Mailbox, ReplySpin, Shutdown};
 use gpualloc_devices::AllocError;
 use gpualloc_host::core::split::Lookup;
 use gpualloc_host::{HostBlock, HostCore, HostStats};
@@ -27,8 +26,12 @@ use crate::pinned::state::{HostSignals, HostState};
 /// Tries of the gate before a request is queued.
 const SPINS: usize = 4;
 
-/// Checks of a queued request's reply before its task waits to be woken.
-const REPLY_SPINS: usize = 64;
+/// Checks of a queued request's reply before its task waits to be woken, one pause apart
+/// (`Mailbox::run`).
+const REPLY_SPIN: ReplySpin = ReplySpin {
+    rounds: 64,
+    doubling: false,
+};
 
 /// The pinned-host allocator's actor. See the module docs.
 pub struct HostActor {
@@ -94,25 +97,9 @@ impl HostActor {
         R: Send + 'static,
         F: FnOnce(&mut HostState) -> R + Send + 'static,
     {
-        match self.mailbox.call(f) {
-            Call::Ready(r) => Ok(r),
-            Call::Queued(rx) => self.await_reply(rx).await,
-        }
-    }
-
-    /// Awaits a queued reply, first spinning briefly on it (flat combining: the holder is
-    /// usually running it right now), draining the queue ourselves if the gate frees up.
-    async fn await_reply<R>(&self, rx: ReplyFuture<R>) -> Result<R, Error> {
-        for _ in 0..REPLY_SPINS {
-            if rx.is_ready() {
-                break;
-            }
-            if !self.mailbox.is_busy() {
-                self.mailbox.drain();
-            }
-            std::hint::spin_loop();
-        }
-        rx.await
+        self.mailbox
+            .run(f, REPLY_SPIN)
+            .await
             .ok_or_else(|| Error::Internal("a queued pinned request was dropped".into()))
     }
 

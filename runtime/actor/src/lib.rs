@@ -34,7 +34,7 @@ pub mod thread_slots;
 pub mod waiters;
 
 pub use fork::ForkGuard;
-pub use mailbox::{Actor, Mailbox};
+pub use mailbox::{Actor, Mailbox, ReplySpin};
 pub use notify::{Notified, Notify};
 pub use reaper::ReaperArm;
 pub use reply::{reply_slot, ReplyFuture, ReplySender};

@@ -76,6 +76,15 @@ pub enum Call<R> {
     Queued(ReplyFuture<R>),
 }
 
+/// How [`Mailbox::run`] spins on a queued request's reply before it awaits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplySpin {
+    /// Checks of the reply.
+    pub rounds: u32,
+    /// Pauses between checks double each round, up to 64 (else one pause each).
+    pub doubling: bool,
+}
+
 /// Exclusive access to the state while holding the gate. Dropping it drains the queue and
 /// releases the gate.
 pub struct Held<'a, S: Actor> {
@@ -172,6 +181,44 @@ impl<S: Actor> Mailbox<S> {
                 Call::Queued(rx)
             }
         }
+    }
+
+    /// Runs `f` on the state: inline if the gate is free, else queued for the holder and
+    /// awaited. `None`: the queued request was dropped unanswered (only when the mailbox
+    /// itself goes). The reply always comes otherwise: holders drain before releasing the
+    /// gate and hand leftovers only to a live drainer.
+    ///
+    /// Flat combining: the holder is usually running the queued request right now, so the
+    /// caller first spins on the reply as `spin` says (and takes the gate and drains the
+    /// queue itself if it frees up): this keeps the worker thread hot instead of parking it
+    /// and being woken again.
+    pub async fn run<R, F>(&self, f: F, spin: ReplySpin) -> Option<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S) -> R + Send + 'static,
+    {
+        let rx = match self.call(f) {
+            Call::Ready(r) => return Some(r),
+            Call::Queued(rx) => rx,
+        };
+        for round in 0..spin.rounds {
+            if rx.is_ready() {
+                break;
+            }
+            if !self.is_busy() {
+                self.drain();
+            }
+            // Back off: every check reads lines the holder is writing.
+            let pauses = if spin.doubling {
+                1u32 << round.min(6)
+            } else {
+                1
+            };
+            for _ in 0..pauses {
+                std::hint::spin_loop();
+            }
+        }
+        rx.await
     }
 
     /// Drains queued messages if the gate is free (the actor task's job). False if someone

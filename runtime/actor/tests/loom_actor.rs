@@ -8,7 +8,7 @@
 #![cfg(loom)]
 
 use gpualloc_actor::mailbox::{Actor, Call, Job};
-use gpualloc_actor::{Mailbox, ReaperArm, Shutdown, Waiters};
+use gpualloc_actor::{Mailbox, ReaperArm, ReplySpin, Shutdown, Waiters};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -81,6 +81,31 @@ fn queued_call_is_answered_by_the_holder() {
         drop(held);
         assert_eq!(caller.join().unwrap(), vec![7]);
     });
+}
+
+/// `Mailbox::run` racing a post on another thread (which holds the gate while it handles
+/// messages): the spinning caller either drains the queue itself once the gate frees up or
+/// gets the holder's answer; the reply always comes, and the post is handled once.
+#[test]
+fn run_is_answered_while_it_spins_or_after() {
+    for doubling in [false, true] {
+        loom::model(move || {
+            let mb = Arc::new(Mailbox::new(Count::default()));
+            let mb2 = mb.clone();
+            // Holds the gate while it handles its post, or queues it for the caller's run.
+            let holder = thread::spawn(move || mb2.post(Msg::Push(1)));
+            let spin = ReplySpin {
+                rounds: 2,
+                doubling,
+            };
+            let got = loom::future::block_on(mb.run(|c| c.handled.clone(), spin));
+            holder.join().unwrap();
+            let got = got.expect("a reply");
+            assert!(got.is_empty() || got == vec![1], "{got:?}");
+            let last = loom::future::block_on(mb.run(|c| c.handled.len(), spin));
+            assert_eq!(last, Some(1));
+        });
+    }
 }
 
 /// A holder hands a long drain to the drainer task just as the task detaches: the work is
