@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpualloc_actor::landing::{CancelOnDrop, Landing, LandingOwner};
+use gpualloc_actor::mailbox::Call;
 use gpualloc_actor::{Mailbox, ReplySpin, Shutdown};
 use gpualloc_devices::{
     AllocError, Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot,
@@ -36,7 +37,7 @@ use crate::history_frames::recording;
 const SPINS: usize = 24;
 
 /// Checks of a queued request's reply before its task waits to be woken, with doubling
-/// pauses (`Mailbox::run`).
+/// pauses (`Mailbox::await_reply`).
 const REPLY_SPIN: ReplySpin = ReplySpin {
     rounds: 12,
     doubling: true,
@@ -191,10 +192,14 @@ impl DeviceActor {
         R: Send + 'static,
         F: FnOnce(&mut DeviceState) -> R + Send + 'static,
     {
-        self.mailbox
-            .run(f, REPLY_SPIN)
-            .await
-            .ok_or_else(|| Error::Internal("a queued request was dropped".into()))
+        match self.mailbox.call(f) {
+            Call::Ready(r) => Ok(r),
+            Call::Queued(rx) => self
+                .mailbox
+                .await_reply(rx, REPLY_SPIN)
+                .await
+                .ok_or_else(|| Error::Internal("a queued request was dropped".into())),
+        }
     }
 
     /// The cache-only half of a malloc, as a job queued on the state. The buffer is built

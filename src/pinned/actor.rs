@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use gpualloc_actor::mailbox::Call;
 use gpualloc_actor::{Mailbox, ReplySpin, Shutdown};
 use gpualloc_devices::AllocError;
 use gpualloc_host::core::split::Lookup;
@@ -27,7 +28,7 @@ use crate::pinned::state::{HostSignals, HostState};
 const SPINS: usize = 4;
 
 /// Checks of a queued request's reply before its task waits to be woken, one pause apart
-/// (`Mailbox::run`).
+/// (`Mailbox::await_reply`).
 const REPLY_SPIN: ReplySpin = ReplySpin {
     rounds: 64,
     doubling: false,
@@ -97,10 +98,14 @@ impl HostActor {
         R: Send + 'static,
         F: FnOnce(&mut HostState) -> R + Send + 'static,
     {
-        self.mailbox
-            .run(f, REPLY_SPIN)
-            .await
-            .ok_or_else(|| Error::Internal("a queued pinned request was dropped".into()))
+        match self.mailbox.call(f) {
+            Call::Ready(r) => Ok(r),
+            Call::Queued(rx) => self
+                .mailbox
+                .await_reply(rx, REPLY_SPIN)
+                .await
+                .ok_or_else(|| Error::Internal("a queued pinned request was dropped".into())),
+        }
     }
 
     /// The cache lookup under the gate.

@@ -76,7 +76,7 @@ pub enum Call<R> {
     Queued(ReplyFuture<R>),
 }
 
-/// How [`Mailbox::run`] spins on a queued request's reply before it awaits it.
+/// How [`Mailbox::await_reply`] spins on a queued request's reply before it awaits it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReplySpin {
     /// Checks of the reply.
@@ -183,24 +183,16 @@ impl<S: Actor> Mailbox<S> {
         }
     }
 
-    /// Runs `f` on the state: inline if the gate is free, else queued for the holder and
-    /// awaited. `None`: the queued request was dropped unanswered (only when the mailbox
-    /// itself goes). The reply always comes otherwise: holders drain before releasing the
-    /// gate and hand leftovers only to a live drainer.
+    /// Awaits the reply of a request [`Mailbox::call`] queued. `None`: it was dropped
+    /// unanswered (only when the mailbox itself goes). The reply always comes otherwise:
+    /// holders drain before releasing the gate and hand leftovers only to a live drainer.
     ///
     /// Flat combining: the holder is usually running the queued request right now, so the
     /// caller first spins on the reply as `spin` says (and takes the gate and drains the
     /// queue itself if it frees up): this keeps the worker thread hot instead of parking it
-    /// and being woken again.
-    pub async fn run<R, F>(&self, f: F, spin: ReplySpin) -> Option<R>
-    where
-        R: Send + 'static,
-        F: FnOnce(&mut S) -> R + Send + 'static,
-    {
-        let rx = match self.call(f) {
-            Call::Ready(r) => return Some(r),
-            Call::Queued(rx) => rx,
-        };
+    /// and being woken again. A separate step from [`Mailbox::call`], so the caller's
+    /// inline path (`Call::Ready`) awaits nothing.
+    pub async fn await_reply<R>(&self, rx: ReplyFuture<R>, spin: ReplySpin) -> Option<R> {
         for round in 0..spin.rounds {
             if rx.is_ready() {
                 break;

@@ -83,11 +83,11 @@ fn queued_call_is_answered_by_the_holder() {
     });
 }
 
-/// `Mailbox::run` racing a post on another thread (which holds the gate while it handles
+/// A call and `Mailbox::await_reply` racing a post on another thread (which holds the gate while it handles
 /// messages): the spinning caller either drains the queue itself once the gate frees up or
 /// gets the holder's answer; the reply always comes, and the post is handled once.
 #[test]
-fn run_is_answered_while_it_spins_or_after() {
+fn a_queued_call_is_answered_while_it_spins_or_after() {
     for doubling in [false, true] {
         loom::model(move || {
             let mb = Arc::new(Mailbox::new(Count::default()));
@@ -98,11 +98,17 @@ fn run_is_answered_while_it_spins_or_after() {
                 rounds: 2,
                 doubling,
             };
-            let got = loom::future::block_on(mb.run(|c| c.handled.clone(), spin));
+            let got = match mb.call(|c: &mut Count| c.handled.clone()) {
+                Call::Ready(v) => Some(v),
+                Call::Queued(rx) => loom::future::block_on(mb.await_reply(rx, spin)),
+            };
             holder.join().unwrap();
             let got = got.expect("a reply");
             assert!(got.is_empty() || got == vec![1], "{got:?}");
-            let last = loom::future::block_on(mb.run(|c| c.handled.len(), spin));
+            let last = match mb.call(|c: &mut Count| c.handled.len()) {
+                Call::Ready(n) => Some(n),
+                Call::Queued(rx) => loom::future::block_on(mb.await_reply(rx, spin)),
+            };
             assert_eq!(last, Some(1));
         });
     }
