@@ -46,6 +46,7 @@ mod cuda;
 mod error;
 mod export;
 mod fork;
+mod guarded;
 mod history;
 mod history_frames;
 #[cfg(feature = "nccl")]

@@ -37,11 +37,10 @@
 //!   begins: the pool stays as the caller last saw it. Calls on the same pool and device run
 //!   one at a time.
 //! - A backend that panics during a sleep's or a wake's copies (a custom backend's bug) rolls
-//!   it back as a failed copy does, with a `BackendError::Unavailable` error (`guarded`).
+//!   it back as a failed copy does, with a `BackendError::Unavailable` error (`crate::guarded`).
 //! - A pool dropped while asleep drops its host copy; its address ranges stay reserved until
 //!   the allocator shuts down.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,10 +49,11 @@ use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, DeviceCore, Leftovers,
     MemPoolId, PoolState, SleepMode, SleepPlan,
 };
-use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 use tokio::sync::Mutex;
 
 use crate::actor::DeviceActor;
+use crate::guarded::guarded;
 use crate::pinned::PinnedBuffer;
 use crate::pool::Pool;
 use crate::{Error, HostAllocator};
@@ -327,23 +327,6 @@ async fn wake_once(
             }))
         }
     }
-}
-
-/// Runs a step of a sleep or a wake that calls the backend off the gate. A panic in it (a
-/// custom backend's bug) becomes an error, so the sleep or wake is rolled back as after a
-/// failed call; unguarded, it lost the plan and left the pool busy, and the next sleep
-/// retried forever. What the step had done before it panicked is not undone (pages it mapped
-/// stay mapped, unaccounted): the backend's state is unknown.
-fn guarded<T>(
-    what: &str,
-    step: impl FnOnce() -> Result<T, BackendError>,
-) -> Result<T, BackendError> {
-    catch_unwind(AssertUnwindSafe(step)).unwrap_or_else(|_| {
-        tracing::error!("the backend panicked during {what}");
-        Err(BackendError::Unavailable(format!(
-            "the backend panicked during {what}"
-        )))
-    })
 }
 
 fn finish_or_abort(core: &mut DeviceCore, plan: SleepPlan, ok: bool) -> Leftovers {

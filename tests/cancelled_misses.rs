@@ -173,9 +173,12 @@ async fn concurrent_misses_respect_the_memory_fraction() {
     alloc.shutdown().await.unwrap();
 }
 
-/// A miss whose backend panics after its request was cancelled (a custom backend's bug) ends
-/// without delivering anything: it must not count as in flight forever, or every request
-/// that later runs out of memory waits for it to land. (Before, it stayed in flight.)
+/// A miss whose backend panics after its request was cancelled (a custom backend's bug) must
+/// not count as in flight forever, or every request that later runs out of memory waits for
+/// it to land. (Before, it stayed in flight: the panic ended the task without delivering, and
+/// the cancelled request was not there to take the landing. Now the panic is an error the
+/// task delivers, and a landing nobody took lands when its last handle goes:
+/// `gpualloc_actor::landing`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_miss_whose_backend_panicked_does_not_stay_in_flight() {
     use gpualloc::runtime::sim::{Fault, Op};
@@ -211,4 +214,41 @@ async fn a_cancelled_miss_whose_backend_panicked_does_not_stay_in_flight() {
     assert_eq!(sim.counts().get(Op::Map), 1, "the map was tried");
     assert_eq!(actor.misses_in_flight(), 0, "the dead miss still counts");
     sim.clear_faults();
+}
+
+/// A miss whose backend call panics (a custom backend's bug) fails its request with an
+/// error and gives back what it had claimed: the bytes it was obtaining no longer count as
+/// in flight, so they neither shrink `per_process_memory_fraction` for every later request
+/// nor show in out-of-memory reports. (Before, 64 MiB stayed "in flight" for good, and a
+/// 480 MiB request under the 512 MiB cap ran out of memory.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_whose_backend_panicked_gives_its_claim_back() {
+    use gpualloc::runtime::sim::{Fault, Op};
+    for (conf, op) in [
+        (
+            "per_process_memory_fraction:0.5,expandable_segments:False,thread_cache:False",
+            Op::Malloc,
+        ),
+        (
+            "per_process_memory_fraction:0.5,expandable_segments:True,thread_cache:False",
+            Op::Map,
+        ),
+    ] {
+        let sim = common::sim_with(1024 * MIB, LatencyModel::zero());
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        sim.inject(op, Fault::PanicNext { skip: 0 });
+        let err = alloc.malloc(64 * MIB, &s).await.unwrap_err();
+        sim.clear_faults();
+        assert!(err.to_string().contains("panicked"), "{conf}: {err}");
+        let oversized = alloc.malloc(4096 * MIB, &s).await.unwrap_err();
+        let report = oversized.oom_report().expect("an out-of-memory report");
+        assert_eq!(report.in_flight, 0, "{conf}: nothing is in flight");
+        let big = alloc
+            .malloc(480 * MIB, &s)
+            .await
+            .unwrap_or_else(|e| panic!("{conf}: 480 MiB under the 512 MiB cap: {e}"));
+        drop(big);
+        alloc.shutdown().await.unwrap();
+    }
 }

@@ -32,6 +32,7 @@ use gpualloc_runtime::{DevicePtr, Stream};
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
+use crate::guarded::guarded;
 
 /// What an off-gate growth came to.
 enum Grown {
@@ -226,7 +227,9 @@ impl DeviceActor {
         stream: &Stream,
     ) -> Result<Result<DeviceBuffer, SegmentRequest>, Error> {
         let size = req.requested();
-        match self.backend.malloc(self.device, req.alloc_size()) {
+        match guarded("a miss's segment malloc", || {
+            self.backend.malloc(self.device, req.alloc_size())
+        }) {
             Ok(ptr) => return self.adopt(req, ptr, stream.clone()).map(Ok),
             Err(e) if e.is_oom() => {
                 tracing::info!(
@@ -256,7 +259,9 @@ impl DeviceActor {
         };
         if released > 0 {
             tracing::debug!(device = self.device.0, size, "retrying device malloc");
-            match self.backend.malloc(self.device, retry.alloc_size()) {
+            match guarded("a miss's segment malloc", || {
+                self.backend.malloc(self.device, retry.alloc_size())
+            }) {
                 Ok(ptr) => return self.adopt(retry, ptr, stream.clone()).map(Ok),
                 Err(e) if e.is_oom() => {}
                 Err(e) => {
@@ -304,7 +309,9 @@ impl DeviceActor {
                     bytes = plan.bytes()
                 )
                 .entered();
-                map_growth(self.backend.as_ref(), &plan)
+                guarded("a miss's page mapping", || {
+                    map_growth(self.backend.as_ref(), &plan)
+                })
             };
             let mut held = self.mailbox.hold_blocking();
             let core = &mut held.state().core;
