@@ -33,7 +33,7 @@
 use std::fmt;
 
 use crate::policy::Policy;
-use crate::sizes::{roundup_band, LARGE_BUFFER, ROUNDUP_BANDS};
+use crate::size_classes::{roundup_band, LARGE_BUFFER, ROUNDUP_BANDS};
 
 const MIB: u64 = 1 << 20;
 

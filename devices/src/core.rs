@@ -30,8 +30,8 @@ use crate::expandable::ExpandableSegment;
 use crate::mem_pools::PoolUsage;
 use crate::observer::SegmentSink;
 use crate::pool::{key, BlockPool, PoolOwner};
+use crate::pool_state::PoolState;
 use crate::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
-use crate::sleep::PoolState;
 use crate::stats::{for_pool, DeviceStats};
 use crate::trace::{Frames, TraceAction, TraceEntry, TraceRing};
 
@@ -1159,8 +1159,12 @@ impl DeviceCore {
         if size >= self.config.max_split_size {
             self.stats.oversize_allocations.decrease(1);
         }
-        if self.config.debug_cross_stream_frees {
-            self.check_cross_stream_free(id);
+        if self.config.debug_cross_stream_frees
+            && self
+                .cross_stream
+                .check_free(self.backend.as_ref(), self.blocks.get(id))
+        {
+            self.stats.num_cross_stream_frees += 1;
         }
         if has_uses {
             self.insert_events(id);

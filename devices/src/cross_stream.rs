@@ -10,7 +10,8 @@
 //! streams still have work touching the block that the allocation stream does not wait for,
 //! drops the `record_stream`ed ones (their events already guard the reuse), and reports the
 //! rest: a `tracing` warning, [`DeviceStats::num_cross_stream_frees`](crate::DeviceStats), and
-//! the last [`CROSS_STREAM_LOG`] reports in [`DeviceCore::cross_stream_frees`].
+//! the last [`CROSS_STREAM_LOG`] reports in
+//! [`DeviceCore::cross_stream_frees`](crate::DeviceCore::cross_stream_frees).
 //!
 //! What it can see is what the backend can: the sim knows the ranges of queued copies and
 //! memsets and of kernels launched with `launch_kernel_touching`; a real driver says nothing
@@ -19,15 +20,17 @@
 //! (A waits on C, which waited on B) is not followed, and is reported: `record_stream` is the
 //! rule the check enforces.
 
+//!
+//! A component of the core that owns its state ([`CrossStreamLog`]): the core hands it the
+//! freed block and the backend, and counts what it reports.
 use std::collections::VecDeque;
 
-use gpualloc_runtime::{DevicePtr, StreamHandle};
+use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
 
-use crate::block::BlockId;
-use crate::core::DeviceCore;
+use crate::block::Block;
 
-/// Reports kept by [`DeviceCore::cross_stream_frees`] (older ones are dropped; the count in
-/// the stats keeps growing).
+/// Reports kept by [`DeviceCore::cross_stream_frees`](crate::DeviceCore::cross_stream_frees)
+/// (older ones are dropped; the count in the stats keeps growing).
 pub const CROSS_STREAM_LOG: usize = 64;
 
 /// A free that raced other streams' pending work on the block.
@@ -50,36 +53,35 @@ pub(crate) struct CrossStreamLog {
     blind_warned: bool,
 }
 
-impl DeviceCore {
-    /// Checks the free of block `id` (see the module docs); called only with the key on.
-    pub(crate) fn check_cross_stream_free(&mut self, id: BlockId) {
-        let b = self.blocks.get(id);
-        let (ptr, size, stream) = (DevicePtr(b.addr), b.size, b.stream);
-        let others = match self.backend.unordered_users(stream, ptr, size) {
+impl CrossStreamLog {
+    /// Checks the free of `block` (see the module docs); called only with the key on. True
+    /// when it reported the free (the caller counts it in the stats).
+    pub(crate) fn check_free(&mut self, backend: &dyn Backend, block: &Block) -> bool {
+        let (ptr, size, stream) = (DevicePtr(block.addr), block.size, block.stream);
+        let others = match backend.unordered_users(stream, ptr, size) {
             Ok(Some(users)) => users,
             Ok(None) => {
-                if !self.cross_stream.blind_warned {
-                    self.cross_stream.blind_warned = true;
+                if !self.blind_warned {
+                    self.blind_warned = true;
                     tracing::warn!(
-                        backend = self.backend.name(),
+                        backend = backend.name(),
                         "debug_cross_stream_frees: this backend cannot tell which streams use \
                          a buffer; frees are not checked"
                     );
                 }
-                return;
+                return false;
             }
             Err(e) => {
                 tracing::debug!(error = %e, "debug_cross_stream_frees: check failed");
-                return;
+                return false;
             }
         };
-        let b = self.blocks.get(id);
         let others: Vec<StreamHandle> = others
             .into_iter()
-            .filter(|s| *s != stream && !b.stream_uses.contains(s))
+            .filter(|s| *s != stream && !block.stream_uses.contains(s))
             .collect();
         if others.is_empty() {
-            return;
+            return false;
         }
         tracing::warn!(
             ptr = format_args!("{:#x}", ptr.0),
@@ -89,22 +91,20 @@ impl DeviceCore {
             "buffer freed while other streams still have work on it that was not \
              record_stream'ed: its memory may be reused under that work"
         );
-        self.stats.num_cross_stream_frees += 1;
-        let log = &mut self.cross_stream.reports;
-        if log.len() == CROSS_STREAM_LOG {
-            log.pop_front();
+        if self.reports.len() == CROSS_STREAM_LOG {
+            self.reports.pop_front();
         }
-        log.push_back(CrossStreamFree {
+        self.reports.push_back(CrossStreamFree {
             ptr,
             size,
             stream,
             others,
         });
+        true
     }
 
-    /// The last [`CROSS_STREAM_LOG`] frees the `debug_cross_stream_frees` check reported,
-    /// oldest first (empty with the key off).
-    pub fn cross_stream_frees(&self) -> Vec<CrossStreamFree> {
-        self.cross_stream.reports.iter().cloned().collect()
+    /// The reports kept, oldest first.
+    pub(crate) fn reports(&self) -> Vec<CrossStreamFree> {
+        self.reports.iter().cloned().collect()
     }
 }

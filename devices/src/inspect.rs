@@ -1,17 +1,80 @@
-//! Looking inside the core: snapshots of segments and blocks, and a full invariant check used
-//! by the property tests (and by debug assertions in callers).
+//! Looking inside the core: snapshots of segments and blocks, the cross-stream frees
+//! reported, and a full invariant check used by the property tests (and by debug assertions
+//! in callers).
 
 use std::collections::BTreeMap;
 
 use crate::block::{BlockId, BlockState};
-use crate::core::DeviceCore;
+use crate::core::{DeviceCore, MemPoolId};
+use crate::cross_stream::CrossStreamFree;
 use crate::mem_pools::PoolOptions;
 use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
-use crate::stats::StatType;
+use crate::stats::{DeviceStats, StatArray, StatType};
 use crate::trace::{TraceAction, TraceRing};
 
 impl DeviceCore {
+    /// The last [`CROSS_STREAM_LOG`](crate::CROSS_STREAM_LOG) frees the `debug_cross_stream_frees` check reported,
+    /// oldest first (empty with the key off; `cross_stream.rs`).
+    pub fn cross_stream_frees(&self) -> Vec<CrossStreamFree> {
+        self.cross_stream.reports()
+    }
+
+    /// The segments of `pool` as in [`DeviceCore::snapshot`] (and no trace); `None` for an
+    /// unknown pool.
+    pub fn pool_snapshot(&self, pool: MemPoolId) -> Option<DeviceSnapshot> {
+        self.private.get(&pool.0)?;
+        let mut snap = self.snapshot();
+        snap.segments.retain(|s| s.pool_id == (0, pool.0));
+        snap.pools.retain(|p| p.id == pool.0);
+        snap.trace.clear();
+        Some(snap)
+    }
+
+    /// Statistics of `pool` in the device's terms, for [`memory_summary`](crate::memory_summary):
+    /// allocated and reserved bytes and segments as its usage tracks them (current, peak and
+    /// totals); the other rows (active, requested, inactive split, allocation counts) from its
+    /// blocks now, with the current value as peak and no totals (tracked per device only).
+    pub fn pool_stats(&self, pool: MemPoolId) -> Option<DeviceStats> {
+        let usage = self.pool_usage(pool)?;
+        let snap = self.pool_snapshot(pool)?;
+        let mut st = DeviceStats {
+            max_split_size: self.stats.max_split_size,
+            ..DeviceStats::default()
+        };
+        let set = |arr: &mut StatArray, small: bool, n: u64| {
+            for i in [StatType::All as usize, 1 + usize::from(!small)] {
+                arr.0[i].current += n;
+                arr.0[i].peak = arr.0[i].peak.max(arr.0[i].current);
+            }
+        };
+        for seg in &snap.segments {
+            let small = seg.is_small;
+            for b in &seg.blocks {
+                let (live, active) = match b.state {
+                    BlockStateName::ActiveAllocated => (true, true),
+                    BlockStateName::ActivePendingFree => (false, true),
+                    BlockStateName::Inactive => (false, false),
+                };
+                if live {
+                    set(&mut st.allocation, small, 1);
+                    set(&mut st.requested_bytes, small, b.requested_size);
+                }
+                if active {
+                    set(&mut st.active, small, 1);
+                    set(&mut st.active_bytes, small, b.size);
+                } else if seg.blocks.len() > 1 && b.mapped {
+                    set(&mut st.inactive_split, small, 1);
+                    set(&mut st.inactive_split_bytes, small, b.size);
+                }
+            }
+        }
+        st.allocated_bytes = usage.allocated;
+        st.reserved_bytes = usage.reserved;
+        st.segment = usage.segments;
+        Some(st)
+    }
+
     /// Records a `snapshot` trace entry (when history is on): PyTorch's mark that a snapshot
     /// was taken here, to line snapshots up with the history (`size`: allocated bytes).
     pub fn record_snapshot_taken(&mut self) {

@@ -27,11 +27,13 @@ mod pages;
 pub mod placement;
 pub mod policy;
 mod pool;
+mod pool_state;
 mod recorded;
 mod release;
 mod restore;
 mod round_trips;
 mod shrink;
+mod size_classes;
 pub mod sizes;
 mod sleep;
 pub mod snapshot;
@@ -60,12 +62,13 @@ pub use observer::{
 };
 pub use pages::AllocationMemory;
 pub use policy::Policy;
+pub use pool_state::PoolState;
 pub use restore::{RestorePool, RestoredBlock};
 pub use round_trips::RoundTrips;
 pub use shrink::{release_pages, PageRelease};
 pub use sleep::{
-    map_wake, release_slept_pages, wait_for_pool_streams, Leftovers, PoolState, SleepMode,
-    SleepPlan, WakePlan, WokenPages,
+    map_wake, release_slept_pages, wait_for_pool_streams, Leftovers, SleepMode, SleepPlan,
+    WakePlan, WokenPages,
 };
 pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
 pub use stats::{DeviceStats, Stat, StatArray, StatType};

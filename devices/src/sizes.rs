@@ -7,25 +7,16 @@
 //! - requests of at most 1 MiB go to the small pool, whose segments are 2 MiB;
 //! - larger requests under 10 MiB get a `large_segment_size` (20 MiB) segment; 10 MiB and above
 //!   get a segment of the request rounded up to 2 MiB.
+//!
+//! The sizes and bands themselves, which the config's parser needs too, are in
+//! `size_classes.rs` (re-exported here).
 
 use crate::config::AllocatorConfig;
 
-/// Smallest block, and the unit every size is rounded to.
-pub const MIN_BLOCK_SIZE: u64 = 512;
-/// Largest request served by the small pool.
-pub const SMALL_SIZE: u64 = 1 << 20;
-/// Segment size of the small pool.
-pub const SMALL_BUFFER: u64 = 2 << 20;
-/// Requests from here on get a segment of their own size (rounded to [`ROUND_LARGE`]).
-pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
-/// Rounding of large segments.
-pub const ROUND_LARGE: u64 = 2 << 20;
-/// Default segment size for large-pool requests under [`MIN_LARGE_ALLOC`].
-pub const LARGE_BUFFER: u64 = 20 << 20;
-/// Number of power-of-two bands `roundup_power2_divisions` configures (1 MiB .. 64 GiB).
-pub const ROUNDUP_BANDS: usize = 16;
-/// Band of sizes below 2 MiB (log2 of 1 MiB).
-const ROUNDUP_FIRST_LOG2: u32 = 20;
+pub use crate::size_classes::{
+    is_small, roundup_band, LARGE_BUFFER, MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, ROUNDUP_BANDS,
+    ROUND_LARGE, SMALL_BUFFER, SMALL_SIZE,
+};
 
 /// Rounds a request as PyTorch's `round_size` does. `None` when the result would overflow.
 pub fn round_size(size: u64, config: &AllocatorConfig) -> Option<u64> {
@@ -58,17 +49,6 @@ fn roundup_power2_next_division(size: u64, divisions: u64) -> Option<u64> {
     } else {
         rounded_down.checked_add(step)
     }
-}
-
-/// Index of the `roundup_power2_divisions` band of `size`.
-pub fn roundup_band(size: u64) -> usize {
-    let log = 63 - size.max(1).leading_zeros();
-    (log.saturating_sub(ROUNDUP_FIRST_LOG2) as usize).min(ROUNDUP_BANDS - 1)
-}
-
-/// True when a (rounded) request is served by the small pool.
-pub fn is_small(rounded: u64) -> bool {
-    rounded <= SMALL_SIZE
 }
 
 /// Size of the segment to allocate for a rounded request. `None` on overflow.

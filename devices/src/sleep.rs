@@ -48,8 +48,6 @@
 //! - A wake does not count against the pool's quota (it maps what the pool had), but does
 //!   count against `per_process_memory_fraction`.
 
-use std::fmt;
-
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::BlockState;
@@ -58,6 +56,7 @@ use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, Booking, MappedPages};
 use crate::growth::release_reservation;
 use crate::observer::SegmentAction;
+use crate::pool_state::PoolState;
 
 /// What happens to the data of a pool's live blocks while it sleeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,31 +66,6 @@ pub enum SleepMode {
     /// Dropped: after the wake the blocks hold whatever the new memory holds (weights that
     /// will be reloaded, a KV cache that will be recomputed).
     Discard,
-}
-
-/// Where a named pool is in its sleep cycle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PoolState {
-    /// Serving allocations.
-    #[default]
-    Awake,
-    /// Between [`DeviceCore::begin_sleep`] and its finish or abort.
-    FallingAsleep,
-    /// Its physical memory released.
-    Asleep,
-    /// Between [`DeviceCore::begin_wake`] and its finish or abort.
-    Waking,
-}
-
-impl fmt::Display for PoolState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            PoolState::Awake => "awake",
-            PoolState::FallingAsleep => "falling asleep",
-            PoolState::Asleep => "asleep",
-            PoolState::Waking => "waking",
-        })
-    }
 }
 
 /// A sleep begun by [`DeviceCore::begin_sleep`]: finish or abort it.

@@ -18,7 +18,7 @@ use gpualloc_runtime::BackendError;
 
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
-use crate::sleep::PoolState;
+use crate::pool_state::PoolState;
 
 impl DeviceCore {
     /// The granularity of the unsplit blocks of block pool `index`, if its pool keeps them.
