@@ -55,9 +55,7 @@ pub struct Allocation {
     pub pool: Option<MemPoolId>,
 }
 
-/// Id of a private memory pool (PyTorch's `MempoolId_t`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct MemPoolId(pub u64);
+pub use crate::pool_id::MemPoolId;
 
 /// How far back [`DeviceCore::attach_frames`] looks for an allocation's entry.
 pub const ATTACH_WITHIN: usize = 4096;

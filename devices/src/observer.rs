@@ -3,13 +3,13 @@
 //! trace tracker), UCX's registration cache (invalidated when a range is released),
 //! NVSHMEM.
 //!
-//! - [`DeviceCore::set_segment_sink`] installs a function the core calls with a
-//!   [`SegmentEvent`] whenever a segment is allocated or freed, pages of an expandable segment
+//! - [`DeviceCore::set_segment_sink`](crate::DeviceCore::set_segment_sink) installs a
+//!   function the core calls with a [`SegmentEvent`] whenever a segment is allocated or freed, pages of an expandable segment
 //!   are mapped or unmapped, or a named pool falls asleep or wakes. The owner's sink must be
 //!   quick and must not block (the device actor's sends on a `tokio::sync::broadcast`
 //!   channel, so user code runs in the receivers' tasks, never under the core).
-//! - [`DeviceCore::segment_ranges`] lists the ranges held now, for a late subscriber: taken
-//!   in the same hold of the core as its subscription, it is exactly what the events that
+//! - [`DeviceCore::segment_ranges`](crate::DeviceCore::segment_ranges) lists the ranges held
+//!   now, for a late subscriber: taken in the same hold of the core as its subscription, it is exactly what the events that
 //!   follow change.
 //! - When an event is sent: a range is announced mapped (or allocated) once the driver call
 //!   that made it has returned and before any block of it is handed out; it is announced
@@ -21,13 +21,15 @@
 //! - A shutdown returns every segment without events (the allocator is gone).
 //! - [`HeldRanges`] keeps the ranges held from such a list and the events after it, for a
 //!   watcher that must know them (a registration cache).
+//!
+//! The types are here, a leaf; the core's side (installing the sink, announcing, listing the
+//! ranges) is in `observer_hooks.rs`.
 
 use std::collections::BTreeMap;
 
 use gpualloc_runtime::DeviceId;
 
-use crate::core::{DeviceCore, MemPoolId};
-use crate::trace::TraceAction;
+use crate::pool_id::MemPoolId;
 
 /// What happened to a range of device memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,7 +65,8 @@ pub struct SegmentEvent {
     pub pool: Option<MemPoolId>,
 }
 
-/// A range of device memory held now, for [`DeviceCore::segment_ranges`].
+/// A range of device memory held now, for
+/// [`DeviceCore::segment_ranges`](crate::DeviceCore::segment_ranges).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegmentRange {
     /// First address.
@@ -81,96 +84,9 @@ pub struct SegmentRange {
 /// The function a core calls with each [`SegmentEvent`].
 pub type SegmentSink = Box<dyn FnMut(SegmentEvent) + Send>;
 
-impl DeviceCore {
-    /// Installs (or with `None` removes) the segment sink (see the module docs).
-    pub fn set_segment_sink(&mut self, sink: Option<SegmentSink>) {
-        self.segment_sink = sink;
-    }
-
-    /// The ranges of device memory held now, in address order: each ordinary segment whole,
-    /// each stretch of mapped pages of an expandable segment.
-    pub fn segment_ranges(&self) -> Vec<SegmentRange> {
-        let mut out = Vec::new();
-        for (&base, meta) in &self.segments {
-            let pool = self.owner_of(meta.pool);
-            let stream = meta.stream.raw;
-            match self.expandable.get(&base) {
-                Some(es) => {
-                    out.extend(
-                        es.mapped_stretches()
-                            .into_iter()
-                            .map(|(first, n)| SegmentRange {
-                                addr: es.page_addr(first),
-                                size: n as u64 * es.page,
-                                stream,
-                                pool,
-                                expandable: true,
-                            }),
-                    )
-                }
-                None => out.push(SegmentRange {
-                    addr: base,
-                    size: meta.size,
-                    stream,
-                    pool,
-                    expandable: false,
-                }),
-            }
-        }
-        out
-    }
-
-    /// Sends the segment event of trace action `action`, if it is one and a sink is set.
-    pub(crate) fn announce(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
-        if self.segment_sink.is_none() {
-            return;
-        }
-        let action = match action {
-            TraceAction::SegmentAlloc => SegmentAction::Alloc,
-            TraceAction::SegmentFree => SegmentAction::Free,
-            TraceAction::SegmentMap => SegmentAction::Map,
-            TraceAction::SegmentUnmap => SegmentAction::Unmap,
-            _ => return,
-        };
-        let pool = self
-            .segments
-            .range(..=addr)
-            .next_back()
-            .filter(|(base, meta)| addr < *base + meta.size)
-            .and_then(|(_, meta)| self.owner_of(meta.pool));
-        self.send_event(action, addr, size, stream, pool);
-    }
-
-    /// Sends a pool's sleep or wake.
-    pub(crate) fn announce_pool(&mut self, action: SegmentAction, pool: MemPoolId, size: u64) {
-        self.send_event(action, 0, size, 0, Some(pool));
-    }
-
-    fn send_event(
-        &mut self,
-        action: SegmentAction,
-        addr: u64,
-        size: u64,
-        stream: u64,
-        pool: Option<MemPoolId>,
-    ) {
-        let device = self.device;
-        if let Some(sink) = &mut self.segment_sink {
-            sink(SegmentEvent {
-                action,
-                device,
-                addr,
-                size,
-                stream,
-                pool,
-            });
-        }
-    }
-}
-
 /// The ranges of device memory held, kept from a list of ranges
-/// ([`DeviceCore::segment_ranges`], or a watch's) and the [`SegmentEvent`]s after it. An unmap
-/// may cover several announced ranges, or part of one (a sleep, a release of whole handles):
+/// ([`DeviceCore::segment_ranges`](crate::DeviceCore::segment_ranges), or a watch's) and the
+/// [`SegmentEvent`]s after it. An unmap may cover several announced ranges, or part of one (a sleep, a release of whole handles):
 /// what it covers goes, the rest stays.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeldRanges(BTreeMap<u64, u64>);
