@@ -29,6 +29,7 @@ pub mod placement;
 pub mod policy;
 mod pool;
 mod pool_id;
+mod pool_records;
 mod pool_state;
 mod recorded;
 mod release;
@@ -58,12 +59,12 @@ pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
 pub use expandable::MappedPages;
 pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
-pub use mem_pools::{PoolOptions, PoolUsage};
 pub use observer::{
     HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
 };
 pub use pages::AllocationMemory;
 pub use policy::Policy;
+pub use pool_records::{PoolOptions, PoolUsage};
 pub use pool_state::PoolState;
 pub use restore::{RestorePool, RestoredBlock};
 pub use round_trips::RoundTrips;

@@ -1,7 +1,7 @@
 //! A point-in-time picture of the allocator: segments and their blocks, in the shape of
 //! PyTorch's `torch.cuda.memory._snapshot()` `segments` list.
 
-use crate::mem_pools::PoolOptions;
+use crate::pool_records::PoolOptions;
 use crate::trace::TraceEntry;
 
 /// State of one block, with PyTorch's names.
