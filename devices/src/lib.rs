@@ -17,6 +17,7 @@ mod detached;
 pub mod error;
 mod events;
 mod expandable;
+mod expandable_core;
 mod growth;
 mod inspect;
 pub mod map_ahead;
