@@ -60,11 +60,8 @@ pub struct DeviceActor {
     pub(crate) process: ProcessGuard,
     /// Stops the actor task (not the core: that is `shutdown`).
     pub(crate) stop: Shutdown,
-    /// Misses running on the blocking pool.
-    pub(crate) misses_in_flight: AtomicUsize,
-    /// Notified whenever a miss lands (succeeds or fails), for requests that found the device
-    /// full while misses were in flight.
-    pub(crate) miss_landed: tokio::sync::Notify,
+    /// Misses running on the blocking pool, and the notice of their landing.
+    pub(crate) misses: Arc<MissesInFlight>,
     /// The runtime the allocator was built in: slow work goes to its blocking pool, so a
     /// request made from outside any runtime still works (and never panics).
     pub(crate) runtime: tokio::runtime::Handle,
@@ -109,8 +106,7 @@ impl DeviceActor {
             signals,
             process,
             stop: Shutdown::new(),
-            misses_in_flight: AtomicUsize::new(0),
-            miss_landed: tokio::sync::Notify::new(),
+            misses: Arc::new(MissesInFlight::default()),
             runtime,
         })
     }
@@ -123,7 +119,7 @@ impl DeviceActor {
     /// Misses whose device allocation is running on the blocking pool right now (they finish
     /// even if their request was cancelled, then return the block).
     pub fn misses_in_flight(&self) -> usize {
-        self.misses_in_flight.load(Ordering::Acquire)
+        self.misses.count.load(Ordering::Acquire)
     }
 
     /// A one-line description of the actor's state, for diagnosing a stall: waiters, misses
@@ -273,7 +269,7 @@ impl DeviceActor {
             Box::pin(tokio::time::sleep_until(deadline))
         };
         loop {
-            let landed = self.miss_landed.notified();
+            let landed = self.misses.landed.notified();
             tokio::pin!(landed);
             // Registered before the check, so a landing in between is not missed.
             landed.as_mut().enable();
@@ -359,7 +355,7 @@ impl DeviceActor {
                 // landing then returns its block to the cache (never to a user): nothing
                 // leaks. Until it lands its bytes count as in flight, and requests that run
                 // out of memory meanwhile wait for it (`malloc`; `gpualloc_actor::landing`).
-                let landing = Landing::new(self.clone());
+                let landing = Landing::new(self.misses.clone());
                 let mut guard = CancelOnDrop(Some(landing.clone()));
                 let task = landing.clone();
                 let joined = self
@@ -479,14 +475,22 @@ fn cached(
 }
 
 /// Misses in flight: counted while they run on the blocking pool, and announced to requests
-/// that ran out of memory meanwhile when they land (`DeviceActor::malloc`).
-impl LandingOwner for DeviceActor {
+/// that ran out of memory meanwhile when they land (`DeviceActor::malloc`). A type of its own,
+/// private to the actor, so nothing but a miss's landing counts or announces one.
+#[derive(Default)]
+pub(crate) struct MissesInFlight {
+    count: AtomicUsize,
+    /// Notified whenever a miss lands (succeeds or fails).
+    landed: tokio::sync::Notify,
+}
+
+impl LandingOwner for MissesInFlight {
     fn started(&self) {
-        self.misses_in_flight.fetch_add(1, Ordering::AcqRel);
+        self.count.fetch_add(1, Ordering::AcqRel);
     }
 
     fn landed(&self) {
-        self.misses_in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.miss_landed.notify_waiters();
+        self.count.fetch_sub(1, Ordering::AcqRel);
+        self.landed.notify_waiters();
     }
 }
