@@ -55,16 +55,26 @@ impl Drop for Buffer {
     }
 }
 
+/// A landing and the thread of its task, which delivers a [`Buffer`].
+fn delivering() -> (
+    Arc<Owner>,
+    Arc<Landing<Buffer, Owner>>,
+    thread::JoinHandle<()>,
+) {
+    let owner = Arc::new(Owner::default());
+    let landing = Landing::new(owner.clone());
+    let task = landing.clone();
+    let dropped = owner.dropped.clone();
+    let t = thread::spawn(move || task.deliver(Buffer(dropped)));
+    (owner, landing, t)
+}
+
 /// The task delivers while the request is cancelled: the result is dropped exactly once,
 /// before the one announcement, whichever side gets the slot first.
 #[test]
 fn a_delivery_racing_a_cancel_is_dropped_once_then_announced_once() {
     loom::model(|| {
-        let owner = Arc::new(Owner::default());
-        let landing = Landing::new(owner.clone());
-        let task = landing.clone();
-        let dropped = owner.dropped.clone();
-        let t = thread::spawn(move || task.deliver(Buffer(dropped)));
+        let (owner, landing, t) = delivering();
         drop(CancelOnDrop(Some(landing)));
         t.join().unwrap();
         assert_eq!(owner.dropped.load(Ordering::Acquire), 1);
@@ -79,11 +89,7 @@ fn a_delivery_racing_a_cancel_is_dropped_once_then_announced_once() {
 #[test]
 fn a_live_request_takes_its_result() {
     loom::model(|| {
-        let owner = Arc::new(Owner::default());
-        let landing = Landing::new(owner.clone());
-        let task = landing.clone();
-        let dropped = owner.dropped.clone();
-        let t = thread::spawn(move || task.deliver(Buffer(dropped)));
+        let (owner, landing, t) = delivering();
         let mut guard = CancelOnDrop(Some(landing.clone()));
         t.join().unwrap();
         guard.0 = None;
