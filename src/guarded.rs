@@ -1,7 +1,9 @@
 //! Backend calls made off the gate whose panic (a custom backend's bug) must become an error,
 //! so the caller's failure path runs: a sleep or wake is rolled back, a miss gives back what
-//! it claimed (its bytes in flight, its share of `per_process_memory_fraction`). Unguarded, a
-//! panic skipped those paths and left the core counting work that would never land.
+//! it claimed (its bytes in flight, its share of `per_process_memory_fraction`), also when the
+//! panic comes from releasing the cache to make room for it (event synchronizations, segment
+//! frees, page unmaps). Unguarded, a panic skipped those paths and left the core counting work
+//! that would never land.
 //!
 //! What the call had done before it panicked is not undone (pages it mapped stay mapped,
 //! unaccounted): the backend's state is unknown.
@@ -11,15 +13,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use gpualloc_runtime::BackendError;
 
 /// Runs `step`, one or more backend calls described by `what`; a panic in it becomes
-/// `BackendError::Unavailable("the backend panicked during {what}")`, logged as an error.
-pub(crate) fn guarded<T>(
+/// `BackendError::Unavailable("the backend panicked during {what}")` (in the step's own
+/// error type), logged as an error.
+pub(crate) fn guarded<T, E: From<BackendError>>(
     what: &str,
-    step: impl FnOnce() -> Result<T, BackendError>,
-) -> Result<T, BackendError> {
+    step: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
     catch_unwind(AssertUnwindSafe(step)).unwrap_or_else(|_| {
         tracing::error!("the backend panicked during {what}");
-        Err(BackendError::Unavailable(format!(
-            "the backend panicked during {what}"
-        )))
+        Err(BackendError::Unavailable(format!("the backend panicked during {what}")).into())
     })
 }

@@ -49,7 +49,7 @@ use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, DeviceCore, Leftovers,
     MemPoolId, PoolState, SleepMode, SleepPlan,
 };
-use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 use tokio::sync::Mutex;
 
 use crate::actor::DeviceActor;
@@ -208,7 +208,7 @@ async fn sleep_task(
                 // panics (the pages it did not release stay mapped, unaccounted).
                 let _ = guarded("a sleep's page release", || {
                     release_slept_pages(backend.as_ref(), &plan);
-                    Ok(())
+                    Ok::<(), BackendError>(())
                 });
             }
             (plan, chunks, copied)

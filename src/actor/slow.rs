@@ -27,7 +27,7 @@ use gpualloc_devices::{
     free_detached, map_growth, release_pages, release_reservation, AllocError, CachedOutcome,
     Growth, SegmentRequest,
 };
-use gpualloc_runtime::{DevicePtr, Stream};
+use gpualloc_runtime::{BackendError, DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
@@ -108,7 +108,10 @@ impl DeviceActor {
         };
         if !collected.is_empty() {
             let _gc = tracing::debug_span!("garbage_collect", device = self.device.0).entered();
-            if let Err(e) = free_detached(self.backend.as_ref(), self.device, &collected) {
+            let freed = guarded("garbage collection's segment frees", || {
+                free_detached(self.backend.as_ref(), self.device, &collected)
+            });
+            if let Err(e) = freed {
                 tracing::warn!(device = self.device.0, error = %e, "segment free failed");
             }
             self.signals.waiters.wake_head();
@@ -388,7 +391,10 @@ impl DeviceActor {
         let _span = tracing::debug_span!("release_cache", device = self.device.0).entered();
         let events = self.mailbox.hold_blocking().state().core.pending_events();
         for e in events {
-            if let Err(err) = self.backend.event_synchronize(e) {
+            let synced = guarded("a cache release's event synchronization", || {
+                self.backend.event_synchronize(e)
+            });
+            if let Err(err) = synced {
                 tracing::warn!(device = self.device.0, error = %err, "event synchronize failed");
             }
         }
@@ -407,7 +413,10 @@ impl DeviceActor {
                 return 0;
             }
         };
-        if let Err(e) = free_detached(self.backend.as_ref(), self.device, &segments) {
+        let freed = guarded("a cache release's segment frees", || {
+            free_detached(self.backend.as_ref(), self.device, &segments)
+        });
+        if let Err(e) = freed {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");
         }
         let pages = self.release_free_pages_blocking(request);
@@ -433,7 +442,12 @@ impl DeviceActor {
             _ => return 0,
         };
         let n = releases.len();
-        release_pages(self.backend.as_ref(), &releases);
+        // A panic while unmapping (a custom backend's bug) is logged by the guard; the core
+        // books the pages released either way, as it does when an unmap fails.
+        let _ = guarded("a cache release's page unmaps", || {
+            release_pages(self.backend.as_ref(), &releases);
+            Ok::<(), BackendError>(())
+        });
         let mut orphaned = Vec::new();
         {
             let mut held = self.mailbox.hold_blocking();
