@@ -24,3 +24,12 @@ pub(crate) fn guarded<T, E: From<BackendError>>(
         Err(BackendError::Unavailable(format!("the backend panicked during {what}")).into())
     })
 }
+
+/// [`guarded`] for a step that logs its own failures and returns nothing (unmaps, page
+/// releases): a panic in it is logged, and the caller goes on as after a failed call.
+pub(crate) fn guarded_step(what: &str, step: impl FnOnce()) {
+    let _ = guarded(what, || {
+        step();
+        Ok::<(), BackendError>(())
+    });
+}

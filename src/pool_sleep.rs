@@ -49,11 +49,11 @@ use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, DeviceCore, Leftovers,
     MemPoolId, PoolState, SleepMode, SleepPlan,
 };
-use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 use tokio::sync::Mutex;
 
 use crate::actor::DeviceActor;
-use crate::guarded::guarded;
+use crate::guarded::{guarded, guarded_step};
 use crate::pinned::PinnedBuffer;
 use crate::pool::Pool;
 use crate::{Error, HostAllocator};
@@ -206,9 +206,8 @@ async fn sleep_task(
             if copied.is_ok() {
                 // The bytes are safe on the host: the sleep finishes even if releasing
                 // panics (the pages it did not release stay mapped, unaccounted).
-                let _ = guarded("a sleep's page release", || {
-                    release_slept_pages(backend.as_ref(), &plan);
-                    Ok::<(), BackendError>(())
+                guarded_step("a sleep's page release", || {
+                    release_slept_pages(backend.as_ref(), &plan)
                 });
             }
             (plan, chunks, copied)

@@ -9,7 +9,7 @@ mod common;
 
 use common::{build, MIB};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend};
-use gpualloc::{Allocator, DeviceId};
+use gpualloc::{Allocator, DeviceActor, DeviceId};
 
 fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
     common::sim_with(
@@ -20,6 +20,28 @@ fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
             ..LatencyModel::zero()
         },
     )
+}
+
+/// Waits (up to `ms` milliseconds, polling each one) until `ok` holds of the actor's misses in
+/// flight; returns the count then, for the caller's assertion.
+async fn wait_in_flight(actor: &DeviceActor, ms: u32, ok: impl Fn(usize) -> bool) -> usize {
+    for _ in 0..ms {
+        if ok(actor.misses_in_flight()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    actor.misses_in_flight()
+}
+
+/// The bytes an out-of-memory report says are in flight on device 0 (asked for with a
+/// request larger than the device, which fails at once).
+async fn in_flight_reported(alloc: &Allocator, s: &gpualloc::Stream) -> u64 {
+    let oversized = alloc.malloc(4096 * MIB, s).await.unwrap_err();
+    oversized
+        .oom_report()
+        .expect("an out-of-memory report")
+        .in_flight
 }
 
 /// Starts `n` mallocs of `size` at once and cancels them all while their misses are in
@@ -34,14 +56,8 @@ async fn cancel_misses_in_flight(alloc: &Allocator, n: usize, size: u64) {
         .collect();
     // With expandable segments the core maps pages under its gate, one miss at a time: wait
     // for the first ones to be in flight, not for all.
-    for _ in 0..2500 {
-        if actor.misses_in_flight() >= n / 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
     assert!(
-        actor.misses_in_flight() >= n / 2,
+        wait_in_flight(&actor, 2500, |m| m >= n / 2).await >= n / 2,
         "misses are not in flight"
     );
     for t in tasks {
@@ -64,13 +80,11 @@ async fn a_live_request_waits_for_cancelled_misses_instead_of_failing() {
             .unwrap_or_else(|e| panic!("{conf:?}: {e}"));
         assert_eq!(buf.len(), 256 * MIB);
         let actor = alloc.device_actor(DeviceId(0)).unwrap();
-        for _ in 0..5000 {
-            if actor.misses_in_flight() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert_eq!(actor.misses_in_flight(), 0, "{conf:?}: every miss lands");
+        assert_eq!(
+            wait_in_flight(actor, 5000, |m| m == 0).await,
+            0,
+            "{conf:?}: every miss lands"
+        );
         drop(buf);
         let st = alloc.stats(DeviceId(0)).await.unwrap();
         assert_eq!(
@@ -95,13 +109,7 @@ async fn the_oom_report_counts_memory_in_flight_and_the_process() {
     let (a2, s2) = (alloc.clone(), s.clone());
     let second = tokio::spawn(async move { a2.malloc(400 * MIB, &s2).await });
     let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
-    for _ in 0..2500 {
-        if actor.misses_in_flight() == 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert_eq!(actor.misses_in_flight(), 2);
+    assert_eq!(wait_in_flight(&actor, 2500, |m| m == 2).await, 2);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let held = (
         first.await.unwrap().unwrap(),
@@ -196,23 +204,16 @@ async fn a_cancelled_miss_whose_backend_panicked_does_not_stay_in_flight() {
     sim.inject(Op::Map, Fault::PanicNext { skip: 0 });
     let (a, s) = (alloc.clone(), alloc.new_stream(DeviceId(0)).unwrap());
     let request = tokio::spawn(async move { a.malloc(64 * MIB, &s).await });
-    for _ in 0..2500 {
-        if actor.misses_in_flight() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    assert_eq!(actor.misses_in_flight(), 1, "the miss is not in flight");
+    assert_eq!(
+        wait_in_flight(&actor, 2500, |m| m == 1).await,
+        1,
+        "the miss is not in flight"
+    );
     request.abort();
     let _ = request.await;
-    for _ in 0..5000 {
-        if actor.misses_in_flight() == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    let left = wait_in_flight(&actor, 5000, |m| m == 0).await;
     assert_eq!(sim.counts().get(Op::Map), 1, "the map was tried");
-    assert_eq!(actor.misses_in_flight(), 0, "the dead miss still counts");
+    assert_eq!(left, 0, "the dead miss still counts");
     sim.clear_faults();
 }
 
@@ -241,9 +242,11 @@ async fn a_miss_whose_backend_panicked_gives_its_claim_back() {
         let err = alloc.malloc(64 * MIB, &s).await.unwrap_err();
         sim.clear_faults();
         assert!(err.to_string().contains("panicked"), "{conf}: {err}");
-        let oversized = alloc.malloc(4096 * MIB, &s).await.unwrap_err();
-        let report = oversized.oom_report().expect("an out-of-memory report");
-        assert_eq!(report.in_flight, 0, "{conf}: nothing is in flight");
+        assert_eq!(
+            in_flight_reported(&alloc, &s).await,
+            0,
+            "{conf}: nothing is in flight"
+        );
         let big = alloc
             .malloc(480 * MIB, &s)
             .await
@@ -274,8 +277,10 @@ async fn a_panic_while_releasing_the_cache_gives_the_claim_back() {
     let err = alloc.malloc(100 * MIB, &s2).await.unwrap_err();
     sim.clear_faults();
     assert!(!err.to_string().contains("task failed"), "{err}");
-    let oversized = alloc.malloc(4096 * MIB, &s2).await.unwrap_err();
-    let report = oversized.oom_report().expect("an out-of-memory report");
-    assert_eq!(report.in_flight, 0, "nothing is in flight");
+    assert_eq!(
+        in_flight_reported(&alloc, &s2).await,
+        0,
+        "nothing is in flight"
+    );
     alloc.shutdown().await.unwrap();
 }

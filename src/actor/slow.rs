@@ -27,12 +27,12 @@ use gpualloc_devices::{
     free_detached, map_growth, release_pages, release_reservation, AllocError, CachedOutcome,
     Growth, SegmentRequest,
 };
-use gpualloc_runtime::{BackendError, DevicePtr, Stream};
+use gpualloc_runtime::{DevicePtr, Stream};
 
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
-use crate::guarded::guarded;
+use crate::guarded::{guarded, guarded_step};
 
 /// What an off-gate growth came to.
 enum Grown {
@@ -444,9 +444,8 @@ impl DeviceActor {
         let n = releases.len();
         // A panic while unmapping (a custom backend's bug) is logged by the guard; the core
         // books the pages released either way, as it does when an unmap fails.
-        let _ = guarded("a cache release's page unmaps", || {
-            release_pages(self.backend.as_ref(), &releases);
-            Ok::<(), BackendError>(())
+        guarded_step("a cache release's page unmaps", || {
+            release_pages(self.backend.as_ref(), &releases)
         });
         let mut orphaned = Vec::new();
         {

@@ -64,10 +64,7 @@ impl<T, O: LandingOwner> Landing<T, O> {
         if slot.cancelled {
             let announce = slot.claim();
             drop(slot);
-            drop(r);
-            if announce {
-                self.owner.landed();
-            }
+            self.settle(Some(r), announce);
         } else {
             slot.result = Some(r);
         }
@@ -82,9 +79,7 @@ impl<T, O: LandingOwner> Landing<T, O> {
             slot.cancelled = true;
             (slot.result.take(), slot.claim())
         };
-        if announce {
-            self.owner.landed();
-        }
+        self.settle(None, announce);
         r
     }
 
@@ -98,7 +93,13 @@ impl<T, O: LandingOwner> Landing<T, O> {
             let announce = r.is_some() && slot.claim();
             (r, announce)
         };
-        drop(r);
+        self.settle(r, announce);
+    }
+
+    /// After the slot's lock: drops what was taken out of it (a dropped buffer returns its
+    /// block), then announces the landing if the caller claimed that.
+    fn settle(&self, dropped: Option<T>, announce: bool) {
+        drop(dropped);
         if announce {
             self.owner.landed();
         }
@@ -116,10 +117,7 @@ impl<T, O: LandingOwner> Drop for Landing<T, O> {
             let mut slot = lock(&self.slot);
             (slot.result.take(), slot.claim())
         };
-        drop(r);
-        if announce {
-            self.owner.landed();
-        }
+        self.settle(r, announce);
     }
 }
 

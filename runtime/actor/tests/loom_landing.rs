@@ -8,20 +8,14 @@
 
 #![cfg(loom)]
 
+mod common;
+
+use common::Bag;
 use gpualloc_actor::landing::{CancelOnDrop, Landing, LandingOwner};
-use gpualloc_actor::{SlotState, ThreadSlots};
+use gpualloc_actor::ThreadSlots;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
 use loom::thread;
-
-#[derive(Default)]
-struct Bag(Vec<u32>);
-
-impl SlotState for Bag {
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
 
 /// The device actor's side: misses in flight, landings announced, and how many results had
 /// been dropped when the last landing was announced.
@@ -125,7 +119,7 @@ impl Drop for Parks {
 fn a_request_that_sees_the_miss_landed_finds_its_block_in_the_cache() {
     loom::model(|| {
         let owner = Arc::new(Owner::default());
-        let slots = Arc::new(ThreadSlots::new(2, Bag::default));
+        let slots = common::slots();
         let landing = Landing::new(owner.clone());
 
         // The blocking task (thread cache slot 0) delivers block 7; the request (slot 1) is

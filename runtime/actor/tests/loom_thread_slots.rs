@@ -7,23 +7,13 @@
 
 #![cfg(loom)]
 
+mod common;
+
+use common::slots;
 use gpualloc_actor::{SlotState, ThreadSlots, Waiters};
 use loom::sync::atomic::{AtomicBool, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
-
-#[derive(Default)]
-struct Bag(Vec<u32>);
-
-impl SlotState for Bag {
-    fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-fn slots() -> Arc<ThreadSlots<Bag>> {
-    Arc::new(ThreadSlots::new(2, Bag::default))
-}
 
 /// Whatever an owner leaves in its slot is taken by exactly one collection, whether the
 /// collection runs before, during or after the owner's updates: nothing is lost or taken
