@@ -5,10 +5,11 @@
 //! 1. complete the frees whose stream events have finished (`process_events`);
 //! 2. round the size, pick the pool (small ≤ 1 MiB, else large) and the segment size;
 //! 3. best fit in the pool for the same stream; else run the free-memory callbacks and retry;
-//! 4. on a miss: garbage-collect old cached blocks if the threshold is crossed, then allocate a
-//!    segment; if the device is full: take a block from a private pool marked `use_on_oom`,
-//!    release cached oversize blocks and retry, release every unused cached segment after
-//!    synchronizing pending events and retry; then report out of memory;
+//! 4. on a miss, the chain (`miss/`, a step machine that returns its driver calls): garbage-
+//!    collect old cached blocks if the threshold is crossed, then allocate a segment; if the
+//!    device is full: take a block from a private pool marked `use_on_oom`, release cached
+//!    oversize blocks and retry, release every unused cached segment after synchronizing
+//!    pending events and retry; then report out of memory;
 //! 5. split the block if the rules allow, and hand out the front part.
 //!
 //! Other pieces of the core live beside this file: `release.rs` (free, merge, release, the OOM
@@ -521,8 +522,9 @@ impl DeviceCore {
 
     /// The cache-only half of [`DeviceCore::malloc`]: steps 1–3. On a miss it returns the
     /// parameters for a segment allocation, which the caller may perform off this core (a
-    /// device malloc is slow) and hand back with [`DeviceCore::malloc_with_segment`], or
-    /// continue in place with [`DeviceCore::malloc_after_miss`].
+    /// device malloc is slow) and hand back with [`DeviceCore::malloc_with_segment`], run
+    /// through the chain step by step ([`crate::Miss`]), or continue in place with
+    /// [`DeviceCore::malloc_after_miss`].
     pub fn try_cached(
         &mut self,
         size: u64,
@@ -590,12 +592,6 @@ impl DeviceCore {
         Ok(params)
     }
 
-    /// Continues a miss from [`DeviceCore::try_cached`] in place: steps 4–5.
-    pub fn malloc_after_miss(&mut self, request: SegmentRequest) -> Result<Allocation, AllocError> {
-        let SegmentRequest { mut params, size } = request;
-        self.malloc_miss(size, &mut params)
-    }
-
     /// The last step of a miss whose owner already tried the device off the core (and
     /// released the cache there) and found no room: serves the request from blocks freed in
     /// the meantime (or from a private pool, as the chain does on OOM), else reports the
@@ -639,50 +635,6 @@ impl DeviceCore {
         self.claim_for_pool(request.params.pool, request.params.alloc_size, false);
     }
 
-    fn malloc_miss(
-        &mut self,
-        size: u64,
-        params: &mut AllocParams,
-    ) -> Result<Allocation, AllocError> {
-        if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
-            self.garbage_collect_cached_blocks()?;
-        }
-        if self.quota_error(params, size).is_some() {
-            // At its quota (or near it: a growth maps only what the free tail lacks) only the
-            // pool's own memory can help: its orphans, its own cached segments or wholly free
-            // pages, never another pool's cache (`mem_pools.rs`). A block the policy passed
-            // over comes before any release, as where the device is full (`placement.rs`).
-            let expands = self.pool_expands(params.pool);
-            if self.adopt_orphan(params)
-                || (expands && self.alloc_block(params, false)?)
-                || self.take_passed_over(params)
-            {
-                return self.finish(params, size);
-            }
-            self.release_own_pool(params)?;
-            if expands && self.alloc_block(params, true)? {
-                return self.finish(params, size);
-            }
-            if let Some(e) = self.quota_failure(params, size) {
-                return Err(e);
-            }
-        }
-        let found = self.adopt_orphan(params)
-            || self.alloc_block(params, false)?
-            || self.take_passed_over(params)
-            || self.use_private_pool_on_oom(params)
-            || (self.release_available_cached_blocks(params)?
-                && self.alloc_block(params, false)?)
-            || (self.release_cached_blocks()? && self.alloc_block(params, true)?);
-        if !found {
-            if let Some(e) = self.quota_failure(params, size) {
-                return Err(e);
-            }
-            return Err(self.out_of_memory(size, params));
-        }
-        self.finish(params, size)
-    }
-
     /// For a miss an owner handles off the core: `take` looks for a block for the request in
     /// the cache (into its params); `Err` gives the request back when it finds none.
     pub(crate) fn serve_from_cache(
@@ -697,7 +649,11 @@ impl DeviceCore {
         self.finish(&request.params, size).map_err(|_| request)
     }
 
-    fn finish(&mut self, params: &AllocParams, size: u64) -> Result<Allocation, AllocError> {
+    pub(crate) fn finish(
+        &mut self,
+        params: &AllocParams,
+        size: u64,
+    ) -> Result<Allocation, AllocError> {
         match params.block {
             Some(id) => {
                 // A block the policy passes over, taken because the segment could not grow:
@@ -890,45 +846,8 @@ impl DeviceCore {
         Ok(freed)
     }
 
-    /// Allocates a new segment of `params.alloc_size` (PyTorch's `alloc_block`). Ok(false) when
-    /// the device (or the memory fraction) has no room; other backend errors are returned.
-    fn alloc_block(
-        &mut self,
-        params: &mut AllocParams,
-        is_retry: bool,
-    ) -> Result<bool, AllocError> {
-        if is_retry {
-            self.stats.num_alloc_retries += 1;
-        }
-        let size = params.alloc_size;
-        let expandable = self.pool_expands(params.pool);
-        if let Some(max) = self.allowed_max {
-            // Memory being obtained off the core counts against the cap too. Growth in 2 MiB
-            // pages checks the bytes it maps instead (`map_block`).
-            let held = self.total_reserved.saturating_add(self.growing_bytes);
-            let by_pages = expandable && self.config.policy.fine_large_pages();
-            if !by_pages && held.saturating_add(size) > max {
-                return Ok(false);
-            }
-        }
-        let _span = tracing::debug_span!("device_malloc", device = self.device.0, size).entered();
-        if expandable {
-            let found = self.try_allocate_expandable_block(params)?;
-            params.block = found;
-            return Ok(found.is_some());
-        }
-        match self.backend.malloc(self.device, size) {
-            Ok(ptr) => {
-                self.adopt_segment(params, ptr);
-                Ok(true)
-            }
-            Err(e) if e.is_oom() => Ok(false),
-            Err(e) => Err(AllocError::Backend(e)),
-        }
-    }
-
     /// Takes a freshly allocated segment of `params.alloc_size` bytes into the books.
-    fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
+    pub(crate) fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
         let size = params.alloc_size;
         let id = self
             .blocks
@@ -953,7 +872,7 @@ impl DeviceCore {
         params.block = Some(id);
     }
 
-    fn use_private_pool_on_oom(&mut self, params: &mut AllocParams) -> bool {
+    pub(crate) fn use_private_pool_on_oom(&mut self, params: &mut AllocParams) -> bool {
         if matches!(self.pools[params.pool].owner, PoolOwner::Private(_)) {
             return false;
         }

@@ -81,20 +81,24 @@ impl DeviceCore {
         self.process_events()?;
         let mut out = Vec::new();
         for pool in self.release_scope(request) {
-            let whole: Vec<BlockId> = self.pools[pool]
-                .free
-                .values()
-                .copied()
-                .filter(|&id| {
-                    let b = self.blocks.get(id);
-                    !b.is_split() && !b.expandable
-                })
-                .collect();
-            for id in whole {
-                out.push(self.detach_block(id));
-            }
+            out.extend(self.detach_whole_segments(pool));
         }
         Ok(out)
+    }
+
+    /// Takes every free block of block pool `pool` that is a whole ordinary segment out of
+    /// the books (in the pool's order, as PyTorch's `release_blocks` frees them).
+    pub(crate) fn detach_whole_segments(&mut self, pool: usize) -> Vec<DetachedSegment> {
+        let whole: Vec<BlockId> = self.pools[pool]
+            .free
+            .values()
+            .copied()
+            .filter(|&id| {
+                let b = self.blocks.get(id);
+                !b.is_split() && !b.expandable
+            })
+            .collect();
+        whole.into_iter().map(|id| self.detach_block(id)).collect()
     }
 
     /// `release_block` without the driver call.

@@ -103,6 +103,28 @@ impl DeviceCore {
         Ok(())
     }
 
+    /// The first `n` events of [`DeviceCore::pending_events`] were synchronized by the
+    /// caller: completes their frees, in that order (the miss chain's last release, which
+    /// PyTorch's `synchronize_and_free_events` does in place). A count past the pending
+    /// events completes them all.
+    pub(crate) fn complete_synchronized(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some(mut entry) = self.pending.first_entry() else {
+                return;
+            };
+            let Some((event, id)) = entry.get_mut().pop_front() else {
+                entry.remove();
+                continue;
+            };
+            if entry.get().is_empty() {
+                entry.remove();
+            }
+            self.event_pool.push(event);
+            self.event_done(id);
+            n -= 1;
+        }
+    }
+
     /// One event of block `id` completed; frees the block when it was the last. Returns 1 if
     /// the block went back to its pool.
     fn event_done(&mut self, id: BlockId) -> usize {

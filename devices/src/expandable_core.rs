@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use gpualloc_runtime::{BackendError, DeviceId, DevicePtr, StreamHandle};
 
 use crate::block::{Block, BlockId, BlockState};
-use crate::core::{AllocParams, DeviceCore, SegmentMeta};
+use crate::core::{DeviceCore, SegmentMeta};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, Booking, ExpandableSegment};
 use crate::pool::{key, unmapped_key};
@@ -218,36 +218,6 @@ impl DeviceCore {
         self.new_expandable_segment(stream, pool, None)
     }
 
-    /// Maps the front `size` bytes (rounded to pages) of unmapped block `id` and merges it with
-    /// free neighbours. Ok(false) when the device has no memory.
-    fn map_block(&mut self, id: BlockId, size: u64) -> Result<bool, AllocError> {
-        let b = self.blocks.get(id).clone();
-        debug_assert!(!b.mapped && size <= b.size);
-        let (want, ahead) = self.growth_len(b.segment, b.pool, b.addr, size, b.size);
-        if self.config.policy.fine_large_pages() {
-            // The memory fraction counts the pages to map (the in-place chain's check before
-            // this counted PyTorch's segment size, which a growth in 2 MiB pages is not).
-            if let Some(max) = self.allowed_max {
-                if self.total_reserved + self.growing_bytes + want > max {
-                    return Ok(false);
-                }
-            }
-        }
-        // A named pool's quota counts the pages it maps (`mem_pools.rs`).
-        if self.pool_room(b.pool).is_some_and(|room| want > room) {
-            return Ok(false);
-        }
-        let (start, len) = match self.es_map((b.segment, b.pool, b.addr), want, ahead) {
-            Ok(r) => r,
-            Err(e) if e.is_oom() => return Ok(false),
-            Err(e) => return Err(e.into()),
-        };
-        debug_assert!(start == b.addr && len >= size);
-        self.split_unmapped_front(id, len);
-        self.book_mapped(id);
-        Ok(true)
-    }
-
     /// Takes unmapped block `id` out of its pool's unmapped set and cuts it to its front `len`
     /// bytes (whole pages); the rest stays an unmapped block in the set.
     pub(crate) fn split_unmapped_front(&mut self, id: BlockId, len: u64) {
@@ -309,42 +279,6 @@ impl DeviceCore {
         let k = key(blk.stream.raw, blk.size, blk.addr);
         self.pools[pool].free.insert(k, id);
         self.book_pages(pool, b.stream.raw, start, len, Booking::Mapped);
-    }
-
-    /// Finds or makes room for `params.size` bytes in an expandable segment, mapping pages as
-    /// needed; the returned block is out of the pool, ready for `alloc_found_block`.
-    pub(crate) fn try_allocate_expandable_block(
-        &mut self,
-        params: &AllocParams,
-    ) -> Result<Option<BlockId>, AllocError> {
-        let size = params.size;
-        let mut c = self.find_expandable_block(params.stream, params.pool, size)?;
-        let cb = self.blocks.get(c);
-        if !cb.mapped {
-            let want = cb.size.min(size);
-            if !self.map_block(c, want)? {
-                return Ok(None);
-            }
-            // `c` may have merged into its free predecessor: `map_block` keeps the id.
-        }
-        while self.blocks.get(c).size < size {
-            let remaining = size - self.blocks.get(c).size;
-            let Some(next) = self.blocks.get(c).next else {
-                return Err(AllocError::InvalidSize {
-                    size,
-                    reason: "expandable segment exhausted (internal)",
-                });
-            };
-            let want = remaining.min(self.blocks.get(next).size);
-            if !self.map_block(next, want)? {
-                return Ok(None);
-            }
-            c = next;
-        }
-        let b = self.blocks.get(c);
-        let k = key(b.stream.raw, b.size, b.addr);
-        self.pools[params.pool].free.remove(&k);
-        Ok(Some(c))
     }
 
     /// Unmaps the whole pages of free block `id` (PyTorch's `unmap_block`).

@@ -9,7 +9,7 @@
 //! 2. [`map_growth`], off the core: `map_pages` on the planned range (rolled back on
 //!    failure).
 //! 3. [`DeviceCore::commit_growth`] under the core: installs the pages and books them as a
-//!    free mapped block (as `map_block` does); the owner then retries the cached path, which
+//!    free mapped block (as every growth does); the owner then retries the cached path, which
 //!    finds them. Or [`DeviceCore::abort_growth`] after a failed map: the pages go back to
 //!    the unmapped set as they were.
 //!
@@ -19,8 +19,8 @@
 //! memory-fraction cap) or it fails for lack of memory, such an owner releases the cache off
 //! the core and plans again, and ends with [`DeviceCore::malloc_without_device`]; PyTorch's
 //! unnamed private pools never expand (they take whole segments, see
-//! [`SegmentRequest::maps_pages`]). The in-place chain (`malloc_after_miss`) does all of it at
-//! once, for owners without such a constraint.
+//! [`SegmentRequest::maps_pages`]). The miss chain (`miss/`) uses the same three steps, with
+//! the driver call made by its caller.
 
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
@@ -51,6 +51,11 @@ impl GrowthPlan {
     /// Bytes to map.
     pub fn bytes(&self) -> u64 {
         self.len
+    }
+
+    /// The block the pages become once committed.
+    pub(crate) fn block(&self) -> BlockId {
+        self.block
     }
 }
 
@@ -117,19 +122,35 @@ impl DeviceCore {
     }
 
     fn plan_block(&mut self, id: BlockId, need: u64, avail: u64) -> Growth {
+        match self.plan_pages(id, need, avail, true) {
+            Some(plan) => Growth::Map(plan),
+            None => Growth::InPlace,
+        }
+    }
+
+    /// Plans mapping the front `need` bytes (at least; pages ahead as `map_ahead.rs` says) of
+    /// free unmapped block `id`, of `avail` bytes; `None` when the pages would pass a named
+    /// pool's quota or, with `check_fraction`, `per_process_memory_fraction`.
+    pub(crate) fn plan_pages(
+        &mut self,
+        id: BlockId,
+        need: u64,
+        avail: u64,
+        check_fraction: bool,
+    ) -> Option<GrowthPlan> {
         let (seg, pool, addr) = {
             let b = self.blocks.get(id);
             (b.segment, b.pool, b.addr)
         };
         let page = self.segment_page_size(pool);
         let (want, len) = self.growth_len(seg, pool, addr, need, avail);
-        if let Some(max) = self.allowed_max {
+        if let Some(max) = self.allowed_max.filter(|_| check_fraction) {
             if self.total_reserved + self.growing_bytes + want > max {
-                return Growth::InPlace;
+                return None;
             }
         }
         if self.pool_room(pool).is_some_and(|room| want > room) {
-            return Growth::InPlace;
+            return None;
         }
         self.split_unmapped_front(id, len);
         let b = self.blocks.get_mut(id);
@@ -137,7 +158,7 @@ impl DeviceCore {
         self.growing_bytes += len;
         self.claim_for_pool(pool, len, true);
         self.begin_off_core(seg);
-        Growth::Map(GrowthPlan {
+        Some(GrowthPlan {
             block: id,
             seg,
             addr,

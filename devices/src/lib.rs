@@ -22,6 +22,7 @@ mod growth;
 mod inspect;
 pub mod map_ahead;
 mod mem_pools;
+mod miss;
 mod observer;
 mod observer_hooks;
 pub mod orphans;
@@ -60,6 +61,7 @@ pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
 pub use expandable::MappedPages;
 pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
+pub use miss::{IoDone, Leftover, Miss, MissIo, MissStep};
 pub use observer::{
     HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
 };

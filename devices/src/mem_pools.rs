@@ -173,15 +173,6 @@ impl DeviceCore {
         pools
     }
 
-    /// Returns the cached whole segments of the pool of `params` (and only of it) to the
-    /// device, for a request at the pool's quota.
-    pub(crate) fn release_own_pool(&mut self, params: &AllocParams) -> Result<(), AllocError> {
-        for pool in self.own_pools(params.pool).into_iter().flatten() {
-            self.release_blocks(pool)?;
-        }
-        Ok(())
-    }
-
     /// Re-runs the cache lookup of a miss (the same size, stream and pool), e.g. after its
     /// owner released cached memory.
     pub fn retry_cached(&mut self, request: &SegmentRequest) -> Result<CachedOutcome, AllocError> {

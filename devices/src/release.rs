@@ -152,24 +152,22 @@ impl DeviceCore {
         Ok(())
     }
 
-    /// The OOM chain's first release: free cached oversize blocks of the request's stream,
-    /// one that fits or else the largest ones until enough is released
-    /// (PyTorch's `release_available_cached_blocks`). Only whole segments are released.
-    pub(crate) fn release_available_cached_blocks(
-        &mut self,
-        params: &AllocParams,
-    ) -> Result<bool, AllocError> {
+    /// The OOM chain's first release, chosen: the cached oversize blocks of the request's
+    /// stream to free, one that fits or else the largest ones until enough is released, and
+    /// whether they are enough (PyTorch's `release_available_cached_blocks`). Only whole
+    /// segments are released. Choosing does not depend on releasing: the miss chain
+    /// (`miss/`) detaches them and has the caller free them.
+    pub(crate) fn oversize_victims(&self, params: &AllocParams) -> (Vec<BlockId>, bool) {
         let max_split = self.config.max_split_size;
         if max_split == u64::MAX {
-            return Ok(false);
+            return (Vec::new(), false);
         }
         let target = params.size.max(max_split);
         let stream = params.stream.raw;
         let pool = &self.pools[params.pool];
         if let Some(((s, _, _), id)) = pool.lower_bound(stream, target) {
             if s == stream && self.is_whole_segment(id) {
-                self.release_block(id)?;
-                return Ok(true);
+                return (vec![id], true);
             }
         }
         // No single block is large enough: release oversize blocks from the largest down.
@@ -180,17 +178,17 @@ impl DeviceCore {
             .take_while(|((s, size, _), _)| *s == stream && *size >= max_split)
             .map(|((_, size, _), id)| (*size, *id))
             .collect();
-        let mut released = 0u64;
+        let (mut victims, mut released) = (Vec::new(), 0u64);
         for (size, id) in candidates {
             if released >= target {
                 break;
             }
             if self.is_whole_segment(id) {
-                self.release_block(id)?;
+                victims.push(id);
                 released += size;
             }
         }
-        Ok(released >= target)
+        (victims, released >= target)
     }
 
     /// The OOM chain's last release (and `empty_cache`): wait for every pending free, then
@@ -206,37 +204,39 @@ impl DeviceCore {
             .filter(|(_, p)| p.released)
             .map(|(id, p)| (*id, p.small, p.large))
             .collect();
-        for (id, small, large) in released {
+        for (_, small, large) in released {
             self.release_blocks(large)?;
             self.release_blocks(small)?;
-            let in_use = self
-                .segments
-                .values()
-                .any(|s| s.pool == small || s.pool == large);
-            if !in_use {
-                self.private.remove(&id);
-            }
         }
+        self.forget_released_private_pools();
         Ok(true)
     }
 
-    /// Frees old cached whole segments of the large pool until reserved memory is back under
-    /// `garbage_collection_threshold` × the allowed memory, oldest (by pool lookups since they
-    /// were cached) first, in rounds above the average age (PyTorch's
-    /// `garbage_collect_cached_blocks`). No synchronization.
-    pub(crate) fn garbage_collect_cached_blocks(&mut self) -> Result<(), AllocError> {
-        for id in self.gc_victims() {
-            self.release_block(id)?;
+    /// Forgets the private pools released by their users that hold no segment any more.
+    pub(crate) fn forget_released_private_pools(&mut self) {
+        let empty: Vec<u64> = self
+            .private
+            .iter()
+            .filter(|(_, p)| {
+                p.released
+                    && !self
+                        .segments
+                        .values()
+                        .any(|s| s.pool == p.small || s.pool == p.large)
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in empty {
+            self.private.remove(&id);
         }
-        Ok(())
     }
 
     /// The whole cached segments garbage collection reclaims now (PyTorch's
     /// `garbage_collect_cached_blocks`): none while reserved memory is at most the threshold's
     /// share of the allowed memory; else, round by round, the blocks at least as old as the
     /// average (in `get_free_block` calls since they were freed) until enough is reclaimed.
-    /// Choosing does not depend on releasing, so the in-place pass and the owner's off-core
-    /// pass (`detach_gc_victims`) reclaim the same blocks.
+    /// Choosing does not depend on releasing: the miss chain (`miss/`) and the owner's
+    /// off-core pass (`detach_gc_victims`) detach them and have the caller free them.
     pub(crate) fn gc_victims(&self) -> Vec<BlockId> {
         let mut victims = Vec::new();
         let Some(allowed) = self.allowed_max else {

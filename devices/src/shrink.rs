@@ -37,6 +37,16 @@ impl PageRelease {
     pub fn bytes(&self) -> u64 {
         self.mapped.bytes()
     }
+
+    /// The stream of the pages' segment, which must finish its work before they are unmapped.
+    pub(crate) fn stream(&self) -> StreamHandle {
+        self.stream
+    }
+
+    /// The pages.
+    pub(crate) fn pages(&self) -> &MappedPages {
+        &self.mapped
+    }
 }
 
 impl DeviceCore {
@@ -56,15 +66,23 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let mut ids: Vec<BlockId> = Vec::new();
+        let mut out = Vec::new();
         for pool in self.release_scope(request) {
-            for &id in self.pools[pool].free.values() {
-                // The free sets hold mapped blocks only (unmapped ones have sets of their own).
-                if self.blocks.get(id).expandable {
-                    ids.push(id);
-                }
-            }
+            out.extend(self.detach_pages_of(pool));
         }
+        Ok(out)
+    }
+
+    /// Step 1 for block pool `pool` alone: the whole pages of each of its free blocks of an
+    /// expandable segment, in the pool's order.
+    pub(crate) fn detach_pages_of(&mut self, pool: usize) -> Vec<PageRelease> {
+        // The free sets hold mapped blocks only (unmapped ones have sets of their own).
+        let ids: Vec<BlockId> = self.pools[pool]
+            .free
+            .values()
+            .copied()
+            .filter(|&id| self.blocks.get(id).expandable)
+            .collect();
         let mut out = Vec::new();
         for id in ids {
             let b = self.blocks.get(id);
@@ -90,7 +108,7 @@ impl DeviceCore {
                 mapped,
             });
         }
-        Ok(out)
+        out
     }
 
     /// Step 3: the released pages join the unmapped set; a reservation with nothing mapped

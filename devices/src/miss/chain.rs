@@ -1,0 +1,228 @@
+//! The order of the miss chain (`CHAIN`) and the step that walks it.
+
+use crate::core::DeviceCore;
+use crate::error::AllocError;
+
+use super::ops::{self, Flow, Op};
+use super::{IoDone, Miss, MissStep};
+
+/// When an allocation link runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum When {
+    Always,
+    /// Only for a pool of expandable segments (growth is the only new memory a pool at its
+    /// quota may get without releasing first).
+    Expands,
+    /// Only after an oversize release that freed enough.
+    Released,
+}
+
+/// One link of the chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Link {
+    /// Free old cached segments (`garbage_collection_threshold`).
+    CollectGarbage,
+    /// Go on at the link after `QuotaFailure` unless a new segment would pass the request's
+    /// pool quota.
+    AtQuota,
+    /// A segment of a stream its user dropped.
+    AdoptOrphan,
+    /// A new segment, or the pages of an expandable segment (PyTorch's `alloc_block`).
+    AllocBlock { retry: bool, when: When },
+    /// A block the `gpualloc` policy passed over.
+    TakePassedOver,
+    /// A block of a private pool marked `use_on_oom`.
+    PrivatePoolOnOom,
+    /// Release cached oversize blocks of the stream (`release_available_cached_blocks`).
+    ReleaseOversize,
+    /// Release the cached segments of the request's own pool (at its quota).
+    ReleaseOwnPool,
+    /// Synchronize pending events, release every cached segment (`release_cached_blocks`).
+    ReleaseCached,
+    /// The pool's quota error, if it still applies.
+    QuotaFailure,
+    /// Out of memory (or the quota error).
+    OutOfMemory,
+}
+
+use Link::*;
+
+/// The chain, in order. `AtQuota` skips the quota links when the request is not at its
+/// pool's quota.
+pub(crate) const CHAIN: &[Link] = &[
+    CollectGarbage,
+    AtQuota,
+    AdoptOrphan,
+    AllocBlock {
+        retry: false,
+        when: When::Expands,
+    },
+    TakePassedOver,
+    ReleaseOwnPool,
+    AllocBlock {
+        retry: true,
+        when: When::Expands,
+    },
+    QuotaFailure,
+    // Every request from here.
+    AdoptOrphan,
+    AllocBlock {
+        retry: false,
+        when: When::Always,
+    },
+    TakePassedOver,
+    PrivatePoolOnOom,
+    ReleaseOversize,
+    AllocBlock {
+        retry: false,
+        when: When::Released,
+    },
+    ReleaseCached,
+    AllocBlock {
+        retry: true,
+        when: When::Always,
+    },
+    OutOfMemory,
+];
+
+/// Where the links every request goes through start.
+fn after_quota() -> usize {
+    CHAIN
+        .iter()
+        .position(|l| *l == QuotaFailure)
+        .map_or(0, |i| i + 1)
+}
+
+impl DeviceCore {
+    /// Advances `miss` (see the `miss` module docs): `done` is the outcome of the driver call
+    /// its last step asked for (`None` for the first step). Returns the next step.
+    ///
+    /// An outcome that does not belong to the miss's step (none where one was asked for, or
+    /// one where none was) fails the miss with an internal error, after what the outcome
+    /// holds went back to the books or the device.
+    pub fn advance_miss(&mut self, miss: &mut Miss, done: Option<IoDone>) -> MissStep {
+        let mut flow = match (miss.op.take(), done) {
+            (Some(op), Some(done)) => self.resume_op(miss, op, done),
+            (None, None) => Flow::Next,
+            // A step without the outcome it waits for, or an outcome nothing waits for.
+            (_, Some(done)) => self.salvage(done.0),
+            (Some(_), None) => Flow::Fail(ops::mismatch()),
+        };
+        loop {
+            match flow {
+                Flow::Next => {
+                    let Some(&link) = CHAIN.get(miss.at) else {
+                        return MissStep::Failed(self.out_of_memory_of(miss));
+                    };
+                    miss.at += 1;
+                    flow = self.run_link(miss, link);
+                }
+                Flow::Found => {
+                    let size = miss.request.size;
+                    return match self.finish(&miss.request.params, size) {
+                        Ok(a) => MissStep::Done(a),
+                        Err(e) => MissStep::Failed(e),
+                    };
+                }
+                Flow::Fail(e) => return MissStep::Failed(e),
+                Flow::Wait(op, io) => {
+                    miss.op = Some(op);
+                    return MissStep::Io(io);
+                }
+            }
+        }
+    }
+
+    fn run_link(&mut self, miss: &mut Miss, link: Link) -> Flow {
+        let size = miss.request.size;
+        let params = &mut miss.request.params;
+        match link {
+            CollectGarbage => {
+                if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
+                    let victims = self.gc_victims();
+                    let segments = victims
+                        .into_iter()
+                        .map(|id| self.detach_block(id))
+                        .collect();
+                    return self.free_segments(segments, Op::Free);
+                }
+                Flow::Next
+            }
+            AtQuota => {
+                if self.quota_error(params, size).is_none() {
+                    miss.at = after_quota();
+                }
+                Flow::Next
+            }
+            AdoptOrphan => found_if(self.adopt_orphan(params)),
+            AllocBlock { retry, when } => {
+                let runs = match when {
+                    When::Always => true,
+                    When::Expands => self.pool_expands(params.pool),
+                    When::Released => miss.released,
+                };
+                if !runs {
+                    return Flow::Next;
+                }
+                if retry {
+                    self.stats.num_alloc_retries += 1;
+                }
+                self.alloc_block_step(params)
+            }
+            TakePassedOver => found_if(self.take_passed_over(params)),
+            PrivatePoolOnOom => found_if(self.use_private_pool_on_oom(params)),
+            ReleaseOversize => {
+                let (victims, enough) = self.oversize_victims(params);
+                miss.released = enough;
+                let segments = victims
+                    .into_iter()
+                    .map(|id| self.detach_block(id))
+                    .collect();
+                self.free_segments(segments, Op::Free)
+            }
+            ReleaseOwnPool => {
+                let pools = self.own_pools(params.pool).into_iter().flatten().collect();
+                self.release_step(ops::Release::own(pools))
+            }
+            ReleaseCached => {
+                let pools = self.release_scope(None);
+                self.release_step(ops::Release::cached(pools))
+            }
+            QuotaFailure => match self.quota_failure(params, size) {
+                Some(e) => Flow::Fail(e),
+                None => Flow::Next,
+            },
+            OutOfMemory => Flow::Fail(self.out_of_memory_of(miss)),
+        }
+    }
+
+    /// The error a miss ends in when nothing served it: the pool's quota, else out of memory.
+    fn out_of_memory_of(&mut self, miss: &Miss) -> AllocError {
+        let (params, size) = (&miss.request.params, miss.request.size);
+        match self.quota_failure(params, size) {
+            Some(e) => e,
+            None => self.out_of_memory(size, params),
+        }
+    }
+}
+
+fn found_if(found: bool) -> Flow {
+    if found {
+        Flow::Found
+    } else {
+        Flow::Next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_quota_links_end_where_every_request_goes_on() {
+        let at = after_quota();
+        assert_eq!(CHAIN[at - 1], QuotaFailure);
+        assert_eq!(CHAIN[at], AdoptOrphan);
+        assert_eq!(CHAIN.last(), Some(&OutOfMemory));
+    }
+}

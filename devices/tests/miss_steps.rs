@@ -1,0 +1,301 @@
+//! The miss chain step by step, without threads: each driver call the core asks for, in
+//! PyTorch's order, made (or refused) by the test (`gpualloc_devices` `miss/`).
+
+use std::sync::Arc;
+
+use gpualloc_accounting::AccountingBackend;
+use gpualloc_devices::{
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Miss, MissIo, MissStep, SegmentRequest,
+};
+use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+const DEV: DeviceId = DeviceId(0);
+
+fn rig(capacity: u64, conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
+    let backend = Arc::new(AccountingBackend::manual_events(1, capacity));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s = dynb.stream_create(DEV).unwrap();
+    let core = DeviceCore::new(dynb, DEV, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (backend, core, s)
+}
+
+fn miss(core: &mut DeviceCore, size: u64, stream: StreamHandle) -> SegmentRequest {
+    match core.try_cached(size, stream).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(a) => panic!("expected a miss, got {:?}", a.ptr),
+    }
+}
+
+fn oom() -> BackendError {
+    BackendError::OutOfMemory {
+        requested: 0,
+        what: "device 0".into(),
+    }
+}
+
+/// The kind of a step, to compare sequences.
+fn kind(step: &MissStep) -> String {
+    match step {
+        MissStep::Done(a) => format!("done {} MiB", a.block_size / MIB),
+        MissStep::Failed(e) => format!("failed {}", if e.is_oom() { "oom" } else { "other" }),
+        MissStep::Io(MissIo::AllocSegment { size, .. }) => format!("alloc {} MiB", size / MIB),
+        MissStep::Io(MissIo::MapPages(p)) => format!("map {} MiB", p.bytes() / MIB),
+        MissStep::Io(MissIo::FreeSegments { segments, .. }) => {
+            let sizes: Vec<u64> = segments.iter().map(|s| s.size / MIB).collect();
+            format!("free {sizes:?} MiB")
+        }
+        MissStep::Io(MissIo::SynchronizeEvents(e)) => format!("sync {} events", e.len()),
+        MissStep::Io(MissIo::UnmapPages(r)) => {
+            format!(
+                "unmap {} MiB",
+                r.iter().map(|r| r.bytes()).sum::<u64>() / MIB
+            )
+        }
+        MissStep::Io(MissIo::GiveBack(_)) => "give back".into(),
+    }
+}
+
+/// Runs a miss to its end: each segment malloc the test refuses while `refuse_mallocs` lasts,
+/// every other call made. Returns the steps.
+fn run(
+    core: &mut DeviceCore,
+    backend: &dyn Backend,
+    request: SegmentRequest,
+    mut refuse_mallocs: usize,
+) -> (Vec<String>, MissStep) {
+    let mut m = Miss::new(request);
+    let mut steps = Vec::new();
+    let mut done = None;
+    loop {
+        let step = core.advance_miss(&mut m, done.take());
+        steps.push(kind(&step));
+        match step {
+            MissStep::Io(io @ MissIo::AllocSegment { .. }) if refuse_mallocs > 0 => {
+                refuse_mallocs -= 1;
+                done = Some(io.fail(oom()));
+            }
+            MissStep::Io(io) => done = Some(io.perform(backend)),
+            end => return (steps, end),
+        }
+    }
+}
+
+#[test]
+fn a_full_device_walks_pytorchs_release_chain_in_order() {
+    // Oversize blocks from 24 MiB; a 30 MiB block cached, a 16 MiB one freed behind an event.
+    let (backend, mut core, s) = rig(1 << 30, "max_split_size_mb:24");
+    let other = backend.stream_create(DEV).unwrap();
+    let a = core.malloc(30 * MIB, s).unwrap();
+    let b = core.malloc(16 * MIB, s).unwrap();
+    core.record_stream(b.ptr, other).unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    let request = miss(&mut core, 40 * MIB, s);
+    let (steps, end) = run(&mut core, backend.as_ref(), request, 1);
+    assert_eq!(
+        steps,
+        [
+            "alloc 40 MiB",  // refused: the device is full
+            "free [30] MiB", // oversize blocks, not enough for 40 MiB
+            "sync 1 events", // the last release waits for the pending free
+            "free [16] MiB", // and returns every cached segment
+            "alloc 40 MiB",  // the retry
+            "done 40 MiB",
+        ]
+    );
+    assert!(matches!(end, MissStep::Done(_)));
+    let stats = core.stats();
+    assert_eq!(
+        (
+            stats.num_alloc_retries,
+            stats.num_sync_all_streams,
+            stats.num_device_free
+        ),
+        (1, 1, 2)
+    );
+    assert_eq!(backend.used(DEV), 40 * MIB);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn an_oversize_block_large_enough_is_released_and_the_malloc_retried_at_once() {
+    let (backend, mut core, s) = rig(1 << 30, "max_split_size_mb:24");
+    let a = core.malloc(60 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    // 30 MiB: the cached 60 MiB block is oversize and would waste 20 MiB or more.
+    let request = miss(&mut core, 30 * MIB, s);
+    let (steps, _) = run(&mut core, backend.as_ref(), request, 1);
+    assert_eq!(
+        steps,
+        [
+            "alloc 30 MiB",
+            "free [60] MiB",
+            "alloc 30 MiB",
+            "done 30 MiB"
+        ]
+    );
+    assert_eq!(core.stats().num_alloc_retries, 0, "not the last retry");
+}
+
+#[test]
+fn when_nothing_helps_the_miss_fails_out_of_memory_once() {
+    let (backend, mut core, s) = rig(1 << 30, "");
+    let request = miss(&mut core, 40 * MIB, s);
+    let (steps, end) = run(&mut core, backend.as_ref(), request, 2);
+    assert_eq!(
+        steps,
+        ["alloc 40 MiB", "alloc 40 MiB", "failed oom"],
+        "nothing cached: no release has a driver call"
+    );
+    let MissStep::Failed(AllocError::OutOfMemory(report)) = end else {
+        panic!("expected out of memory");
+    };
+    assert_eq!(report.requested, 40 * MIB);
+    assert_eq!(core.stats().num_ooms, 1);
+    assert_eq!(core.stats().num_sync_all_streams, 1);
+    assert_eq!(backend.used(DEV), 0);
+}
+
+#[test]
+fn garbage_collection_frees_its_victims_before_the_segment_malloc() {
+    let (backend, mut core, s) = rig(
+        100 * MIB,
+        "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0",
+    );
+    let a = core.malloc(30 * MIB, s).unwrap();
+    let b = core.malloc(30 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let request = miss(&mut core, 36 * MIB, s);
+    let (steps, _) = run(&mut core, backend.as_ref(), request, 0);
+    assert_eq!(steps, ["free [30] MiB", "alloc 36 MiB", "done 36 MiB"]);
+    core.free(b.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn expandable_growth_maps_pages_and_a_refused_map_leaves_the_books_as_they_were() {
+    let conf = "expandable_segments:True";
+    let (backend, mut core, s) = rig(1 << 30, conf);
+    let request = miss(&mut core, 30 * MIB, s);
+    let mut m = Miss::new(request);
+    let step = core.advance_miss(&mut m, None);
+    assert_eq!(kind(&step), "map 30 MiB");
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    // Refused: the chain goes on (nothing cached to release) and ends out of memory, with
+    // the planned pages back in the unmapped set.
+    let mut done = Some(io.fail(oom()));
+    let mut steps = Vec::new();
+    loop {
+        let step = core.advance_miss(&mut m, done.take());
+        steps.push(kind(&step));
+        match step {
+            MissStep::Io(io) => done = Some(io.fail(oom())),
+            _ => break,
+        }
+    }
+    assert_eq!(steps, ["map 30 MiB", "failed oom"]);
+    core.check_invariants().unwrap();
+    assert_eq!((core.reserved_bytes(), core.growing_bytes()), (0, 0));
+    // The same request again, its map made: served from the new pages.
+    let request = miss(&mut core, 30 * MIB, s);
+    let (steps, _) = run(&mut core, backend.as_ref(), request, 0);
+    assert_eq!(steps, ["map 30 MiB", "done 30 MiB"]);
+    assert_eq!(core.reserved_bytes(), 30 * MIB);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn the_last_release_unmaps_free_pages_of_expandable_segments() {
+    let conf = "expandable_segments:True";
+    let (backend, mut core, s) = rig(1 << 30, conf);
+    let other = backend.stream_create(DEV).unwrap();
+    let a = core.malloc(40 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    // Another stream's request cannot use the 40 MiB cached for `s`: its map is refused, the
+    // cache released (the 40 MiB unmapped), and the map made again.
+    let request = miss(&mut core, 40 * MIB, other);
+    let mut m = Miss::new(request);
+    let mut steps = Vec::new();
+    let mut done = None;
+    let mut refused = false;
+    loop {
+        let step = core.advance_miss(&mut m, done.take());
+        steps.push(kind(&step));
+        match step {
+            MissStep::Io(io @ MissIo::MapPages(_)) if !refused => {
+                refused = true;
+                done = Some(io.fail(oom()));
+            }
+            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
+            _ => break,
+        }
+    }
+    assert_eq!(
+        steps,
+        ["map 40 MiB", "unmap 40 MiB", "map 40 MiB", "done 40 MiB"]
+    );
+    assert_eq!(core.reserved_bytes(), 40 * MIB);
+    assert_eq!(backend.used(DEV), 40 * MIB);
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_mixed_up_outcome_fails_the_miss_and_gives_its_segment_back() {
+    let (backend, mut core, s) = rig(1 << 30, "");
+    let first = miss(&mut core, 40 * MIB, s);
+    let second = miss(&mut core, 20 * MIB, s);
+    let (mut m1, mut m2) = (Miss::new(first), Miss::new(second));
+    let MissStep::Io(io1) = core.advance_miss(&mut m1, None) else {
+        panic!("expected a driver call")
+    };
+    // The first miss's segment, fed to the second, which waits for nothing.
+    let segment = io1.perform(backend.as_ref());
+    assert_eq!(backend.used(DEV), 40 * MIB);
+    let step = core.advance_miss(&mut m2, Some(segment));
+    assert_eq!(kind(&step), "free [40] MiB");
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    let end = core.advance_miss(&mut m2, Some(io.perform(backend.as_ref())));
+    assert!(matches!(
+        end,
+        MissStep::Failed(AllocError::InvalidSize { .. })
+    ));
+    assert_eq!(backend.used(DEV), 0, "nothing leaked");
+    // The first miss, advanced without the outcome it waits for, fails too.
+    let end = core.advance_miss(&mut m1, None);
+    assert!(matches!(
+        end,
+        MissStep::Failed(AllocError::InvalidSize { .. })
+    ));
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_shutdown_while_pages_are_mapped_gives_them_back() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    // A live block keeps the segment in the books: the miss grows it.
+    let _live = core.malloc(4 * MIB, s).unwrap();
+    let request = miss(&mut core, 30 * MIB, s);
+    let mut m = Miss::new(request);
+    let MissStep::Io(io) = core.advance_miss(&mut m, None) else {
+        panic!("expected a map")
+    };
+    let mapped = io.perform(backend.as_ref());
+    assert_eq!(backend.used(DEV), 34 * MIB);
+    let base = core.snapshot().segments[0].address;
+    assert_eq!(backend.reservation_holding(DEV, base), Some(base));
+    core.shutdown().unwrap();
+    let step = core.advance_miss(&mut m, Some(mapped));
+    assert_eq!(kind(&step), "give back");
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
+    assert!(matches!(end, MissStep::Failed(AllocError::Shutdown)));
+    assert_eq!(backend.used(DEV), 0);
+    assert_eq!(backend.reservation_holding(DEV, base), None);
+}
