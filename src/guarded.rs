@@ -1,9 +1,9 @@
 //! Backend calls made off the gate whose panic (a custom backend's bug) must become an error,
-//! so the caller's failure path runs: a sleep or wake is rolled back, a miss gives back what
-//! it claimed (its bytes in flight, its share of `per_process_memory_fraction`), also when the
-//! panic comes from releasing the cache to make room for it (event synchronizations, segment
-//! frees, page unmaps). Unguarded, a panic skipped those paths and left the core counting work
-//! that would never land.
+//! so the caller's failure path runs: a sleep or wake is rolled back, `empty_cache`'s event
+//! synchronizations, segment frees and page unmaps go on as after a failed call. (A miss's
+//! driver calls are guarded the same way where the miss chain makes them,
+//! `gpualloc_devices::MissIo::perform`.) Unguarded, a panic skipped those paths and left the
+//! core counting work that would never land.
 //!
 //! What the call had done before it panicked is not undone (pages it mapped stay mapped,
 //! unaccounted): the backend's state is unknown.

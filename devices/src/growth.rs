@@ -25,7 +25,7 @@
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
 use crate::block::{BlockId, BlockState};
-use crate::core::{DeviceCore, SegmentRequest};
+use crate::core::{AllocParams, DeviceCore, SegmentRequest};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, MappedPages};
 
@@ -96,9 +96,20 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let params = &req.params;
+        Ok(match self.plan_growth_for(&req.params)? {
+            Some(plan) => Growth::Map(plan),
+            None => Growth::InPlace,
+        })
+    }
+
+    /// [`DeviceCore::plan_growth`] for the request `params` describes: `None` when nothing is
+    /// to be mapped.
+    pub(crate) fn plan_growth_for(
+        &mut self,
+        params: &AllocParams,
+    ) -> Result<Option<GrowthPlan>, AllocError> {
         if !self.pool_expands(params.pool) {
-            return Ok(Growth::InPlace);
+            return Ok(None);
         }
         let size = params.size;
         let mut at = Some(self.find_expandable_block(params.stream, params.pool, size)?);
@@ -110,7 +121,7 @@ impl DeviceCore {
             }
             if !b.mapped {
                 let (need, avail) = ((size - bytes).min(b.size), b.size);
-                return Ok(self.plan_block(id, need, avail));
+                return Ok(self.plan_pages(id, need, avail, true));
             }
             bytes += b.size;
             if bytes >= size {
@@ -118,14 +129,7 @@ impl DeviceCore {
             }
             at = b.next;
         }
-        Ok(Growth::InPlace)
-    }
-
-    fn plan_block(&mut self, id: BlockId, need: u64, avail: u64) -> Growth {
-        match self.plan_pages(id, need, avail, true) {
-            Some(plan) => Growth::Map(plan),
-            None => Growth::InPlace,
-        }
+        Ok(None)
     }
 
     /// Plans mapping the front `need` bytes (at least; pages ahead as `map_ahead.rs` says) of

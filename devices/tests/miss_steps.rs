@@ -299,3 +299,60 @@ fn a_shutdown_while_pages_are_mapped_gives_them_back() {
     assert_eq!(backend.used(DEV), 0);
     assert_eq!(backend.reservation_holding(DEV, base), None);
 }
+
+#[test]
+fn off_the_core_a_segment_in_flight_is_claimed_and_a_block_freed_meanwhile_serves_the_miss() {
+    // 100 MiB allowed of 1 GiB.
+    let (backend, mut core, s) = rig(1 << 30, "per_process_memory_fraction:0.09765625");
+    let a = core.malloc(40 * MIB, s).unwrap();
+    let request = miss(&mut core, 40 * MIB, s);
+    let mut m = Miss::off_core(request);
+    let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+        panic!("expected a segment malloc")
+    };
+    // In flight, the segment counts against the cap: a second miss of 40 MiB does not fit
+    // beside it (40 + 40 + 40 > 100).
+    assert_eq!(core.growing_bytes(), 40 * MIB);
+    let second = miss(&mut core, 40 * MIB, s);
+    assert!(!second.fits_fraction(&core));
+    // The device refuses it; meanwhile the user frees `a`: the miss takes it.
+    core.free(a.ptr).unwrap();
+    let end = core.advance_miss(&mut m, Some(io.fail(oom())));
+    let MissStep::Done(b) = end else {
+        panic!("expected the freed block")
+    };
+    assert_eq!(b.ptr, a.ptr);
+    assert_eq!(core.growing_bytes(), 0, "the claim ended");
+    assert_eq!(backend.used(DEV), 40 * MIB);
+}
+
+#[test]
+fn off_the_core_a_growth_whose_neighbour_was_taken_grows_again() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let _b = core.malloc(4 * MIB, s).unwrap();
+    let a = core.malloc(20 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let request = miss(&mut core, 30 * MIB, s);
+    let mut m = Miss::off_core(request);
+    let step = core.advance_miss(&mut m, None);
+    let first = kind(&step);
+    let MissStep::Io(io) = step else {
+        panic!("expected a map")
+    };
+    let mapped = io.perform(backend.as_ref());
+    // Another request takes the free 20 MiB the growth meant to extend.
+    let taken = core.malloc(20 * MIB, s).unwrap();
+    assert_eq!(taken.ptr, a.ptr);
+    let step = core.advance_miss(&mut m, Some(mapped));
+    assert_eq!(
+        (first.as_str(), kind(&step).as_str()),
+        ("map 10 MiB", "map 20 MiB"),
+        "the second growth maps what the request still lacks"
+    );
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
+    assert!(matches!(end, MissStep::Done(ref c) if c.size == 30 * MIB));
+    core.check_invariants().unwrap();
+}

@@ -102,7 +102,16 @@ impl DeviceCore {
     /// holds went back to the books or the device.
     pub fn advance_miss(&mut self, miss: &mut Miss, done: Option<IoDone>) -> MissStep {
         let mut flow = match (miss.op.take(), done) {
-            (Some(op), Some(done)) => self.resume_op(miss, op, done),
+            (Some(op), Some(done)) => match self.resume_op(miss, op, done) {
+                // Off the core, others ran meanwhile: the request looks in the cache again
+                // before the next link.
+                Flow::Next if miss.off_core => match self.look_again(&mut miss.request.params) {
+                    Ok(true) => Flow::Found,
+                    Ok(false) => Flow::Next,
+                    Err(e) => Flow::Fail(e),
+                },
+                flow => flow,
+            },
             (None, None) => Flow::Next,
             // A step without the outcome it waits for, or an outcome nothing waits for.
             (_, Some(done)) => self.salvage(done.0),
@@ -167,7 +176,7 @@ impl DeviceCore {
                 if retry {
                     self.stats.num_alloc_retries += 1;
                 }
-                self.alloc_block_step(params)
+                self.alloc_block_step(params, miss.off_core)
             }
             TakePassedOver => found_if(self.take_passed_over(params)),
             PrivatePoolOnOom => found_if(self.use_private_pool_on_oom(params)),

@@ -38,6 +38,8 @@
 mod chain;
 mod ops;
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::core::{Allocation, DeviceCore, SegmentRequest};
@@ -61,16 +63,45 @@ pub struct Miss {
     released: bool,
     /// The operation waiting for the caller's driver call, if any.
     op: Option<Op>,
+    /// Other requests run while the driver calls do (see [`Miss::off_core`]).
+    off_core: bool,
+    /// Growths made again by an off-core miss that lost its new pages to another request.
+    regrowths: usize,
 }
 
+/// How many times an off-core miss grows again after another request took the pages it
+/// mapped (each growth maps what the request still lacks).
+pub(crate) const REGROWTHS: usize = 3;
+
 impl Miss {
-    /// A miss for `request`, at the chain's first link.
+    /// A miss for `request`, at the chain's first link, for a caller that makes each driver
+    /// call before anything else touches the core (the in-place driver, the replay).
     pub fn new(request: SegmentRequest) -> Self {
         Miss {
             request,
             at: 0,
             released: false,
             op: None,
+            off_core: false,
+            regrowths: 0,
+        }
+    }
+
+    /// A miss whose driver calls run while other requests use the core (the device actor:
+    /// the calls run off its gate). The chain and its order are the same; three rules keep it
+    /// right with others around:
+    /// - a segment being allocated, and pages being mapped, count against
+    ///   `per_process_memory_fraction` and a pool's quota until they land, so misses in flight
+    ///   together cannot pass the cap;
+    /// - after each driver call the request looks in the cache again before the next link:
+    ///   blocks freed meanwhile (or pages just mapped, which join the cache as a free block)
+    ///   serve it by best fit, as any request's lookup would;
+    /// - a segment allocated for it is its own, even if the cache could serve it by now (it
+    ///   is adopted, as PyTorch adopts a segment malloc'd with the lock released).
+    pub fn off_core(request: SegmentRequest) -> Self {
+        Miss {
+            off_core: true,
+            ..Miss::new(request)
         }
     }
 
@@ -147,23 +178,44 @@ pub(crate) enum Outcome {
 }
 
 impl MissIo {
+    /// True for a call that gives memory back to the device (other requests waiting for
+    /// memory may now find some).
+    pub fn releases_memory(&self) -> bool {
+        matches!(
+            self,
+            MissIo::FreeSegments { .. } | MissIo::UnmapPages(_) | MissIo::GiveBack(_)
+        )
+    }
+
     /// Makes the driver calls with `backend` (the one the core was made with).
+    ///
+    /// A backend that panics (a custom backend's bug) gives the outcome of a failed call,
+    /// [`BackendError::Unavailable`], logged as an error: the chain's failure path then runs
+    /// (a claim goes back, planned pages go back to the unmapped set), where an unwinding
+    /// caller would have left the core counting work that never lands. What the call had done
+    /// before it panicked is not undone: the backend's state is unknown.
     pub fn perform(self, backend: &dyn Backend) -> IoDone {
         IoDone(match self {
-            MissIo::AllocSegment { device, size } => {
-                Outcome::Segment(size, backend.malloc(device, size))
-            }
+            MissIo::AllocSegment { device, size } => Outcome::Segment(
+                size,
+                guarded("a miss's segment malloc", || backend.malloc(device, size)),
+            ),
             MissIo::MapPages(plan) => {
-                let mapped = map_growth(backend, &plan);
+                let mapped = guarded("a miss's page mapping", || map_growth(backend, &plan));
                 Outcome::Mapped(plan, mapped)
             }
             MissIo::FreeSegments { device, segments } => {
-                Outcome::Freed(free_detached(backend, device, &segments))
+                Outcome::Freed(guarded("a miss's segment frees", || {
+                    free_detached(backend, device, &segments)
+                }))
             }
             MissIo::SynchronizeEvents(events) => {
                 let mut done = 0;
                 for e in &events {
-                    if let Err(err) = backend.event_synchronize(*e) {
+                    let synced = guarded("a miss's event synchronization", || {
+                        backend.event_synchronize(*e)
+                    });
+                    if let Err(err) = synced {
                         return IoDone(Outcome::Synced(done, Some(err)));
                     }
                     done += 1;
@@ -175,23 +227,38 @@ impl MissIo {
                 let mut error = None;
                 for r in &releases {
                     if !synced.contains(&r.stream()) {
-                        if let Err(e) = backend.stream_synchronize(r.stream()) {
+                        let done = guarded("a stream synchronization before an unmap", || {
+                            backend.stream_synchronize(r.stream())
+                        });
+                        if let Err(e) = done {
                             error.get_or_insert(e);
                         }
                         synced.push(r.stream());
                     }
                 }
                 for r in &releases {
-                    unmap_pages(backend, r.pages());
+                    let unmapped = guarded("a miss's page unmaps", || {
+                        unmap_pages(backend, r.pages());
+                        Ok(())
+                    });
+                    if let Err(e) = unmapped {
+                        error.get_or_insert(e);
+                    }
                 }
                 Outcome::Unmapped(releases, error)
             }
             MissIo::GiveBack(Leftover::Pages(refused)) => {
-                refused.release(backend);
+                let _ = guarded("giving back a refused growth", || {
+                    refused.release(backend);
+                    Ok::<(), BackendError>(())
+                });
                 Outcome::GaveBack
             }
             MissIo::GiveBack(Leftover::Reservation(device, ptr, size)) => {
-                release_reservation(backend, device, (ptr, size));
+                let _ = guarded("freeing an orphaned reservation", || {
+                    release_reservation(backend, device, (ptr, size));
+                    Ok::<(), BackendError>(())
+                });
                 Outcome::GaveBack
             }
         })
@@ -211,6 +278,18 @@ impl MissIo {
             MissIo::GiveBack(_) => Outcome::GaveBack,
         })
     }
+}
+
+/// Runs `call`, one or more backend calls described by `what`; a panic in it becomes
+/// [`BackendError::Unavailable`], logged as an error.
+fn guarded<T, E: From<BackendError>>(
+    what: &str,
+    call: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|_| {
+        tracing::error!("the backend panicked during {what}");
+        Err(BackendError::Unavailable(format!("the backend panicked during {what}")).into())
+    })
 }
 
 impl DeviceCore {

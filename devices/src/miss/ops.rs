@@ -2,7 +2,7 @@
 //! part before it returns the call ([`Flow::Wait`]), the part after it takes the outcome
 //! (`resume_op`).
 
-use gpualloc_runtime::DevicePtr;
+use gpualloc_runtime::{BackendError, DevicePtr};
 
 use crate::block::BlockId;
 use crate::core::{AllocParams, DeviceCore};
@@ -83,7 +83,7 @@ impl Release {
 impl DeviceCore {
     /// PyTorch's `alloc_block`: a segment of `params.alloc_size`, or pages of an expandable
     /// segment; `Next` when the memory fraction has no room.
-    pub(super) fn alloc_block_step(&mut self, params: &mut AllocParams) -> Flow {
+    pub(super) fn alloc_block_step(&mut self, params: &mut AllocParams, off_core: bool) -> Flow {
         let size = params.alloc_size;
         let expandable = self.pool_expands(params.pool);
         if let Some(max) = self.allowed_max {
@@ -95,6 +95,15 @@ impl DeviceCore {
                 return Flow::Next;
             }
         }
+        if expandable && off_core {
+            // The first unmapped stretch of the run the request goes in; after its pages are
+            // in, the request looks in the cache again (`resume_op`).
+            return match self.plan_growth_for(params) {
+                Ok(Some(plan)) => Flow::Wait(Op::Growth, MissIo::MapPages(plan)),
+                Ok(None) => Flow::Next,
+                Err(e) => Flow::Fail(e),
+            };
+        }
         if expandable {
             return match self.find_expandable_block(params.stream, params.pool, params.size) {
                 Ok(c) => self.growth_step(params, c),
@@ -102,6 +111,10 @@ impl DeviceCore {
             };
         }
         tracing::debug!(device = self.device.0, size, "device_malloc");
+        // Counted against the memory fraction and the pool's quota until it lands, so misses
+        // in flight together cannot pass them (`SegmentRequest::claim_fraction`).
+        self.growing_bytes += size;
+        self.claim_for_pool(params.pool, size, true);
         Flow::Wait(
             Op::Segment,
             MissIo::AllocSegment {
@@ -211,18 +224,16 @@ impl DeviceCore {
     pub(super) fn resume_op(&mut self, miss: &mut super::Miss, op: Op, done: IoDone) -> Flow {
         let params = &mut miss.request.params;
         match (op, done.0) {
-            (Op::Segment, Outcome::Segment(_, result)) => match result {
-                Ok(ptr) => {
-                    self.adopt_segment(params, ptr);
-                    Flow::Found
-                }
-                Err(e) if e.is_oom() => Flow::Next,
-                Err(e) => Flow::Fail(AllocError::Backend(e)),
-            },
+            (Op::Segment, Outcome::Segment(size, result)) => {
+                self.growing_bytes = self.growing_bytes.saturating_sub(size);
+                self.claim_for_pool(params.pool, size, false);
+                self.segment_landed(params, size, result)
+            }
             (Op::Growth, Outcome::Mapped(plan, result)) => match result {
                 Ok(mapped) => {
                     let block = plan.block();
                     match self.commit_growth(plan, mapped) {
+                        Ok(()) if miss.off_core => self.after_growth_off_core(miss),
                         Ok(()) => self.growth_step(params, block),
                         Err(refused) => {
                             Flow::Wait(Op::GiveBack, MissIo::GiveBack(Leftover::Pages(refused)))
@@ -240,12 +251,14 @@ impl DeviceCore {
                     }
                 }
             },
-            (op @ (Op::Free | Op::Release(_) | Op::Mismatch), Outcome::Freed(result)) => {
-                match result {
-                    Ok(()) => self.after_op(op),
-                    Err(e) => Flow::Fail(e),
-                }
-            }
+
+            (
+                op @ (Op::Free | Op::Release(_) | Op::Mismatch | Op::GiveBack),
+                Outcome::Freed(result),
+            ) => match result {
+                Ok(()) => self.after_op(op),
+                Err(e) => Flow::Fail(e),
+            },
             (Op::Release(r), Outcome::Synced(n, error)) => {
                 self.complete_synchronized(n);
                 match error {
@@ -295,6 +308,52 @@ impl DeviceCore {
             | Outcome::GaveBack => None,
         };
         flow.unwrap_or(Flow::Fail(mismatch()))
+    }
+
+    /// A segment malloc's outcome: the request's block, or the next link.
+    fn segment_landed(
+        &mut self,
+        params: &mut AllocParams,
+        size: u64,
+        result: Result<DevicePtr, BackendError>,
+    ) -> Flow {
+        match result {
+            // The core shut down while the segment was being allocated: it goes back.
+            Ok(ptr) if self.shut_down => Flow::Wait(
+                Op::GiveBack,
+                MissIo::FreeSegments {
+                    device: self.device,
+                    segments: vec![DetachedSegment { ptr, size }],
+                },
+            ),
+            Ok(ptr) => {
+                self.adopt_segment(params, ptr);
+                Flow::Found
+            }
+            Err(e) if e.is_oom() => Flow::Next,
+            Err(e) => Flow::Fail(AllocError::Backend(e)),
+        }
+    }
+
+    /// An off-core miss whose pages are in: they joined the cache as a free block, and the
+    /// request takes its best fit there (another request may have taken them first: then it
+    /// grows again, a few times, before the chain goes on).
+    fn after_growth_off_core(&mut self, miss: &mut super::Miss) -> Flow {
+        match self.look_again(&mut miss.request.params) {
+            Ok(true) => Flow::Found,
+            Ok(false) if miss.regrowths < super::REGROWTHS => {
+                miss.regrowths += 1;
+                self.alloc_block_step(&mut miss.request.params, true)
+            }
+            Ok(false) => Flow::Next,
+            Err(e) => Flow::Fail(e),
+        }
+    }
+
+    /// An off-core miss looks in the cache again: frees completed meanwhile, best fit.
+    pub(super) fn look_again(&mut self, params: &mut AllocParams) -> Result<bool, AllocError> {
+        self.process_events()?;
+        Ok(self.get_free_block(params))
     }
 
     /// Books pages unmapped by the caller; a reservation a shutdown left to them goes back.
