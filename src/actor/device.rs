@@ -81,6 +81,16 @@ pub(crate) enum Cached {
     Miss(SegmentRequest),
 }
 
+/// A malloc's first attempt, made without waiting (`DeviceActor::try_malloc`).
+pub(crate) enum Attempt {
+    Hit(DeviceBuffer),
+    Failed(Error),
+    /// The cache had no block: the request for a segment.
+    Miss(SegmentRequest),
+    /// The gate stayed busy: queue the lookup.
+    Busy,
+}
+
 impl DeviceActor {
     pub(crate) fn new(
         core: DeviceCore,
@@ -228,25 +238,52 @@ impl DeviceActor {
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Result<DeviceBuffer, Error> {
+        // A hit is served without a future of its own: what the other paths hold across
+        // their awaits (a reply slot, a landing, a blocking task's handle, a timer) lives in
+        // a box they allocate, so every request's future stays small and a hit does not pay
+        // to move a large one (640 bytes before, `bench hit` in BENCHMARKS.md).
+        match self.try_malloc(size, stream, pool) {
+            Attempt::Hit(buf) => Ok(buf),
+            first => Box::pin(self.malloc_from(first, size, stream, pool)).await,
+        }
+    }
+
+    /// [`DeviceActor::malloc`] after its first attempt.
+    async fn malloc_from(
+        self: &Arc<Self>,
+        first: Attempt,
+        size: u64,
+        stream: &Stream,
+        pool: Option<MemPoolId>,
+    ) -> Result<DeviceBuffer, Error> {
+        let mut attempt = Some(first);
         let mut retries = 0;
         loop {
-            match self.malloc_once(size, stream, pool).await {
-                Err(e)
-                    if retries < LANDING_RETRIES
+            let this = match attempt.take() {
+                Some(a) => a,
+                None => self.try_malloc(size, stream, pool),
+            };
+            let r = self.finish_attempt(this, size, stream, pool).await;
+            let wait = match &r {
+                Err(e) => {
+                    retries < LANDING_RETRIES
                         && self.misses_in_flight() > 0
-                        && e.oom_report().is_some_and(|r| !r.exceeds_device()) =>
-                {
-                    retries += 1;
-                    tracing::debug!(
-                        device = self.device.0,
-                        size,
-                        in_flight = self.misses_in_flight(),
-                        "out of memory with misses in flight: waiting for them to land"
-                    );
-                    self.until_misses_land().await;
+                        && e.oom_report().is_some_and(|r| !r.exceeds_device())
                 }
-                r => return r,
+                Ok(_) => false,
+            };
+            if !wait {
+                return r;
             }
+            drop(r);
+            retries += 1;
+            tracing::debug!(
+                device = self.device.0,
+                size,
+                in_flight = self.misses_in_flight(),
+                "out of memory with misses in flight: waiting for them to land"
+            );
+            self.until_misses_land().await;
         }
     }
 
@@ -283,17 +320,19 @@ impl DeviceActor {
         }
     }
 
-    async fn malloc_once(
+    /// The part of a malloc that never waits: a lost device's error, a thread-cache hit, or
+    /// the cache lookup under the gate when it is free within a few spins.
+    fn try_malloc(
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
         pool: Option<MemPoolId>,
-    ) -> Result<DeviceBuffer, Error> {
+    ) -> Attempt {
         // A lost device (a sticky error: its context does no more work) hands out nothing,
         // cached blocks included: their memory may be what the faulting kernel corrupted, and
         // no work on it could run anyway. (An atomic load on the CUDA backend.)
         if let Some(lost) = self.backend.device_lost(self.device) {
-            return Err(lost.into());
+            return Attempt::Failed(lost.into());
         }
         let handle = stream.handle();
         // The thread cache holds default-pool blocks only (`release`).
@@ -309,7 +348,9 @@ impl DeviceActor {
             let make = || recording(level, true);
             let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
             match cache.revive(self, size, handle, record) {
-                Revived::Hit(a, lane) => return Ok(DeviceBuffer::revived(a, lane, stream.clone())),
+                Revived::Hit(a, lane) => {
+                    return Attempt::Hit(DeviceBuffer::revived(a, lane, stream.clone()))
+                }
                 Revived::Free(ptr) => {
                     let recorded = false; // its entries went with the slot's log
                     self.mailbox
@@ -336,38 +377,63 @@ impl DeviceActor {
                 std::hint::spin_loop();
             }
         }
-        let outcome = match attempt {
+        match attempt {
             Some(Ok(CachedOutcome::Hit(a))) => {
-                Cached::Hit(DeviceBuffer::new(a, self.clone(), stream.clone()))
+                Attempt::Hit(DeviceBuffer::new(a, self.clone(), stream.clone()))
             }
-            Some(Ok(CachedOutcome::Miss(req))) => Cached::Miss(req),
-            Some(Err(e)) => return Err(e.into()),
-            None => self.call(self.cached_job(size, stream, pool)).await??,
-        };
-        match outcome {
-            Cached::Hit(buf) => Ok(buf),
-            Cached::Miss(mut req) => {
-                // Out of memory is counted once per user request, by the facade (`oom.rs`).
-                req.quiet_oom();
-                let actor = self.clone();
-                let stream = stream.clone();
-                // The blocking task runs to completion even if this future is dropped; the
-                // landing then returns its block to the cache (never to a user): nothing
-                // leaks. Until it lands its bytes count as in flight, and requests that run
-                // out of memory meanwhile wait for it (`malloc`; `gpualloc_actor::landing`).
-                let landing = Landing::new(self.misses.clone());
-                let mut guard = CancelOnDrop(Some(landing.clone()));
-                let task = landing.clone();
-                let joined = self
-                    .runtime
-                    .spawn_blocking(move || task.deliver(actor.miss_blocking(req, stream)))
-                    .await;
-                guard.0 = None;
-                let taken = landing.take();
-                joined.map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?;
-                taken.unwrap_or_else(|| Err(Error::Internal("a miss delivered nothing".into())))
-            }
+            Some(Ok(CachedOutcome::Miss(req))) => Attempt::Miss(req),
+            Some(Err(e)) => Attempt::Failed(e.into()),
+            None => Attempt::Busy,
         }
+    }
+
+    /// The rest of a malloc after [`DeviceActor::try_malloc`]: the queued lookup when the
+    /// gate was busy, the miss.
+    async fn finish_attempt(
+        self: &Arc<Self>,
+        attempt: Attempt,
+        size: u64,
+        stream: &Stream,
+        pool: Option<MemPoolId>,
+    ) -> Result<DeviceBuffer, Error> {
+        let req = match attempt {
+            Attempt::Hit(buf) => return Ok(buf),
+            Attempt::Failed(e) => return Err(e),
+            Attempt::Miss(req) => req,
+            Attempt::Busy => match self.call(self.cached_job(size, stream, pool)).await?? {
+                Cached::Hit(buf) => return Ok(buf),
+                Cached::Miss(req) => req,
+            },
+        };
+        self.miss(req, stream).await
+    }
+
+    /// A miss: the chain runs on the blocking pool, its result lands here (or back in the
+    /// cache if this future was dropped meanwhile).
+    async fn miss(
+        self: &Arc<Self>,
+        mut req: SegmentRequest,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer, Error> {
+        // Out of memory is counted once per user request, by the facade (`oom.rs`).
+        req.quiet_oom();
+        let actor = self.clone();
+        let stream = stream.clone();
+        // The blocking task runs to completion even if this future is dropped; the landing
+        // then returns its block to the cache (never to a user): nothing leaks. Until it lands
+        // its bytes count as in flight, and requests that run out of memory meanwhile wait
+        // for it (`malloc`; `gpualloc_actor::landing`).
+        let landing = Landing::new(self.misses.clone());
+        let mut guard = CancelOnDrop(Some(landing.clone()));
+        let task = landing.clone();
+        let joined = self
+            .runtime
+            .spawn_blocking(move || task.deliver(actor.miss_blocking(req, stream)))
+            .await;
+        guard.0 = None;
+        let taken = landing.take();
+        joined.map_err(|e| Error::Internal(format!("malloc task failed: {e}")))?;
+        taken.unwrap_or_else(|| Err(Error::Internal("a miss delivered nothing".into())))
     }
 
     /// Takes back a dropped buffer's block: parked in the calling thread's slot of the thread
