@@ -226,10 +226,15 @@ fn the_last_release_unmaps_free_pages_of_expandable_segments() {
         steps.push(kind(&step));
         match step {
             MissStep::Io(io @ MissIo::MapPages(_)) if !refused => {
+                assert!(!io.releases_memory());
                 refused = true;
                 done = Some(io.fail(oom()));
             }
-            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
+            MissStep::Io(io) => {
+                let unmaps = matches!(io, MissIo::UnmapPages(_));
+                assert_eq!(io.releases_memory(), unmaps, "{}", steps.last().unwrap());
+                done = Some(io.perform(backend.as_ref()));
+            }
             _ => break,
         }
     }
@@ -354,5 +359,86 @@ fn off_the_core_a_growth_whose_neighbour_was_taken_grows_again() {
     };
     let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
     assert!(matches!(end, MissStep::Done(ref c) if c.size == 30 * MIB));
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn off_the_core_the_last_release_completes_only_the_frees_whose_events_are_done() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let other = backend.stream_create(DEV).unwrap();
+    let a = core.malloc(16 * MIB, s).unwrap();
+    core.record_stream(a.ptr, other).unwrap();
+    core.free(a.ptr).unwrap();
+    let request = miss(&mut core, 40 * MIB, s);
+    let mut m = Miss::off_core(request);
+    let mut done = None;
+    let synced = loop {
+        match core.advance_miss(&mut m, done.take()) {
+            MissStep::Io(io @ MissIo::AllocSegment { .. }) => done = Some(io.fail(oom())),
+            MissStep::Io(io @ MissIo::SynchronizeEvents(_)) => break io.perform(backend.as_ref()),
+            step => panic!("unexpected step {}", kind(&step)),
+        }
+    };
+    // Meanwhile another request's lookup completes that free, takes the block and frees it
+    // again behind a new event (the recycled one), which has not completed.
+    core.process_events().unwrap();
+    let b = core.malloc(16 * MIB, s).unwrap();
+    assert_eq!(b.ptr, a.ptr);
+    core.record_stream(b.ptr, other).unwrap();
+    core.free(b.ptr).unwrap();
+    assert_eq!(core.pending_frees(), 1);
+    let mut done = Some(synced);
+    let end = loop {
+        match core.advance_miss(&mut m, done.take()) {
+            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
+            end => break end,
+        }
+    };
+    assert!(matches!(end, MissStep::Done(_)));
+    assert_eq!(
+        core.pending_frees(),
+        1,
+        "the new free still waits for its event"
+    );
+    assert_eq!(core.reserved_bytes(), 56 * MIB, "its segment stays");
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn pages_are_unmapped_after_their_segment_stream_finished_its_work() {
+    use gpualloc_sim::{Op, SimBackend, SimConfig};
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s = dynb.stream_create(DEV).unwrap();
+    let other = dynb.stream_create(DEV).unwrap();
+    let conf = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let mut core = DeviceCore::new(dynb.clone(), DEV, conf).unwrap();
+    let a = core.malloc(40 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let request = miss(&mut core, 40 * MIB, other);
+    let mut m = Miss::new(request);
+    let mut done = None;
+    let mut refused = false;
+    loop {
+        match core.advance_miss(&mut m, done.take()) {
+            MissStep::Io(io @ MissIo::MapPages(_)) if !refused => {
+                refused = true;
+                done = Some(io.fail(oom()));
+            }
+            MissStep::Io(io @ MissIo::UnmapPages(_)) => {
+                sim.reset_counts();
+                done = Some(io.perform(dynb.as_ref()));
+                let counts = sim.counts();
+                assert_eq!(
+                    (counts.get(Op::StreamSynchronize), counts.get(Op::Unmap)),
+                    (1, 2),
+                    "one wait for the segment's stream, then its two 20 MiB handles unmapped"
+                );
+            }
+            MissStep::Io(io) => done = Some(io.perform(dynb.as_ref())),
+            MissStep::Done(_) => break,
+            MissStep::Failed(e) => panic!("{e}"),
+        }
+    }
     core.check_invariants().unwrap();
 }

@@ -104,11 +104,6 @@ impl Miss {
             ..Miss::new(request)
         }
     }
-
-    /// Bytes the user asked for.
-    pub fn requested(&self) -> u64 {
-        self.request.requested()
-    }
 }
 
 /// One step of a miss.

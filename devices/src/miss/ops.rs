@@ -260,7 +260,16 @@ impl DeviceCore {
                 Err(e) => Flow::Fail(e),
             },
             (Op::Release(r), Outcome::Synced(n, error)) => {
-                self.complete_synchronized(n);
+                if miss.off_core {
+                    // Others ran meanwhile: their lookups may have completed some of these
+                    // frees and recycled the events, so the pending list is not the one
+                    // synchronized. Queries complete exactly the frees whose events are done.
+                    if let Err(e) = self.process_events() {
+                        return Flow::Fail(e);
+                    }
+                } else {
+                    self.complete_synchronized(n);
+                }
                 match error {
                     Some(e) => Flow::Fail(AllocError::Backend(e)),
                     None => self.release_step(r),
