@@ -442,3 +442,164 @@ fn pages_are_unmapped_after_their_segment_stream_finished_its_work() {
     }
     core.check_invariants().unwrap();
 }
+
+#[test]
+fn off_the_core_blocks_freed_by_the_last_release_serve_the_miss_before_a_new_segment() {
+    // 8 MiB blocks split from one 20 MiB segment; `a` freed behind an event, `b` live.
+    for off_core in [true, false] {
+        let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+        let other = backend.stream_create(DEV).unwrap();
+        let a = core.malloc(8 * MIB, s).unwrap();
+        let _b = core.malloc(8 * MIB, s).unwrap();
+        core.record_stream(a.ptr, other).unwrap();
+        core.free(a.ptr).unwrap();
+        let request = miss(&mut core, 8 * MIB, s);
+        let mut m = if off_core {
+            Miss::off_core(request)
+        } else {
+            Miss::new(request)
+        };
+        let mut steps = Vec::new();
+        let mut done = None;
+        let end = loop {
+            let step = core.advance_miss(&mut m, done.take());
+            steps.push(kind(&step));
+            match step {
+                MissStep::Io(io @ MissIo::AllocSegment { .. }) if steps.len() == 1 => {
+                    done = Some(io.fail(oom()))
+                }
+                MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
+                end => break end,
+            }
+        };
+        if off_core {
+            // The synchronized free gave `a` back: it serves the request.
+            assert_eq!(steps, ["alloc 20 MiB", "sync 1 events", "done 8 MiB"]);
+            assert!(matches!(end, MissStep::Done(ref c) if c.ptr == a.ptr));
+        } else {
+            // PyTorch's order: the malloc is retried after the release.
+            assert_eq!(
+                steps,
+                [
+                    "alloc 20 MiB",
+                    "sync 1 events",
+                    "alloc 20 MiB",
+                    "done 8 MiB"
+                ]
+            );
+        }
+        core.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_segment_that_reaches_the_memory_fraction_exactly_fits() {
+    // 64 MiB allowed of 1 GiB: one 64 MiB segment is all of it.
+    let (backend, mut core, s) = rig(1 << 30, "per_process_memory_fraction:0.0625");
+    let request = miss(&mut core, 64 * MIB, s);
+    let (steps, _) = run(&mut core, backend.as_ref(), request, 0);
+    assert_eq!(steps, ["alloc 64 MiB", "done 64 MiB"]);
+    let request = miss(&mut core, 2 * MIB, s);
+    let (steps, end) = run(&mut core, backend.as_ref(), request, 0);
+    assert!(
+        matches!(end, MissStep::Failed(ref e) if e.is_oom()),
+        "{steps:?}"
+    );
+}
+
+/// Takes every free mapped block of `stream` in the cache (as other requests would).
+fn steal_free_blocks(core: &mut DeviceCore, stream: StreamHandle) -> Vec<u64> {
+    let free: Vec<u64> = core
+        .snapshot()
+        .segments
+        .iter()
+        .flat_map(|s| s.blocks.iter())
+        .filter(|b| b.mapped && b.state == gpualloc_devices::BlockStateName::Inactive)
+        .map(|b| b.size)
+        .collect();
+    free.into_iter()
+        .map(|size| core.malloc(size, stream).unwrap().ptr.0)
+        .collect()
+}
+
+#[test]
+fn off_the_core_a_miss_grows_again_three_times_then_goes_on_down_the_chain() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let _b = core.malloc(4 * MIB, s).unwrap();
+    let a = core.malloc(20 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let request = miss(&mut core, 30 * MIB, s);
+    let mut m = Miss::off_core(request);
+    // Before each map lands, other requests take the free block it was to extend.
+    let mut maps = Vec::new();
+    let mut done = None;
+    for _ in 0..12 {
+        match core.advance_miss(&mut m, done.take()) {
+            MissStep::Io(io @ MissIo::MapPages(_)) => {
+                maps.push(core.stats().num_alloc_retries);
+                let mapped = io.perform(backend.as_ref());
+                if maps.len() <= 4 {
+                    steal_free_blocks(&mut core, s);
+                }
+                done = Some(mapped);
+            }
+            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
+            MissStep::Done(_) => break,
+            MissStep::Failed(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(
+        maps,
+        [0, 0, 0, 0, 1],
+        "a growth and three more, then the chain's retry (which is left alone)"
+    );
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn off_the_core_new_pages_compete_with_blocks_freed_meanwhile() {
+    for off_core in [true, false] {
+        let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+        let c = core.malloc(30 * MIB, s).unwrap();
+        let _d = core.malloc(4 * MIB, s).unwrap();
+        let request = miss(&mut core, 30 * MIB, s);
+        let mut m = if off_core {
+            Miss::off_core(request)
+        } else {
+            Miss::new(request)
+        };
+        let MissStep::Io(io) = core.advance_miss(&mut m, None) else {
+            panic!("expected a map")
+        };
+        let mapped = io.perform(backend.as_ref());
+        core.free(c.ptr).unwrap();
+        let MissStep::Done(got) = core.advance_miss(&mut m, Some(mapped)) else {
+            panic!("expected the request served")
+        };
+        // Off the core the request looks in the cache again: `c`, freed meanwhile, is the
+        // best fit (the new pages can still grow). In place it takes the pages it grew.
+        assert_eq!(got.ptr == c.ptr, off_core);
+        core.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn off_the_core_a_segment_that_lands_after_a_shutdown_goes_back() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let request = miss(&mut core, 40 * MIB, s);
+    let mut m = Miss::off_core(request);
+    let MissStep::Io(io) = core.advance_miss(&mut m, None) else {
+        panic!("expected a segment malloc")
+    };
+    let segment = io.perform(backend.as_ref());
+    assert_eq!(backend.used(DEV), 40 * MIB);
+    core.shutdown().unwrap();
+    let step = core.advance_miss(&mut m, Some(segment));
+    assert_eq!(kind(&step), "free [40] MiB");
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
+    assert!(matches!(end, MissStep::Failed(AllocError::Shutdown)));
+    assert_eq!(backend.used(DEV), 0);
+}

@@ -147,15 +147,14 @@ impl DeviceCore {
         let params = &mut miss.request.params;
         match link {
             CollectGarbage => {
-                if self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some() {
-                    let victims = self.gc_victims();
-                    let segments = victims
-                        .into_iter()
-                        .map(|id| self.detach_block(id))
-                        .collect();
-                    return self.free_segments(segments, Op::Free);
-                }
-                Flow::Next
+                // None unless `garbage_collection_threshold` and the memory fraction are set
+                // and reserved memory is past the threshold (`gc_victims`).
+                let victims = self.gc_victims();
+                let segments = victims
+                    .into_iter()
+                    .map(|id| self.detach_block(id))
+                    .collect();
+                self.free_segments(segments, Op::Free)
             }
             AtQuota => {
                 if self.quota_error(params, size).is_none() {
