@@ -8,22 +8,9 @@
 //! What the call had done before it panicked is not undone (pages it mapped stay mapped,
 //! unaccounted): the backend's state is unknown.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use gpualloc_runtime::BackendError;
 
-/// Runs `step`, one or more backend calls described by `what`; a panic in it becomes
-/// `BackendError::Unavailable("the backend panicked during {what}")` (in the step's own
-/// error type), logged as an error.
-pub(crate) fn guarded<T, E: From<BackendError>>(
-    what: &str,
-    step: impl FnOnce() -> Result<T, E>,
-) -> Result<T, E> {
-    catch_unwind(AssertUnwindSafe(step)).unwrap_or_else(|_| {
-        tracing::error!("the backend panicked during {what}");
-        Err(BackendError::Unavailable(format!("the backend panicked during {what}")).into())
-    })
-}
+pub(crate) use gpualloc_runtime::guarded;
 
 /// [`guarded`] for a step that logs its own failures and returns nothing (unmaps, page
 /// releases): a panic in it is logged, and the caller goes on as after a failed call.

@@ -294,15 +294,27 @@ fn a_shutdown_while_pages_are_mapped_gives_them_back() {
     let base = core.snapshot().segments[0].address;
     assert_eq!(backend.reservation_holding(DEV, base), Some(base));
     core.shutdown().unwrap();
-    let step = core.advance_miss(&mut m, Some(mapped));
-    assert_eq!(kind(&step), "give back");
+    give_back_after_shutdown(&mut core, backend.as_ref(), &mut m, mapped, "give back");
+    assert_eq!(backend.used(DEV), 0);
+    assert_eq!(backend.reservation_holding(DEV, base), None);
+}
+
+/// Advances `m`, whose driver call landed (`done`) after its core shut down: the step gives
+/// back what it held (`expected`, a step's kind), then the miss fails with `Shutdown`.
+fn give_back_after_shutdown(
+    core: &mut DeviceCore,
+    backend: &dyn Backend,
+    m: &mut Miss,
+    done: gpualloc_devices::IoDone,
+    expected: &str,
+) {
+    let step = core.advance_miss(m, Some(done));
+    assert_eq!(kind(&step), expected);
     let MissStep::Io(io) = step else {
         unreachable!()
     };
-    let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
+    let end = core.advance_miss(m, Some(io.perform(backend)));
     assert!(matches!(end, MissStep::Failed(AllocError::Shutdown)));
-    assert_eq!(backend.used(DEV), 0);
-    assert_eq!(backend.reservation_holding(DEV, base), None);
 }
 
 #[test]
@@ -594,12 +606,12 @@ fn off_the_core_a_segment_that_lands_after_a_shutdown_goes_back() {
     let segment = io.perform(backend.as_ref());
     assert_eq!(backend.used(DEV), 40 * MIB);
     core.shutdown().unwrap();
-    let step = core.advance_miss(&mut m, Some(segment));
-    assert_eq!(kind(&step), "free [40] MiB");
-    let MissStep::Io(io) = step else {
-        unreachable!()
-    };
-    let end = core.advance_miss(&mut m, Some(io.perform(backend.as_ref())));
-    assert!(matches!(end, MissStep::Failed(AllocError::Shutdown)));
+    give_back_after_shutdown(
+        &mut core,
+        backend.as_ref(),
+        &mut m,
+        segment,
+        "free [40] MiB",
+    );
     assert_eq!(backend.used(DEV), 0);
 }

@@ -15,6 +15,7 @@ pub mod addr_map;
 pub mod backend;
 pub mod completion;
 pub mod error;
+pub mod guarded;
 pub mod procmaps;
 pub mod release_hooks;
 pub mod stat;
@@ -25,6 +26,7 @@ pub mod types;
 pub use backend::Backend;
 pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
+pub use guarded::guarded;
 pub use stream::{Event, Stream};
 pub use types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,

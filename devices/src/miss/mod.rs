@@ -38,9 +38,9 @@
 mod chain;
 mod ops;
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
-use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr, EventHandle, StreamHandle};
+use gpualloc_runtime::{
+    guarded, Backend, BackendError, DeviceId, DevicePtr, EventHandle, StreamHandle,
+};
 
 use crate::core::{Allocation, DeviceCore, SegmentRequest};
 use crate::detached::{free_detached, DetachedSegment};
@@ -273,18 +273,6 @@ impl MissIo {
             MissIo::GiveBack(_) => Outcome::GaveBack,
         })
     }
-}
-
-/// Runs `call`, one or more backend calls described by `what`; a panic in it becomes
-/// [`BackendError::Unavailable`], logged as an error.
-fn guarded<T, E: From<BackendError>>(
-    what: &str,
-    call: impl FnOnce() -> Result<T, E>,
-) -> Result<T, E> {
-    catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|_| {
-        tracing::error!("the backend panicked during {what}");
-        Err(BackendError::Unavailable(format!("the backend panicked during {what}")).into())
-    })
 }
 
 impl DeviceCore {
