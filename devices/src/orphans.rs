@@ -9,7 +9,7 @@
 //! - each wholly free ordinary segment of the stream becomes an orphan: filed under
 //!   [`ORPHAN_STREAM`], it is adopted by the next request of any stream of the device that
 //!   misses its own stream's blocks and that it fits, by PyTorch's size rules
-//!   ([`DeviceCore::malloc_from_orphans`], before any new segment is allocated). Freeing it
+//!   (the miss chain's `AdoptOrphan` link, before any new segment is allocated). Freeing it
 //!   instead would cost a device-wide synchronize (`cudaFree`);
 //! - the free pages of the stream's expandable segment are unmapped (a synchronize of that
 //!   stream alone, whose work is done) and the reservation freed once empty: the next stream
@@ -26,7 +26,7 @@
 use gpualloc_runtime::StreamHandle;
 
 use crate::block::BlockState;
-use crate::core::{AllocParams, Allocation, DeviceCore, SegmentRequest};
+use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
 use crate::pool::key;
 
@@ -189,18 +189,6 @@ impl DeviceCore {
             "orphan segment adopted"
         );
         self.get_free_block(params)
-    }
-
-    /// For owners that allocate segments off the core: on a miss, serves the request from an
-    /// orphaned segment before any segment is allocated. `Err` gives the request back.
-    pub fn malloc_from_orphans(
-        &mut self,
-        request: SegmentRequest,
-    ) -> Result<Allocation, SegmentRequest> {
-        if let Err(e) = self.orphan_retired() {
-            tracing::warn!(device = self.device.0, error = %e, "orphaning retired streams failed");
-        }
-        self.serve_from_cache(request, Self::adopt_orphan)
     }
 
     /// True for block pools whose dropped streams' segments are orphaned: the default pools

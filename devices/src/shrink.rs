@@ -15,10 +15,10 @@
 //! (`growth.rs` shares that rule): `finish_page_release` returns it for
 //! [`release_reservation`](crate::release_reservation).
 
-use gpualloc_runtime::{Backend, DevicePtr, StreamHandle};
+use gpualloc_runtime::{Backend, BackendError, DevicePtr, StreamHandle};
 
 use crate::block::{BlockId, BlockState};
-use crate::core::{DeviceCore, SegmentRequest};
+use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::expandable::{unmap_pages, MappedPages};
 
@@ -37,16 +37,6 @@ impl PageRelease {
     pub fn bytes(&self) -> u64 {
         self.mapped.bytes()
     }
-
-    /// The stream of the pages' segment, which must finish its work before they are unmapped.
-    pub(crate) fn stream(&self) -> StreamHandle {
-        self.stream
-    }
-
-    /// The pages.
-    pub(crate) fn pages(&self) -> &MappedPages {
-        &self.mapped
-    }
 }
 
 impl DeviceCore {
@@ -54,20 +44,11 @@ impl DeviceCore {
     /// books (see the module docs). Call after pending frees were completed, as
     /// `detach_free_segments` is.
     pub fn detach_free_pages(&mut self) -> Result<Vec<PageRelease>, AllocError> {
-        self.detach_free_pages_for(None)
-    }
-
-    /// [`DeviceCore::detach_free_pages`] for `request`: for one at its pool's quota only that
-    /// pool's own free pages (`release_scope`, `mem_pools.rs`).
-    pub fn detach_free_pages_for(
-        &mut self,
-        request: Option<&SegmentRequest>,
-    ) -> Result<Vec<PageRelease>, AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
         let mut out = Vec::new();
-        for pool in self.release_scope(request) {
+        for pool in self.release_scope(None) {
             out.extend(self.detach_pages_of(pool));
         }
         Ok(out)
@@ -136,13 +117,16 @@ impl DeviceCore {
 }
 
 /// Step 2: waits for each segment's stream, then unmaps and releases the pages, off the core.
-/// Best effort: a failure is logged (the pages stay out of the books).
-pub fn release_pages(backend: &dyn Backend, releases: &[PageRelease]) {
+/// Best effort: every page is tried, a failure is logged (the pages stay out of the books);
+/// returns the first failed stream synchronization (the miss chain fails its miss with it).
+pub fn release_pages(backend: &dyn Backend, releases: &[PageRelease]) -> Result<(), BackendError> {
     let mut synced: Vec<StreamHandle> = Vec::new();
+    let mut first = None;
     for r in releases {
         if !synced.contains(&r.stream) {
             if let Err(e) = backend.stream_synchronize(r.stream) {
                 tracing::warn!(stream = ?r.stream, error = %e, "synchronizing before an unmap failed");
+                first.get_or_insert(e);
             }
             synced.push(r.stream);
         }
@@ -150,4 +134,5 @@ pub fn release_pages(backend: &dyn Backend, releases: &[PageRelease]) {
     for r in releases {
         unmap_pages(backend, &r.mapped);
     }
+    first.map_or(Ok(()), Err)
 }

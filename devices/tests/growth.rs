@@ -279,7 +279,7 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     let p = plan(&mut c, &req);
     let h = map_growth(sim.as_ref(), &p).unwrap();
     simb.reset_counts();
-    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    gpualloc_devices::release_pages(sim.as_ref(), &releases).unwrap();
     let counts = simb.counts();
     assert_eq!(
         (counts.get(Op::StreamSynchronize), counts.get(Op::Unmap)),
@@ -293,7 +293,7 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     c.check_invariants().unwrap();
     c.free(b.ptr).unwrap();
     let releases = c.detach_free_pages().unwrap();
-    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    gpualloc_devices::release_pages(sim.as_ref(), &releases).unwrap();
     for r in releases {
         assert_eq!(c.finish_page_release(r).unwrap(), None);
     }
@@ -314,7 +314,7 @@ fn released_pages_match_the_in_place_release_and_survive_a_shutdown() {
     let releases = c.detach_free_pages().unwrap();
     assert_eq!(releases.len(), 1);
     c.shutdown().unwrap();
-    gpualloc_devices::release_pages(sim.as_ref(), &releases);
+    gpualloc_devices::release_pages(sim.as_ref(), &releases).unwrap();
     let mut freed = 0;
     for r in releases {
         if let Some(res) = c.finish_page_release(r).unwrap() {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
-    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Miss, MissIo, MissStep, SegmentRequest,
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, IoDone, Miss, MissIo, MissStep,
+    SegmentRequest,
 };
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
 
@@ -56,29 +57,42 @@ fn kind(step: &MissStep) -> String {
     }
 }
 
-/// Runs a miss to its end: each segment malloc the test refuses while `refuse_mallocs` lasts,
-/// every other call made. Returns the steps.
+/// Advances `m` from `done` to its end, each driver call handed to `call` (which makes it,
+/// refuses it, or first does what other requests would meanwhile). Returns the kinds of the
+/// steps and the last step.
+fn drive(
+    core: &mut DeviceCore,
+    m: &mut Miss,
+    mut done: Option<IoDone>,
+    mut call: impl FnMut(&mut DeviceCore, MissIo) -> IoDone,
+) -> (Vec<String>, MissStep) {
+    let mut steps = Vec::new();
+    for _ in 0..64 {
+        let step = core.advance_miss(m, done.take());
+        steps.push(kind(&step));
+        match step {
+            MissStep::Io(io) => done = Some(call(core, io)),
+            end => return (steps, end),
+        }
+    }
+    panic!("no end after 64 steps: {steps:?}");
+}
+
+/// Runs a miss to its end in place: each segment malloc the test refuses while
+/// `refuse_mallocs` lasts, every other call made. Returns the steps.
 fn run(
     core: &mut DeviceCore,
     backend: &dyn Backend,
     request: SegmentRequest,
     mut refuse_mallocs: usize,
 ) -> (Vec<String>, MissStep) {
-    let mut m = Miss::new(request);
-    let mut steps = Vec::new();
-    let mut done = None;
-    loop {
-        let step = core.advance_miss(&mut m, done.take());
-        steps.push(kind(&step));
-        match step {
-            MissStep::Io(io @ MissIo::AllocSegment { .. }) if refuse_mallocs > 0 => {
-                refuse_mallocs -= 1;
-                done = Some(io.fail(oom()));
-            }
-            MissStep::Io(io) => done = Some(io.perform(backend)),
-            end => return (steps, end),
+    drive(core, &mut Miss::new(request), None, |_, io| match io {
+        MissIo::AllocSegment { .. } if refuse_mallocs > 0 => {
+            refuse_mallocs -= 1;
+            io.fail(oom())
         }
-    }
+        io => io.perform(backend),
+    })
 }
 
 #[test]
@@ -186,16 +200,8 @@ fn expandable_growth_maps_pages_and_a_refused_map_leaves_the_books_as_they_were(
     };
     // Refused: the chain goes on (nothing cached to release) and ends out of memory, with
     // the planned pages back in the unmapped set.
-    let mut done = Some(io.fail(oom()));
-    let mut steps = Vec::new();
-    loop {
-        let step = core.advance_miss(&mut m, done.take());
-        steps.push(kind(&step));
-        match step {
-            MissStep::Io(io) => done = Some(io.fail(oom())),
-            _ => break,
-        }
-    }
+    let done = Some(io.fail(oom()));
+    let (steps, _) = drive(&mut core, &mut m, done, |_, io| io.fail(oom()));
     assert_eq!(steps, ["map 30 MiB", "failed oom"]);
     core.check_invariants().unwrap();
     assert_eq!((core.reserved_bytes(), core.growing_bytes()), (0, 0));
@@ -218,26 +224,19 @@ fn the_last_release_unmaps_free_pages_of_expandable_segments() {
     // cache released (the 40 MiB unmapped), and the map made again.
     let request = miss(&mut core, 40 * MIB, other);
     let mut m = Miss::new(request);
-    let mut steps = Vec::new();
-    let mut done = None;
     let mut refused = false;
-    loop {
-        let step = core.advance_miss(&mut m, done.take());
-        steps.push(kind(&step));
-        match step {
-            MissStep::Io(io @ MissIo::MapPages(_)) if !refused => {
-                assert!(!io.releases_memory());
-                refused = true;
-                done = Some(io.fail(oom()));
-            }
-            MissStep::Io(io) => {
-                let unmaps = matches!(io, MissIo::UnmapPages(_));
-                assert_eq!(io.releases_memory(), unmaps, "{}", steps.last().unwrap());
-                done = Some(io.perform(backend.as_ref()));
-            }
-            _ => break,
+    let (steps, _) = drive(&mut core, &mut m, None, |_, io| match io {
+        MissIo::MapPages(_) if !refused => {
+            assert!(!io.releases_memory());
+            refused = true;
+            io.fail(oom())
         }
-    }
+        io => {
+            let unmaps = matches!(io, MissIo::UnmapPages(_));
+            assert_eq!(io.releases_memory(), unmaps, "{io:?}");
+            io.perform(backend.as_ref())
+        }
+    });
     assert_eq!(
         steps,
         ["map 40 MiB", "unmap 40 MiB", "map 40 MiB", "done 40 MiB"]
@@ -305,7 +304,7 @@ fn give_back_after_shutdown(
     core: &mut DeviceCore,
     backend: &dyn Backend,
     m: &mut Miss,
-    done: gpualloc_devices::IoDone,
+    done: IoDone,
     expected: &str,
 ) {
     let step = core.advance_miss(m, Some(done));
@@ -383,29 +382,26 @@ fn off_the_core_the_last_release_completes_only_the_frees_whose_events_are_done(
     core.free(a.ptr).unwrap();
     let request = miss(&mut core, 40 * MIB, s);
     let mut m = Miss::off_core(request);
-    let mut done = None;
-    let synced = loop {
-        match core.advance_miss(&mut m, done.take()) {
-            MissStep::Io(io @ MissIo::AllocSegment { .. }) => done = Some(io.fail(oom())),
-            MissStep::Io(io @ MissIo::SynchronizeEvents(_)) => break io.perform(backend.as_ref()),
-            step => panic!("unexpected step {}", kind(&step)),
+    let mut refused = false;
+    let (_, end) = drive(&mut core, &mut m, None, |core, io| match io {
+        MissIo::AllocSegment { .. } if !refused => {
+            refused = true;
+            io.fail(oom())
         }
-    };
-    // Meanwhile another request's lookup completes that free, takes the block and frees it
-    // again behind a new event (the recycled one), which has not completed.
-    core.process_events().unwrap();
-    let b = core.malloc(16 * MIB, s).unwrap();
-    assert_eq!(b.ptr, a.ptr);
-    core.record_stream(b.ptr, other).unwrap();
-    core.free(b.ptr).unwrap();
-    assert_eq!(core.pending_frees(), 1);
-    let mut done = Some(synced);
-    let end = loop {
-        match core.advance_miss(&mut m, done.take()) {
-            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
-            end => break end,
+        MissIo::SynchronizeEvents(_) => {
+            let synced = io.perform(backend.as_ref());
+            // Meanwhile another request's lookup completes that free, takes the block and
+            // frees it again behind a new event (the recycled one), which has not completed.
+            core.process_events().unwrap();
+            let b = core.malloc(16 * MIB, s).unwrap();
+            assert_eq!(b.ptr, a.ptr);
+            core.record_stream(b.ptr, other).unwrap();
+            core.free(b.ptr).unwrap();
+            assert_eq!(core.pending_frees(), 1);
+            synced
         }
-    };
+        io => io.perform(backend.as_ref()),
+    });
     assert!(matches!(end, MissStep::Done(_)));
     assert_eq!(
         core.pending_frees(),
@@ -429,29 +425,26 @@ fn pages_are_unmapped_after_their_segment_stream_finished_its_work() {
     core.free(a.ptr).unwrap();
     let request = miss(&mut core, 40 * MIB, other);
     let mut m = Miss::new(request);
-    let mut done = None;
     let mut refused = false;
-    loop {
-        match core.advance_miss(&mut m, done.take()) {
-            MissStep::Io(io @ MissIo::MapPages(_)) if !refused => {
-                refused = true;
-                done = Some(io.fail(oom()));
-            }
-            MissStep::Io(io @ MissIo::UnmapPages(_)) => {
-                sim.reset_counts();
-                done = Some(io.perform(dynb.as_ref()));
-                let counts = sim.counts();
-                assert_eq!(
-                    (counts.get(Op::StreamSynchronize), counts.get(Op::Unmap)),
-                    (1, 2),
-                    "one wait for the segment's stream, then its two 20 MiB handles unmapped"
-                );
-            }
-            MissStep::Io(io) => done = Some(io.perform(dynb.as_ref())),
-            MissStep::Done(_) => break,
-            MissStep::Failed(e) => panic!("{e}"),
+    let (_, end) = drive(&mut core, &mut m, None, |_, io| match io {
+        MissIo::MapPages(_) if !refused => {
+            refused = true;
+            io.fail(oom())
         }
-    }
+        MissIo::UnmapPages(_) => {
+            sim.reset_counts();
+            let done = io.perform(dynb.as_ref());
+            let counts = sim.counts();
+            assert_eq!(
+                (counts.get(Op::StreamSynchronize), counts.get(Op::Unmap)),
+                (1, 2),
+                "one wait for the segment's stream, then its two 20 MiB handles unmapped"
+            );
+            done
+        }
+        io => io.perform(dynb.as_ref()),
+    });
+    assert!(matches!(end, MissStep::Done(_)), "{}", kind(&end));
     core.check_invariants().unwrap();
 }
 
@@ -471,19 +464,14 @@ fn off_the_core_blocks_freed_by_the_last_release_serve_the_miss_before_a_new_seg
         } else {
             Miss::new(request)
         };
-        let mut steps = Vec::new();
-        let mut done = None;
-        let end = loop {
-            let step = core.advance_miss(&mut m, done.take());
-            steps.push(kind(&step));
-            match step {
-                MissStep::Io(io @ MissIo::AllocSegment { .. }) if steps.len() == 1 => {
-                    done = Some(io.fail(oom()))
-                }
-                MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
-                end => break end,
+        let mut first = true;
+        let (steps, end) = drive(&mut core, &mut m, None, |_, io| {
+            let refuse = std::mem::take(&mut first);
+            match io {
+                MissIo::AllocSegment { .. } if refuse => io.fail(oom()),
+                io => io.perform(backend.as_ref()),
             }
-        };
+        });
         if off_core {
             // The synchronized free gave `a` back: it serves the request.
             assert_eq!(steps, ["alloc 20 MiB", "sync 1 events", "done 8 MiB"]);
@@ -544,22 +532,18 @@ fn off_the_core_a_miss_grows_again_three_times_then_goes_on_down_the_chain() {
     let mut m = Miss::off_core(request);
     // Before each map lands, other requests take the free block it was to extend.
     let mut maps = Vec::new();
-    let mut done = None;
-    for _ in 0..12 {
-        match core.advance_miss(&mut m, done.take()) {
-            MissStep::Io(io @ MissIo::MapPages(_)) => {
-                maps.push(core.stats().num_alloc_retries);
-                let mapped = io.perform(backend.as_ref());
-                if maps.len() <= 4 {
-                    steal_free_blocks(&mut core, s);
-                }
-                done = Some(mapped);
+    let (_, end) = drive(&mut core, &mut m, None, |core, io| match io {
+        MissIo::MapPages(_) => {
+            maps.push(core.stats().num_alloc_retries);
+            let mapped = io.perform(backend.as_ref());
+            if maps.len() <= 4 {
+                steal_free_blocks(core, s);
             }
-            MissStep::Io(io) => done = Some(io.perform(backend.as_ref())),
-            MissStep::Done(_) => break,
-            MissStep::Failed(e) => panic!("{e}"),
+            mapped
         }
-    }
+        io => io.perform(backend.as_ref()),
+    });
+    assert!(matches!(end, MissStep::Done(_)), "{}", kind(&end));
     assert_eq!(
         maps,
         [0, 0, 0, 0, 1],
@@ -614,4 +598,17 @@ fn off_the_core_a_segment_that_lands_after_a_shutdown_goes_back() {
         "free [40] MiB",
     );
     assert_eq!(backend.used(DEV), 0);
+}
+
+#[test]
+fn a_driver_error_other_than_out_of_memory_fails_the_miss_with_it() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let request = miss(&mut core, 40 * MIB, s);
+    let failure = BackendError::Unavailable("the driver went away".into());
+    let (steps, end) = drive(&mut core, &mut Miss::new(request), None, |_, io| {
+        io.fail(failure.clone())
+    });
+    assert_eq!(steps, ["alloc 40 MiB", "failed other"]);
+    assert!(matches!(end, MissStep::Failed(AllocError::Backend(ref e)) if *e == failure));
+    assert_eq!((core.growing_bytes(), backend.used(DEV)), (0, 0));
 }

@@ -75,13 +75,8 @@ impl std::fmt::Debug for DeviceActor {
     }
 }
 
-/// What the cache-only half of a malloc produced.
-pub(crate) enum Cached {
-    Hit(DeviceBuffer),
-    Miss(SegmentRequest),
-}
-
-/// A malloc's first attempt, made without waiting (`DeviceActor::try_malloc`).
+/// A malloc's attempt made without waiting (`DeviceActor::try_malloc`), or its queued lookup
+/// (`DeviceActor::cached_job`, never `Busy`).
 pub(crate) enum Attempt {
     Hit(DeviceBuffer),
     Failed(Error),
@@ -215,13 +210,27 @@ impl DeviceActor {
         size: u64,
         stream: &Stream,
         pool: Option<MemPoolId>,
-    ) -> impl FnOnce(&mut DeviceState) -> Result<Cached, Error> + Send + 'static {
+    ) -> impl FnOnce(&mut DeviceState) -> Attempt + Send + 'static {
         let actor = self.clone();
         let stream = stream.clone();
-        move |st: &mut DeviceState| match cached(&mut st.core, size, stream.handle(), pool) {
-            Ok(CachedOutcome::Hit(a)) => Ok(Cached::Hit(DeviceBuffer::new(a, actor, stream))),
-            Ok(CachedOutcome::Miss(req)) => Ok(Cached::Miss(req)),
-            Err(e) => Err(e.into()),
+        move |st: &mut DeviceState| {
+            let looked = cached(&mut st.core, size, stream.handle(), pool);
+            actor.attempt_of(looked, &stream)
+        }
+    }
+
+    /// What a cache lookup came to, as an attempt of a malloc on `stream`.
+    fn attempt_of(
+        self: &Arc<Self>,
+        looked: Result<CachedOutcome, AllocError>,
+        stream: &Stream,
+    ) -> Attempt {
+        match looked {
+            Ok(CachedOutcome::Hit(a)) => {
+                Attempt::Hit(DeviceBuffer::new(a, self.clone(), stream.clone()))
+            }
+            Ok(CachedOutcome::Miss(req)) => Attempt::Miss(req),
+            Err(e) => Attempt::Failed(e.into()),
         }
     }
 
@@ -378,11 +387,7 @@ impl DeviceActor {
             }
         }
         match attempt {
-            Some(Ok(CachedOutcome::Hit(a))) => {
-                Attempt::Hit(DeviceBuffer::new(a, self.clone(), stream.clone()))
-            }
-            Some(Ok(CachedOutcome::Miss(req))) => Attempt::Miss(req),
-            Some(Err(e)) => Attempt::Failed(e.into()),
+            Some(looked) => self.attempt_of(looked, stream),
             None => Attempt::Busy,
         }
     }
@@ -396,16 +401,16 @@ impl DeviceActor {
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Result<DeviceBuffer, Error> {
-        let req = match attempt {
-            Attempt::Hit(buf) => return Ok(buf),
-            Attempt::Failed(e) => return Err(e),
-            Attempt::Miss(req) => req,
-            Attempt::Busy => match self.call(self.cached_job(size, stream, pool)).await?? {
-                Cached::Hit(buf) => return Ok(buf),
-                Cached::Miss(req) => req,
-            },
-        };
-        self.miss(req, stream).await
+        let mut attempt = attempt;
+        loop {
+            match attempt {
+                Attempt::Hit(buf) => return Ok(buf),
+                Attempt::Failed(e) => return Err(e),
+                Attempt::Miss(req) => return self.miss(req, stream).await,
+                // The queued lookup never comes back busy.
+                Attempt::Busy => attempt = self.call(self.cached_job(size, stream, pool)).await?,
+            }
+        }
     }
 
     /// A miss: the chain runs on the blocking pool, its result lands here (or back in the

@@ -18,7 +18,7 @@ use gpualloc_runtime::Stream;
 use crate::actor::device::DeviceActor;
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
-use crate::guarded::{guarded, guarded_step};
+use crate::guarded::guarded;
 
 impl DeviceActor {
     /// Finishes a miss: the core's chain, its driver calls off the gate (see the module
@@ -156,9 +156,9 @@ impl DeviceActor {
             _ => return 0,
         };
         let n = releases.len();
-        // A panic while unmapping (a custom backend's bug) is logged by the guard; the core
-        // books the pages released either way, as it does when an unmap fails.
-        guarded_step("a cache release's page unmaps", || {
+        // A failure is logged where it happens, a panic (a custom backend's bug) by the guard;
+        // the core books the pages released either way, as it does when an unmap fails.
+        let _ = guarded("a cache release's page unmaps", || {
             release_pages(self.backend.as_ref(), &releases)
         });
         let mut orphaned = Vec::new();

@@ -38,16 +38,14 @@
 mod chain;
 mod ops;
 
-use gpualloc_runtime::{
-    guarded, Backend, BackendError, DeviceId, DevicePtr, EventHandle, StreamHandle,
-};
+use gpualloc_runtime::{guarded, Backend, BackendError, DeviceId, DevicePtr, EventHandle};
 
 use crate::core::{Allocation, DeviceCore, SegmentRequest};
 use crate::detached::{free_detached, DetachedSegment};
 use crate::error::AllocError;
-use crate::expandable::{unmap_pages, MappedPages};
+use crate::expandable::MappedPages;
 use crate::growth::{map_growth, release_reservation, GrowthPlan, Refused};
-use crate::shrink::PageRelease;
+use crate::shrink::{release_pages, PageRelease};
 
 pub(crate) use ops::Op;
 
@@ -218,29 +216,9 @@ impl MissIo {
                 Outcome::Synced(done, None)
             }
             MissIo::UnmapPages(releases) => {
-                let mut synced: Vec<StreamHandle> = Vec::new();
-                let mut error = None;
-                for r in &releases {
-                    if !synced.contains(&r.stream()) {
-                        let done = guarded("a stream synchronization before an unmap", || {
-                            backend.stream_synchronize(r.stream())
-                        });
-                        if let Err(e) = done {
-                            error.get_or_insert(e);
-                        }
-                        synced.push(r.stream());
-                    }
-                }
-                for r in &releases {
-                    let unmapped = guarded("a miss's page unmaps", || {
-                        unmap_pages(backend, r.pages());
-                        Ok(())
-                    });
-                    if let Err(e) = unmapped {
-                        error.get_or_insert(e);
-                    }
-                }
-                Outcome::Unmapped(releases, error)
+                let released =
+                    guarded("a miss's page unmaps", || release_pages(backend, &releases));
+                Outcome::Unmapped(releases, released.err())
             }
             MissIo::GiveBack(Leftover::Pages(refused)) => {
                 let _ = guarded("giving back a refused growth", || {
