@@ -165,7 +165,12 @@ impl Allocator {
     pub async fn malloc(&self, size: u64, stream: &Stream) -> Result<DeviceBuffer, Error> {
         self.check()?;
         let actor = self.actor_for(stream)?;
-        let r = actor.malloc(size, stream, None).await;
+        // A thread-cache hit first: it needs no follow-up (its frames, when recorded, went
+        // into its slot's entry), so it returns before anything else is built.
+        if let Some(buf) = actor.revive(size, stream, None) {
+            return Ok(buf);
+        }
+        let r = actor.malloc_past_thread_cache(size, stream, None).await;
         if self.malloc_follow_up(actor, &r) {
             return Box::pin(self.follow_up(actor, stream, size, r)).await;
         }

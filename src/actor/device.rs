@@ -251,6 +251,20 @@ impl DeviceActor {
         // their awaits (a reply slot, a landing, a blocking task's handle, a timer) lives in
         // a box they allocate, so every request's future stays small and a hit does not pay
         // to move a large one (640 bytes before, `bench hit` in BENCHMARKS.md).
+        if let Some(buf) = self.revive(size, stream, pool) {
+            return Ok(buf);
+        }
+        self.malloc_past_thread_cache(size, stream, pool).await
+    }
+
+    /// [`DeviceActor::malloc`] after [`DeviceActor::revive`] found nothing: the gate's
+    /// attempt, and the rest boxed.
+    pub(crate) async fn malloc_past_thread_cache(
+        self: &Arc<Self>,
+        size: u64,
+        stream: &Stream,
+        pool: Option<MemPoolId>,
+    ) -> Result<DeviceBuffer, Error> {
         match self.try_malloc(size, stream, pool) {
             Attempt::Hit(buf) => Ok(buf),
             first => Box::pin(self.malloc_from(first, size, stream, pool)).await,
@@ -270,7 +284,10 @@ impl DeviceActor {
         loop {
             let this = match attempt.take() {
                 Some(a) => a,
-                None => self.try_malloc(size, stream, pool),
+                None => match self.revive(size, stream, pool) {
+                    Some(buf) => Attempt::Hit(buf),
+                    None => self.try_malloc(size, stream, pool),
+                },
             };
             let r = self.finish_attempt(this, size, stream, pool).await;
             let wait = match &r {
@@ -329,45 +346,58 @@ impl DeviceActor {
         }
     }
 
-    /// The part of a malloc that never waits: a lost device's error, a thread-cache hit, or
-    /// the cache lookup under the gate when it is free within a few spins.
+    /// The thread-cache half of a malloc: a block this thread parked with the same size on
+    /// the same stream, handed back without the gate. `None` when the cache has none (or is
+    /// off, or the request is for a named pool, or the device is lost: the gate's attempt
+    /// reports that). The hottest path: the facade calls it before anything else, so a hit
+    /// returns without building an [`Attempt`] or a future of its own.
+    #[inline]
+    pub(crate) fn revive(
+        self: &Arc<Self>,
+        size: u64,
+        stream: &Stream,
+        pool: Option<MemPoolId>,
+    ) -> Option<DeviceBuffer> {
+        // The thread cache holds default-pool blocks only (`release`).
+        let cache = self.signals.thread_cache.as_ref()?;
+        if pool.is_some() {
+            return None;
+        }
+        // A lost device (a sticky error: its context does no more work) hands out nothing,
+        // cached blocks included: their memory may be what the faulting kernel corrupted, and
+        // no work on it could run anyway. (An atomic load on the CUDA backend.)
+        if self.backend.device_lost(self.device).is_some() {
+            return None;
+        }
+        // While recording, a revive writes its `alloc` entry into the thread's slot
+        // (`history.rs`).
+        let level = self.signals.history.load(Ordering::Relaxed);
+        let make = || recording(level, true);
+        let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
+        match cache.revive(self, size, stream.handle(), record) {
+            Revived::Hit(a, lane) => Some(DeviceBuffer::revived(a, lane, stream.clone())),
+            Revived::Free(ptr) => {
+                let recorded = false; // its entries went with the slot's log
+                self.mailbox
+                    .post(DeviceMsg::FreeParked(ParkedFree { ptr, recorded }));
+                None
+            }
+            Revived::Miss => None,
+        }
+    }
+
+    /// The part of a malloc that never waits, after [`DeviceActor::revive`]: a lost device's
+    /// error, or the cache lookup under the gate when it is free within a few spins.
     fn try_malloc(
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Attempt {
-        // A lost device (a sticky error: its context does no more work) hands out nothing,
-        // cached blocks included: their memory may be what the faulting kernel corrupted, and
-        // no work on it could run anyway. (An atomic load on the CUDA backend.)
         if let Some(lost) = self.backend.device_lost(self.device) {
             return Attempt::Failed(lost.into());
         }
         let handle = stream.handle();
-        // The thread cache holds default-pool blocks only (`release`).
-        if let Some(cache) = self
-            .signals
-            .thread_cache
-            .as_ref()
-            .filter(|_| pool.is_none())
-        {
-            // While recording, a revive writes its `alloc` entry into the thread's slot
-            // (`history.rs`).
-            let level = self.signals.history.load(Ordering::Relaxed);
-            let make = || recording(level, true);
-            let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
-            match cache.revive(self, size, handle, record) {
-                Revived::Hit(a, lane) => {
-                    return Attempt::Hit(DeviceBuffer::revived(a, lane, stream.clone()))
-                }
-                Revived::Free(ptr) => {
-                    let recorded = false; // its entries went with the slot's log
-                    self.mailbox
-                        .post(DeviceMsg::FreeParked(ParkedFree { ptr, recorded }))
-                }
-                Revived::Miss => {}
-            }
-        }
         // Fast path: nothing is cloned or allocated while the gate is held, and the gate is
         // held for ~100 ns at a time, so spin (with backoff) before queuing: a queued request
         // costs an allocation, a reply slot and maybe a wake-up.

@@ -43,6 +43,10 @@ pub struct ThreadSlots<S> {
     dirty: AtomicU64,
     closed: AtomicBool,
     slots: Box<[Padded<S>]>,
+    /// `slots.len() - 1`: the count is a power of two, so a thread's slot is its index masked
+    /// (an `and`, where `%` by a count read at run time is a division on every update, several
+    /// per thread-cache round trip).
+    mask: usize,
 }
 
 impl<S> std::fmt::Debug for ThreadSlots<S> {
@@ -55,20 +59,27 @@ impl<S> std::fmt::Debug for ThreadSlots<S> {
 }
 
 impl<S: SlotState> ThreadSlots<S> {
-    /// `count` slots (clamped to 1..=[`MAX_SLOTS`]), each made by `make`.
+    /// `count` slots (clamped to 1..=[`MAX_SLOTS`], then rounded up to a power of two), each
+    /// made by `make`.
     pub fn new(count: usize, mut make: impl FnMut() -> S) -> Self {
-        let count = count.clamp(1, MAX_SLOTS);
+        let count = count.clamp(1, MAX_SLOTS).next_power_of_two();
         ThreadSlots {
             dirty: AtomicU64::new(0),
             closed: AtomicBool::new(false),
             slots: (0..count).map(|_| Padded(Mutex::new(make()))).collect(),
+            mask: count - 1,
         }
+    }
+
+    /// How many slots there are (a power of two).
+    pub fn count(&self) -> usize {
+        self.slots.len()
     }
 
     /// Owner side: runs `f` on slot `index % count` and marks it if `f` left it non-empty.
     /// Threads beyond the slot count share slots (correct, only slower).
     pub fn update<R>(&self, index: usize, f: impl FnOnce(&mut S) -> R) -> R {
-        let i = index % self.slots.len();
+        let i = index & self.mask;
         let (r, non_empty) = {
             let mut slot = lock(&self.slots[i].0);
             let r = f(&mut slot);
@@ -121,7 +132,7 @@ impl<S: SlotState> ThreadSlots<S> {
     /// or a collection is taking what it held). One load, no lock: an owner can skip a
     /// lookup in a slot that cannot hold anything.
     pub fn is_marked(&self, index: usize) -> bool {
-        self.dirty.load(Ordering::SeqCst) & (1u64 << (index % self.slots.len())) != 0
+        self.dirty.load(Ordering::SeqCst) & (1u64 << (index & self.mask)) != 0
     }
 
     /// Marks the slots closed: from now on [`ThreadSlots::is_closed`] is true. Whoever takes
@@ -224,6 +235,15 @@ mod tests {
         let one = ThreadSlots::new(0, Bag::default);
         one.update(5, |b| b.0.push(1));
         assert!(one.is_marked(0) && one.is_marked(7));
+        assert_eq!((slots.count(), one.count()), (MAX_SLOTS, 1));
+        // A count that is not a power of two is rounded up: 3 asked, 4 slots, so index 3
+        // has a slot of its own and index 4 shares slot 0.
+        let three = ThreadSlots::new(3, Bag::default);
+        assert_eq!(three.count(), 4);
+        three.update(3, |b| b.0.push(1));
+        assert!(three.is_marked(3) && !three.is_marked(0));
+        three.update(4, |b| b.0.push(2));
+        assert!(three.is_marked(0) && !three.is_marked(1) && !three.is_marked(2));
         assert!(!slots.is_closed());
         slots.close();
         assert!(slots.is_closed());
