@@ -130,13 +130,14 @@ impl Allocator {
     }
 
     fn actor(&self, device: DeviceId) -> Result<&Arc<DeviceActor>, Error> {
-        self.inner
-            .devices
-            .get(device.0 as usize)
-            .ok_or(Error::InvalidDevice {
+        // `let else`, not `ok_or`: an error built eagerly is dropped on every request.
+        let Some(actor) = self.inner.devices.get(device.0 as usize) else {
+            return Err(Error::InvalidDevice {
                 device: device.0,
                 count: self.inner.devices.len() as u32,
-            })
+            });
+        };
+        Ok(actor)
     }
 
     pub(crate) fn check(&self) -> Result<(), Error> {
