@@ -90,7 +90,16 @@ impl DeviceState {
         self.fold_thread_cache(true);
     }
 
+    /// Every turn of the gate starts here (`on_acquire`): without a thread cache that is one
+    /// check, inline.
+    #[inline]
     fn fold_thread_cache(&mut self, all: bool) {
+        if self.signals.thread_cache.is_some() {
+            self.fold_thread_cache_slots(all);
+        }
+    }
+
+    fn fold_thread_cache_slots(&mut self, all: bool) {
         let DeviceState {
             core,
             signals,
