@@ -16,9 +16,10 @@
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle};
 
 use crate::block::BlockId;
-use crate::core::{DeviceCore, SegmentRequest};
+use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::pool::key;
+use crate::segment_request::SegmentRequest;
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 

@@ -25,9 +25,10 @@
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 
 use crate::block::{BlockId, BlockState};
-use crate::core::{AllocParams, DeviceCore, SegmentRequest};
+use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
 use crate::expandable::{map_pages, unmap_pages, MappedPages};
+use crate::segment_request::SegmentRequest;
 
 /// Pages of one expandable segment to map off the core. See the module docs.
 #[derive(Debug)]

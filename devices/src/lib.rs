@@ -18,13 +18,17 @@ pub mod error;
 mod events;
 mod expandable;
 mod expandable_core;
+mod free;
 mod growth;
 mod inspect;
+mod ledger;
+mod malloc;
 pub mod map_ahead;
 mod mem_pools;
 mod miss;
 mod observer;
 mod observer_hooks;
+mod oom;
 pub mod orphans;
 mod pages;
 pub mod placement;
@@ -37,6 +41,7 @@ mod recorded;
 mod release;
 mod restore;
 mod round_trips;
+mod segment_request;
 mod shrink;
 mod size_classes;
 pub mod sizes;
@@ -51,10 +56,9 @@ mod unsplit;
 
 #[cfg(feature = "rule-knobs")]
 pub use crate::core::RuleKnobs;
-pub use crate::core::{
-    Allocation, CachedOutcome, DeviceCore, FreeMemoryCallback, MemPoolId, SegmentRequest,
-    TraceClock,
-};
+pub use crate::core::{Allocation, DeviceCore, FreeMemoryCallback, MemPoolId, TraceClock};
+pub use crate::malloc::CachedOutcome;
+pub use crate::segment_request::SegmentRequest;
 pub use config::{AllocatorConfig, ConfigError};
 pub use cross_stream::{CrossStreamFree, CROSS_STREAM_LOG};
 pub use detached::{free_detached, DetachedSegment};

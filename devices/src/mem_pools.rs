@@ -25,15 +25,77 @@
 
 use gpualloc_runtime::StreamHandle;
 
-use crate::core::{
-    AllocParams, Allocation, CachedOutcome, DeviceCore, MemPoolId, SegmentRequest, LARGE_POOL,
-    SMALL_POOL,
-};
+use crate::core::PrivatePool;
+use crate::core::{AllocParams, Allocation, DeviceCore, MemPoolId, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::pool::PoolOwner;
+use crate::malloc::CachedOutcome;
+use crate::pool::{BlockPool, PoolOwner};
 use crate::pool_records::{PoolOptions, PoolUsage};
+use crate::segment_request::SegmentRequest;
 
 impl DeviceCore {
+    /// Creates a private memory pool. With `use_on_oom`, its free blocks serve any request of
+    /// this device that would otherwise fail.
+    pub fn create_pool(&mut self, use_on_oom: bool) -> MemPoolId {
+        let id = self.next_pool_id;
+        self.next_pool_id += 1;
+        let small = self.pools.len();
+        self.pools
+            .push(BlockPool::new(true, PoolOwner::Private(id)));
+        self.pools
+            .push(BlockPool::new(false, PoolOwner::Private(id)));
+        self.private.insert(
+            id,
+            PrivatePool {
+                small,
+                large: small + 1,
+                use_on_oom,
+                released: false,
+                usage: PoolUsage {
+                    name: format!("pool {id}"),
+                    ..PoolUsage::default()
+                },
+                named: false,
+                claimed: 0,
+                unsplit: None,
+            },
+        );
+        MemPoolId(id)
+    }
+
+    /// Routes allocations on `stream` to `pool` until [`DeviceCore::end_allocate_to_pool`].
+    pub fn begin_allocate_to_pool(
+        &mut self,
+        pool: MemPoolId,
+        stream: StreamHandle,
+    ) -> Result<(), AllocError> {
+        self.check_stream(stream)?;
+        match self.private.get(&pool.0) {
+            Some(p) if !p.released => {
+                self.routes.insert(stream.raw, pool.0);
+                Ok(())
+            }
+            _ => Err(AllocError::UnknownPool(pool.0)),
+        }
+    }
+
+    /// Stops routing `stream`'s allocations to a private pool.
+    pub fn end_allocate_to_pool(&mut self, stream: StreamHandle) {
+        self.routes.remove(&stream.raw);
+    }
+
+    /// Releases a private pool: no new allocations go to it, and its cached segments are
+    /// returned by the next `empty_cache` (live allocations in it stay valid).
+    pub fn release_pool(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
+        let p = self
+            .private
+            .get_mut(&pool.0)
+            .ok_or(AllocError::UnknownPool(pool.0))?;
+        p.released = true;
+        self.routes.retain(|_, id| *id != pool.0);
+        Ok(())
+    }
+
     /// Creates a named private pool (see the module docs). Names need not be unique; the id
     /// is.
     pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {

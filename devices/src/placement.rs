@@ -20,8 +20,9 @@
 //! as they were; 1 MiB does the same for it but raises llama-lora-finetune by 34 / 20 MiB.
 
 use crate::block::BlockId;
-use crate::core::{AllocParams, Allocation, DeviceCore, SegmentRequest};
+use crate::core::{AllocParams, Allocation, DeviceCore};
 use crate::pool::key;
+use crate::segment_request::SegmentRequest;
 
 /// Remainders under this are "dead" in the large pool (see the module docs).
 pub const DEAD_REMAINDER: u64 = 512 << 10;

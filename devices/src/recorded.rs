@@ -30,10 +30,11 @@
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::block::BlockState;
-use crate::core::{DeviceCore, MemPoolId, SegmentRequest};
+use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
 use crate::pool::{key, unmapped_key};
 use crate::restore::{RestorePool, RestoredBlock};
+use crate::segment_request::SegmentRequest;
 
 impl DeviceCore {
     /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size

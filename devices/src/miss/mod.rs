@@ -40,11 +40,12 @@ mod ops;
 
 use gpualloc_runtime::{guarded, Backend, BackendError, DeviceId, DevicePtr, EventHandle};
 
-use crate::core::{Allocation, DeviceCore, SegmentRequest};
+use crate::core::{Allocation, DeviceCore};
 use crate::detached::{free_detached, DetachedSegment};
 use crate::error::AllocError;
 use crate::expandable::MappedPages;
 use crate::growth::{map_growth, release_reservation, GrowthPlan, Refused};
+use crate::segment_request::SegmentRequest;
 use crate::shrink::{release_pages, PageRelease};
 
 pub(crate) use ops::Op;
