@@ -1,5 +1,5 @@
 //! Named private pools with a quota: what an inference server asks for (weights in one pool,
-//! the KV cache in another), on top of PyTorch's `MemPool` (the private pools of `core.rs`).
+//! the KV cache in another), on top of PyTorch's `MemPool` (the private pools, whose primitives open this file).
 //!
 //! - A pool's blocks come from segments it allocated itself and go back to it: a request of
 //!   another pool (or of the default pools) never gets one. The one exception is PyTorch's
