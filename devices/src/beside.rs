@@ -23,7 +23,7 @@ use gpualloc_runtime::DevicePtr;
 
 use crate::core::DeviceCore;
 use crate::error::AllocError;
-use crate::trace::{TraceAction, TraceEntry};
+use crate::trace::TraceEntry;
 
 impl DeviceCore {
     /// The counter that orders history entries (see the module docs). Entries recorded beside
@@ -31,36 +31,16 @@ impl DeviceCore {
     /// are totally ordered, so an entry recorded after another (on any thread that saw it)
     /// gets a larger place.
     pub fn trace_sequence(&self) -> Arc<AtomicU64> {
-        self.trace_seq.clone()
+        self.history.sequence()
     }
 
     /// Adds `entries`, recorded beside the core with their places, to the history (nothing
     /// when history is off), and drains them. An `alloc` entry's frames are also kept for
     /// its block's snapshots while it is live; a `free_requested` forgets them.
     pub fn record_beside(&mut self, entries: &mut Vec<(u64, TraceEntry)>) {
-        let Some(ring) = &mut self.trace else {
-            entries.clear();
-            return;
-        };
-        // In order, so the frames of a block freed on one thread and revived on another end
-        // up as the last of them left them (the ring itself is sorted at snapshots).
-        entries.sort_by_key(|(seq, _)| *seq);
-        for (seq, entry) in entries.drain(..) {
-            match entry.action {
-                TraceAction::Alloc => {
-                    if let Some(frames) = &entry.frames {
-                        if self.active.contains_key(&entry.addr) {
-                            self.live_frames.insert(entry.addr, frames.clone());
-                        }
-                    }
-                }
-                TraceAction::FreeRequested => {
-                    self.live_frames.remove(&entry.addr);
-                }
-                _ => {}
-            }
-            ring.push_beside(seq, entry);
-        }
+        let active = &self.active;
+        self.history
+            .record_beside(entries, |addr| active.contains_key(&addr));
     }
 
     /// Frees `ptr`, a block an owner parked beside the core (the thread cache), for real.
@@ -69,9 +49,9 @@ impl DeviceCore {
     /// Otherwise (parked before the recording began, or its entries were dropped) the core
     /// records nothing for it.
     pub fn free_parked(&mut self, ptr: DevicePtr, recorded: bool) -> Result<(), AllocError> {
-        self.freeing_parked = Some((ptr.0, recorded));
+        self.history.set_freeing_parked(Some((ptr.0, recorded)));
         let freed = self.free(ptr);
-        self.freeing_parked = None;
+        self.history.set_freeing_parked(None);
         freed
     }
 }

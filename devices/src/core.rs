@@ -21,7 +21,6 @@
 //! clock or blocks on anything but the backend.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
@@ -32,11 +31,11 @@ use crate::config::AllocatorConfig;
 use crate::cross_stream::CrossStreamLog;
 use crate::error::AllocError;
 use crate::expandable::ExpandableSegment;
+use crate::history::History;
 use crate::observer::SegmentSink;
 use crate::pool::{BlockPool, PoolOwner};
 use crate::pool_records::PoolUsage;
 use crate::stats::{for_pool, DeviceStats};
-use crate::trace::{Frames, TraceRing};
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,9 +58,6 @@ pub struct Allocation {
 }
 
 pub use crate::pool_id::MemPoolId;
-
-/// A clock for trace entries, in microseconds (see [`DeviceCore::set_trace_clock`]).
-pub type TraceClock = Box<dyn Fn() -> u64 + Send>;
 
 /// A callback run when the pools have no block for a request, before a device malloc. It
 /// returns pointers of this allocator's live allocations that may now be freed (e.g. blocks
@@ -146,19 +142,8 @@ pub struct DeviceCore {
     pub(crate) total_reserved: u64,
     pub(crate) allowed_max: Option<u64>,
     pub(crate) device_total: u64,
-    pub(crate) trace: Option<TraceRing>,
-    pub(crate) now_us: u64,
-    /// Where trace times come from when set (the facade's wall clock); else `now_us`.
-    pub(crate) clock: Option<TraceClock>,
-    /// The place of the next trace entry in the order things happened, shared with whoever
-    /// records beside the core (`beside.rs`).
-    pub(crate) trace_seq: Arc<AtomicU64>,
-    /// A parked block being freed in the core for real, and whether its park was recorded
-    /// beside the core: the core does not record its `free_requested` again, and records its
-    /// `free_completed` only for a recorded park (`beside.rs`).
-    pub(crate) freeing_parked: Option<(u64, bool)>,
-    /// Frames of live allocations, by address (`attach_frames`), for snapshots.
-    pub(crate) live_frames: HashMap<u64, Frames>,
+    /// The history: entries, their times and order, frames of live blocks (`history.rs`).
+    pub(crate) history: History,
     pub(crate) callbacks: Vec<FreeMemoryCallback>,
     /// Told of every segment change (`observer.rs`).
     pub(crate) segment_sink: Option<SegmentSink>,
@@ -237,12 +222,7 @@ impl DeviceCore {
             total_reserved: 0,
             allowed_max,
             device_total: total,
-            trace: None,
-            now_us: 0,
-            clock: None,
-            trace_seq: Arc::new(AtomicU64::new(0)),
-            freeing_parked: None,
-            live_frames: HashMap::new(),
+            history: History::default(),
             callbacks: Vec::new(),
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),

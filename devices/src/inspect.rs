@@ -11,7 +11,7 @@ use crate::pool::{key, unmapped_key, PoolOwner};
 use crate::pool_records::PoolOptions;
 use crate::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
 use crate::stats::{DeviceStats, StatArray, StatType};
-use crate::trace::{TraceAction, TraceRing};
+use crate::trace::TraceAction;
 
 impl DeviceCore {
     /// The last [`CROSS_STREAM_LOG`](crate::CROSS_STREAM_LOG) frees the `debug_cross_stream_frees` check reported,
@@ -114,7 +114,7 @@ impl DeviceCore {
                         // A sleeping pool's blocks keep their books but have no memory.
                         mapped: b.mapped && !asleep,
                         frames: if b.state == BlockState::Allocated {
-                            self.live_frames.get(&b.addr).cloned()
+                            self.history.frames_of(b.addr).cloned()
                         } else {
                             None
                         },
@@ -164,11 +164,7 @@ impl DeviceCore {
                 });
             }
         }
-        let trace = self
-            .trace
-            .as_ref()
-            .map(TraceRing::in_order)
-            .unwrap_or_default();
+        let trace = self.history.entries();
         let pools = self
             .private
             .iter()

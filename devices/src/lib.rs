@@ -20,6 +20,7 @@ mod expandable;
 mod expandable_core;
 mod free;
 mod growth;
+mod history;
 mod inspect;
 mod ledger;
 mod malloc;
@@ -56,7 +57,8 @@ mod unsplit;
 
 #[cfg(feature = "rule-knobs")]
 pub use crate::core::RuleKnobs;
-pub use crate::core::{Allocation, DeviceCore, FreeMemoryCallback, MemPoolId, TraceClock};
+pub use crate::core::{Allocation, DeviceCore, FreeMemoryCallback, MemPoolId};
+pub use crate::history::TraceClock;
 pub use crate::malloc::CachedOutcome;
 pub use crate::segment_request::SegmentRequest;
 pub use config::{AllocatorConfig, ConfigError};
