@@ -88,8 +88,6 @@ pub(crate) struct AllocParams {
     pub alloc_size: u64,
     pub pool: usize,
     pub block: Option<BlockId>,
-    /// The private pool the request named (`DeviceCore::try_cached_in`), if any.
-    pub route: Option<u64>,
     /// Set once the request may take any fitting block, a dead remainder included: after the
     /// segment could not grow for it (see `Policy::avoids_dead_remainders`).
     pub any_fit: bool,

@@ -19,7 +19,6 @@ use crate::block::BlockId;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::pool::key;
-use crate::segment_request::SegmentRequest;
 use crate::stats::for_pool;
 use crate::trace::TraceAction;
 
@@ -66,22 +65,15 @@ impl DeviceCore {
     /// out of the books and returns them; the caller must free each with [`free_detached`].
     /// Does not wait for pending frees (synchronize [`DeviceCore::pending_events`] and call
     /// `process_events` first to include them). Expandable segments are not detached.
+    /// (A miss at its pool's quota releases that pool's own segments only: the chain's
+    /// release link, `miss/`, with `release_scope`.)
     pub fn detach_free_segments(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
-        self.detach_free_segments_for(None)
-    }
-
-    /// [`DeviceCore::detach_free_segments`] for `request`: for one at its pool's quota only
-    /// that pool's own cached whole segments (`release_scope`, `mem_pools.rs`).
-    pub fn detach_free_segments_for(
-        &mut self,
-        request: Option<&SegmentRequest>,
-    ) -> Result<Vec<DetachedSegment>, AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
         self.process_events()?;
         let mut out = Vec::new();
-        for pool in self.release_scope(request) {
+        for pool in self.release_scope(None) {
             out.extend(self.detach_whole_segments(pool));
         }
         Ok(out)

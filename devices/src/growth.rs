@@ -16,11 +16,11 @@
 //! A core shut down between plan and commit keeps the reservation of a segment with growth in
 //! flight (`release_all_expandable`); the commit then refuses, and the owner unmaps, releases
 //! and frees the reservation with [`Refused::release`]. When no growth is planned (over the
-//! memory-fraction cap) or it fails for lack of memory, such an owner releases the cache off
-//! the core and plans again, and ends with [`DeviceCore::malloc_without_device`]; PyTorch's
-//! unnamed private pools never expand (they take whole segments, see
-//! [`SegmentRequest::maps_pages`]). The miss chain (`miss/`) uses the same three steps, with
-//! the driver call made by its caller.
+//! memory-fraction cap) or it fails for lack of memory, the miss chain (`miss/`) goes on to
+//! its next link; PyTorch's unnamed private pools never expand (they take whole segments, see
+//! [`SegmentRequest::maps_pages`]). The chain's `MapPages` step is these three steps, with
+//! the driver call made by its caller; `plan_growth` is the first on its own, public so the
+//! planner's rules (pages ahead, the cap, a pool's quota) are tested without a chain.
 
 use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 

@@ -117,7 +117,6 @@ impl DeviceCore {
             alloc_size,
             pool: self.pool_for(rounded, stream, route),
             block: None,
-            route,
             any_fit: false,
             quiet_oom: false,
         };

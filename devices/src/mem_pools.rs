@@ -235,20 +235,6 @@ impl DeviceCore {
         pools
     }
 
-    /// Re-runs the cache lookup of a miss (the same size, stream and pool), e.g. after its
-    /// owner released cached memory.
-    pub fn retry_cached(&mut self, request: &SegmentRequest) -> Result<CachedOutcome, AllocError> {
-        let outcome =
-            self.try_cached_routed(request.size, request.params.stream, request.params.route)?;
-        Ok(match outcome {
-            CachedOutcome::Miss(mut retry) => {
-                retry.params.quiet_oom = request.params.quiet_oom;
-                CachedOutcome::Miss(retry)
-            }
-            hit => hit,
-        })
-    }
-
     /// Counts `bytes` as claimed off the core for the pool of block pool `index`
     /// (`claim`: true to add, false to remove).
     pub(crate) fn claim_for_pool(&mut self, index: usize, bytes: u64, claim: bool) {

@@ -1,6 +1,6 @@
 //! A miss waiting for a segment: [`SegmentRequest`], what an owner that allocates off the
 //! core does with it (claims it against the memory-fraction cap, allocates the segment, hands
-//! it back), and how the core finishes it (`malloc_with_segment`, `malloc_without_device`).
+//! it back), and how the core finishes it (`malloc_with_segment`, or the miss chain: `miss/`).
 
 use gpualloc_runtime::DevicePtr;
 
@@ -18,8 +18,8 @@ pub struct SegmentRequest {
 impl SegmentRequest {
     /// Marks the request as one its owner retries: an out-of-memory error it ends in is
     /// returned but not counted (`num_ooms`), recorded (`oom` history entry) or logged; the
-    /// owner calls [`DeviceCore::count_oom`] for the failure its user sees. Retries made with
-    /// [`DeviceCore::retry_cached`] keep the mark.
+    /// owner calls [`DeviceCore::count_oom`] for the failure its user sees. The chain's own
+    /// retries keep the mark.
     pub fn quiet_oom(&mut self) {
         self.params.quiet_oom = true;
     }
@@ -69,26 +69,6 @@ impl SegmentRequest {
 }
 
 impl DeviceCore {
-    /// The last step of a miss whose owner already tried the device off the core (and
-    /// released the cache there) and found no room: serves the request from blocks freed in
-    /// the meantime (or from a private pool, as the chain does on OOM), else reports the
-    /// out-of-memory error. Unlike [`DeviceCore::malloc_after_miss`] it neither allocates nor
-    /// frees device memory, so an owner can call it under its lock without stalling others.
-    pub fn malloc_without_device(
-        &mut self,
-        request: SegmentRequest,
-    ) -> Result<Allocation, AllocError> {
-        let SegmentRequest { mut params, size } = request;
-        params.any_fit = true;
-        if self.get_free_block(&mut params) || self.use_private_pool_on_oom(&mut params) {
-            return self.finish(&params, size);
-        }
-        if let Some(e) = self.quota_failure(&params, size) {
-            return Err(e);
-        }
-        Err(self.out_of_memory(size, &params))
-    }
-
     /// Finishes a miss with a segment the caller allocated from the backend itself (`ptr`,
     /// `request.alloc_size()` bytes), claimed beforehand with
     /// [`SegmentRequest::claim_fraction`] (the claim ends here). The segment is adopted even

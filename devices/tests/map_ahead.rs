@@ -364,7 +364,7 @@ fn an_off_core_growth_maps_one_handle_per_20_mib() {
     assert_eq!((mapped.handles(), mapped.bytes()), (2, 30 * MIB));
     core.commit_growth(plan, mapped).unwrap();
     assert_eq!(backend.counts().maps, 2);
-    let a = match core.retry_cached(&req).unwrap() {
+    let a = match core.try_cached(30 * MIB, s).unwrap() {
         CachedOutcome::Hit(a) => a,
         CachedOutcome::Miss(_) => panic!("the new pages hold it"),
     };

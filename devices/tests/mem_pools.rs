@@ -6,28 +6,21 @@
 mod common;
 
 use gpualloc_devices::{
-    AllocError, CachedOutcome, DeviceCore, Growth, MemPoolId, PoolOptions, SegmentRequest, StatType,
+    AllocError, CachedOutcome, DeviceCore, Growth, MemPoolId, Miss, MissIo, MissStep, PoolOptions,
+    SegmentRequest, StatType,
 };
 use gpualloc_runtime::{DeviceId, StreamHandle};
 
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
-use common::{quota, rig};
+use common::{drive_miss, quota, rig};
 
 /// The miss of a request of `pool` (it must not hit the cache).
 fn miss_in(core: &mut DeviceCore, pool: MemPoolId, size: u64, s: StreamHandle) -> SegmentRequest {
     match core.try_cached_in(pool, size, s).unwrap() {
         CachedOutcome::Miss(req) => req,
         CachedOutcome::Hit(h) => panic!("expected a miss for {size} bytes, got {h:?}"),
-    }
-}
-
-/// The miss of `req` looked up again (it must still miss).
-fn retry_miss(core: &mut DeviceCore, req: &SegmentRequest) -> SegmentRequest {
-    match core.retry_cached(req).unwrap() {
-        CachedOutcome::Miss(r) => r,
-        CachedOutcome::Hit(h) => panic!("expected a miss, got {h:?}"),
     }
 }
 
@@ -245,9 +238,10 @@ fn use_on_oom_lends_free_blocks_and_they_return() {
     }
 }
 
-/// The owners' path (device actors): a claim respects the quota, and releasing the cache
-/// for a request at its quota detaches that pool's cached segments (and the default pools'),
-/// never another pool's.
+/// The owners' path (device actors): a miss off the core at its pool's quota releases that
+/// pool's own cached segments (and the default pools'), never another pool's, and fails with
+/// the quota error when nothing of its own helps; a claim respects the quota and counts until
+/// its segment is adopted or not obtained.
 #[test]
 fn the_off_core_path_claims_against_the_quota() {
     let (_, mut core, s) = rig(1 << 30, "");
@@ -260,22 +254,45 @@ fn the_off_core_path_claims_against_the_quota() {
     core.free(a.ptr).unwrap();
     let req = miss_in(&mut core, kv, 16 * MIB, s);
     assert!(!req.claim_fraction(&mut core), "24 + 16 MiB is past 30");
-    let detached = core.detach_free_segments_for(Some(&req)).unwrap();
-    assert_eq!(detached.len(), 1, "kv's free 12 MiB segment only");
-    gpualloc_devices::free_detached(core.backend().as_ref(), DeviceId(0), &detached).unwrap();
+    let mut freed = Vec::new();
+    let step = drive_miss(&mut core, Miss::off_core(req), |io| {
+        if let MissIo::FreeSegments { segments, .. } = io {
+            freed.extend(segments.iter().map(|seg| seg.size));
+        }
+        false
+    });
+    let MissStep::Done(c) = step else {
+        panic!("expected the request served after the release");
+    };
+    assert_eq!(freed, [12 * MIB], "kv's free 12 MiB segment only");
     assert_eq!(
         core.pool_usage(other).unwrap().reserved.all().current,
         12 * MIB
     );
-    let req = retry_miss(&mut core, &req);
-    assert!(req.claim_fraction(&mut core), "12 + 16 MiB fits");
-    // A second claim counts the first: 12 + 16 + 16 MiB does not fit.
+    assert_eq!(
+        core.pool_usage(kv).unwrap().reserved.all().current,
+        28 * MIB
+    );
+    // At the quota with nothing of its own to release: the typed error, counted once.
     let req2 = miss_in(&mut core, kv, 16 * MIB, s);
-    assert!(!req2.claim_fraction(&mut core));
     let oom_before = core.stats().num_ooms;
-    let err = core.malloc_without_device(req2).unwrap_err();
+    let MissStep::Failed(err) = drive_miss(&mut core, Miss::off_core(req2), |_| false) else {
+        panic!("16 more MiB pass the quota");
+    };
     assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
     assert_eq!(core.stats().num_ooms, oom_before + 1);
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+    // Claims, on a core of their own: 12 MiB held, 16 claimed; a second claim counts the
+    // first.
+    let (_, mut core, s) = rig(1 << 30, "");
+    let kv = core.create_named_pool("kv_cache", quota(30 * MIB));
+    let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
+    let req = miss_in(&mut core, kv, 16 * MIB, s);
+    assert!(req.claim_fraction(&mut core), "12 + 16 MiB fits");
+    let req2 = miss_in(&mut core, kv, 16 * MIB, s);
+    assert!(!req2.claim_fraction(&mut core), "12 + 16 + 16 MiB does not");
     // A claim whose device malloc failed no longer counts.
     let req3 = miss_in(&mut core, kv, 12 * MIB, s);
     assert!(!req3.claim_fraction(&mut core), "12 + 16 + 12 MiB");

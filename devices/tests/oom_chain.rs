@@ -2,10 +2,14 @@
 //! garbage collection, private-pool fallback, release of oversize cached blocks, release of
 //! everything after synchronizing pending events, then the OOM report.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 
 use gpualloc_accounting::AccountingBackend;
-use gpualloc_devices::{AllocError, AllocatorConfig, CachedOutcome, DeviceCore, TraceAction};
+use gpualloc_devices::{
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Miss, MissStep, TraceAction,
+};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 const MIB: u64 = 1 << 20;
@@ -293,7 +297,7 @@ fn claimed_segments_count_against_the_cap_and_show_in_the_report() {
 
 /// A request its owner retries (`SegmentRequest::quiet_oom`) fails without counting; the
 /// owner's `count_oom` counts the failure once, with the entry a counted failure has. The mark
-/// survives `retry_cached`.
+/// holds through an off-core miss's retries too.
 #[test]
 fn a_quiet_request_is_counted_once_by_its_owner() {
     let (_, mut core, s0, _) = rig(40 * MIB, "", false);
@@ -307,13 +311,14 @@ fn a_quiet_request_is_counted_once_by_its_owner() {
     req.quiet_oom();
     let err = core.malloc_after_miss(req).unwrap_err();
     assert!(err.is_oom(), "{err}");
-    // Retried: the retry keeps the mark.
+    // Off the core, the device without room at each try: the chain's retries keep the mark.
     let mut req = miss(&mut core);
     req.quiet_oom();
-    let CachedOutcome::Miss(retry) = core.retry_cached(&req).unwrap() else {
-        panic!("10 MiB cannot be cached")
+    let step = common::drive_miss(&mut core, Miss::off_core(req), common::segment_malloc);
+    let MissStep::Failed(err2) = step else {
+        panic!("10 MiB cannot be served");
     };
-    let err2 = core.malloc_without_device(retry).unwrap_err();
+    assert!(err2.is_oom(), "{err2}");
     assert_eq!(core.stats().num_ooms, 0);
     assert!(!actions(&core).contains(&TraceAction::Oom));
     core.count_oom(&err2, s0);

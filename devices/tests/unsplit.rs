@@ -108,7 +108,7 @@ fn the_off_core_path_maps_one_range_per_block() {
     let mapped = gpualloc_devices::map_growth(core.backend().as_ref(), &plan).unwrap();
     assert_eq!(mapped.handles(), 1);
     core.commit_growth(plan, mapped).unwrap();
-    let a = match core.retry_cached(&req).unwrap() {
+    let a = match core.try_cached_in(nvls, 3 * MIB, s).unwrap() {
         CachedOutcome::Hit(a) => a,
         CachedOutcome::Miss(_) => panic!("miss after the growth"),
     };

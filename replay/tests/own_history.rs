@@ -248,7 +248,7 @@ mod off_the_core {
         core.free(blocks[3].ptr).unwrap();
         let mapped = map_growth(backend.as_ref(), &plan).unwrap();
         core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
-        let CachedOutcome::Hit(b) = core.retry_cached(&request).unwrap() else {
+        let CachedOutcome::Hit(b) = core.try_cached(10 * MIB, s).unwrap() else {
             panic!("the new page serves it");
         };
         assert_eq!(b.ptr, blocks[1].ptr, "live, the request takes the hole");
@@ -627,7 +627,7 @@ mod off_the_core {
         assert_eq!(took.ptr, a.ptr, "live: the passed-over hole");
         let mapped = map_growth(backend.as_ref(), &plan).unwrap();
         core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
-        let CachedOutcome::Hit(c) = core.retry_cached(&first).unwrap() else {
+        let CachedOutcome::Hit(c) = core.try_cached(3 * MIB, s).unwrap() else {
             panic!("the new pages serve it");
         };
         let passed: Vec<bool> = core
