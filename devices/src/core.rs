@@ -27,6 +27,7 @@ use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::block::{BlockArena, BlockId};
+use crate::budget::Budget;
 use crate::config::AllocatorConfig;
 use crate::cross_stream::CrossStreamLog;
 use crate::error::AllocError;
@@ -121,9 +122,9 @@ pub struct DeviceCore {
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
     pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
-    /// Bytes being obtained off the core: expandable pages being mapped (`growth.rs`) and
-    /// segments claimed by `SegmentRequest::claim_fraction`. They count against the cap.
-    pub(crate) growing_bytes: u64,
+    /// What the core holds from the backend, what is being obtained off it, and the
+    /// memory-fraction cap on both (`budget.rs`).
+    pub(crate) budget: Budget,
     /// Off-core operations in flight per expandable segment (growths, page releases): its
     /// reservation is not freed while any runs (`growth.rs`, `shrink.rs`).
     pub(crate) busy: BTreeMap<u64, u32>,
@@ -136,10 +137,6 @@ pub struct DeviceCore {
     /// (`orphans.rs`).
     pub(crate) retiring: Vec<(StreamHandle, Option<EventHandle>)>,
     pub(crate) stats: DeviceStats,
-    /// Bytes held from the backend (PyTorch's `total_allocated_memory`).
-    pub(crate) total_reserved: u64,
-    pub(crate) allowed_max: Option<u64>,
-    pub(crate) device_total: u64,
     /// The history: entries, their times and order, frames of live blocks (`history.rs`).
     pub(crate) history: History,
     pub(crate) callbacks: Vec<FreeMemoryCallback>,
@@ -186,9 +183,7 @@ impl DeviceCore {
         // The total alone: on CUDA, free memory would need the device's context, and a core
         // is made for every device whether the process uses it or not.
         let total = backend.total_memory(device)?;
-        let allowed_max = config
-            .per_process_memory_fraction
-            .map(|f| (total as f64 * f) as u64);
+        let budget = Budget::new(total, config.per_process_memory_fraction);
         // PyTorch reports its `size_t` maximum as `int64`: -1.
         let max_split_size = i64::try_from(config.max_split_size).unwrap_or(-1);
         Ok(DeviceCore {
@@ -207,7 +202,7 @@ impl DeviceCore {
             exported: AddrSet::default(),
             segments: BTreeMap::new(),
             expandable: BTreeMap::new(),
-            growing_bytes: 0,
+            budget,
             busy: BTreeMap::new(),
             orphaned: BTreeMap::new(),
             pending: BTreeMap::new(),
@@ -217,9 +212,6 @@ impl DeviceCore {
                 max_split_size,
                 ..DeviceStats::default()
             },
-            total_reserved: 0,
-            allowed_max,
-            device_total: total,
             history: History::default(),
             callbacks: Vec::new(),
             segment_sink: None,
@@ -259,7 +251,7 @@ impl DeviceCore {
 
     /// Bytes held from the backend.
     pub fn reserved_bytes(&self) -> u64 {
-        self.total_reserved
+        self.budget.reserved()
     }
 
     /// Number of frees still waiting on stream events.
@@ -286,7 +278,7 @@ impl DeviceCore {
     pub(crate) fn book_segment(&mut self, addr: u64, meta: SegmentMeta) {
         let (size, pool) = (meta.size, meta.pool);
         self.segments.insert(addr, meta);
-        self.total_reserved += size;
+        self.budget.reserve(size);
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.segment, small, |s| s.increase(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));

@@ -103,7 +103,7 @@ impl DeviceCore {
         self.pools[pool].free.remove(&key(stream.raw, size, addr));
         self.blocks.remove(id);
         self.segments.remove(&addr);
-        self.total_reserved -= size;
+        self.budget.unreserve(size);
         let small = self.pools[pool].is_small;
         for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));

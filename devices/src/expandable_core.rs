@@ -122,9 +122,10 @@ impl DeviceCore {
         exact: Option<u64>,
     ) -> Result<BlockId, AllocError> {
         let page = self.segment_page_size(pool);
+        let total = self.budget.device_total();
         let pages = match exact {
             Some(bytes) => bytes.div_ceil(page),
-            None => (self.device_total + self.device_total / 8).div_ceil(page),
+            None => (total + total / 8).div_ceil(page),
         };
         let granularity = self.backend.vmm_granularity(self.device)?;
         let alignment = if exact.is_some() {
@@ -386,10 +387,10 @@ impl DeviceCore {
             Booking::Restored => self.stats.num_device_free -= 1,
         }
         if booking == Booking::Released {
-            self.total_reserved -= len;
+            self.budget.unreserve(len);
             self.record_in(TraceAction::SegmentUnmap, start, len, stream, Some(pool));
         } else {
-            self.total_reserved += len;
+            self.budget.reserve(len);
             self.record_in(TraceAction::SegmentMap, start, len, stream, Some(pool));
         }
     }

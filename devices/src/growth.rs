@@ -149,10 +149,8 @@ impl DeviceCore {
         };
         let page = self.segment_page_size(pool);
         let (want, len) = self.growth_len(seg, pool, addr, need, avail);
-        if let Some(max) = self.allowed_max.filter(|_| check_fraction) {
-            if self.total_reserved + self.growing_bytes + want > max {
-                return None;
-            }
+        if check_fraction && !self.budget.fits(want) {
+            return None;
         }
         if self.pool_room(pool).is_some_and(|room| want > room) {
             return None;
@@ -160,7 +158,7 @@ impl DeviceCore {
         self.split_unmapped_front(id, len);
         let b = self.blocks.get_mut(id);
         b.state = BlockState::Mapping;
-        self.growing_bytes += len;
+        self.budget.claim(len);
         self.claim_for_pool(pool, len, true);
         self.begin_off_core(seg);
         Some(GrowthPlan {
@@ -190,7 +188,7 @@ impl DeviceCore {
     /// Ends a growth in flight; the segment's reservation to free if it was orphaned by a
     /// shutdown and this was its last off-core operation.
     fn end_growth(&mut self, plan: &GrowthPlan) -> Option<(DevicePtr, u64)> {
-        self.growing_bytes = self.growing_bytes.saturating_sub(plan.len);
+        self.budget.unclaim(plan.len);
         if let Some(pool) = self.segments.get(&plan.seg).map(|m| m.pool) {
             self.claim_for_pool(pool, plan.len, false);
         }
@@ -279,7 +277,7 @@ impl DeviceCore {
     /// claimed with [`SegmentRequest::claim_fraction`]. They count against
     /// `per_process_memory_fraction`.
     pub fn growing_bytes(&self) -> u64 {
-        self.growing_bytes
+        self.budget.in_flight()
     }
 }
 

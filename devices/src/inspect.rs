@@ -360,10 +360,11 @@ impl DeviceCore {
                 queued.len()
             ));
         }
-        if self.total_reserved != reserved[0] {
+        if self.budget.reserved() != reserved[0] {
             return Err(format!(
                 "total_reserved {} != segments {}",
-                self.total_reserved, reserved[0]
+                self.budget.reserved(),
+                reserved[0]
             ));
         }
         let s = &self.stats;
@@ -412,7 +413,7 @@ mod tests {
         let (mut c, s) = core("");
         c.malloc(3 << 20, s).unwrap();
         c.check_invariants().unwrap();
-        c.total_reserved += 1;
+        c.budget.reserve(1);
         assert!(c.check_invariants().unwrap_err().contains("total_reserved"));
 
         let (mut c, s) = core("");

@@ -10,6 +10,7 @@
 
 mod beside;
 mod block;
+mod budget;
 pub mod config;
 mod core;
 mod cross_stream;

@@ -149,7 +149,8 @@ impl DeviceCore {
 
     /// Best fit for `params` in its pool (PyTorch's `get_free_block`).
     pub(crate) fn get_free_block(&mut self, params: &mut AllocParams) -> bool {
-        let gc_on = self.config.garbage_collection_threshold > 0.0 && self.allowed_max.is_some();
+        let gc_on =
+            self.config.garbage_collection_threshold > 0.0 && self.budget.allowed().is_some();
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
         if gc_on {

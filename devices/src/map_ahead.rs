@@ -97,9 +97,10 @@ impl DeviceCore {
         if self.pool_room(pool).is_some_and(|room| len > room) {
             return (want, want);
         }
-        match self.allowed_max {
-            Some(max) if self.total_reserved + self.growing_bytes + len > max => (want, want),
-            _ => (want, len),
+        if self.budget.fits(len) {
+            (want, len)
+        } else {
+            (want, want)
         }
     }
 }

@@ -21,13 +21,13 @@ impl DeviceCore {
             device_total: if info.total > 0 {
                 info.total
             } else {
-                self.device_total
+                self.budget.device_total()
             },
             device_free: info.free,
-            allowed: self.allowed_max,
+            allowed: self.budget.allowed(),
             allocated: self.stats.allocated_bytes[0].current,
             reserved: self.stats.reserved_bytes[0].current,
-            in_flight: self.growing_bytes,
+            in_flight: self.budget.in_flight(),
             process_used: self.backend.process_used(self.device).ok().flatten(),
             expandable_segments: self.config.expandable_segments,
         };

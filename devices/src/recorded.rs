@@ -179,9 +179,7 @@ impl DeviceCore {
         let Some(id) = found else {
             return Ok(false);
         };
-        let over_fraction = self
-            .allowed_max
-            .is_some_and(|max| self.total_reserved + self.growing_bytes + len > max);
+        let over_fraction = !self.budget.fits(len);
         if over_fraction || self.pool_room(pool).is_some_and(|room| len > room) {
             return Ok(false);
         }

@@ -239,17 +239,17 @@ impl DeviceCore {
     /// off-core pass (`detach_gc_victims`) detach them and have the caller free them.
     pub(crate) fn gc_victims(&self) -> Vec<BlockId> {
         let mut victims = Vec::new();
-        let Some(allowed) = self.allowed_max else {
+        let Some(allowed) = self.budget.allowed() else {
             return victims;
         };
         if self.config.garbage_collection_threshold <= 0.0 {
             return victims;
         }
         let threshold = (self.config.garbage_collection_threshold * allowed as f64) as u64;
-        if self.total_reserved <= threshold {
+        if self.budget.reserved() <= threshold {
             return victims;
         }
-        let target = self.total_reserved - threshold;
+        let target = self.budget.reserved() - threshold;
         let calls = self.pools[LARGE_POOL].get_free_block_calls;
         let age = |id: BlockId| calls - self.blocks.get(id).gc_base;
         let mut freeable: Vec<BlockId> = self.pools[LARGE_POOL]
@@ -320,7 +320,7 @@ impl DeviceCore {
             pool.unmapped.clear();
         }
         self.expandable.clear();
-        self.total_reserved = 0;
+        self.budget.release_all();
         first_err.map_or(Ok(()), Err)
     }
 }

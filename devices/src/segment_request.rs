@@ -35,14 +35,10 @@ impl SegmentRequest {
     }
 
     /// True when a segment of this size fits under `per_process_memory_fraction` right now,
-    /// counting memory being obtained off the core (`DeviceCore::growing_bytes`).
+    /// counting memory being obtained off the core (`budget.rs`).
     pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
-        core.allowed_max.is_none_or(|max| {
-            core.total_reserved
-                .saturating_add(core.growing_bytes)
-                .saturating_add(self.params.alloc_size)
-                <= max
-        }) && core.quota_error(&self.params, self.size).is_none()
+        core.budget.fits(self.params.alloc_size)
+            && core.quota_error(&self.params, self.size).is_none()
     }
 
     /// True when the request is served by mapping pages of an expandable segment (the
@@ -61,7 +57,7 @@ impl SegmentRequest {
     pub fn claim_fraction(&self, core: &mut DeviceCore) -> bool {
         let fits = self.fits_fraction(core);
         if fits {
-            core.growing_bytes += self.params.alloc_size;
+            core.budget.claim(self.params.alloc_size);
             core.claim_for_pool(self.params.pool, self.params.alloc_size, true);
         }
         fits
@@ -79,7 +75,7 @@ impl DeviceCore {
         ptr: DevicePtr,
     ) -> Result<Allocation, AllocError> {
         let SegmentRequest { mut params, size } = request;
-        self.growing_bytes = self.growing_bytes.saturating_sub(params.alloc_size);
+        self.budget.unclaim(params.alloc_size);
         self.claim_for_pool(params.pool, params.alloc_size, false);
         self.adopt_segment(&mut params, ptr);
         self.finish(&params, size)
@@ -88,7 +84,7 @@ impl DeviceCore {
     /// A segment claimed with [`SegmentRequest::claim_fraction`] was not obtained (the device
     /// malloc failed, or the core shut down and it went back): it no longer counts.
     pub fn segment_not_obtained(&mut self, request: &SegmentRequest) {
-        self.growing_bytes = self.growing_bytes.saturating_sub(request.params.alloc_size);
+        self.budget.unclaim(request.params.alloc_size);
         self.claim_for_pool(request.params.pool, request.params.alloc_size, false);
     }
 

@@ -369,8 +369,8 @@ impl DeviceCore {
                 layout,
             });
         }
-        if let Some(max) = self.allowed_max {
-            let held = self.total_reserved.saturating_add(self.growing_bytes);
+        if let Some(max) = self.budget.allowed() {
+            let held = self.budget.held();
             if held.saturating_add(bytes) > max {
                 return Err(AllocError::WakeOutOfMemory {
                     pool: p.usage.name.clone(),
@@ -379,7 +379,7 @@ impl DeviceCore {
                 });
             }
         }
-        self.growing_bytes += bytes;
+        self.budget.claim(bytes);
         for r in &runs {
             self.begin_off_core(r.seg);
         }
@@ -441,7 +441,7 @@ impl DeviceCore {
     }
 
     fn end_wake(&mut self, plan: &WakePlan) -> Leftovers {
-        self.growing_bytes = self.growing_bytes.saturating_sub(plan.bytes);
+        self.budget.unclaim(plan.bytes);
         let mut left = self.leftovers();
         for r in &plan.runs {
             if let Some(res) = self.end_off_core(r.seg) {

@@ -86,14 +86,11 @@ impl DeviceCore {
     pub(super) fn alloc_block_step(&mut self, params: &mut AllocParams, off_core: bool) -> Flow {
         let size = params.alloc_size;
         let expandable = self.pool_expands(params.pool);
-        if let Some(max) = self.allowed_max {
-            // Memory being obtained off the core counts against the cap too. Growth in 2 MiB
-            // pages checks the bytes it maps instead (`plan_pages`).
-            let held = self.total_reserved.saturating_add(self.growing_bytes);
-            let by_pages = expandable && self.config.policy.fine_large_pages();
-            if !by_pages && held.saturating_add(size) > max {
-                return Flow::Next;
-            }
+        // Memory being obtained off the core counts against the cap too. Growth in 2 MiB
+        // pages checks the bytes it maps instead (`plan_pages`).
+        let by_pages = expandable && self.config.policy.fine_large_pages();
+        if !by_pages && !self.budget.fits(size) {
+            return Flow::Next;
         }
         if expandable && off_core {
             // The first unmapped stretch of the run the request goes in; after its pages are
@@ -113,7 +110,7 @@ impl DeviceCore {
         tracing::debug!(device = self.device.0, size, "device_malloc");
         // Counted against the memory fraction and the pool's quota until it lands, so misses
         // in flight together cannot pass them (`SegmentRequest::claim_fraction`).
-        self.growing_bytes += size;
+        self.budget.claim(size);
         self.claim_for_pool(params.pool, size, true);
         Flow::Wait(
             Op::Segment,
@@ -225,7 +222,7 @@ impl DeviceCore {
         let params = &mut miss.request.params;
         match (op, done.0) {
             (Op::Segment, Outcome::Segment(size, result)) => {
-                self.growing_bytes = self.growing_bytes.saturating_sub(size);
+                self.budget.unclaim(size);
                 self.claim_for_pool(params.pool, size, false);
                 self.segment_landed(params, size, result)
             }
