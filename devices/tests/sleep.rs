@@ -231,6 +231,51 @@ fn discard_copies_nothing_and_maps_the_same_runs_back() {
     core.check_invariants().unwrap();
 }
 
+/// A live block keeps its frames through its pool's sleep and wake: the pages under it are
+/// unmapped and mapped again at its address (history entries at that address that are not
+/// its free), and it stays allocated.
+#[test]
+fn a_live_blocks_frames_survive_its_pools_sleep() {
+    use gpualloc_devices::{Frame, TraceAction};
+    let (_sim, mut core, s, _) = rig(1 << 30, ES);
+    let w = core.create_named_pool("weights", PoolOptions::default());
+    let a = core.malloc_in(w, 30 * MIB, s).unwrap();
+    let frames = vec![Frame {
+        name: "load_weights".into(),
+        filename: "model.py".into(),
+        line: 12,
+    }];
+    core.attach_frames(a.ptr.0, frames.into());
+    let plan = core.begin_sleep(w, SleepMode::Discard).unwrap();
+    assert!(complete_sleep(&mut core, plan, s).is_empty());
+    wake(&mut core, w, &[], s);
+    let snap = core.snapshot();
+    let at_a: Vec<TraceAction> = snap
+        .trace
+        .iter()
+        .filter(|e| e.addr == a.ptr.0)
+        .map(|e| e.action)
+        .collect();
+    assert!(
+        at_a.ends_with(&[
+            TraceAction::Alloc,
+            TraceAction::SegmentUnmap,
+            TraceAction::SegmentMap
+        ]),
+        "{at_a:?}"
+    );
+    let kept = snap
+        .segments
+        .iter()
+        .flat_map(|seg| seg.blocks.iter())
+        .find(|b| b.address == a.ptr.0)
+        .and_then(|b| b.frames.clone())
+        .map(|f| f[0].name.clone());
+    assert_eq!(kept.as_deref(), Some("load_weights"));
+    core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
 #[test]
 fn sleep_is_refused_where_it_cannot_work() {
     let (_sim, mut core, s, _) = rig(1 << 30, "");
