@@ -129,6 +129,25 @@ fn oversize_blocks_are_never_split_nor_given_to_small_requests() {
     r.check();
 }
 
+/// A request of exactly `max_split_size` is a large request (PyTorch's `p.size() <
+/// max_split_size` is strict): it may take a cached oversize block within
+/// `max_non_split_rounding` of its size, not a new segment.
+#[test]
+fn a_request_of_exactly_max_split_size_may_take_an_oversize_block() {
+    let mut r = rig_with(64 * GIB, "max_split_size_mb:512", false);
+    let big = r.core.malloc(520 * MIB, r.s0).unwrap();
+    r.core.free(big.ptr).unwrap();
+    let exact = r.core.malloc(512 * MIB, r.s0).unwrap();
+    assert_eq!(
+        exact.ptr, big.ptr,
+        "the cached 520 MiB block, 8 MiB of waste"
+    );
+    assert_eq!(exact.block_size, 520 * MIB, "handed out whole");
+    assert_eq!(r.core.reserved_bytes(), 520 * MIB, "no new segment");
+    r.core.free(exact.ptr).unwrap();
+    r.check();
+}
+
 #[test]
 fn max_non_split_rounding_is_configurable() {
     let mut r = rig_with(
