@@ -20,7 +20,7 @@
 //! `mem_pools.rs` (private pools), `inspect.rs` (snapshot, invariants). Nothing here reads a
 //! clock or blocks on anything but the backend.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
@@ -34,6 +34,7 @@ use crate::error::AllocError;
 use crate::expandable::ExpandableSegment;
 use crate::history::History;
 use crate::observer::SegmentSink;
+use crate::pending::PendingFrees;
 use crate::pool::{BlockPool, PoolOwner};
 use crate::pool_records::PoolUsage;
 use crate::stats::{for_pool, DeviceStats};
@@ -130,9 +131,8 @@ pub struct DeviceCore {
     pub(crate) busy: BTreeMap<u64, u32>,
     /// Reservations a shutdown left to their growths in flight (base → size).
     pub(crate) orphaned: BTreeMap<u64, u64>,
-    /// Pending cross-stream frees per stream, in record order.
-    pub(crate) pending: BTreeMap<StreamHandle, VecDeque<(EventHandle, BlockId)>>,
-    pub(crate) event_pool: Vec<EventHandle>,
+    /// Frees waiting on other streams' events, and the spare events (`pending.rs`).
+    pub(crate) pending: PendingFrees,
     /// Streams the owner's users dropped, with an event recorded on each when it was retired
     /// (`orphans.rs`).
     pub(crate) retiring: Vec<(StreamHandle, Option<EventHandle>)>,
@@ -205,8 +205,7 @@ impl DeviceCore {
             budget,
             busy: BTreeMap::new(),
             orphaned: BTreeMap::new(),
-            pending: BTreeMap::new(),
-            event_pool: Vec::new(),
+            pending: PendingFrees::default(),
             retiring: Vec::new(),
             stats: DeviceStats {
                 max_split_size,
@@ -256,7 +255,7 @@ impl DeviceCore {
 
     /// Number of frees still waiting on stream events.
     pub fn pending_frees(&self) -> usize {
-        self.pending.values().map(VecDeque::len).sum()
+        self.pending.len()
     }
 
     pub(crate) fn check_stream(&self, stream: StreamHandle) -> Result<(), AllocError> {

@@ -39,11 +39,7 @@ impl DeviceCore {
 
     /// The events that pending cross-stream frees wait on (one per pending free and stream).
     pub fn pending_events(&self) -> Vec<EventHandle> {
-        self.pending
-            .values()
-            .flatten()
-            .map(|(event, _)| *event)
-            .collect()
+        self.pending.events()
     }
 
     /// The garbage-collection pass of a miss, split: takes the cached segments it would

@@ -21,10 +21,7 @@ impl DeviceCore {
             match self.record_event(stream) {
                 Ok(event) => {
                     self.blocks.get_mut(id).event_count += 1;
-                    self.pending
-                        .entry(stream)
-                        .or_default()
-                        .push_back((event, id));
+                    self.pending.push(stream, event, id);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "event record failed; synchronizing the device instead");
@@ -45,18 +42,14 @@ impl DeviceCore {
         &mut self,
         stream: StreamHandle,
     ) -> Result<EventHandle, BackendError> {
-        let event = match self
-            .event_pool
-            .iter()
-            .rposition(|e| e.device == stream.device)
-        {
-            Some(i) => self.event_pool.swap_remove(i),
+        let event = match self.pending.take_spare_of(stream.device) {
+            Some(e) => e,
             None => self.backend.event_create(stream.device)?,
         };
         self.backend
             .event_record(event, stream)
             .map(|()| event)
-            .inspect_err(|_| self.event_pool.push(event))
+            .inspect_err(|_| self.pending.give_back([event]))
     }
 
     /// Completes the frees whose events have all completed; returns how many blocks went back
@@ -65,63 +58,35 @@ impl DeviceCore {
         if self.pending.is_empty() {
             return Ok(0);
         }
+        let backend = &self.backend;
+        let (done, queried) = self.pending.pop_completed(|e| backend.event_query(e));
         let mut freed = 0;
-        let streams: Vec<_> = self.pending.keys().copied().collect();
-        for stream in streams {
-            while let Some(&(event, id)) = self.pending.get(&stream).and_then(|q| q.front()) {
-                if !self.backend.event_query(event)? {
-                    break;
-                }
-                if let Some(q) = self.pending.get_mut(&stream) {
-                    q.pop_front();
-                }
-                self.event_pool.push(event);
-                freed += self.event_done(id);
-            }
-            if self.pending.get(&stream).is_some_and(|q| q.is_empty()) {
-                self.pending.remove(&stream);
-            }
+        for id in done {
+            freed += self.event_done(id);
         }
+        queried?;
         Ok(freed)
     }
 
     /// Waits for every pending event and completes all pending frees.
     pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
         self.stats.num_sync_all_streams += 1;
-        while let Some((stream, mut queue)) = self.pending.pop_first() {
-            while let Some((event, id)) = queue.pop_front() {
-                if let Err(e) = self.backend.event_synchronize(event) {
-                    // Put back what is left so nothing is lost, then report.
-                    queue.push_front((event, id));
-                    self.pending.insert(stream, queue);
-                    return Err(e.into());
-                }
-                self.event_pool.push(event);
-                self.event_done(id);
-            }
+        let backend = &self.backend;
+        // What a failed wait leaves stays queued, so nothing is lost; then the report.
+        let (done, waited) = self.pending.pop_all(|e| backend.event_synchronize(e));
+        for id in done {
+            self.event_done(id);
         }
-        Ok(())
+        waited.map_err(AllocError::from)
     }
 
     /// The first `n` events of [`DeviceCore::pending_events`] were synchronized by the
     /// caller: completes their frees, in that order (the miss chain's last release, which
     /// PyTorch's `synchronize_and_free_events` does in place). A count past the pending
     /// events completes them all.
-    pub(crate) fn complete_synchronized(&mut self, mut n: usize) {
-        while n > 0 {
-            let Some(mut entry) = self.pending.first_entry() else {
-                return;
-            };
-            let Some((event, id)) = entry.get_mut().pop_front() else {
-                entry.remove();
-                continue;
-            };
-            if entry.get().is_empty() {
-                entry.remove();
-            }
-            self.event_pool.push(event);
+    pub(crate) fn complete_synchronized(&mut self, n: usize) {
+        for id in self.pending.pop_first(n) {
             self.event_done(id);
-            n -= 1;
         }
     }
 

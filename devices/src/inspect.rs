@@ -352,8 +352,7 @@ impl DeviceCore {
                 allocations[0]
             ));
         }
-        let queued: std::collections::HashSet<BlockId> =
-            self.pending.values().flatten().map(|(_, id)| *id).collect();
+        let queued: std::collections::HashSet<BlockId> = self.pending.blocks().collect();
         if queued.len() != pending_blocks {
             return Err(format!(
                 "{} blocks queued on events, {pending_blocks} pending",

@@ -33,6 +33,7 @@ mod observer_hooks;
 mod oom;
 pub mod orphans;
 mod pages;
+mod pending;
 pub mod placement;
 pub mod policy;
 mod pool;

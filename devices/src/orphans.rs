@@ -54,12 +54,12 @@ impl DeviceCore {
             return Ok(());
         }
         // Pooled events are this device's (streams of other devices are refused).
-        let event = match self.event_pool.pop() {
+        let event = match self.pending.take_spare() {
             Some(e) => e,
             None => self.backend.event_create(stream.device)?,
         };
         if let Err(e) = self.backend.event_record(event, stream) {
-            self.event_pool.push(event);
+            self.pending.give_back([event]);
             return Err(e.into());
         }
         self.retiring.push((stream, Some(event)));
@@ -83,7 +83,7 @@ impl DeviceCore {
             }
             // Its work is done: the event is not needed any more.
             if let Some(e) = event {
-                self.event_pool.push(e);
+                self.pending.give_back([e]);
                 self.retiring[i].1 = None;
             }
             self.orphan_segments_of(stream)?;

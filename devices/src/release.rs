@@ -307,8 +307,8 @@ impl DeviceCore {
             }
         }
         let retiring: Vec<_> = self.retiring.drain(..).filter_map(|(_, e)| e).collect();
-        self.event_pool.extend(retiring);
-        for ev in self.event_pool.drain(..) {
+        self.pending.give_back(retiring);
+        for ev in self.pending.drain_spare() {
             let _ = self.backend.event_destroy(ev);
         }
         self.segments.clear();

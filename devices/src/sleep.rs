@@ -227,14 +227,11 @@ impl DeviceCore {
                 copies.push((DevicePtr(b.addr), b.requested));
             }
         }
-        for (stream, queue) in &self.pending {
-            if queue
-                .iter()
-                .any(|(_, id)| own.contains(&self.blocks.get(*id).pool))
-            {
-                streams.push(*stream);
-            }
-        }
+        let blocks = &self.blocks;
+        streams.extend(
+            self.pending
+                .streams_of(|id| own.contains(&blocks.get(id).pool)),
+        );
         streams.sort_by_key(|s| (s.device.0, s.raw));
         streams.dedup();
         copies.sort_by_key(|c| c.0 .0);
@@ -243,7 +240,7 @@ impl DeviceCore {
             match self.record_event(stream) {
                 Ok(e) => events.push(e),
                 Err(e) => {
-                    self.event_pool.extend(events);
+                    self.pending.give_back(events);
                     return Err(e.into());
                 }
             }
@@ -283,7 +280,7 @@ impl DeviceCore {
     /// Sleep step 3 once the pages are unmapped: the pool is asleep. Returns what a shutdown
     /// meanwhile left to release.
     pub fn finish_sleep(&mut self, plan: SleepPlan) -> Leftovers {
-        self.event_pool.extend(plan.events);
+        self.pending.give_back(plan.events);
         let mut left = self.leftovers();
         let mut bytes = 0;
         for (seg, _, m) in &plan.pages {
@@ -306,7 +303,7 @@ impl DeviceCore {
     /// into the segments and the pool is awake again. Returns what a shutdown meanwhile left
     /// to release (then the pages too).
     pub fn abort_sleep(&mut self, plan: SleepPlan) -> Leftovers {
-        self.event_pool.extend(plan.events);
+        self.pending.give_back(plan.events);
         let mut left = self.leftovers();
         for (seg, first, m) in plan.pages {
             if let Some(r) = self.end_off_core(seg) {
