@@ -373,3 +373,21 @@ fn the_fragmentation_hint_names_expandable_segments_only_where_they_are_off() {
         );
     }
 }
+
+/// `empty_cache` waits for every pending free first (PyTorch's `synchronize_and_free_events`
+/// in `release_cached_blocks`), and counts it in `num_sync_all_streams` each time, with frees
+/// pending or not.
+#[test]
+fn empty_cache_counts_one_synchronization_each_time() {
+    let (_, mut core, s0, s1) = rig(1 << 30, "", false);
+    let a = core.malloc(MIB, s0).unwrap();
+    core.record_stream(a.ptr, s1).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_eq!(core.pending_frees(), 1);
+    core.empty_cache().unwrap();
+    assert_eq!(core.pending_frees(), 0);
+    assert_eq!(core.stats().num_sync_all_streams, 1);
+    core.empty_cache().unwrap();
+    assert_eq!(core.stats().num_sync_all_streams, 2);
+    assert_eq!(core.reserved_bytes(), 0);
+}
