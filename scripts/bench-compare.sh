@@ -21,16 +21,8 @@ if (($# >= 2)); then shift 2; else shift 1; fi
 sections=("$@")
 ((${#sections[@]} > 0)) || sections=(hit)
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-commit="$(git rev-parse --verify "$rev^{commit}")"
-short="$(git rev-parse --short "$commit")"
-base="$root/target/bench-compare"
-tree="$base/tree-$short"
-mkdir -p "$base"
-if [[ ! -d "$tree" ]]; then
-    git worktree add --detach "$tree" "$commit" >/dev/null
-fi
+# shellcheck source=scripts/rev-worktree.sh
+source "$(dirname "${BASH_SOURCE[0]}")/rev-worktree.sh"
 echo "building bench at $short (worktree $tree) and the working tree's" >&2
 (cd "$tree" && CARGO_TARGET_DIR="$base/target-$short" cargo build -q --release --bin bench)
 cargo build -q --release --bin bench

@@ -24,17 +24,10 @@ rev="${1:?usage: scripts/hit-probe.sh REV [ROUNDS]}"
 rounds="${2:-8}"
 command -v valgrind >/dev/null || { echo "hit-probe: needs valgrind" >&2; exit 2; }
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-commit="$(git rev-parse --verify "$rev^{commit}")"
-short="$(git rev-parse --short "$commit")"
-base="$root/target/bench-compare"
-tree="$base/tree-$short"
+# shellcheck source=scripts/rev-worktree.sh
+source "$(dirname "${BASH_SOURCE[0]}")/rev-worktree.sh"
 out="$root/target/hit-probe"
-mkdir -p "$base" "$out"
-if [[ ! -d "$tree" ]]; then
-    git worktree add --detach "$tree" "$commit" >/dev/null
-fi
+mkdir -p "$out"
 
 export CARGO_PROFILE_RELEASE_LTO=fat CARGO_PROFILE_RELEASE_CODEGEN_UNITS=1
 export CARGO_PROFILE_RELEASE_DEBUG=line-tables-only CARGO_INCREMENTAL=0
