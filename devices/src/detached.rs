@@ -61,15 +61,13 @@ impl DeviceCore {
     /// out of the books and returns them; the caller must free each with [`free_detached`].
     /// Does not wait for pending frees (synchronize [`DeviceCore::pending_events`] and call
     /// `process_events` first to include them). Expandable segments are not detached.
-    /// (A miss at its pool's quota releases that pool's own segments only: the chain's
-    /// release link, `miss/`, with `release_scope`.)
     pub fn detach_free_segments(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
         self.process_events()?;
         let mut out = Vec::new();
-        for pool in self.release_scope(None) {
+        for pool in self.release_scope() {
             out.extend(self.detach_whole_segments(pool));
         }
         Ok(out)

@@ -31,7 +31,6 @@ use crate::error::AllocError;
 use crate::malloc::CachedOutcome;
 use crate::pool::{BlockPool, PoolOwner};
 use crate::pool_records::{PoolOptions, PoolUsage};
-use crate::segment_request::SegmentRequest;
 
 impl DeviceCore {
     /// Creates a private memory pool. With `use_on_oom`, its free blocks serve any request of
@@ -211,20 +210,10 @@ impl DeviceCore {
         self.private.get(&id.0).map(|p| [p.large, p.small])
     }
 
-    /// The block pools an owner's release of cached memory for `request` covers: for a
-    /// request at its pool's quota only that pool's own (no other memory can help it, and
-    /// another pool's cache is not its to take); else the default pools and released private
-    /// pools, as `empty_cache` does.
-    pub(crate) fn release_scope(&self, request: Option<&SegmentRequest>) -> Vec<usize> {
-        if let Some(r) = request {
-            if self.quota_error(&r.params, r.size).is_some() {
-                return self
-                    .own_pools(r.params.pool)
-                    .into_iter()
-                    .flatten()
-                    .collect();
-            }
-        }
+    /// The block pools a release of cached memory covers, as `empty_cache`'s does: the
+    /// default pools and released private pools. (A request at its pool's quota releases its
+    /// own pools instead: the chain's `ReleaseOwnPool` link, with [`DeviceCore::own_pools`].)
+    pub(crate) fn release_scope(&self) -> Vec<usize> {
         let mut pools = vec![LARGE_POOL, SMALL_POOL];
         pools.extend(
             self.private

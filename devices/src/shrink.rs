@@ -48,7 +48,7 @@ impl DeviceCore {
             return Err(AllocError::Shutdown);
         }
         let mut out = Vec::new();
-        for pool in self.release_scope(None) {
+        for pool in self.release_scope() {
             out.extend(self.detach_pages_of(pool));
         }
         Ok(out)

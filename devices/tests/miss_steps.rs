@@ -1,8 +1,11 @@
 //! The miss chain step by step, without threads: each driver call the core asks for, in
 //! PyTorch's order, made (or refused) by the test (`gpualloc_devices` `miss/`).
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{drive, kind, oom};
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     AllocError, AllocatorConfig, CachedOutcome, DeviceCore, IoDone, Miss, MissIo, MissStep,
@@ -26,56 +29,6 @@ fn miss(core: &mut DeviceCore, size: u64, stream: StreamHandle) -> SegmentReques
         CachedOutcome::Miss(r) => r,
         CachedOutcome::Hit(a) => panic!("expected a miss, got {:?}", a.ptr),
     }
-}
-
-fn oom() -> BackendError {
-    BackendError::OutOfMemory {
-        requested: 0,
-        what: "device 0".into(),
-    }
-}
-
-/// The kind of a step, to compare sequences.
-fn kind(step: &MissStep) -> String {
-    match step {
-        MissStep::Done(a) => format!("done {} MiB", a.block_size / MIB),
-        MissStep::Failed(e) => format!("failed {}", if e.is_oom() { "oom" } else { "other" }),
-        MissStep::Io(MissIo::AllocSegment { size, .. }) => format!("alloc {} MiB", size / MIB),
-        MissStep::Io(MissIo::MapPages(p)) => format!("map {} MiB", p.bytes() / MIB),
-        MissStep::Io(MissIo::FreeSegments { segments, .. }) => {
-            let sizes: Vec<u64> = segments.iter().map(|s| s.size / MIB).collect();
-            format!("free {sizes:?} MiB")
-        }
-        MissStep::Io(MissIo::SynchronizeEvents(e)) => format!("sync {} events", e.len()),
-        MissStep::Io(MissIo::UnmapPages(r)) => {
-            format!(
-                "unmap {} MiB",
-                r.iter().map(|r| r.bytes()).sum::<u64>() / MIB
-            )
-        }
-        MissStep::Io(MissIo::GiveBack(_)) => "give back".into(),
-    }
-}
-
-/// Advances `m` from `done` to its end, each driver call handed to `call` (which makes it,
-/// refuses it, or first does what other requests would meanwhile). Returns the kinds of the
-/// steps and the last step.
-fn drive(
-    core: &mut DeviceCore,
-    m: &mut Miss,
-    mut done: Option<IoDone>,
-    mut call: impl FnMut(&mut DeviceCore, MissIo) -> IoDone,
-) -> (Vec<String>, MissStep) {
-    let mut steps = Vec::new();
-    for _ in 0..64 {
-        let step = core.advance_miss(m, done.take());
-        steps.push(kind(&step));
-        match step {
-            MissStep::Io(io) => done = Some(call(core, io)),
-            end => return (steps, end),
-        }
-    }
-    panic!("no end after 64 steps: {steps:?}");
 }
 
 /// Runs a miss to its end in place: each segment malloc the test refuses while

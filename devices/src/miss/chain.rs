@@ -193,7 +193,7 @@ impl DeviceCore {
                 self.release_step(ops::Release::own(pools))
             }
             ReleaseCached => {
-                let pools = self.release_scope(None);
+                let pools = self.release_scope();
                 self.release_step(ops::Release::cached(pools))
             }
             QuotaFailure => match self.quota_failure(params, size) {
