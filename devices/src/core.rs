@@ -76,8 +76,8 @@ pub(crate) struct PrivatePool {
     pub usage: PoolUsage,
     /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
     pub named: bool,
-    /// Bytes of segments being allocated for it off the core
-    /// ([`SegmentRequest::claim_fraction`]).
+    /// Bytes of segments being allocated for it by misses whose segment malloc is in flight
+    /// (an off-core miss's [`crate::MissIo::AllocSegment`]).
     pub claimed: u64,
     /// Granularity of its unsplit blocks, or why the one asked for cannot be (`unsplit.rs`).
     pub unsplit: Option<Result<u64, &'static str>>,

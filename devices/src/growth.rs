@@ -274,7 +274,7 @@ impl DeviceCore {
     }
 
     /// Bytes being obtained off the core right now: pages planned for mapping, and segments
-    /// claimed with [`SegmentRequest::claim_fraction`]. They count against
+    /// whose malloc a miss asked for and is in flight. They count against
     /// `per_process_memory_fraction`.
     pub fn growing_bytes(&self) -> u64 {
         self.budget.in_flight()

@@ -51,10 +51,9 @@ impl DeviceCore {
     }
 
     /// The cache-only half of [`DeviceCore::malloc`]: steps 1–3. On a miss it returns the
-    /// parameters for a segment allocation, which the caller may perform off this core (a
-    /// device malloc is slow) and hand back with [`DeviceCore::malloc_with_segment`], run
-    /// through the chain step by step ([`crate::Miss`]), or continue in place with
-    /// [`DeviceCore::malloc_after_miss`].
+    /// parameters for a segment allocation, which the caller runs through the miss chain step
+    /// by step ([`crate::Miss`], each driver call made by the caller: off this core where a
+    /// device malloc is slow), or continues in place with [`DeviceCore::malloc_after_miss`].
     pub fn try_cached(
         &mut self,
         size: u64,

@@ -5,10 +5,11 @@
 //! itself:
 //!
 //! - An ordinary segment allocated off the core is adopted by the request that asked for it,
-//!   even when a block freed meanwhile would serve it by now
-//!   ([`DeviceCore::malloc_with_segment`]). In the history the `segment_alloc` comes right
-//!   before that request's `alloc`, after the frees; a sequential `malloc` would take the freed
-//!   block. [`DeviceCore::segment_request`] makes the request without looking in the cache.
+//!   even when a block freed meanwhile would serve it by now (an off-core [`crate::Miss`]).
+//!   In the history the `segment_alloc` comes right before that request's `alloc`, after the
+//!   frees; a sequential `malloc` would take the freed block. [`DeviceCore::segment_request`]
+//!   makes the request without looking in the cache, and the replay drives its miss (the
+//!   chain's third driver, the replay's `recorded_miss.rs`).
 //! - Pages of an expandable segment mapped off the core join the cache before the request
 //!   that wanted them looks in it again, so it takes the best fit among the new pages and the
 //!   blocks freed meanwhile. In the history the `segment_map` comes before that `alloc`, after
@@ -39,9 +40,8 @@ use crate::segment_request::SegmentRequest;
 impl DeviceCore {
     /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size
     /// and pool), made without looking in the cache or processing events. Finish it like a
-    /// miss from [`DeviceCore::try_cached`]: [`SegmentRequest::claim_fraction`], a device
-    /// malloc of [`SegmentRequest::alloc_size`] bytes and
-    /// [`DeviceCore::malloc_with_segment`], or [`DeviceCore::malloc_after_miss`].
+    /// miss from [`DeviceCore::try_cached`]: through the miss chain ([`crate::Miss`],
+    /// [`DeviceCore::advance_miss`]), or [`DeviceCore::malloc_after_miss`].
     pub fn segment_request(
         &mut self,
         size: u64,

@@ -1,12 +1,11 @@
-//! A miss waiting for a segment: [`SegmentRequest`], what an owner that allocates off the
-//! core does with it (claims it against the memory-fraction cap, allocates the segment, hands
-//! it back), and how the core finishes it (`malloc_with_segment`, or the miss chain: `miss/`).
+//! A miss waiting for a segment: [`SegmentRequest`], what a cache lookup that found nothing
+//! returns. Its owner runs it through the miss chain (`miss/`: in place, off the core, or as a
+//! recorded history shows it); the chain adopts a new segment here (`adopt_segment`).
 
 use gpualloc_runtime::DevicePtr;
 
 use crate::block::Block;
 use crate::core::{AllocParams, Allocation, DeviceCore, SegmentMeta};
-use crate::error::AllocError;
 use crate::trace::TraceAction;
 
 /// A miss waiting for a segment (see [`DeviceCore::try_cached`]).
@@ -34,13 +33,6 @@ impl SegmentRequest {
         self.size
     }
 
-    /// True when a segment of this size fits under `per_process_memory_fraction` right now,
-    /// counting memory being obtained off the core (`budget.rs`).
-    pub fn fits_fraction(&self, core: &DeviceCore) -> bool {
-        core.budget.fits(self.params.alloc_size)
-            && core.quota_error(&self.params, self.size).is_none()
-    }
-
     /// True when the request is served by mapping pages of an expandable segment (the
     /// default pools and named pools with `expandable_segments`); false when it needs a whole
     /// segment from the device's malloc (ordinary segments, and PyTorch's unnamed private
@@ -48,46 +40,9 @@ impl SegmentRequest {
     pub fn maps_pages(&self, core: &DeviceCore) -> bool {
         core.pool_expands(self.params.pool)
     }
-
-    /// [`SegmentRequest::fits_fraction`], and if it fits, counts the segment as being
-    /// allocated off the core until [`DeviceCore::malloc_with_segment`] adopts it or
-    /// [`DeviceCore::segment_not_obtained`] says it failed: every check (this one, the core's
-    /// own chain, expandable growth) counts it against `per_process_memory_fraction`, so
-    /// concurrent misses off the core cannot overshoot the cap together.
-    pub fn claim_fraction(&self, core: &mut DeviceCore) -> bool {
-        let fits = self.fits_fraction(core);
-        if fits {
-            core.budget.claim(self.params.alloc_size);
-            core.claim_for_pool(self.params.pool, self.params.alloc_size, true);
-        }
-        fits
-    }
 }
 
 impl DeviceCore {
-    /// Finishes a miss with a segment the caller allocated from the backend itself (`ptr`,
-    /// `request.alloc_size()` bytes), claimed beforehand with
-    /// [`SegmentRequest::claim_fraction`] (the claim ends here). The segment is adopted even
-    /// if the cache could serve the request by now, so nothing leaks.
-    pub fn malloc_with_segment(
-        &mut self,
-        request: SegmentRequest,
-        ptr: DevicePtr,
-    ) -> Result<Allocation, AllocError> {
-        let SegmentRequest { mut params, size } = request;
-        self.budget.unclaim(params.alloc_size);
-        self.claim_for_pool(params.pool, params.alloc_size, false);
-        self.adopt_segment(&mut params, ptr);
-        self.finish(&params, size)
-    }
-
-    /// A segment claimed with [`SegmentRequest::claim_fraction`] was not obtained (the device
-    /// malloc failed, or the core shut down and it went back): it no longer counts.
-    pub fn segment_not_obtained(&mut self, request: &SegmentRequest) {
-        self.budget.unclaim(request.params.alloc_size);
-        self.claim_for_pool(request.params.pool, request.params.alloc_size, false);
-    }
-
     /// For a miss an owner handles off the core: `take` looks for a block for the request in
     /// the cache (into its params); `Err` gives the request back when it finds none.
     pub(crate) fn serve_from_cache(

@@ -14,7 +14,7 @@ use gpualloc_runtime::{DeviceId, StreamHandle};
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
-use common::{drive_miss, quota, rig};
+use common::{drive, drive_miss, oom, quota, rig, segment_malloc};
 
 /// The miss of a request of `pool` (it must not hit the cache).
 fn miss_in(core: &mut DeviceCore, pool: MemPoolId, size: u64, s: StreamHandle) -> SegmentRequest {
@@ -253,9 +253,10 @@ fn the_off_core_path_claims_against_the_quota() {
     let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
     let req = miss_in(&mut core, kv, 16 * MIB, s);
-    assert!(!req.claim_fraction(&mut core), "24 + 16 MiB is past 30");
     let mut freed = Vec::new();
+    let mut calls = Vec::new();
     let step = drive_miss(&mut core, Miss::off_core(req), |io| {
+        calls.push(segment_malloc(io));
         if let MissIo::FreeSegments { segments, .. } = io {
             freed.extend(segments.iter().map(|seg| seg.size));
         }
@@ -264,6 +265,11 @@ fn the_off_core_path_claims_against_the_quota() {
     let MissStep::Done(c) = step else {
         panic!("expected the request served after the release");
     };
+    assert_eq!(
+        calls,
+        [false, true],
+        "24 + 16 MiB is past 30: a release first, then the segment malloc"
+    );
     assert_eq!(freed, [12 * MIB], "kv's free 12 MiB segment only");
     assert_eq!(
         core.pool_usage(other).unwrap().reserved.all().current,
@@ -289,26 +295,29 @@ fn the_off_core_path_claims_against_the_quota() {
     let (_, mut core, s) = rig(1 << 30, "");
     let kv = core.create_named_pool("kv_cache", quota(30 * MIB));
     let b = core.malloc_in(kv, 12 * MIB, s).unwrap();
-    let req = miss_in(&mut core, kv, 16 * MIB, s);
-    assert!(req.claim_fraction(&mut core), "12 + 16 MiB fits");
-    let req2 = miss_in(&mut core, kv, 16 * MIB, s);
-    assert!(!req2.claim_fraction(&mut core), "12 + 16 + 16 MiB does not");
+    let mut first = Miss::off_core(miss_in(&mut core, kv, 16 * MIB, s));
+    let step = core.advance_miss(&mut first, None);
+    let MissStep::Io(io @ MissIo::AllocSegment { .. }) = step else {
+        panic!("12 + 16 MiB fits: expected a segment malloc");
+    };
+    assert_eq!(core.growing_bytes(), 16 * MIB);
+    for size in [16 * MIB, 12 * MIB] {
+        let req = miss_in(&mut core, kv, size, s);
+        let MissStep::Failed(err) = drive_miss(&mut core, Miss::off_core(req), |_| false) else {
+            panic!("12 + 16 + {} MiB passes the quota", size / MIB);
+        };
+        assert!(matches!(err, AllocError::PoolQuota { .. }), "{err}");
+    }
     // A claim whose device malloc failed no longer counts.
-    let req3 = miss_in(&mut core, kv, 12 * MIB, s);
-    assert!(!req3.claim_fraction(&mut core), "12 + 16 + 12 MiB");
-    core.segment_not_obtained(&req);
+    let end = drive(&mut core, &mut first, Some(io.fail(oom())), |_, io| {
+        io.fail(oom())
+    });
+    assert!(matches!(end.1, MissStep::Failed(ref e) if e.is_oom()));
     assert_eq!(core.growing_bytes(), 0);
-    assert!(
-        req3.claim_fraction(&mut core),
-        "12 + 12 MiB: the 16 MiB claim is gone"
-    );
-    core.segment_not_obtained(&req3);
-    assert!(req.claim_fraction(&mut core));
-    let ptr = core
-        .backend()
-        .malloc(DeviceId(0), req.alloc_size())
-        .unwrap();
-    let c = core.malloc_with_segment(req, ptr).unwrap();
+    let req = miss_in(&mut core, kv, 16 * MIB, s);
+    let MissStep::Done(c) = drive_miss(&mut core, Miss::off_core(req), |_| false) else {
+        panic!("12 + 16 MiB: the failed claim is gone");
+    };
     assert_eq!(c.pool, Some(kv));
     assert_eq!(
         core.pool_usage(kv).unwrap().reserved.all().current,

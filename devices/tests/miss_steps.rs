@@ -283,7 +283,8 @@ fn off_the_core_a_segment_in_flight_is_claimed_and_a_block_freed_meanwhile_serve
     // beside it (40 + 40 + 40 > 100).
     assert_eq!(core.growing_bytes(), 40 * MIB);
     let second = miss(&mut core, 40 * MIB, s);
-    assert!(!second.fits_fraction(&core));
+    let step = core.advance_miss(&mut Miss::off_core(second), None);
+    assert_eq!(kind(&step), "failed oom");
     // The device refuses it; meanwhile the user frees `a`: the miss takes it.
     core.free(a.ptr).unwrap();
     let end = core.advance_miss(&mut m, Some(io.fail(oom())));

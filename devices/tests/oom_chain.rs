@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
-    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Miss, MissStep, TraceAction,
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, Miss, MissIo, MissStep, TraceAction,
 };
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
@@ -271,7 +271,10 @@ fn claimed_segments_count_against_the_cap_and_show_in_the_report() {
         gpualloc_devices::CachedOutcome::Miss(r) => r,
         gpualloc_devices::CachedOutcome::Hit(_) => panic!("empty core"),
     };
-    assert!(req.claim_fraction(&mut core));
+    let mut m = Miss::off_core(req);
+    let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+        panic!("expected a segment malloc");
+    };
     assert_eq!(core.growing_bytes(), 60 * MIB);
     let err = core.malloc(60 * MIB, s0).unwrap_err();
     let AllocError::OutOfMemory(report) = err else {
@@ -284,12 +287,18 @@ fn claimed_segments_count_against_the_cap_and_show_in_the_report() {
             .contains("60.00 MiB is being allocated by requests in flight"),
         "{report}"
     );
+    let second = match core.try_cached(60 * MIB, s0).unwrap() {
+        gpualloc_devices::CachedOutcome::Miss(r) => r,
+        gpualloc_devices::CachedOutcome::Hit(_) => panic!("nothing cached"),
+    };
     assert!(
-        !req.claim_fraction(&mut core),
-        "a second 60 MiB does not fit either"
+        matches!(core.advance_miss(&mut Miss::off_core(second), None), MissStep::Failed(ref e) if e.is_oom()),
+        "a second 60 MiB off the core does not fit either"
     );
-    let ptr = backend.malloc(DeviceId(0), req.alloc_size()).unwrap();
-    let a = core.malloc_with_segment(req, ptr).unwrap();
+    let done = io.perform(backend.as_ref());
+    let MissStep::Done(a) = core.advance_miss(&mut m, Some(done)) else {
+        panic!("expected the new segment's block");
+    };
     assert_eq!((core.growing_bytes(), core.reserved_bytes()), (0, 60 * MIB));
     core.free(a.ptr).unwrap();
     core.check_invariants().unwrap();

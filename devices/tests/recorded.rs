@@ -9,8 +9,8 @@ use std::sync::Arc;
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     release_slept_pages, wait_for_pool_streams, AllocError, CachedOutcome, DeviceCore,
-    DeviceSnapshot, Growth, MemPoolId, PoolOptions, RestorePool, RestoredBlock, SleepMode,
-    StatType, TraceAction,
+    DeviceSnapshot, Growth, MemPoolId, Miss, MissStep, PoolOptions, RestorePool, RestoredBlock,
+    SleepMode, StatType, TraceAction,
 };
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
@@ -129,7 +129,7 @@ fn a_range_the_device_has_no_memory_for_changes_nothing() {
 
 #[test]
 fn a_segment_request_skips_the_cache_and_takes_a_new_segment() {
-    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let (_, mut core, s) = rig(1 << 30, "expandable_segments:False");
     let a = core.malloc(8 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
     // The 20 MiB segment cached would serve 6 MiB; the request asks for a new one.
@@ -137,10 +137,11 @@ fn a_segment_request_skips_the_cache_and_takes_a_new_segment() {
     assert_eq!(request.alloc_size(), 20 * MIB);
     assert_eq!(request.requested(), 6 * MIB);
     assert!(!request.maps_pages(&core));
-    assert!(request.claim_fraction(&mut core));
-    let ptr = backend.malloc(DeviceId(0), request.alloc_size()).unwrap();
-    let b = core.malloc_with_segment(request, ptr).unwrap();
-    assert_eq!(b.ptr, ptr);
+    let MissStep::Done(b) = common::drive_miss(&mut core, Miss::off_core(request), |_| false)
+    else {
+        panic!("expected a new segment's block");
+    };
+    assert_ne!(b.ptr, a.ptr);
     assert_eq!(core.reserved_bytes(), 40 * MIB);
     assert_eq!(core.growing_bytes(), 0);
     core.check_invariants().unwrap();

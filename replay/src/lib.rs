@@ -15,6 +15,7 @@ pub mod analysis;
 pub mod export;
 pub mod input;
 pub mod plot;
+mod recorded_miss;
 pub mod report;
 pub mod run;
 pub mod summary;

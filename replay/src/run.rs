@@ -54,6 +54,7 @@ use crate::analysis::{
     DEFAULT_POOL,
 };
 use crate::input::Trace;
+use crate::recorded_miss::malloc_with_new_segment;
 use crate::report::{Mismatch, ReplayReport, Sample};
 
 /// Why a replay could not run.
@@ -183,22 +184,6 @@ impl Replayer {
         }
     }
 
-    /// A malloc the history shows served by a block the policy passes over (its segment
-    /// could not grow right then: `TraceEntry::passed_over`): best fit with any remainder
-    /// first, as the live request's last step was; a miss as usual if nothing fits.
-    fn malloc_passed_over(
-        &mut self,
-        pool: Option<MemPoolId>,
-        size: u64,
-        stream: StreamHandle,
-    ) -> Result<Allocation, AllocError> {
-        let request = self.core.segment_request_in(pool, size, stream)?;
-        match self.core.malloc_passed_over(request) {
-            Ok(a) => Ok(a),
-            Err(request) => self.core.malloc_after_miss(request),
-        }
-    }
-
     /// A pool's sleep, shown in the history as a `segment_unmap` of pages its live blocks are
     /// on (`gpualloc_devices` `sleep.rs`: every page of the pool goes at once, its blocks
     /// stay allocated). The replay's events complete as the sleep waits for them.
@@ -261,33 +246,34 @@ impl Replayer {
         s
     }
 
-    /// A malloc that a new ordinary segment served in the history: the segment is allocated
-    /// and adopted without looking in the cache, as the live owner adopts the segment it
-    /// allocated off the core even where a block freed meanwhile would serve the request by
-    /// now (`gpualloc_devices` `recorded.rs`).
+    /// A malloc that a new ordinary segment served in the history: the miss chain's third
+    /// driver (`recorded_miss.rs`), or an ordinary malloc where the config maps pages.
     fn malloc_new_segment(
         &mut self,
         pool: Option<MemPoolId>,
         size: u64,
         stream: StreamHandle,
     ) -> Result<Allocation, AllocError> {
+        match malloc_with_new_segment(&mut self.core, pool, size, stream)? {
+            Some(a) => Ok(a),
+            None => self.malloc_in(pool, size, stream),
+        }
+    }
+
+    /// A malloc the history shows served by a block the policy passes over (its segment
+    /// could not grow right then: `TraceEntry::passed_over`): best fit with any remainder
+    /// first, as the live request's last step was; a miss as usual if nothing fits
+    /// (`recorded_miss.rs` says why this link is applied directly).
+    fn malloc_passed_over(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Allocation, AllocError> {
         let request = self.core.segment_request_in(pool, size, stream)?;
-        if request.maps_pages(&self.core) {
-            return self.malloc_in(pool, size, stream);
-        }
-        if !request.claim_fraction(&mut self.core) {
-            return self.core.malloc_after_miss(request);
-        }
-        match self.backend.malloc(DEVICE, request.alloc_size()) {
-            Ok(ptr) => self.core.malloc_with_segment(request, ptr),
-            Err(e) => {
-                self.core.segment_not_obtained(&request);
-                if e.is_oom() {
-                    self.core.malloc_after_miss(request)
-                } else {
-                    Err(e.into())
-                }
-            }
+        match self.core.malloc_passed_over(request) {
+            Ok(a) => Ok(a),
+            Err(request) => self.core.malloc_after_miss(request),
         }
     }
 

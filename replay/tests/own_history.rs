@@ -151,7 +151,9 @@ mod off_the_core {
     use gpualloc::runtime::accounting::AccountingBackend;
     use gpualloc::runtime::{Backend, DeviceId, StreamHandle};
     use gpualloc::AllocatorConfig;
-    use gpualloc_devices::{map_growth, CachedOutcome, DeviceCore, Growth, SegmentRequest};
+    use gpualloc_devices::{
+        map_growth, CachedOutcome, DeviceCore, Growth, Miss, MissIo, MissStep, SegmentRequest,
+    };
     use gpualloc_replay::input::{from_bytes, Trace};
     use gpualloc_replay::{replay, ReplayOptions, ReplayReport};
 
@@ -213,12 +215,18 @@ mod off_the_core {
         // An 8 MiB block and the 12 MiB left of its 20 MiB segment.
         let a = core.malloc(8 * MIB, s).unwrap();
         let rest = core.malloc(12 * MIB, s).unwrap();
-        let request = miss(&mut core, 6 * MIB, s);
-        assert!(request.claim_fraction(&mut core));
+        // The miss off the core: its segment malloc is asked for, then `a` is freed.
+        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
+        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+            panic!("expected a segment malloc");
+        };
         core.free(a.ptr).unwrap();
-        let ptr = backend.malloc(DeviceId(0), request.alloc_size()).unwrap();
-        let b = core.malloc_with_segment(request, ptr).unwrap();
-        assert_eq!(b.ptr, ptr, "live, the new segment serves the request");
+        let done = io.perform(backend.as_ref());
+        let MissStep::Done(b) = core.advance_miss(&mut m, Some(done)) else {
+            panic!("expected the new segment's block");
+        };
+        assert_ne!(b.ptr, a.ptr, "live, the new segment serves the request");
+        assert_eq!(core.reserved_bytes(), 40 * MIB);
         let later = core.malloc(8 * MIB, s).unwrap();
         assert_eq!(later.ptr, a.ptr);
         assert_eq!(replayed(&core, conf), (4, 4));

@@ -109,7 +109,7 @@ impl DeviceCore {
         }
         tracing::debug!(device = self.device.0, size, "device_malloc");
         // Counted against the memory fraction and the pool's quota until it lands, so misses
-        // in flight together cannot pass them (`SegmentRequest::claim_fraction`).
+        // in flight together cannot pass them (`Budget::claim`, the pool's `claimed`).
         self.budget.claim(size);
         self.claim_for_pool(params.pool, size, true);
         Flow::Wait(
