@@ -12,13 +12,13 @@
 //!    pending events and retry; then report out of memory;
 //! 5. split the block if the rules allow, and hand out the front part.
 //!
-//! This file holds the core's state and its constructor; the parts that act on it live beside
-//! it, each an `impl DeviceCore` block the core does not import: `malloc.rs` (steps 1-3 and 5),
-//! `segment_request.rs` and `miss/` (step 4), `oom.rs` (the report and its count),
-//! `free.rs` (free, `record_stream`), `release.rs` (merge, release, `empty_cache`),
-//! `events.rs` (cross-stream frees), `ledger.rs` (statistics, history, observer),
-//! `mem_pools.rs` (private pools), `inspect.rs` (snapshot, invariants). Nothing here reads a
-//! clock or blocks on anything but the backend.
+//! This file holds the core's state and its constructor; the parts that act on it live in
+//! folders by component, each an `impl DeviceCore` block the core does not import: `malloc/`
+//! (steps 1-3 and 5, the request of a miss, the out-of-memory report), `miss/` (step 4),
+//! `free/` (free, `record_stream`, cross-stream frees, merge, release, `empty_cache`),
+//! `expandable/`, `pools/` (private pools, sleep), `ledger/` (statistics, history, observer,
+//! snapshots, invariants), `streams/`, `recorded/` (ARCHITECTURE.md has the table). Nothing
+//! here reads a clock or blocks on anything but the backend.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -26,18 +26,18 @@ use std::sync::Arc;
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
-use crate::block::{BlockArena, BlockId};
+use crate::blocks::block::{BlockArena, BlockId};
+use crate::blocks::pool::{BlockPool, PoolOwner};
 use crate::budget::Budget;
 use crate::config::AllocatorConfig;
-use crate::cross_stream::CrossStreamLog;
 use crate::error::AllocError;
-use crate::expandable::ExpandableSegment;
-use crate::history::History;
-use crate::observer::SegmentSink;
-use crate::pending::PendingFrees;
-use crate::pool::{BlockPool, PoolOwner};
-use crate::pool_records::PoolUsage;
-use crate::stats::{for_pool, DeviceStats};
+use crate::expandable::segment::ExpandableSegment;
+use crate::free::pending::PendingFrees;
+use crate::ledger::cross_stream::CrossStreamLog;
+use crate::ledger::history::History;
+use crate::ledger::observer::SegmentSink;
+use crate::ledger::stats::{for_pool, DeviceStats};
+use crate::pools::pool_records::PoolUsage;
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,11 +55,11 @@ pub struct Allocation {
     /// The block is at least `max_split_size` (counted in `oversize_allocations`).
     pub oversize: bool,
     /// The private pool the block belongs to (`None`: the default pools). Its free returns
-    /// it there, whichever request it served (`mem_pools.rs`).
+    /// it there, whichever request it served (`pools/`).
     pub pool: Option<MemPoolId>,
 }
 
-pub use crate::pool_id::MemPoolId;
+pub use crate::blocks::pool_id::MemPoolId;
 
 /// A callback run when the pools have no block for a request, before a device malloc. It
 /// returns pointers of this allocator's live allocations that may now be freed (e.g. blocks
@@ -72,7 +72,7 @@ pub(crate) struct PrivatePool {
     pub use_on_oom: bool,
     /// The user released the pool: its cached segments go back on `empty_cache`.
     pub released: bool,
-    /// Name, quota and what it holds (`mem_pools.rs`).
+    /// Name, quota and what it holds (`pools/`).
     pub usage: PoolUsage,
     /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
     pub named: bool,

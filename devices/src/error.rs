@@ -5,7 +5,7 @@ use std::fmt;
 use gpualloc_runtime::{BackendError, DeviceId, DevicePtr};
 
 use crate::config::ConfigError;
-use crate::pool_state::PoolState;
+use crate::pools::pool_state::PoolState;
 
 /// What a device allocator call can fail with.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

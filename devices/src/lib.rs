@@ -8,83 +8,54 @@
 //! [`gpualloc_runtime::Backend`], and takes time stamps from the caller. Async, waiting and
 //! concurrency live in the actor that owns a core (facade crate).
 
-mod beside;
-mod block;
+mod blocks;
 mod budget;
 pub mod config;
 mod core;
-mod cross_stream;
-mod detached;
 pub mod error;
-mod events;
 mod expandable;
-mod expandable_core;
 mod free;
-mod growth;
-mod history;
-mod inspect;
 mod ledger;
 mod malloc;
-pub mod map_ahead;
-mod mem_pools;
 mod miss;
-mod observer;
-mod observer_hooks;
-mod oom;
-pub mod orphans;
-mod pages;
-mod pending;
-pub mod placement;
-pub mod policy;
-mod pool;
-mod pool_id;
-mod pool_records;
-mod pool_state;
+mod pools;
 mod recorded;
-mod release;
-mod restore;
-mod round_trips;
-mod segment_request;
-mod shrink;
-mod size_classes;
-pub mod sizes;
-mod sleep;
-pub mod snapshot;
-pub mod snapshot_pickle;
-pub mod stats;
 mod streams;
-mod summary;
-pub mod trace;
-mod unsplit;
+
+// The public modules, at the paths they had before the core's folders.
+pub use config::{policy, sizes};
+pub use ledger::{snapshot, snapshot_pickle, stats, trace};
+pub use malloc::{map_ahead, placement};
+pub use streams::orphans;
 
 #[cfg(feature = "rule-knobs")]
 pub use crate::core::RuleKnobs;
 pub use crate::core::{Allocation, DeviceCore, FreeMemoryCallback, MemPoolId};
-pub use crate::history::TraceClock;
-pub use crate::malloc::CachedOutcome;
-pub use crate::segment_request::SegmentRequest;
 pub use config::{AllocatorConfig, ConfigError};
-pub use cross_stream::{CrossStreamFree, CROSS_STREAM_LOG};
-pub use detached::{free_detached, DetachedSegment};
 pub use error::{format_size, AllocError, OomReport};
-pub use expandable::MappedPages;
-pub use growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
-pub use miss::{IoDone, Leftover, Miss, MissIo, MissStep};
-pub use observer::{
+pub use expandable::growth::{map_growth, release_reservation, Growth, GrowthPlan, Refused};
+pub use expandable::pages::AllocationMemory;
+pub use expandable::segment::MappedPages;
+pub use expandable::shrink::{release_pages, PageRelease};
+pub use free::detached::{free_detached, DetachedSegment};
+pub use ledger::cross_stream::{CrossStreamFree, CROSS_STREAM_LOG};
+pub use ledger::history::TraceClock;
+pub use ledger::observer::{
     HeldRanges, HeldRangesError, SegmentAction, SegmentEvent, SegmentRange, SegmentSink,
 };
-pub use pages::AllocationMemory;
+pub use ledger::round_trips::RoundTrips;
+pub use ledger::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
+pub use ledger::stats::{DeviceStats, Stat, StatArray, StatType};
+pub use ledger::summary::memory_summary;
+pub use ledger::trace::{Frame, Frames, TraceAction, TraceEntry};
+pub use malloc::segment_request::SegmentRequest;
+pub use malloc::CachedOutcome;
+pub use miss::{IoDone, Leftover, Miss, MissIo, MissStep};
 pub use policy::Policy;
-pub use pool_records::{PoolOptions, PoolUsage};
-pub use pool_state::PoolState;
-pub use restore::{RestorePool, RestoredBlock};
-pub use round_trips::RoundTrips;
-pub use shrink::{release_pages, PageRelease};
-pub use sleep::{
+pub use pools::pool_records::{PoolOptions, PoolUsage};
+pub use pools::pool_state::PoolState;
+pub use pools::sleep::{
     map_wake, release_slept_pages, wait_for_pool_streams, Leftovers, SleepMode, SleepPlan,
     WakePlan, WokenPages,
 };
-pub use snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
-pub use stats::{DeviceStats, Stat, StatArray, StatType};
-pub use summary::memory_summary;
-pub use trace::{Frame, Frames, TraceAction, TraceEntry};
+pub use recorded::restore::{RestorePool, RestoredBlock};

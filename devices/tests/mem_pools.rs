@@ -1,4 +1,4 @@
-//! Named private pools (`mem_pools.rs`): a pool's blocks serve only its own requests, its
+//! Named private pools (`devices/src/pools/`): a pool's blocks serve only its own requests, its
 //! quota is enforced with a typed error after its own cache (and only its own) is returned,
 //! its usage adds up to the device's statistics, and the owners' off-core path claims
 //! against the quota.

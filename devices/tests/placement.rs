@@ -241,7 +241,7 @@ fn a_repeated_step_after_warm_up_makes_no_driver_call_and_no_synchronization() {
 /// A free block followed by pages being mapped off the core for another request is a tail
 /// too: its remainder joins those pages when they land. So the choice does not depend on
 /// whether a map in flight has landed yet, and a replay of the history, which maps the pages
-/// where the history shows them (`recorded.rs`), makes the same choice as the live allocator.
+/// where the history shows them (`devices/src/recorded/`), makes the same choice as the live allocator.
 #[test]
 fn a_block_before_pages_being_mapped_is_a_tail() {
     let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);

@@ -1,4 +1,4 @@
-//! The two steps a replay of a history recorded off the core makes itself (`recorded.rs`):
+//! The two steps a replay of a history recorded off the core makes itself (`devices/src/recorded/`):
 //! mapping a recorded page range, and a segment request made without a cache lookup. Pinned
 //! with PyTorch's 20 MiB pages, one physical handle each.
 

@@ -22,7 +22,7 @@
 //!   live request did not (measured: a serve history's 445 of 450 addresses against 450).
 //!
 //! The segment events between (`segment_map`, `segment_free`, `segment_unmap`) are still
-//! applied where the history shows them (`gpualloc_devices` `recorded.rs`), not answered to a
+//! applied where the history shows them (`gpualloc_devices` `recorded/`), not answered to a
 //! miss: see ARCHITECTURE.md for what a full third driver needs.
 
 use gpualloc_devices::{

@@ -18,7 +18,7 @@
 //! each new segment at the address of PyTorch's pending `segment_alloc` of the same size, and
 //! compares every allocation's address with PyTorch's. It also follows a history recorded by
 //! gpualloc's actor, which obtains segments and pages off its lock while other requests go on
-//! (`gpualloc_devices` `recorded.rs`): an `alloc` right after the `segment_alloc` of the segment
+//! (`gpualloc_devices` `recorded/`): an `alloc` right after the `segment_alloc` of the segment
 //! holding it is served by that new segment without a cache lookup, and a `segment_map` inside
 //! a reservation maps its pages at once, so the `alloc` that follows weighs them against the
 //! blocks freed meanwhile, as the live request did. The expandable segments held when
@@ -27,7 +27,7 @@
 //! pages lie when it maps the first (a reservation released, its last page unmapped, and
 //! made again later is two, possibly at the same addresses under another stream).
 //!
-//! Named pools (gpualloc's `mem_pools.rs`): the history names the pool of each `alloc` and
+//! Named pools (gpualloc_devices' `pools/`): the history names the pool of each `alloc` and
 //! segment event (`segment_pool_id`); the replay makes a named pool per id, restores its
 //! segments in it and serves its requests from it. A pool's sleep shows as a
 //! `segment_unmap` of pages live blocks are on (the replay sleeps the pool there), its wake as
@@ -615,7 +615,7 @@ pub fn replay_core(
             }
             Action::SegmentFree if options.warm => {
                 // The segment the history released, not others: the release may have kept
-                // segments with frees pending on stream events (`recorded.rs`). A segment
+                // segments with frees pending on stream events (`gpualloc_devices` `recorded/`). A segment
                 // the replay does not have free there stays.
                 r.core
                     .release_recorded_segment(e.addr)

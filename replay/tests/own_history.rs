@@ -420,7 +420,7 @@ mod off_the_core {
         }
     }
 
-    /// A server's pools (`mem_pools.rs`, `sleep.rs`): weights in one named pool, put to sleep
+    /// A server's pools (`gpualloc_devices` `pools/`): weights in one named pool, put to sleep
     /// and woken mid-history; requests in another and in the default pools, the same sizes
     /// in each, so a request served from the wrong pool lands elsewhere. Recording begins with
     /// every pool holding pages. The history names each `alloc`'s and segment event's pool

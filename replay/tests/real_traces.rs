@@ -234,7 +234,7 @@ fn policies_differ_only_where_a_deviation_applies() {
     if differing.is_empty() && traces_dir().is_none() {
         return;
     }
-    // The figures of the deviations table (README, devices/src/policy.rs).
+    // The figures of the deviations table (README, devices/src/config/policy.rs).
     let mib = |b: u64| b >> 20;
     let figures: Vec<String> = differing
         .into_iter()

@@ -15,7 +15,7 @@
 //! | `release_lock_on_cudamalloc` | `True`/`False`: let the actor serve other requests during a driver malloc | `True` |
 //! | `thread_cache` | `True`/`False`: each thread keeps a few blocks it freed and hands them straight back to a same-size request on the same stream, without the actor's gate (gpualloc's own key; see the facade's `actor::thread_cache`) | `True` |
 //! | `debug_cross_stream_frees` | `True`/`False`: on each free, ask the backend whether another stream that was not `record_stream`ed still has queued work touching the block, and report it (gpualloc's own key; the sim can tell, a real driver cannot; every free then goes through the actor) | `False` |
-//! | `policy` | `pytorch`/`gpualloc`: whose rules answer where the two differ (gpualloc's own key; see [`crate::policy`] and the deviations below) | `gpualloc` |
+//! | `policy` | `pytorch`/`gpualloc`: whose rules answer where the two differ (gpualloc's own key; see [`crate::config::policy`] and the deviations below) | `gpualloc` |
 //! | `backend` | only `native` is supported | `native` |
 //! | `pinned_*` | pinned-host allocator keys, validated by the host allocator | — |
 //!
@@ -27,13 +27,17 @@
 //! - Unknown keys and malformed values are errors that name the key and what was expected.
 //!
 //! Where the `gpualloc` policy (the default) departs from PyTorch's rules, `policy:pytorch`
-//! follows PyTorch: the table of departures is [`crate::policy::DEVIATIONS`] (written there
+//! follows PyTorch: the table of departures is [`crate::config::policy::DEVIATIONS`] (written there
 //! once; the README shows it, and `devices/tests/departures.rs` keeps the two equal).
+
+pub mod policy;
+pub(crate) mod size_classes;
+pub mod sizes;
 
 use std::fmt;
 
-use crate::policy::Policy;
-use crate::size_classes::{roundup_band, LARGE_BUFFER, ROUNDUP_BANDS};
+use crate::config::policy::Policy;
+use crate::config::size_classes::{roundup_band, LARGE_BUFFER, ROUNDUP_BANDS};
 
 mod parse;
 #[cfg(test)]
@@ -94,7 +98,7 @@ pub struct AllocatorConfig {
     /// Check every free for other streams' pending work on the block (a debugging aid; see
     /// `DeviceCore::cross_stream_frees`).
     pub debug_cross_stream_frees: bool,
-    /// Whose rules answer where gpualloc's and PyTorch's differ (see [`crate::policy`]).
+    /// Whose rules answer where gpualloc's and PyTorch's differ (see [`crate::config::policy`]).
     pub policy: Policy,
     /// Where the facade writes a snapshot pickle when a `malloc` runs out of memory
     /// (`oom_snapshot_path:/path/file.pickle`; the core ignores it). The path cannot hold a

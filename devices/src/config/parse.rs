@@ -3,8 +3,8 @@
 //! [`AllocatorConfig::validate`], which holds them to the same rules, are in `mod.rs`.
 
 use super::{invalid, AllocatorConfig, ConfigError, MIB};
-use crate::policy::Policy;
-use crate::size_classes::{LARGE_BUFFER, ROUNDUP_BANDS};
+use crate::config::policy::Policy;
+use crate::config::size_classes::{LARGE_BUFFER, ROUNDUP_BANDS};
 
 fn parse_u64(key: &str, value: &str, expected: &'static str) -> Result<u64, ConfigError> {
     value

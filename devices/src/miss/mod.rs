@@ -13,7 +13,7 @@
 //! lookup:
 //!
 //! 1. garbage collection (`garbage_collection_threshold`): free old cached segments;
-//! 2. at a named pool's quota (`mem_pools.rs`): only the pool's own memory can help (its
+//! 2. at a named pool's quota (`pools/`): only the pool's own memory can help (its
 //!    orphans, growth of its segments, a block the policy passed over, its own cached
 //!    segments released, growth again), else the quota error;
 //! 3. a segment of a stream its user dropped (`orphans.rs`), then a new segment (or pages of
@@ -41,12 +41,12 @@ mod ops;
 use gpualloc_runtime::{guarded, Backend, BackendError, DeviceId, DevicePtr, EventHandle};
 
 use crate::core::{Allocation, DeviceCore};
-use crate::detached::{free_detached, DetachedSegment};
 use crate::error::AllocError;
-use crate::expandable::MappedPages;
-use crate::growth::{map_growth, release_reservation, GrowthPlan, Refused};
-use crate::segment_request::SegmentRequest;
-use crate::shrink::{release_pages, PageRelease};
+use crate::expandable::growth::{map_growth, release_reservation, GrowthPlan, Refused};
+use crate::expandable::segment::MappedPages;
+use crate::expandable::shrink::{release_pages, PageRelease};
+use crate::free::detached::{free_detached, DetachedSegment};
+use crate::malloc::segment_request::SegmentRequest;
 
 pub(crate) use ops::Op;
 

@@ -4,11 +4,11 @@
 
 use gpualloc_runtime::{BackendError, DevicePtr};
 
-use crate::block::BlockId;
+use crate::blocks::block::BlockId;
 use crate::core::{AllocParams, DeviceCore};
-use crate::detached::DetachedSegment;
 use crate::error::AllocError;
-use crate::shrink::PageRelease;
+use crate::expandable::shrink::PageRelease;
+use crate::free::detached::DetachedSegment;
 
 use super::{IoDone, Leftover, MissIo, Outcome};
 
@@ -139,7 +139,7 @@ impl DeviceCore {
             };
             (next, (size - b.size).min(self.blocks.get(next).size))
         } else {
-            let k = crate::pool::key(b.stream.raw, b.size, b.addr);
+            let k = crate::blocks::pool::key(b.stream.raw, b.size, b.addr);
             self.pools[params.pool].free.remove(&k);
             params.block = Some(c);
             return Flow::Found;

@@ -1,0 +1,65 @@
+//! A block pool: the free blocks of one size class (small or large) of one owner (the default
+//! pools, or a private memory pool), ordered as PyTorch orders them.
+//!
+//! The order is (stream, size, address): a lookup for (stream, size) finds the smallest free
+//! block of that stream that fits, and among equal sizes the lowest address. That tie-break is
+//! part of PyTorch's behaviour and replays depend on it.
+
+use std::collections::BTreeMap;
+
+use crate::blocks::block::BlockId;
+
+/// Sort key of a free block.
+pub(crate) type FreeKey = (u64, u64, u64);
+
+/// Who owns a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PoolOwner {
+    /// The device's default pools.
+    Default,
+    /// A private memory pool (`MemPool`).
+    Private(u64),
+}
+
+/// Free blocks of one pool.
+pub(crate) struct BlockPool {
+    pub free: BTreeMap<FreeKey, BlockId>,
+    /// Unmapped ranges of expandable segments, ordered by (stream, address): see
+    /// [`unmapped_key`].
+    pub unmapped: BTreeMap<FreeKey, BlockId>,
+    pub is_small: bool,
+    pub owner: PoolOwner,
+    /// Calls of `get_free_block` on this pool (garbage collection ages blocks by it).
+    pub get_free_block_calls: u64,
+}
+
+impl BlockPool {
+    pub fn new(is_small: bool, owner: PoolOwner) -> Self {
+        BlockPool {
+            free: BTreeMap::new(),
+            unmapped: BTreeMap::new(),
+            is_small,
+            owner,
+            get_free_block_calls: 0,
+        }
+    }
+
+    /// First free block of `stream` with size ≥ `size` (lowest address among equals).
+    pub fn lower_bound(&self, stream: u64, size: u64) -> Option<(FreeKey, BlockId)> {
+        self.free
+            .range((stream, size, 0)..)
+            .next()
+            .map(|(k, id)| (*k, *id))
+    }
+}
+
+/// The key an unmapped block is stored under: (stream, address, size), so blocks of one
+/// stream are visited in address order (PyTorch's `BlockComparatorAddress`).
+pub(crate) fn unmapped_key(stream: u64, addr: u64, size: u64) -> FreeKey {
+    (stream, addr, size)
+}
+
+/// The key a free block is stored under.
+pub(crate) fn key(stream: u64, size: u64, addr: u64) -> FreeKey {
+    (stream, size, addr)
+}

@@ -1,0 +1,172 @@
+//! Whose rules answer where gpualloc's caching allocator and PyTorch's differ.
+//!
+//! A [`Policy`] is a named set of rule choices. `pytorch` is PyTorch's main branch, every rule
+//! as it is, including the ones gpualloc considers mistakes: the replay tool answers with it by
+//! default, because "what would PyTorch do with my job under this config?" is the question its
+//! users ask. `gpualloc` is ours: each of its departures is listed in [`DEVIATIONS`] (and in
+//! the README's replay section), with why and the figure that shows its effect. The allocator
+//! itself defaults to `gpualloc`; the config key `policy:pytorch` makes it behave as PyTorch.
+
+use std::fmt;
+
+/// A named set of rule choices (config key `policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// PyTorch's `CUDACachingAllocator`, rule for rule.
+    Pytorch,
+    /// gpualloc's rules: PyTorch's, except the [`DEVIATIONS`].
+    #[default]
+    Gpualloc,
+}
+
+impl Policy {
+    /// Both policies, PyTorch's first.
+    pub const ALL: [Policy; 2] = [Policy::Pytorch, Policy::Gpualloc];
+
+    /// The name the config key and the replay tool use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Pytorch => "pytorch",
+            Policy::Gpualloc => "gpualloc",
+        }
+    }
+
+    /// The policy called `name` (`pytorch` or `gpualloc`).
+    pub fn from_name(name: &str) -> Option<Policy> {
+        Policy::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// Whether `max_split_size` limits blocks of expandable segments too. PyTorch: yes (an
+    /// oversize free block is not handed to a small request, nor to a large one it exceeds by
+    /// more than `max_non_split_rounding`). gpualloc: no; see [`DEVIATIONS`].
+    pub fn max_split_limits_expandable(self) -> bool {
+        self == Policy::Pytorch
+    }
+
+    /// Whether a large-pool request in an expandable segment passes over a best fit that
+    /// would leave a dead remainder (`placement.rs`). PyTorch: no. gpualloc: yes; see
+    /// [`DEVIATIONS`].
+    pub fn avoids_dead_remainders(self) -> bool {
+        self == Policy::Gpualloc
+    }
+
+    /// Whether the large pool of expandable segments has 2 MiB pages, several to a physical
+    /// handle, and grows ahead of the request (`map_ahead.rs`). PyTorch: no, one handle per
+    /// `large_segment_size` page. gpualloc: yes; see [`DEVIATIONS`].
+    pub fn fine_large_pages(self) -> bool {
+        self == Policy::Gpualloc
+    }
+
+    /// Whether a config that does not name `expandable_segments` uses them where the backend
+    /// has virtual memory ([`crate::AllocatorConfig::resolved`]). PyTorch: no, ordinary
+    /// segments unless asked. gpualloc: yes; see [`DEVIATIONS`].
+    pub fn expandable_by_default(self) -> bool {
+        self == Policy::Gpualloc
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One rule where the `gpualloc` policy departs from PyTorch's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deviation {
+    /// The rule.
+    pub rule: &'static str,
+    /// What PyTorch does.
+    pub pytorch: &'static str,
+    /// What gpualloc does.
+    pub gpualloc: &'static str,
+    /// Why.
+    pub why: &'static str,
+    /// The figure that shows the effect, and where it comes from.
+    pub evidence: &'static str,
+}
+
+/// Every departure of the `gpualloc` policy from PyTorch's rules: the one copy of the table.
+/// The README shows it as [`deviations_table`] renders it (`devices/tests/departures.rs`
+/// checks that they are the same); cells are Markdown.
+pub const DEVIATIONS: &[Deviation] = &[
+    Deviation {
+        rule: "`max_split_size` with expandable segments",
+        pytorch: "limits expandable blocks as any other: a free block of at least `max_split_size` \
+                   is not given to a smaller request, nor to a larger one it exceeds by more than \
+                   `max_non_split_rounding`",
+        gpualloc: "limits only blocks of ordinary segments (the proposal of PyTorch PR #193400, not \
+                    merged)",
+        why: "in an expandable segment a freed oversize block cannot be released while a live block \
+               follows it, so refusing it maps new pages for every such request: reserved memory \
+               grows without bound in a plain alloc/free cycle",
+        evidence: "`max_split_size_mb:128,expandable_segments:True`, peak reserved: \
+                    llama-lora-finetune 5.74 GiB (PyTorch) vs 5.51 GiB, transformer-lm-train 13.26 \
+                    GiB vs 12.98 GiB; a 100-cycle alloc/free loop (`devices/tests/expandable.rs`): \
+                    8,200 MiB vs 280 MiB",
+    },
+    Deviation {
+        rule: "best fit in expandable segments (dead remainders)",
+        pytorch: "a large-pool request takes the smallest free block that holds it and splits off \
+                   whatever remains, 512 B or more",
+        gpualloc: "a best fit that would leave under 512 KiB (and is not the segment's tail) is \
+                    passed over for the tail, which grows if it must; where it cannot grow the \
+                    passed-over block is taken after all, before any cache is released \
+                    (`devices/src/malloc/placement.rs`)",
+        why: "every large-pool request is over 1 MiB, so such a remainder is dead until a neighbour \
+               is freed; kept activations landing in the holes of freed temporaries pile them up",
+        evidence: "`expandable_segments:True`, peak reserved: transformer-lm-forward-bf16 786 MiB \
+                    (PyTorch) vs 766 MiB, fragmentation 5.38% vs 2.91%; the other two traces \
+                    unchanged (`devices/tests/placement.rs`)",
+    },
+    Deviation {
+        rule: "large-pool pages of expandable segments",
+        pytorch: "20 MiB pages (`large_segment_size`), one physical handle each; a growth maps the \
+                   pages the request needs",
+        gpualloc: "2 MiB pages, one physical handle per growth of up to 20 MiB; a growth maps 1/8 \
+                    of what the segment has mapped ahead of the request, never past the next 20 MiB \
+                    boundary from the segment's base (where PyTorch's page would end), and once 1/8 \
+                    reaches 20 MiB grows to that boundary as PyTorch does; the pages ahead are \
+                    dropped where the device or `per_process_memory_fraction` has no room, and the \
+                    fraction counts the pages mapped, not a 20 MiB segment \
+                    (`devices/src/malloc/map_ahead.rs`)",
+        why: "on a small model a 20 MiB page is most of the memory reserved and unused; one handle \
+               per growth keeps the driver calls of 20 MiB pages, and the 20 MiB boundary keeps \
+               large segments as PyTorch lays them out",
+        evidence: "`expandable_segments:True`, peak reserved: a generated MiniLM-like inference \
+                    (`replay/tests/small_model.rs`) 92 MiB (PyTorch) vs 84 MiB, fragmentation 14.05% \
+                    vs 5.86%; the seven shared traces at PyTorch's peak or below but \
+                    llama7b-offload-10streams (+4 MiB), driver map calls 18 against 9 on \
+                    cnn-counterfactual-small, +0.05% to +9.5% on the others \
+                    (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`)",
+    },
+    Deviation {
+        rule: "segments under a config that does not name `expandable_segments`",
+        pytorch: "ordinary segments (`cudaMalloc`); expandable ones only when asked",
+        gpualloc: "expandable segments where every device of the backend has virtual memory (asked \
+                    without a context: CUDA's `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` attribute), with \
+                    the rules above; `expandable_segments:False` keeps ordinary ones \
+                    (`AllocatorConfig::resolved`)",
+        why: "an expandable segment grows where an ordinary one would allocate another segment, so \
+               the large pool's free memory is one block per stream instead of a remainder in each \
+               segment (PyTorch's own advice against fragmentation)",
+        evidence: "default config, peak reserved: llama-lora-finetune 6,192 MiB (PyTorch) vs 5,642 \
+                    MiB, transformer-lm-forward-bf16 822 vs 766 MiB, transformer-lm-train 13,436 vs \
+                    13,296 MiB, a generated MiniLM-like inference 102 vs 84 MiB; driver calls during \
+                    warm-up: 230 / 43 / 240 / 12 segment mallocs vs 329 / 45 / 673 / 16 page maps, \
+                    none after (`replay/tests/real_traces.rs`, `small_model.rs`)",
+    },
+];
+
+/// [`DEVIATIONS`] as the README's Markdown table: a header and one row per departure.
+pub fn deviations_table() -> String {
+    let mut table =
+        String::from("| rule | PyTorch | gpualloc | why | effect |\n|---|---|---|---|---|\n");
+    for d in DEVIATIONS {
+        table.push_str(&format!(
+            "| {} | {} | {} | {} | {} |\n",
+            d.rule, d.pytorch, d.gpualloc, d.why, d.evidence
+        ));
+    }
+    table
+}

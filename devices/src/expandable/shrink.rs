@@ -1,0 +1,138 @@
+//! Releasing the free pages of expandable segments in three steps, for an owner that must not
+//! synchronize streams or unmap pages while it holds the core (the device actor):
+//!
+//! 1. [`DeviceCore::detach_free_pages`], under the core: every free mapped block of an
+//!    expandable segment gives up its whole pages. They are booked as released at once
+//!    (reserved memory goes down, `segment_unmap` is traced) and become a block in state
+//!    `Unmapping`: out of every set, so nothing maps, merges or allocates them meanwhile.
+//! 2. [`release_pages`], off the core: waits for each segment's stream (unlike a segment free,
+//!    an unmap does not synchronize), then unmaps and releases the pages.
+//! 3. [`DeviceCore::finish_page_release`], under the core: the block joins the unmapped set
+//!    (merged with its unmapped neighbours), and a reservation left with nothing mapped is
+//!    freed, as the in-place release does (`release_blocks`).
+//!
+//! A shutdown in between leaves the reservation to the last off-core operation on it
+//! (`growth.rs` shares that rule): `finish_page_release` returns it for
+//! [`release_reservation`](crate::release_reservation).
+
+use gpualloc_runtime::{Backend, BackendError, DevicePtr, StreamHandle};
+
+use crate::blocks::block::{BlockId, BlockState};
+use crate::core::DeviceCore;
+use crate::error::AllocError;
+use crate::expandable::segment::{unmap_pages, MappedPages};
+
+/// Pages of one free block taken out of the books, to unmap off the core.
+#[derive(Debug)]
+#[must_use = "detached pages must be released and the release finished"]
+pub struct PageRelease {
+    block: BlockId,
+    seg: u64,
+    stream: StreamHandle,
+    mapped: MappedPages,
+}
+
+impl PageRelease {
+    /// Bytes of the pages.
+    pub fn bytes(&self) -> u64 {
+        self.mapped.bytes()
+    }
+}
+
+impl DeviceCore {
+    /// Step 1: takes the whole pages of every free block of an expandable segment out of the
+    /// books (see the module docs). Call after pending frees were completed, as
+    /// `detach_free_segments` is.
+    pub fn detach_free_pages(&mut self) -> Result<Vec<PageRelease>, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let mut out = Vec::new();
+        for pool in self.release_scope() {
+            out.extend(self.detach_pages_of(pool));
+        }
+        Ok(out)
+    }
+
+    /// Step 1 for block pool `pool` alone: the whole pages of each of its free blocks of an
+    /// expandable segment, in the pool's order.
+    pub(crate) fn detach_pages_of(&mut self, pool: usize) -> Vec<PageRelease> {
+        // The free sets hold mapped blocks only (unmapped ones have sets of their own).
+        let ids: Vec<BlockId> = self.pools[pool]
+            .free
+            .values()
+            .copied()
+            .filter(|&id| self.blocks.get(id).expandable)
+            .collect();
+        let mut out = Vec::new();
+        for id in ids {
+            let b = self.blocks.get(id);
+            let (seg, stream, addr, end) = (b.segment, b.stream, b.addr, b.end());
+            let Some(es) = self.expandable.get_mut(&seg) else {
+                continue;
+            };
+            let (first, last) = (es.page_right(addr), es.page_left(end));
+            if first >= last {
+                continue;
+            }
+            // Only runs wholly inside the block: a physical handle is released whole.
+            let mapped = es.take_runs_inside(first, last);
+            if mapped.pieces.is_empty() {
+                continue;
+            }
+            self.book_unmapped(id, mapped.start, mapped.bytes(), true);
+            self.begin_off_core(seg);
+            out.push(PageRelease {
+                block: id,
+                seg,
+                stream,
+                mapped,
+            });
+        }
+        out
+    }
+
+    /// Step 3: the released pages join the unmapped set; a reservation with nothing mapped
+    /// left is freed. Returns a reservation a shutdown orphaned meanwhile, for
+    /// [`release_reservation`](crate::release_reservation).
+    pub fn finish_page_release(
+        &mut self,
+        release: PageRelease,
+    ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
+        let reservation = self.end_off_core(release.seg);
+        let id = release.block;
+        let live = !self.shut_down
+            && self.blocks.contains(id)
+            && self.blocks.get(id).state == BlockState::Unmapping
+            && self.blocks.get(id).addr == release.mapped.start;
+        if live {
+            self.blocks.get_mut(id).state = BlockState::Free;
+            self.file_unmapped(id);
+            if !self.busy.contains_key(&release.seg) {
+                self.release_expandable_segment_if_empty(release.seg)?;
+            }
+        }
+        Ok(reservation)
+    }
+}
+
+/// Step 2: waits for each segment's stream, then unmaps and releases the pages, off the core.
+/// Best effort: every page is tried, a failure is logged (the pages stay out of the books);
+/// returns the first failed stream synchronization (the miss chain fails its miss with it).
+pub fn release_pages(backend: &dyn Backend, releases: &[PageRelease]) -> Result<(), BackendError> {
+    let mut synced: Vec<StreamHandle> = Vec::new();
+    let mut first = None;
+    for r in releases {
+        if !synced.contains(&r.stream) {
+            if let Err(e) = backend.stream_synchronize(r.stream) {
+                tracing::warn!(stream = ?r.stream, error = %e, "synchronizing before an unmap failed");
+                first.get_or_insert(e);
+            }
+            synced.push(r.stream);
+        }
+    }
+    for r in releases {
+        unmap_pages(backend, &r.mapped);
+    }
+    first.map_or(Ok(()), Err)
+}

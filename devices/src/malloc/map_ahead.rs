@@ -1,0 +1,106 @@
+//! How expandable segments grow: the page size per pool, how many pages share one physical
+//! handle, and how far a growth maps ahead of the request.
+//!
+//! PyTorch (`policy:pytorch`): the small pool's pages are 2 MiB and the large pool's are
+//! `large_segment_size` (20 MiB); each page is its own physical handle (one `cuMemCreate` and
+//! one `cuMemMap` per page), and a growth maps exactly the pages the request needs. On a small
+//! model the 20 MiB page is most of the waste: up to 20 MiB mapped and unused at the peak.
+//!
+//! gpualloc (the default): the large pool's pages are 2 MiB too, so a growth maps at most
+//! 2 MiB more than the request needs; and to keep the driver calls of PyTorch's page size:
+//! - one physical handle covers a whole growth of up to `large_segment_size` (10 pages of
+//!   2 MiB): one `cuMemCreate` and one `cuMemMap` for the growth instead of one per page. A
+//!   handle is unmapped and released only whole (CUDA cannot release part of one), so memory
+//!   is released in runs of at most `large_segment_size` bytes, as with PyTorch's pages;
+//! - a growth of the large pool maps ahead: at least 1/8 of what the segment has mapped, at
+//!   most `large_segment_size`, so a segment that keeps growing grows as often as with
+//!   20 MiB pages; but never past the next multiple of `large_segment_size` from the
+//!   segment's base that holds the request, where PyTorch's page would end, so a growth never
+//!   maps more than PyTorch's would. Without room on the device for the pages ahead it maps only what the
+//!   request needs; the pages ahead never push reserved memory past
+//!   `per_process_memory_fraction`.
+//!
+//! Measured (`gpualloc replay --policy both`, `expandable_segments:True`; BENCHMARKS.md): see
+//! the policy's [`DEVIATIONS`](crate::config::policy::DEVIATIONS) entry.
+
+use crate::config::sizes::SMALL_BUFFER;
+use crate::core::DeviceCore;
+
+/// The large pool's page under the `gpualloc` policy.
+pub const LARGE_POOL_PAGE: u64 = SMALL_BUFFER;
+
+/// A growth of the large pool maps ahead at least this share of what its segment has mapped
+/// (under the `gpualloc` policy).
+pub const MAP_AHEAD_DIVISOR: u64 = 8;
+
+impl DeviceCore {
+    /// The page size of `pool`'s expandable segments.
+    pub(crate) fn segment_page_size(&self, pool: usize) -> u64 {
+        if let Some(g) = self.unsplit_of(pool) {
+            g
+        } else if self.pools[pool].is_small {
+            SMALL_BUFFER
+        } else if self.config.policy.fine_large_pages() {
+            LARGE_POOL_PAGE
+        } else {
+            self.config.large_segment_size
+        }
+    }
+
+    /// Pages of `pool` one physical handle may cover.
+    pub(crate) fn pages_per_handle(&self, pool: usize) -> usize {
+        if self.unsplit_of(pool).is_some() {
+            usize::MAX // one handle for a block's whole range
+        } else if self.config.policy.fine_large_pages() {
+            (self.config.large_segment_size / self.segment_page_size(pool)).max(1) as usize
+        } else {
+            1
+        }
+    }
+
+    /// Bytes to map in segment `seg` of `pool` from `addr` (the start of an unmapped block of
+    /// `avail` bytes) for a request needing `need` more bytes: (what the request needs,
+    /// rounded to pages; that and the pages ahead). See the module docs.
+    pub(crate) fn growth_len(
+        &self,
+        seg: u64,
+        pool: usize,
+        addr: u64,
+        need: u64,
+        avail: u64,
+    ) -> (u64, u64) {
+        let Some(es) = self.expandable.get(&seg) else {
+            return (need, need);
+        };
+        let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);
+        // (A pool of unsplit blocks needs no rule here: its segment is exactly the block.)
+        if self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
+            return (want, want);
+        }
+        let big = self.config.large_segment_size;
+        // Mapped bytes past `MAP_AHEAD_DIVISOR * big` all give `ahead >= big`.
+        let mapped = es.mapped_bytes_capped(big.saturating_mul(MAP_AHEAD_DIVISOR));
+        let ahead = (mapped / MAP_AHEAD_DIVISOR).div_ceil(es.page) * es.page;
+        // Where PyTorch's `large_segment_size` pages would end: the next multiple of it from
+        // the segment's base that holds the request. The pages ahead never go past it, so a
+        // growth never maps more than PyTorch's would (a segment of 90 MiB needing 2 MiB
+        // more maps 10 MiB, to 100 MiB, not 1/8 of 90 = 12 MiB, to 102 MiB).
+        let at = addr - es.base;
+        let boundary = (at + want).div_ceil(big) * big - at;
+        let len = if ahead >= big {
+            // A large segment grows as with PyTorch's pages: to that boundary.
+            boundary
+        } else {
+            want.max(ahead).min(boundary)
+        };
+        let len = len.min(avail);
+        if self.pool_room(pool).is_some_and(|room| len > room) {
+            return (want, want);
+        }
+        if self.budget.fits(len) {
+            (want, len)
+        } else {
+            (want, want)
+        }
+    }
+}

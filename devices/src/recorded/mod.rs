@@ -1,0 +1,353 @@
+//! Following a history recorded by an owner that serves misses off the core (the facade's
+//! actor does: a device malloc or a page map is slow, so it runs off the gate while other
+//! requests go on). Two of its steps happen in an order a sequential `malloc` cannot repeat,
+//! and a replay that wants the recorded addresses (`gpualloc replay --warm`) makes them
+//! itself:
+//!
+//! - An ordinary segment allocated off the core is adopted by the request that asked for it,
+//!   even when a block freed meanwhile would serve it by now (an off-core [`crate::Miss`]).
+//!   In the history the `segment_alloc` comes right before that request's `alloc`, after the
+//!   frees; a sequential `malloc` would take the freed block. [`DeviceCore::segment_request`]
+//!   makes the request without looking in the cache, and the replay drives its miss (the
+//!   chain's third driver, the replay's `recorded_miss.rs`).
+//! - Pages of an expandable segment mapped off the core join the cache before the request
+//!   that wanted them looks in it again, so it takes the best fit among the new pages and the
+//!   blocks freed meanwhile. In the history the `segment_map` comes before that `alloc`, after
+//!   the frees. [`DeviceCore::map_recorded_pages`] maps the recorded range at its
+//!   `segment_map`; the `malloc` that follows then finds what the live request found.
+//!
+//! - A release that returned some cached segments and kept others (the owner's release off
+//!   the core, an out-of-memory step or garbage collection, none of which waits for the
+//!   stream events of pending frees) shows as the `segment_free`s of exactly those segments.
+//!   [`DeviceCore::release_recorded_segment`] releases the one a `segment_free` names; an
+//!   `empty_cache` in its place would wait for pending frees and release segments the owner
+//!   kept. [`DeviceCore::unmap_recorded_pages`] does the same for the pages of expandable
+//!   segments a `segment_unmap` names.
+//!
+//! And where recording began after the allocator had started, the expandable segments it held
+//! then: [`DeviceCore::restore_expandable`] reserves one with its mapped runs and live blocks,
+//! so the pages the history maps later grow the same segment, as they did live.
+
+pub(crate) mod restore;
+
+use gpualloc_runtime::{DevicePtr, StreamHandle};
+
+use crate::blocks::block::BlockState;
+use crate::blocks::pool::{key, unmapped_key};
+use crate::core::{DeviceCore, MemPoolId};
+use crate::error::AllocError;
+use crate::malloc::segment_request::SegmentRequest;
+use crate::recorded::restore::{RestorePool, RestoredBlock};
+
+impl DeviceCore {
+    /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size
+    /// and pool), made without looking in the cache or processing events. Finish it like a
+    /// miss from [`DeviceCore::try_cached`]: through the miss chain ([`crate::Miss`],
+    /// [`DeviceCore::advance_miss`]), or [`DeviceCore::malloc_after_miss`].
+    pub fn segment_request(
+        &mut self,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<SegmentRequest, AllocError> {
+        self.segment_request_in(None, size, stream)
+    }
+
+    /// [`DeviceCore::segment_request`] for a request of private pool `pool` (`None`: the
+    /// default pools, or where PyTorch's stream routing sends it).
+    pub fn segment_request_in(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<SegmentRequest, AllocError> {
+        if let Some(id) = pool {
+            if self.private.get(&id.0).is_none_or(|p| p.released) {
+                return Err(AllocError::UnknownPool(id.0));
+            }
+        }
+        // Refuses a core that shut down, too.
+        self.check_stream(stream)?;
+        if size == 0 {
+            return Err(AllocError::InvalidSize {
+                size,
+                reason: "a request of 0 bytes takes no segment",
+            });
+        }
+        let params = self.params_for(size, stream, pool.map(|p| p.0))?;
+        Ok(SegmentRequest { params, size })
+    }
+
+    /// Releases the ordinary segment at `base` to the backend, as a `segment_free` of the
+    /// history shows it released (see the module docs). `Ok(false)`, changing nothing,
+    /// unless `base` starts an ordinary (not expandable) segment that is one free block:
+    /// nothing allocated in it and no free pending on stream events.
+    pub fn release_recorded_segment(&mut self, base: u64) -> Result<bool, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        if self.expandable.contains_key(&base) {
+            return Ok(false);
+        }
+        let Some(meta) = self.segments.get(&base) else {
+            return Ok(false);
+        };
+        // A free block as large as its segment, at its base, is the whole segment.
+        let whole = key(meta.stream.raw, meta.size, base);
+        let Some(&id) = self.pools[meta.pool].free.get(&whole) else {
+            return Ok(false);
+        };
+        self.release_block(id)?;
+        Ok(true)
+    }
+
+    /// The expandable segment holding `[addr, addr + len)` as whole pages, in a pool that is
+    /// awake, and the range's end; None for anything else (a recorded map or unmap of it
+    /// changes nothing).
+    fn recorded_range(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len).filter(|_| len > 0)?;
+        let (&seg, es) = self
+            .expandable
+            .range(..=addr)
+            .next_back()
+            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())?;
+        let whole_pages = (addr - seg) % es.page == 0 && len % es.page == 0;
+        whole_pages.then_some((seg, end))
+    }
+
+    /// Unmaps the pages `[addr, addr + len)` of an expandable segment, as a `segment_unmap` of
+    /// the history shows them unmapped (see the module docs), after the segment's stream
+    /// finished its work (as every unmap), and frees the reservation if nothing in it is
+    /// mapped any more. `Ok(false)`, changing nothing, unless the range is whole pages inside
+    /// one free mapped block (of a pool that is awake) that physical handles cover exactly: a
+    /// handle reaching out of the range cannot be released in part.
+    pub fn unmap_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let Some((seg, end)) = self.recorded_range(addr, len) else {
+            return Ok(false);
+        };
+        let es = &self.expandable[&seg];
+        let (first, last) = (es.page_left(addr), es.page_left(end));
+        let covered: usize = es
+            .runs_inside(first, last)
+            .iter()
+            .filter_map(|&s| es.run_at(s))
+            .map(|(_, _, n)| n)
+            .sum();
+        if covered != last - first {
+            return Ok(false);
+        }
+        let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
+            return Ok(false);
+        };
+        let found = self.pools[pool].free.values().copied().find(|&id| {
+            let b = self.blocks.get(id);
+            b.segment == seg && b.mapped && b.addr <= addr && end <= b.addr + b.size
+        });
+        let Some(id) = found else {
+            return Ok(false);
+        };
+        let (start, unmapped) = self.es_unmap(seg, addr, len)?;
+        debug_assert_eq!((start, unmapped), (addr, len));
+        self.book_unmapped(id, start, unmapped, false);
+        self.release_expandable_segment_if_empty(seg)?;
+        Ok(true)
+    }
+
+    /// Maps the pages `[addr, addr + len)` of an expandable segment as one free block, merged
+    /// with its free neighbours, as a growth made off the core for another request does
+    /// (one `segment_map` in the history). `Ok(false)`, changing nothing, when the range is
+    /// not whole pages inside one free unmapped block (of a pool that is awake), when mapping it would pass
+    /// `per_process_memory_fraction` or a pool's quota, or when the device has no memory for
+    /// it.
+    pub fn map_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let Some((seg, end)) = self.recorded_range(addr, len) else {
+            return Ok(false);
+        };
+        let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
+            return Ok(false);
+        };
+        let found = self.pools[pool].unmapped.values().copied().find(|&id| {
+            let b = self.blocks.get(id);
+            b.segment == seg
+                && b.state == BlockState::Free
+                && b.addr <= addr
+                && end <= b.addr + b.size
+        });
+        let Some(id) = found else {
+            return Ok(false);
+        };
+        let over_fraction = !self.budget.fits(len);
+        if over_fraction || self.pool_room(pool).is_some_and(|room| len > room) {
+            return Ok(false);
+        }
+        // Cut the block to the range: the parts before and after stay unmapped blocks.
+        let b = self.blocks.get(id).clone();
+        let stream = b.stream.raw;
+        self.pools[pool]
+            .unmapped
+            .remove(&unmapped_key(stream, b.addr, b.size));
+        let mut range = id;
+        if b.addr < addr {
+            range = self.split_back(id, addr - b.addr);
+            self.pools[pool]
+                .unmapped
+                .insert(unmapped_key(stream, b.addr, addr - b.addr), id);
+        }
+        if end < b.addr + b.size {
+            let rest = self.split_back(range, len);
+            self.pools[pool]
+                .unmapped
+                .insert(unmapped_key(stream, end, b.addr + b.size - end), rest);
+        }
+        match self.es_map((seg, pool, addr), len, len) {
+            Ok(_) => {
+                self.book_mapped(range);
+                Ok(true)
+            }
+            Err(e) => {
+                // `es_map` released what it created: the range is unmapped again, as before.
+                self.file_unmapped(range);
+                if e.is_oom() {
+                    Ok(false)
+                } else {
+                    Err(e.into())
+                }
+            }
+        }
+    }
+
+    /// Restores an expandable segment of a recorded state: reserves `size` bytes (rounded up
+    /// to whole pages) for `stream` in the pool `target` names (a private pool's must be a
+    /// named one: its pools grow expandable segments of their own), maps `runs` (`(addr, len)`:
+    /// whole pages from `base`, sorted and disjoint) and places the `live` blocks (sorted,
+    /// disjoint, each inside a run) in them as allocated blocks; the rest of each run is free,
+    /// the rest of the range unmapped. Addresses are relative to `base`; the segment is where
+    /// the backend put it (returned), everything at the same offsets from it. The pages
+    /// mapped count as mapped (reserved bytes, driver calls, `segment_map` in the history),
+    /// one physical handle per page.
+    /// Bad input is an error before anything is reserved; a device without memory for the runs
+    /// leaves the segment reserved with the runs mapped so far and returns out-of-memory.
+    pub fn restore_expandable(
+        &mut self,
+        base: u64,
+        size: u64,
+        stream: StreamHandle,
+        target: RestorePool,
+        runs: &[(u64, u64)],
+        live: &[RestoredBlock],
+    ) -> Result<DevicePtr, AllocError> {
+        let invalid = |reason: &'static str| AllocError::InvalidSize { size, reason };
+        self.check_stream(stream)?;
+        let pool = self.restore_pool_index(target)?;
+        if !self.pool_expands(pool) {
+            return Err(AllocError::NotSupported(
+                "restoring an expandable segment needs expandable_segments:True",
+            ));
+        }
+        let page = self.segment_page_size(pool);
+        let end = base
+            .checked_add(size)
+            .filter(|_| size > 0)
+            .ok_or(invalid("the segment is empty or overflows"))?;
+        let mut cursor = base;
+        for &(addr, len) in runs {
+            let aligned = addr >= base && (addr - base) % page == 0 && len > 0 && len % page == 0;
+            if !aligned || addr < cursor || addr.checked_add(len).is_none_or(|e| e > end) {
+                return Err(invalid(
+                    "runs must be whole pages inside the segment, sorted and disjoint",
+                ));
+            }
+            cursor = addr + len;
+        }
+        // Runs side by side are one mapped stretch: a block may cross from one to the next.
+        let mut stretches: Vec<(u64, u64)> = Vec::with_capacity(runs.len());
+        for &(addr, len) in runs {
+            match stretches.last_mut() {
+                Some(last) if last.1 == addr => last.1 = addr + len,
+                _ => stretches.push((addr, addr + len)),
+            }
+        }
+        let mut cursor = base;
+        for b in live {
+            let inside = b.addr.checked_add(b.size).is_some_and(|b_end| {
+                stretches
+                    .iter()
+                    .any(|&(start, stop)| b.addr >= start && b_end <= stop)
+            });
+            if b.size == 0 || b.addr < cursor || !inside {
+                return Err(invalid(
+                    "restored blocks must be sorted, disjoint and inside the runs",
+                ));
+            }
+            cursor = b.addr + b.size;
+        }
+        let granularity = self.backend.vmm_granularity(self.device)?;
+        let id = self.reserve_expandable(stream, pool, size.div_ceil(page), granularity)?;
+        let placed = self.blocks.get(id).addr;
+        let shift = |addr: u64| addr - base + placed;
+        // One physical handle per page: where the live handles started and ended is not in
+        // the snapshot, and a `segment_unmap` of the history (whole live handles) is then
+        // whole handles of the restore too (`unmap_recorded_pages`).
+        for &(addr, len) in runs {
+            for at in (addr..addr + len).step_by(page as usize) {
+                if !self.map_recorded_pages(shift(at), page)? {
+                    return Err(self.out_of_memory_for(len, pool, stream));
+                }
+            }
+        }
+        for b in live {
+            self.carve_allocated(pool, shift(b.addr), b.size, b.requested);
+        }
+        Ok(DevicePtr(placed))
+    }
+
+    /// The out-of-memory error of a restore that could not map `len` bytes.
+    fn out_of_memory_for(&mut self, len: u64, pool: usize, stream: StreamHandle) -> AllocError {
+        let mut params = match self.params_for(len, stream, None) {
+            Ok(p) => p,
+            Err(e) => return e,
+        };
+        params.pool = pool;
+        params.quiet_oom = true;
+        self.out_of_memory(len, &params)
+    }
+
+    /// Makes `[addr, addr + size)`, inside a free mapped block of `pool`, an allocated block
+    /// of `requested` bytes; the parts of the free block before and after it stay free.
+    fn carve_allocated(&mut self, pool: usize, addr: u64, size: u64, requested: u64) {
+        let Some(id) = self.pools[pool].free.values().copied().find(|&id| {
+            let b = self.blocks.get(id);
+            b.mapped && b.addr <= addr && addr + size <= b.addr + b.size
+        }) else {
+            return;
+        };
+        let b = self.blocks.get(id).clone();
+        let stream = b.stream.raw;
+        self.pools[pool].free.remove(&key(stream, b.size, b.addr));
+        let mut range = id;
+        if b.addr < addr {
+            range = self.split_back(id, addr - b.addr);
+            self.pools[pool]
+                .free
+                .insert(key(stream, addr - b.addr, b.addr), id);
+        }
+        let end = b.addr + b.size;
+        if addr + size < end {
+            let rest = self.split_back(range, size);
+            self.pools[pool]
+                .free
+                .insert(key(stream, end - addr - size, addr + size), rest);
+        }
+        let small = self.pools[pool].is_small;
+        let blk = self.blocks.get_mut(range);
+        blk.state = BlockState::Allocated;
+        blk.requested = requested;
+        self.active.insert(addr, range);
+        self.count_allocated(pool, small, size, requested);
+    }
+}
