@@ -20,7 +20,7 @@
 //! snapshots, invariants), `streams/`, `recorded/` (ARCHITECTURE.md has the table). Nothing
 //! here reads a clock or blocks on anything but the backend.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
@@ -37,7 +37,7 @@ use crate::ledger::cross_stream::CrossStreamLog;
 use crate::ledger::history::History;
 use crate::ledger::observer::SegmentSink;
 use crate::ledger::stats::{for_pool, DeviceStats};
-use crate::pools::pool_records::PoolUsage;
+use crate::pools::private::PrivatePools;
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,23 +66,6 @@ pub use crate::blocks::pool_id::MemPoolId;
 /// another process has released); the core frees them and searches again.
 pub type FreeMemoryCallback = Box<dyn FnMut() -> Vec<DevicePtr> + Send>;
 
-pub(crate) struct PrivatePool {
-    pub small: usize,
-    pub large: usize,
-    pub use_on_oom: bool,
-    /// The user released the pool: its cached segments go back on `empty_cache`.
-    pub released: bool,
-    /// Name, quota and what it holds (`pools/`).
-    pub usage: PoolUsage,
-    /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
-    pub named: bool,
-    /// Bytes of segments being allocated for it by misses whose segment malloc is in flight
-    /// (an off-core miss's [`crate::MissIo::AllocSegment`]).
-    pub claimed: u64,
-    /// Granularity of its unsplit blocks, or why the one asked for cannot be (`unsplit.rs`).
-    pub unsplit: Option<Result<u64, &'static str>>,
-}
-
 /// Parameters of one malloc on its way through the chain.
 pub(crate) struct AllocParams {
     pub stream: StreamHandle,
@@ -110,10 +93,8 @@ pub struct DeviceCore {
     pub(crate) blocks: BlockArena,
     /// Pools by index: 0 small and 1 large of the default owner, then private pools' pairs.
     pub(crate) pools: Vec<BlockPool>,
-    pub(crate) private: BTreeMap<u64, PrivatePool>,
-    pub(crate) next_pool_id: u64,
-    /// Streams whose allocations go to a private pool.
-    pub(crate) routes: HashMap<u64, u64>,
+    /// Private pools, their ids and the streams routed to them.
+    pub(crate) private: PrivatePools,
     /// Allocated blocks by address.
     pub(crate) active: AddrMap<BlockId>,
     /// Allocations described for export to another process ([`DeviceCore::mark_exported`]),
@@ -195,9 +176,7 @@ impl DeviceCore {
                 BlockPool::new(true, PoolOwner::Default),
                 BlockPool::new(false, PoolOwner::Default),
             ],
-            private: BTreeMap::new(),
-            next_pool_id: 1,
-            routes: HashMap::new(),
+            private: PrivatePools::new(),
             active: AddrMap::default(),
             exported: AddrSet::default(),
             segments: BTreeMap::new(),

@@ -227,7 +227,7 @@ impl DeviceCore {
             .map(|(id, _)| *id)
             .collect();
         for id in empty {
-            self.private.remove(&id);
+            self.private.remove(id);
         }
     }
 

@@ -23,7 +23,7 @@ impl DeviceCore {
     /// The segments of `pool` as in [`DeviceCore::snapshot`] (and no trace); `None` for an
     /// unknown pool.
     pub fn pool_snapshot(&self, pool: MemPoolId) -> Option<DeviceSnapshot> {
-        self.private.get(&pool.0)?;
+        self.private.get(pool.0)?;
         let mut snap = self.snapshot();
         snap.segments.retain(|s| s.pool_id == (0, pool.0));
         snap.pools.retain(|p| p.id == pool.0);

@@ -26,8 +26,8 @@ impl DeviceCore {
     fn pool_for(&self, rounded: u64, stream: StreamHandle, route: Option<u64>) -> usize {
         let small = is_small(rounded);
         match route
-            .or_else(|| self.routes.get(&stream.raw).copied())
-            .and_then(|id| self.private.get(&id))
+            .or_else(|| self.private.routed(stream.raw))
+            .and_then(|id| self.private.get(id))
         {
             Some(p) => {
                 if small {

@@ -25,24 +25,24 @@
 
 pub(crate) mod pool_records;
 pub(crate) mod pool_state;
+pub(crate) mod private;
 pub(crate) mod sleep;
 pub(crate) mod unsplit;
 
 use gpualloc_runtime::StreamHandle;
 
 use crate::blocks::pool::{BlockPool, PoolOwner};
-use crate::core::PrivatePool;
 use crate::core::{AllocParams, Allocation, DeviceCore, MemPoolId, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::malloc::CachedOutcome;
 use crate::pools::pool_records::{PoolOptions, PoolUsage};
+use crate::pools::private::PrivatePool;
 
 impl DeviceCore {
     /// Creates a private memory pool. With `use_on_oom`, its free blocks serve any request of
     /// this device that would otherwise fail.
     pub fn create_pool(&mut self, use_on_oom: bool) -> MemPoolId {
-        let id = self.next_pool_id;
-        self.next_pool_id += 1;
+        let id = self.private.new_id();
         let small = self.pools.len();
         self.pools
             .push(BlockPool::new(true, PoolOwner::Private(id)));
@@ -74,18 +74,16 @@ impl DeviceCore {
         stream: StreamHandle,
     ) -> Result<(), AllocError> {
         self.check_stream(stream)?;
-        match self.private.get(&pool.0) {
-            Some(p) if !p.released => {
-                self.routes.insert(stream.raw, pool.0);
-                Ok(())
-            }
-            _ => Err(AllocError::UnknownPool(pool.0)),
+        if self.private.live(pool.0).is_none() {
+            return Err(AllocError::UnknownPool(pool.0));
         }
+        self.private.route(stream.raw, pool.0);
+        Ok(())
     }
 
     /// Stops routing `stream`'s allocations to a private pool.
     pub fn end_allocate_to_pool(&mut self, stream: StreamHandle) {
-        self.routes.remove(&stream.raw);
+        self.private.unroute(stream.raw);
     }
 
     /// Releases a private pool: no new allocations go to it, and its cached segments are
@@ -93,10 +91,10 @@ impl DeviceCore {
     pub fn release_pool(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
         let p = self
             .private
-            .get_mut(&pool.0)
+            .get_mut(pool.0)
             .ok_or(AllocError::UnknownPool(pool.0))?;
         p.released = true;
-        self.routes.retain(|_, id| *id != pool.0);
+        self.private.unroute_pool(pool.0);
         Ok(())
     }
 
@@ -105,7 +103,7 @@ impl DeviceCore {
     pub fn create_named_pool(&mut self, name: &str, options: PoolOptions) -> MemPoolId {
         let unsplit = options.unsplit.map(|g| self.unsplit_granularity(g));
         let id = self.create_pool(options.use_on_oom);
-        if let Some(p) = self.private.get_mut(&id.0) {
+        if let Some(p) = self.private.get_mut(id.0) {
             p.usage.name = name.to_string();
             p.usage.quota = options.quota;
             p.named = true;
@@ -116,7 +114,7 @@ impl DeviceCore {
 
     /// What pool `pool` holds now; `None` for an unknown (or released and emptied) pool.
     pub fn pool_usage(&self, pool: MemPoolId) -> Option<PoolUsage> {
-        self.private.get(&pool.0).map(|p| p.usage.clone())
+        self.private.get(pool.0).map(|p| p.usage.clone())
     }
 
     /// [`DeviceCore::try_cached`] for a request of `pool`.
@@ -126,7 +124,7 @@ impl DeviceCore {
         size: u64,
         stream: StreamHandle,
     ) -> Result<CachedOutcome, AllocError> {
-        match self.private.get(&pool.0) {
+        match self.private.get(pool.0) {
             Some(p) if !p.released => self.try_cached_routed(size, stream, Some(pool.0)),
             _ => Err(AllocError::UnknownPool(pool.0)),
         }
@@ -152,7 +150,7 @@ impl DeviceCore {
         self.config.expandable_segments
             && match self.owner_of(index) {
                 None => true,
-                Some(id) => self.private.get(&id.0).is_some_and(|p| p.named),
+                Some(id) => self.private.is_named(id.0),
             }
     }
 
@@ -168,7 +166,7 @@ impl DeviceCore {
     /// Bytes the private pool owning block pool `index` may still reserve under its quota
     /// (counting what is being obtained for it off the core); `None` without a quota.
     pub(crate) fn pool_room(&self, index: usize) -> Option<u64> {
-        let p = self.private.get(&self.owner_of(index)?.0)?;
+        let p = self.private.get(self.owner_of(index)?.0)?;
         let held = p.usage.reserved.all().current.saturating_add(p.claimed);
         Some(p.usage.quota?.saturating_sub(held))
     }
@@ -184,7 +182,7 @@ impl DeviceCore {
     /// The usage of the private pool owning block pool `index`, if any.
     pub(crate) fn usage_mut(&mut self, index: usize) -> Option<&mut PoolUsage> {
         let id = self.owner_of(index)?;
-        self.private.get_mut(&id.0).map(|p| &mut p.usage)
+        self.private.get_mut(id.0).map(|p| &mut p.usage)
     }
 
     /// The error of a request of `requested` bytes that a new segment for `params` would
@@ -192,7 +190,7 @@ impl DeviceCore {
     /// new memory is the request's rounded size (at most what its growth maps).
     pub(crate) fn quota_error(&self, params: &AllocParams, requested: u64) -> Option<AllocError> {
         let id = self.owner_of(params.pool)?;
-        let p = self.private.get(&id.0)?;
+        let p = self.private.get(id.0)?;
         let quota = p.usage.quota?;
         let reserved = p.usage.reserved.all().current;
         let held = reserved.saturating_add(p.claimed);
@@ -212,7 +210,7 @@ impl DeviceCore {
     /// The block pools (large, small) of the private pool owning block pool `index`.
     pub(crate) fn own_pools(&self, index: usize) -> Option<[usize; 2]> {
         let id = self.owner_of(index)?;
-        self.private.get(&id.0).map(|p| [p.large, p.small])
+        self.private.get(id.0).map(|p| [p.large, p.small])
     }
 
     /// The block pools a release of cached memory covers, as `empty_cache`'s does: the
@@ -235,7 +233,7 @@ impl DeviceCore {
         let Some(id) = self.owner_of(index) else {
             return;
         };
-        if let Some(p) = self.private.get_mut(&id.0) {
+        if let Some(p) = self.private.get_mut(id.0) {
             p.claimed = if claim {
                 p.claimed.saturating_add(bytes)
             } else {

@@ -165,7 +165,7 @@ impl Leftovers {
 impl DeviceCore {
     /// Where `pool` is in its sleep cycle; `None` for an unknown pool.
     pub fn pool_state(&self, pool: MemPoolId) -> Option<PoolState> {
-        self.private.get(&pool.0).map(|p| p.usage.state)
+        self.private.get(pool.0).map(|p| p.usage.state)
     }
 
     /// Sleep step 1 (see the module docs).
@@ -177,7 +177,7 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let p = match self.private.get(&pool.0) {
+        let p = match self.private.get(pool.0) {
             Some(p) if !p.released => p,
             _ => return Err(AllocError::UnknownPool(pool.0)),
         };
@@ -289,7 +289,7 @@ impl DeviceCore {
                 left.reservations.push(r);
             }
         }
-        if let Some(p) = self.private.get_mut(&plan.pool.0) {
+        if let Some(p) = self.private.get_mut(plan.pool.0) {
             if p.usage.state == PoolState::FallingAsleep {
                 p.usage.state = PoolState::Asleep;
                 p.usage.asleep_bytes = bytes;
@@ -329,7 +329,7 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let p = match self.private.get(&pool.0) {
+        let p = match self.private.get(pool.0) {
             Some(p) if !p.released => p,
             _ => return Err(AllocError::UnknownPool(pool.0)),
         };
@@ -397,7 +397,7 @@ impl DeviceCore {
         let live = !self.shut_down
             && self
                 .private
-                .get(&plan.pool.0)
+                .get(plan.pool.0)
                 .is_some_and(|p| p.usage.state == PoolState::Waking);
         if !live {
             left.pages
@@ -429,7 +429,7 @@ impl DeviceCore {
     /// pool stays asleep. Returns what a shutdown meanwhile left to release.
     pub fn abort_wake(&mut self, plan: WakePlan) -> Leftovers {
         let left = self.end_wake(&plan);
-        if let Some(p) = self.private.get_mut(&plan.pool.0) {
+        if let Some(p) = self.private.get_mut(plan.pool.0) {
             if p.usage.state == PoolState::Waking {
                 p.usage.state = PoolState::Asleep;
             }
@@ -458,7 +458,7 @@ impl DeviceCore {
 
     /// Sets `pool`'s state (and clears its asleep bytes when awake); returns its name.
     fn set_state(&mut self, pool: MemPoolId, state: PoolState) -> String {
-        let Some(p) = self.private.get_mut(&pool.0) else {
+        let Some(p) = self.private.get_mut(pool.0) else {
             return String::new();
         };
         p.usage.state = state;

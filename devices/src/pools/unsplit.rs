@@ -24,7 +24,7 @@ impl DeviceCore {
     /// The granularity of the unsplit blocks of block pool `index`, if its pool keeps them.
     pub(crate) fn unsplit_of(&self, index: usize) -> Option<u64> {
         let id = self.owner_of(index)?;
-        match self.private.get(&id.0)?.unsplit {
+        match self.private.get(id.0)?.unsplit {
             Some(Ok(g)) => Some(g),
             _ => None,
         }
@@ -66,7 +66,7 @@ impl DeviceCore {
         let Some(id) = self.owner_of(params.pool) else {
             return Ok(());
         };
-        let Some(p) = self.private.get(&id.0) else {
+        let Some(p) = self.private.get(id.0) else {
             return Ok(());
         };
         if p.usage.state != PoolState::Awake {

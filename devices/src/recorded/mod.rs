@@ -61,7 +61,7 @@ impl DeviceCore {
         stream: StreamHandle,
     ) -> Result<SegmentRequest, AllocError> {
         if let Some(id) = pool {
-            if self.private.get(&id.0).is_none_or(|p| p.released) {
+            if self.private.live(id.0).is_none() {
                 return Err(AllocError::UnknownPool(id.0));
             }
         }

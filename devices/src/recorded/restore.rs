@@ -46,7 +46,7 @@ impl DeviceCore {
     pub(crate) fn restore_pool_index(&self, target: RestorePool) -> Result<usize, AllocError> {
         match target.private {
             None => Ok(if target.small { SMALL_POOL } else { LARGE_POOL }),
-            Some(id) => match self.private.get(&id.0) {
+            Some(id) => match self.private.get(id.0) {
                 Some(p) if !p.released => Ok(if target.small { p.small } else { p.large }),
                 _ => Err(AllocError::UnknownPool(id.0)),
             },

@@ -197,7 +197,7 @@ impl DeviceCore {
     fn orphans_apply(&self, pool: usize) -> bool {
         match self.owner_of(pool) {
             None => true,
-            Some(id) => self.private.get(&id.0).is_some_and(|p| p.named),
+            Some(id) => self.private.is_named(id.0),
         }
     }
 
