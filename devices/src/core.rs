@@ -31,7 +31,7 @@ use crate::blocks::pool::{BlockPool, PoolOwner};
 use crate::budget::Budget;
 use crate::config::AllocatorConfig;
 use crate::error::AllocError;
-use crate::expandable::segment::ExpandableSegment;
+use crate::expandable::segments::ExpandableSegments;
 use crate::free::pending::PendingFrees;
 use crate::ledger::cross_stream::CrossStreamLog;
 use crate::ledger::history::History;
@@ -103,15 +103,10 @@ pub struct DeviceCore {
     /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
-    pub(crate) expandable: BTreeMap<u64, ExpandableSegment>,
+    pub(crate) expandable: ExpandableSegments,
     /// What the core holds from the backend, what is being obtained off it, and the
     /// memory-fraction cap on both (`budget.rs`).
     pub(crate) budget: Budget,
-    /// Off-core operations in flight per expandable segment (growths, page releases): its
-    /// reservation is not freed while any runs (`growth.rs`, `shrink.rs`).
-    pub(crate) busy: BTreeMap<u64, u32>,
-    /// Reservations a shutdown left to their growths in flight (base → size).
-    pub(crate) orphaned: BTreeMap<u64, u64>,
     /// Frees waiting on other streams' events, and the spare events (`pending.rs`).
     pub(crate) pending: PendingFrees,
     /// Streams the owner's users dropped, with an event recorded on each when it was retired
@@ -126,8 +121,6 @@ pub struct DeviceCore {
     /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
     pub(crate) cross_stream: CrossStreamLog,
     pub(crate) shut_down: bool,
-    /// Devices given access to this device's expandable-segment memory (`add_peer`).
-    pub(crate) peers: Vec<DeviceId>,
     #[cfg(feature = "rule-knobs")]
     pub(crate) knobs: RuleKnobs,
 }
@@ -180,10 +173,8 @@ impl DeviceCore {
             active: AddrMap::default(),
             exported: AddrSet::default(),
             segments: BTreeMap::new(),
-            expandable: BTreeMap::new(),
+            expandable: ExpandableSegments::default(),
             budget,
-            busy: BTreeMap::new(),
-            orphaned: BTreeMap::new(),
             pending: PendingFrees::default(),
             retiring: Vec::new(),
             stats: DeviceStats {
@@ -195,7 +186,6 @@ impl DeviceCore {
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),
             shut_down: false,
-            peers: Vec::new(),
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),
         })

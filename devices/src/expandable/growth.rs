@@ -170,14 +170,14 @@ impl DeviceCore {
             page,
             per_handle: self.pages_per_handle(pool),
             device: self.device,
-            peers: self.peers.clone(),
+            peers: self.expandable.peers().to_vec(),
         })
     }
 
     /// The planned block, if the core still has it as planned.
     fn planned(&self, plan: &GrowthPlan) -> bool {
         !self.shut_down
-            && self.expandable.contains_key(&plan.seg)
+            && self.expandable.contains(plan.seg)
             && self.blocks.contains(plan.block)
             && {
                 let b = self.blocks.get(plan.block);
@@ -197,24 +197,13 @@ impl DeviceCore {
 
     /// An off-core operation on segment `seg` starts: its reservation stays until it ends.
     pub(crate) fn begin_off_core(&mut self, seg: u64) {
-        *self.busy.entry(seg).or_insert(0) += 1;
+        self.expandable.begin_work(seg);
     }
 
     /// An off-core operation on `seg` ended; the reservation to free if a shutdown orphaned it
     /// and this was the last.
     pub(crate) fn end_off_core(&mut self, seg: u64) -> Option<(DevicePtr, u64)> {
-        let left = self.busy.get_mut(&seg).map(|n| {
-            *n -= 1;
-            *n
-        });
-        if left == Some(0) {
-            self.busy.remove(&seg);
-            return self
-                .orphaned
-                .remove(&seg)
-                .map(|size| (DevicePtr(seg), size));
-        }
-        None
+        self.expandable.end_work(seg)
     }
 
     /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment (when it
@@ -239,12 +228,17 @@ impl DeviceCore {
             self.unplan_back(plan.block, mapped.bytes());
         }
         let len = mapped.bytes();
-        if let Some(es) = self.expandable.get_mut(&plan.seg) {
+        if let Some(es) = self.expandable.get_mut(plan.seg) {
             let first = es.page_left(plan.addr);
             es.install(first, &mapped);
         }
         // A peer added while these pages were being mapped off the core gets access now.
-        for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
+        for peer in self
+            .expandable
+            .peers()
+            .iter()
+            .filter(|p| !plan.peers.contains(p))
+        {
             if let Err(e) = self.backend.set_access(*peer, DevicePtr(plan.addr), len) {
                 tracing::warn!(peer = peer.0, addr = plan.addr, error = %e, "peer access to new pages failed");
             }

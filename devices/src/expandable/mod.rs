@@ -5,6 +5,7 @@
 pub(crate) mod growth;
 pub(crate) mod pages;
 pub(crate) mod segment;
+pub(crate) mod segments;
 pub(crate) mod shrink;
 
 use std::collections::BTreeMap;
@@ -27,7 +28,7 @@ impl DeviceCore {
     /// owner's lock: a setup step, not a hot path. Adding the device itself or a peer twice
     /// does nothing; an unknown device is an error and changes nothing.
     pub fn add_peer(&mut self, peer: DeviceId) -> Result<(), AllocError> {
-        if peer == self.device || self.peers.contains(&peer) {
+        if peer == self.device || self.expandable.peers().contains(&peer) {
             return Ok(());
         }
         if peer.0 >= self.backend.device_count()? {
@@ -40,7 +41,7 @@ impl DeviceCore {
                     .set_access(peer, DevicePtr(es.page_addr(first)), len)?;
             }
         }
-        self.peers.push(peer);
+        self.expandable.add_peer(peer);
         Ok(())
     }
 
@@ -56,9 +57,9 @@ impl DeviceCore {
         let device = self.device;
         let backend = self.backend.clone();
         let per_handle = self.pages_per_handle(pool);
-        let es = self
+        let (es, peers) = self
             .expandable
-            .get_mut(&seg)
+            .get_mut_with_peers(seg)
             .ok_or_else(|| BackendError::invalid("no such segment"))?;
         let first = es.page_left(addr);
         let start = es.page_addr(first);
@@ -66,7 +67,7 @@ impl DeviceCore {
             map_pages(
                 backend.as_ref(),
                 device,
-                &self.peers,
+                peers,
                 start,
                 (len / es.page) as usize,
                 es.page,
@@ -92,7 +93,7 @@ impl DeviceCore {
         let backend = self.backend.clone();
         let es = self
             .expandable
-            .get_mut(&seg)
+            .get_mut(seg)
             .ok_or(AllocError::UnknownPointer(DevicePtr(seg)))?;
         let (first, last) = (es.page_right(addr), es.page_left(addr + len));
         let inside = if first < last {
@@ -270,7 +271,7 @@ impl DeviceCore {
         let (start, len, pool) = (b.addr, b.size, b.pool);
         debug_assert!(self
             .expandable
-            .get(&b.segment)
+            .get(b.segment)
             .is_some_and(|es| es.pages_are(start, len, true)));
         let blk = self.blocks.get_mut(id);
         blk.mapped = true;
@@ -307,7 +308,7 @@ impl DeviceCore {
         let b = self.blocks.get(id).clone();
         debug_assert!(self
             .expandable
-            .get(&b.segment)
+            .get(b.segment)
             .is_some_and(|es| es.pages_are(start, len, false)));
         debug_assert!(
             start >= b.addr && start + len <= b.end(),
@@ -419,7 +420,7 @@ impl DeviceCore {
         &mut self,
         seg: u64,
     ) -> Result<(), AllocError> {
-        let Some(es) = self.expandable.get(&seg) else {
+        let Some(es) = self.expandable.get(seg) else {
             return Ok(());
         };
         if !es.runs.is_empty() {
@@ -444,7 +445,7 @@ impl DeviceCore {
             .unmapped
             .remove(&unmapped_key(b.stream.raw, b.addr, b.size));
         self.blocks.remove(id);
-        self.expandable.remove(&seg);
+        self.expandable.remove(seg);
         self.segments.remove(&seg);
         Ok(())
     }
@@ -452,9 +453,9 @@ impl DeviceCore {
     /// Releases every mapped page of every expandable segment and the reservations (shutdown).
     pub(crate) fn release_all_expandable(&mut self) -> Option<AllocError> {
         let mut first_err = None;
-        let segs: Vec<u64> = self.expandable.keys().copied().collect();
+        let segs: Vec<u64> = self.expandable.bases();
         for seg in segs {
-            let Some(es) = self.expandable.remove(&seg) else {
+            let Some(es) = self.expandable.remove(seg) else {
                 continue;
             };
             if let Err(e) = self.backend.stream_synchronize(es.stream) {
@@ -468,10 +469,10 @@ impl DeviceCore {
                     first_err.get_or_insert(AllocError::Backend(e));
                 }
             }
-            if self.busy.contains_key(&seg) {
+            if self.expandable.is_busy(seg) {
                 // Pages are being mapped or unmapped off the core: the last of those
                 // operations frees the reservation (`growth.rs`, `shrink.rs`).
-                self.orphaned.insert(seg, es.size());
+                self.expandable.orphan(seg, es.size());
             } else if let Err(e) = self.backend.va_free(self.device, DevicePtr(seg), es.size()) {
                 first_err.get_or_insert(AllocError::Backend(e));
             }

@@ -62,7 +62,7 @@ impl DeviceCore {
         len: u64,
     ) -> Option<Vec<(DevicePtr, u64, PhysHandle)>> {
         let end = ptr.0.checked_add(len).filter(|_| len > 0)?;
-        let (_, es) = self.expandable.range(..=ptr.0).next_back()?;
+        let (_, es) = self.expandable.at_or_below(ptr.0)?;
         if end > es.base.checked_add(es.size())? {
             return None;
         }

@@ -68,7 +68,7 @@ impl DeviceCore {
         for id in ids {
             let b = self.blocks.get(id);
             let (seg, stream, addr, end) = (b.segment, b.stream, b.addr, b.end());
-            let Some(es) = self.expandable.get_mut(&seg) else {
+            let Some(es) = self.expandable.get_mut(seg) else {
                 continue;
             };
             let (first, last) = (es.page_right(addr), es.page_left(end));
@@ -108,7 +108,7 @@ impl DeviceCore {
         if live {
             self.blocks.get_mut(id).state = BlockState::Free;
             self.file_unmapped(id);
-            if !self.busy.contains_key(&release.seg) {
+            if !self.expandable.is_busy(release.seg) {
                 self.release_expandable_segment_if_empty(release.seg)?;
             }
         }

@@ -94,7 +94,7 @@ impl DeviceCore {
             ids.sort_by_key(|&id| self.blocks.get(id).addr);
             let asleep = self
                 .expandable
-                .get(&base)
+                .get(base)
                 .is_some_and(|es| es.slept.is_some());
             let infos: Vec<BlockInfo> = ids
                 .iter()
@@ -121,7 +121,7 @@ impl DeviceCore {
                     }
                 })
                 .collect();
-            let expandable = self.expandable.contains_key(&base);
+            let expandable = self.expandable.contains(base);
             // As PyTorch does, an expandable segment shows as one segment per mapped run.
             let runs: Vec<Vec<BlockInfo>> = if expandable {
                 infos
@@ -213,7 +213,7 @@ impl DeviceCore {
         let mut pending_blocks = 0usize;
         for (&base, meta) in &self.segments {
             let small = self.pools[meta.pool].is_small;
-            let es = self.expandable.get(&base);
+            let es = self.expandable.get(base);
             match es {
                 // Expandable segments count their mapped pages as reserved, and are not
                 // counted as segments (as in PyTorch).
@@ -427,13 +427,13 @@ mod tests {
         // they are mapped now lie on unmapped pages.
         let (mut c, s) = core("expandable_segments:True");
         c.malloc(3 << 20, s).unwrap();
-        let seg = *c.expandable.keys().next().unwrap();
-        let es = c.expandable.get_mut(&seg).unwrap();
+        let seg = c.expandable.bases()[0];
+        let es = c.expandable.get_mut(seg).unwrap();
         let runs = std::mem::take(&mut es.runs);
         let err = c.check_invariants().unwrap_err();
         assert!(err.contains("crosses pages"), "{err}");
         // With the layout kept (asleep), the books are consistent again, but for the bytes.
-        let es = c.expandable.get_mut(&seg).unwrap();
+        let es = c.expandable.get_mut(seg).unwrap();
         es.slept = Some(runs);
         let err = c.check_invariants().unwrap_err();
         assert!(err.contains("total_reserved"), "{err}");

@@ -18,7 +18,7 @@ impl DeviceCore {
         for (&base, meta) in &self.segments {
             let pool = self.owner_of(meta.pool);
             let stream = meta.stream.raw;
-            match self.expandable.get(&base) {
+            match self.expandable.get(base) {
                 Some(es) => {
                     out.extend(
                         es.mapped_stretches()

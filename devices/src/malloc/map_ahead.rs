@@ -69,7 +69,7 @@ impl DeviceCore {
         need: u64,
         avail: u64,
     ) -> (u64, u64) {
-        let Some(es) = self.expandable.get(&seg) else {
+        let Some(es) = self.expandable.get(seg) else {
             return (need, need);
         };
         let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);

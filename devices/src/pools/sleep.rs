@@ -207,19 +207,22 @@ impl DeviceCore {
         }
         let segs: Vec<u64> = self
             .expandable
-            .keys()
-            .copied()
+            .bases()
+            .into_iter()
             .filter(|s| self.segments.get(s).is_some_and(|m| own.contains(&m.pool)))
             .collect();
-        if segs.iter().any(|s| self.busy.contains_key(s)) {
+        if segs.iter().any(|&s| self.expandable.is_busy(s)) {
             return Err(AllocError::PoolBusy {
                 pool: p.usage.name.clone(),
             });
         }
         self.process_events()?;
         // Every stream that may still touch the pool's memory.
-        let mut streams: Vec<StreamHandle> =
-            segs.iter().map(|s| self.expandable[s].stream).collect();
+        let mut streams: Vec<StreamHandle> = segs
+            .iter()
+            .filter_map(|&s| self.expandable.get(s))
+            .map(|es| es.stream)
+            .collect();
         let mut copies = Vec::new();
         for (_, b) in self.blocks.iter().filter(|(_, b)| own.contains(&b.pool)) {
             streams.extend(b.stream_uses.iter().copied());
@@ -247,7 +250,7 @@ impl DeviceCore {
         }
         let mut pages = Vec::new();
         for &seg in &segs {
-            let Some(es) = self.expandable.get_mut(&seg) else {
+            let Some(es) = self.expandable.get_mut(seg) else {
                 continue;
             };
             if es.runs.is_empty() {
@@ -310,7 +313,7 @@ impl DeviceCore {
                 left.reservations.push(r);
             }
             // A shutdown meanwhile took the segment out of the books (`release_all_expandable`).
-            match self.expandable.get_mut(&seg) {
+            match self.expandable.get_mut(seg) {
                 Some(es) => {
                     es.install(first, &m);
                     es.slept = None;
@@ -346,7 +349,7 @@ impl DeviceCore {
         let own = [p.small, p.large];
         let mut runs = Vec::new();
         let mut bytes = 0u64;
-        for (&seg, es) in &self.expandable {
+        for (&seg, es) in self.expandable.iter() {
             if !self
                 .segments
                 .get(&seg)
@@ -384,7 +387,7 @@ impl DeviceCore {
         Ok(Some(WakePlan {
             pool,
             device: self.device,
-            peers: self.peers.clone(),
+            peers: self.expandable.peers().to_vec(),
             runs,
             bytes,
         }))
@@ -405,7 +408,7 @@ impl DeviceCore {
             return left;
         }
         for (seg, first, m) in woken.pages {
-            let Some(es) = self.expandable.get_mut(&seg) else {
+            let Some(es) = self.expandable.get_mut(seg) else {
                 left.pages.push(m);
                 continue;
             };
@@ -413,7 +416,12 @@ impl DeviceCore {
             es.slept = None;
             let (start, len) = (m.start, m.bytes());
             // A peer added while these pages were being mapped gets access now.
-            for peer in self.peers.iter().filter(|p| !plan.peers.contains(p)) {
+            for peer in self
+                .expandable
+                .peers()
+                .iter()
+                .filter(|p| !plan.peers.contains(p))
+            {
                 if let Err(e) = self.backend.set_access(*peer, DevicePtr(start), len) {
                     tracing::warn!(peer = peer.0, addr = start, error = %e, "peer access to woken pages failed");
                 }

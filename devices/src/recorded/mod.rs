@@ -85,7 +85,7 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        if self.expandable.contains_key(&base) {
+        if self.expandable.contains(base) {
             return Ok(false);
         }
         let Some(meta) = self.segments.get(&base) else {
@@ -105,11 +105,10 @@ impl DeviceCore {
     /// changes nothing).
     fn recorded_range(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len).filter(|_| len > 0)?;
-        let (&seg, es) = self
+        let (seg, es) = self
             .expandable
-            .range(..=addr)
-            .next_back()
-            .filter(|(&base, es)| end <= base + es.size() && es.slept.is_none())?;
+            .at_or_below(addr)
+            .filter(|(base, es)| end <= base + es.size() && es.slept.is_none())?;
         let whole_pages = (addr - seg) % es.page == 0 && len % es.page == 0;
         whole_pages.then_some((seg, end))
     }
@@ -127,7 +126,9 @@ impl DeviceCore {
         let Some((seg, end)) = self.recorded_range(addr, len) else {
             return Ok(false);
         };
-        let es = &self.expandable[&seg];
+        let Some(es) = self.expandable.get(seg) else {
+            return Ok(false);
+        };
         let (first, last) = (es.page_left(addr), es.page_left(end));
         let covered: usize = es
             .runs_inside(first, last)

@@ -104,7 +104,7 @@ impl DeviceCore {
             .map(|(base, m)| (*base, m.size, m.pool))
             .collect();
         for (base, size, pool) in segments {
-            if self.expandable.contains_key(&base) {
+            if self.expandable.contains(base) {
                 self.release_free_pages_of(base)?;
                 continue;
             }
