@@ -604,3 +604,31 @@ fn a_segment_restored_in_a_named_pool_serves_that_pool_only() {
         core.check_invariants().unwrap();
     }
 }
+
+/// A restored live block of an expandable segment at or over `max_split_size` counts as an
+/// oversize allocation, as a malloc's does, and its free takes the count back to zero.
+#[test]
+fn a_restored_oversize_block_counts_as_an_oversize_allocation() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True,max_split_size_mb:40");
+    let base = 0x7200_0000_0000;
+    backend.place_next(DeviceId(0), base);
+    let live = [RestoredBlock {
+        addr: base,
+        size: 60 * MIB,
+        requested: 60 * MIB - 100,
+    }];
+    core.restore_expandable(
+        base,
+        80 * MIB,
+        s,
+        RestorePool::default_pool(false),
+        &[(base, 80 * MIB)],
+        &live,
+    )
+    .unwrap();
+    assert_eq!(core.stats().oversize_allocations.current, 1);
+    core.free(DevicePtr(base)).unwrap();
+    assert_eq!(core.stats().oversize_allocations.current, 0);
+    assert_eq!(core.stats().oversize_allocations.peak, 1);
+    core.check_invariants().unwrap();
+}

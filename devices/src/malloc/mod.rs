@@ -338,9 +338,6 @@ impl DeviceCore {
         let owner = self.owner_of(pool);
         self.count_allocated(pool, small, bsize, requested);
         let oversize = bsize >= self.config.max_split_size;
-        if oversize {
-            self.stats.oversize_allocations.increase(1);
-        }
         self.record_in(TraceAction::Alloc, addr, requested, stream.raw, Some(pool));
         Allocation {
             ptr: DevicePtr(addr),
@@ -355,8 +352,8 @@ impl DeviceCore {
 
     /// Counts a block of `bsize` bytes of block pool `pool` (`small`: its small pool) made
     /// allocated for `requested` bytes: in its private pool's usage and in the device's
-    /// statistics. Every way a block becomes allocated (a malloc, a recorded block adopted, a
-    /// restored one) counts it here.
+    /// statistics (an oversize allocation too, at `max_split_size` or more). Every way a block
+    /// becomes allocated (a malloc, a recorded block adopted, a restored one) counts it here.
     pub(crate) fn count_allocated(&mut self, pool: usize, small: bool, bsize: u64, requested: u64) {
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.allocated, small, |s| s.increase(bsize));
@@ -370,6 +367,9 @@ impl DeviceCore {
         for_pool(&mut self.stats.requested_bytes, small, |s| {
             s.increase(requested)
         });
+        if bsize >= self.config.max_split_size {
+            self.stats.oversize_allocations.increase(1);
+        }
     }
 }
 

@@ -123,9 +123,6 @@ impl DeviceCore {
                     b.requested = req;
                     self.active.insert(shift(addr), id);
                     self.count_allocated(pool, small, bsize, req);
-                    if bsize >= self.config.max_split_size {
-                        self.stats.oversize_allocations.increase(1);
-                    }
                 }
                 None => {
                     self.pools[pool]
