@@ -36,7 +36,7 @@ use crate::free::pending::PendingFrees;
 use crate::ledger::cross_stream::CrossStreamLog;
 use crate::ledger::history::History;
 use crate::ledger::observer::SegmentSink;
-use crate::ledger::stats::{for_pool, DeviceStats};
+use crate::ledger::stats::DeviceStats;
 use crate::pools::private::PrivatePools;
 
 /// A live allocation handed to a user.
@@ -248,14 +248,6 @@ impl DeviceCore {
         self.segments.insert(addr, meta);
         self.budget.reserve(size);
         let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.segment, small, |s| s.increase(1));
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.increase(size));
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.segments, small, |s| s.increase(1));
-            for_pool(&mut u.reserved, small, |s| s.increase(size));
-        }
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.increase(1);
-        }
+        self.book_segment_stats(pool, small, size, true);
     }
 }

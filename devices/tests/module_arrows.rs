@@ -176,3 +176,29 @@ fn the_core_names_no_module_that_extends_it() {
     // And the check reads what it should: the malloc path extends the core.
     assert!(modules["malloc"].contains("\nimpl DeviceCore"));
 }
+
+/// The statistics (`DeviceStats`, and each private pool's usage) are written by the ledger
+/// only (`ledger/books.rs`: one call per event); elsewhere they are read through
+/// `DeviceCore::stats`.
+#[test]
+fn the_statistics_are_written_by_the_ledger_only() {
+    let modules = modules();
+    let mut writers = Vec::new();
+    for (name, code) in &modules {
+        if name == "ledger" || name.starts_with("ledger::") {
+            continue;
+        }
+        let usage_calls =
+            code.matches("usage_mut(").count() - code.matches("fn usage_mut(").count();
+        if code.contains("self.stats.") || code.contains("&mut self.stats") || usage_calls > 0 {
+            writers.push(name.clone());
+        }
+    }
+    assert!(
+        writers.is_empty(),
+        "modules outside ledger/ that write the statistics: {writers:?} (add a call to \
+         ledger/books.rs instead)"
+    );
+    // And the check reads what it should: the ledger's books write them.
+    assert!(modules["ledger::books"].contains("&mut self.stats"));
+}

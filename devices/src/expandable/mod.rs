@@ -17,7 +17,6 @@ use crate::blocks::pool::{key, unmapped_key};
 use crate::core::{DeviceCore, SegmentMeta};
 use crate::error::AllocError;
 use crate::expandable::segment::{map_pages, Booking, ExpandableSegment};
-use crate::ledger::stats::for_pool;
 use crate::ledger::trace::TraceAction;
 
 impl DeviceCore {
@@ -378,20 +377,7 @@ impl DeviceCore {
         booking: Booking,
     ) {
         let small = self.pools[pool].is_small;
-        let change = |s: &mut crate::ledger::stats::Stat| match booking {
-            Booking::Mapped => s.increase(len),
-            Booking::Released => s.decrease(len),
-            Booking::Restored => s.undo_decrease(len),
-        };
-        for_pool(&mut self.stats.reserved_bytes, small, change);
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.reserved, small, change);
-        }
-        match booking {
-            Booking::Mapped => self.stats.num_device_alloc += 1,
-            Booking::Released => self.stats.num_device_free += 1,
-            Booking::Restored => self.stats.num_device_free -= 1,
-        }
+        self.book_page_stats(pool, small, len, booking);
         if booking == Booking::Released {
             self.budget.unreserve(len);
             self.record_in(TraceAction::SegmentUnmap, start, len, stream, Some(pool));

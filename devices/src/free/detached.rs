@@ -19,7 +19,7 @@ use crate::blocks::block::BlockId;
 use crate::blocks::pool::key;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
-use crate::ledger::stats::for_pool;
+use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 
 /// A segment taken out of a core's books, still held from the backend.
@@ -99,16 +99,8 @@ impl DeviceCore {
         self.segments.remove(&addr);
         self.budget.unreserve(size);
         let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.segment, small, |s| s.decrease(1));
-        for_pool(&mut self.stats.reserved_bytes, small, |s| s.decrease(size));
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.segments, small, |s| s.decrease(1));
-            for_pool(&mut u.reserved, small, |s| s.decrease(size));
-        }
-        self.stats.num_device_free += 1;
-        if size >= self.config.max_split_size {
-            self.stats.oversize_segments.decrease(1);
-        }
+        self.book_segment_stats(pool, small, size, false);
+        self.count(Counted::DeviceFree);
         DetachedSegment {
             ptr: DevicePtr(addr),
             size,

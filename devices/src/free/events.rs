@@ -10,6 +10,7 @@ use gpualloc_runtime::{BackendError, EventHandle, StreamHandle};
 use crate::blocks::block::BlockId;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
+use crate::ledger::books::Counted;
 
 impl DeviceCore {
     /// Records an event on every stream that used the block and queues the block behind them.
@@ -70,7 +71,7 @@ impl DeviceCore {
 
     /// Waits for every pending event and completes all pending frees.
     pub(crate) fn synchronize_and_free_events(&mut self) -> Result<(), AllocError> {
-        self.stats.num_sync_all_streams += 1;
+        self.count(Counted::SyncAllStreams);
         let backend = &self.backend;
         // What a failed wait leaves stays queued, so nothing is lost; then the report.
         let (done, waited) = self.pending.pop_all(|e| backend.event_synchronize(e));

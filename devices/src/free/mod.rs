@@ -13,7 +13,7 @@ use gpualloc_runtime::{DevicePtr, StreamHandle};
 use crate::blocks::block::BlockState;
 use crate::core::{Allocation, DeviceCore};
 use crate::error::AllocError;
-use crate::ledger::stats::for_pool;
+use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 
 impl DeviceCore {
@@ -56,21 +56,14 @@ impl DeviceCore {
             (block.size, block.requested, block.stream, block.pool);
         let has_uses = !block.stream_uses.is_empty();
         let small = self.pools[pool].is_small;
-        for_pool(&mut self.stats.allocation, small, |s| s.decrease(1));
-        for_pool(&mut self.stats.allocated_bytes, small, |s| s.decrease(size));
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.allocated, small, |s| s.decrease(size));
-        }
+        self.book_freed(pool, small, size);
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
-        if size >= self.config.max_split_size {
-            self.stats.oversize_allocations.decrease(1);
-        }
         if self.config.debug_cross_stream_frees
             && self
                 .cross_stream
                 .check_free(self.backend.as_ref(), self.blocks.get(id))
         {
-            self.stats.num_cross_stream_frees += 1;
+            self.count(Counted::CrossStreamFree);
         }
         if has_uses {
             self.insert_events(id);

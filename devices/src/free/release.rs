@@ -7,7 +7,6 @@ use crate::blocks::block::{BlockId, BlockState};
 use crate::blocks::pool::{key, unmapped_key};
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::ledger::stats::for_pool;
 use crate::ledger::trace::TraceAction;
 
 impl DeviceCore {
@@ -46,18 +45,12 @@ impl DeviceCore {
             inactive_bytes += size as i64;
         }
         let small = self.pools[pool].is_small;
-        let stats = &mut self.stats;
         // As in PyTorch, inactive_split is not tracked for expandable segments (their free
         // pages can always be released).
         if !expandable {
-            apply_delta(&mut stats.inactive_split, small, inactive_blocks);
-            apply_delta(&mut stats.inactive_split_bytes, small, inactive_bytes);
+            self.book_inactive_split(small, inactive_blocks, inactive_bytes);
         }
-        for_pool(&mut stats.active, small, |s| s.decrease(1));
-        for_pool(&mut stats.active_bytes, small, |s| {
-            s.decrease(original_size)
-        });
-        for_pool(&mut stats.requested_bytes, small, |s| s.decrease(requested));
+        self.book_inactive(small, original_size, requested);
     }
 
     /// Merges free `src` into `dst` if it is a free neighbour; returns the bytes subsumed.
@@ -330,13 +323,5 @@ impl Drop for DeviceCore {
         if let Err(e) = self.shutdown() {
             tracing::warn!(device = self.device.0, error = %e, "device core shutdown failed");
         }
-    }
-}
-
-fn apply_delta(arr: &mut crate::ledger::stats::StatArray, small: bool, delta: i64) {
-    if delta > 0 {
-        for_pool(arr, small, |s| s.increase(delta as u64));
-    } else if delta < 0 {
-        for_pool(arr, small, |s| s.decrease(delta.unsigned_abs()));
     }
 }

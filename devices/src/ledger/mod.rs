@@ -2,6 +2,7 @@
 //! component of its own) and the segment observer (`observer_hooks.rs`). Every event of a
 //! block or segment is written through [`DeviceCore::record_in`], one call per event.
 
+pub(crate) mod books;
 pub(crate) mod cross_stream;
 pub(crate) mod history;
 pub(crate) mod inspect;

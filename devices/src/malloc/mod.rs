@@ -16,7 +16,6 @@ use crate::blocks::pool::key;
 use crate::config::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::core::{AllocParams, Allocation, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::ledger::stats::for_pool;
 use crate::ledger::trace::TraceAction;
 use crate::malloc::segment_request::SegmentRequest;
 
@@ -314,21 +313,13 @@ impl DeviceCore {
             if found.expandable {
                 // inactive_split is not tracked for expandable segments (as in PyTorch).
             } else if already_split {
-                for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
-                    s.decrease(size)
-                });
+                self.book_inactive_split(small, 0, -(size as i64));
             } else {
-                for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
-                    s.increase(rest_size)
-                });
-                for_pool(&mut self.stats.inactive_split, small, |s| s.increase(1));
+                self.book_inactive_split(small, 1, rest_size as i64);
             }
             id = front_id;
         } else if already_split && !found.expandable {
-            for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
-                s.decrease(found.size)
-            });
-            for_pool(&mut self.stats.inactive_split, small, |s| s.decrease(1));
+            self.book_inactive_split(small, -1, -(found.size as i64));
         }
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Allocated;
@@ -336,7 +327,7 @@ impl DeviceCore {
         let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
         let owner = self.owner_of(pool);
-        self.count_allocated(pool, small, bsize, requested);
+        self.book_allocated(pool, small, bsize, requested);
         let oversize = bsize >= self.config.max_split_size;
         self.record_in(TraceAction::Alloc, addr, requested, stream.raw, Some(pool));
         Allocation {
@@ -347,28 +338,6 @@ impl DeviceCore {
             small_pool: small,
             oversize,
             pool: owner,
-        }
-    }
-
-    /// Counts a block of `bsize` bytes of block pool `pool` (`small`: its small pool) made
-    /// allocated for `requested` bytes: in its private pool's usage and in the device's
-    /// statistics (an oversize allocation too, at `max_split_size` or more). Every way a block
-    /// becomes allocated (a malloc, a recorded block adopted, a restored one) counts it here.
-    pub(crate) fn count_allocated(&mut self, pool: usize, small: bool, bsize: u64, requested: u64) {
-        if let Some(u) = self.usage_mut(pool) {
-            for_pool(&mut u.allocated, small, |s| s.increase(bsize));
-        }
-        for_pool(&mut self.stats.allocation, small, |s| s.increase(1));
-        for_pool(&mut self.stats.allocated_bytes, small, |s| {
-            s.increase(bsize)
-        });
-        for_pool(&mut self.stats.active, small, |s| s.increase(1));
-        for_pool(&mut self.stats.active_bytes, small, |s| s.increase(bsize));
-        for_pool(&mut self.stats.requested_bytes, small, |s| {
-            s.increase(requested)
-        });
-        if bsize >= self.config.max_split_size {
-            self.stats.oversize_allocations.increase(1);
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::blocks::pool::PoolOwner;
 use crate::config::sizes::{is_small, round_size};
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::{AllocError, OomReport};
+use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 use crate::pools::pool_state::PoolState;
 
@@ -25,8 +26,8 @@ impl DeviceCore {
             },
             device_free: info.free,
             allowed: self.budget.allowed(),
-            allocated: self.stats.allocated_bytes[0].current,
-            reserved: self.stats.reserved_bytes[0].current,
+            allocated: self.stats().allocated_bytes[0].current,
+            reserved: self.stats().reserved_bytes[0].current,
             in_flight: self.budget.in_flight(),
             process_used: self.backend.process_used(self.device).ok().flatten(),
             expandable_segments: self.config.expandable_segments,
@@ -58,7 +59,7 @@ impl DeviceCore {
     pub(crate) fn count_oom_of(&mut self, error: &AllocError, size: u64, stream: StreamHandle) {
         match error {
             AllocError::OutOfMemory(report) => {
-                self.stats.num_ooms += 1;
+                self.count(Counted::Oom);
                 self.record(TraceAction::Oom, report.device_free, size, stream.raw);
                 tracing::warn!(
                     device = self.device.0,
@@ -70,7 +71,7 @@ impl DeviceCore {
             AllocError::PoolQuota {
                 quota, reserved, ..
             } => {
-                self.stats.num_ooms += 1;
+                self.count(Counted::Oom);
                 // An out-of-memory error for its user: in the history too, with the bytes the
                 // pool had left in place of the device's free bytes.
                 let left = quota.saturating_sub(*reserved);

@@ -6,6 +6,7 @@ use gpualloc_runtime::DevicePtr;
 
 use crate::blocks::block::Block;
 use crate::core::{AllocParams, Allocation, DeviceCore, SegmentMeta};
+use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 
 /// A miss waiting for a segment (see [`DeviceCore::try_cached`]).
@@ -71,7 +72,7 @@ impl DeviceCore {
                 stream: params.stream,
             },
         );
-        self.stats.num_device_alloc += 1;
+        self.count(Counted::DeviceAlloc);
         self.record_in(
             TraceAction::SegmentAlloc,
             ptr.0,

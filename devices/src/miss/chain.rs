@@ -2,6 +2,7 @@
 
 use crate::core::DeviceCore;
 use crate::error::AllocError;
+use crate::ledger::books::Counted;
 
 use super::ops::{self, Flow, Op};
 use super::{IoDone, Miss, MissStep};
@@ -173,7 +174,7 @@ impl DeviceCore {
                     return Flow::Next;
                 }
                 if retry {
-                    self.stats.num_alloc_retries += 1;
+                    self.count(Counted::Retry);
                 }
                 self.alloc_block_step(params, miss.off_core)
             }

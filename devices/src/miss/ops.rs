@@ -9,6 +9,7 @@ use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
 use crate::expandable::shrink::PageRelease;
 use crate::free::detached::DetachedSegment;
+use crate::ledger::books::Counted;
 
 use super::{IoDone, Leftover, MissIo, Outcome};
 
@@ -184,7 +185,7 @@ impl DeviceCore {
         loop {
             match r.phase {
                 Phase::Synchronize => {
-                    self.stats.num_sync_all_streams += 1;
+                    self.count(Counted::SyncAllStreams);
                     r.phase = Phase::Segments;
                     let events = self.pending_events();
                     if !events.is_empty() {

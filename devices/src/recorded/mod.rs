@@ -349,6 +349,6 @@ impl DeviceCore {
         blk.state = BlockState::Allocated;
         blk.requested = requested;
         self.active.insert(addr, range);
-        self.count_allocated(pool, small, size, requested);
+        self.book_allocated(pool, small, size, requested);
     }
 }

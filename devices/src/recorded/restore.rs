@@ -8,7 +8,6 @@ use crate::blocks::block::{Block, BlockId, BlockState};
 use crate::blocks::pool::key;
 use crate::core::{DeviceCore, MemPoolId, SegmentMeta, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
-use crate::ledger::stats::for_pool;
 
 /// A live block of a segment to restore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,17 +121,14 @@ impl DeviceCore {
                     b.state = BlockState::Allocated;
                     b.requested = req;
                     self.active.insert(shift(addr), id);
-                    self.count_allocated(pool, small, bsize, req);
+                    self.book_allocated(pool, small, bsize, req);
                 }
                 None => {
                     self.pools[pool]
                         .free
                         .insert(key(stream.raw, bsize, shift(addr)), id);
                     if split {
-                        for_pool(&mut self.stats.inactive_split, small, |s| s.increase(1));
-                        for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
-                            s.increase(bsize)
-                        });
+                        self.book_inactive_split(small, 1, bsize as i64);
                     }
                 }
             }
