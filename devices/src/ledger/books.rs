@@ -43,8 +43,15 @@ impl DeviceCore {
     /// A block of `bsize` bytes of block pool `pool` (`small`: its small pool) made allocated
     /// for `requested` bytes: in its private pool's usage and in the device's statistics (an
     /// oversize allocation too, at `max_split_size` or more). Every way a block becomes
-    /// allocated (a malloc, a recorded block adopted, a restored one) counts it here.
-    pub(crate) fn book_allocated(&mut self, pool: usize, small: bool, bsize: u64, requested: u64) {
+    /// allocated (a malloc, a recorded block adopted, a restored one) counts it here. Returns
+    /// whether it is an oversize allocation.
+    pub(crate) fn book_allocated(
+        &mut self,
+        pool: usize,
+        small: bool,
+        bsize: u64,
+        requested: u64,
+    ) -> bool {
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.allocated, small, |s| s.increase(bsize));
         }
@@ -54,9 +61,11 @@ impl DeviceCore {
         for_pool(&mut s.active, small, |s| s.increase(1));
         for_pool(&mut s.active_bytes, small, |s| s.increase(bsize));
         for_pool(&mut s.requested_bytes, small, |s| s.increase(requested));
-        if bsize >= self.config.max_split_size {
+        let oversize = bsize >= self.config.max_split_size;
+        if oversize {
             self.stats.oversize_allocations.increase(1);
         }
+        oversize
     }
 
     /// An allocated block of `size` bytes of block pool `pool` freed by its user: no longer
@@ -82,10 +91,38 @@ impl DeviceCore {
     }
 
     /// Free blocks of split segments (PyTorch's `inactive_split`, not kept for expandable
-    /// segments: the caller does not call for them) changed by `blocks` and `bytes`.
+    /// segments: the caller does not call for them) changed by `blocks` and `bytes` (a free
+    /// block merging with its neighbours, either sign).
     pub(crate) fn book_inactive_split(&mut self, small: bool, blocks: i64, bytes: i64) {
         apply_delta(&mut self.stats.inactive_split, small, blocks);
         apply_delta(&mut self.stats.inactive_split_bytes, small, bytes);
+    }
+
+    /// `blocks` more free blocks of split segments, of `bytes` (a split leaving a remainder,
+    /// a restored free block): [`DeviceCore::book_inactive_split`] where the sign is known,
+    /// as on the hit path, so no branch on it is taken.
+    pub(crate) fn book_inactive_split_grew(&mut self, small: bool, blocks: u64, bytes: u64) {
+        if blocks > 0 {
+            for_pool(&mut self.stats.inactive_split, small, |s| {
+                s.increase(blocks)
+            });
+        }
+        for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
+            s.increase(bytes)
+        });
+    }
+
+    /// `blocks` fewer free blocks of split segments, of `bytes` (a malloc taking one, or part
+    /// of one).
+    pub(crate) fn book_inactive_split_shrank(&mut self, small: bool, blocks: u64, bytes: u64) {
+        if blocks > 0 {
+            for_pool(&mut self.stats.inactive_split, small, |s| {
+                s.decrease(blocks)
+            });
+        }
+        for_pool(&mut self.stats.inactive_split_bytes, small, |s| {
+            s.decrease(bytes)
+        });
     }
 
     /// A segment of `size` bytes of block pool `pool` booked (`added`) or released: the

@@ -313,13 +313,13 @@ impl DeviceCore {
             if found.expandable {
                 // inactive_split is not tracked for expandable segments (as in PyTorch).
             } else if already_split {
-                self.book_inactive_split(small, 0, -(size as i64));
+                self.book_inactive_split_shrank(small, 0, size);
             } else {
-                self.book_inactive_split(small, 1, rest_size as i64);
+                self.book_inactive_split_grew(small, 1, rest_size);
             }
             id = front_id;
         } else if already_split && !found.expandable {
-            self.book_inactive_split(small, -1, -(found.size as i64));
+            self.book_inactive_split_shrank(small, 1, found.size);
         }
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Allocated;
@@ -327,8 +327,7 @@ impl DeviceCore {
         let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
         self.active.insert(addr, id);
         let owner = self.owner_of(pool);
-        self.book_allocated(pool, small, bsize, requested);
-        let oversize = bsize >= self.config.max_split_size;
+        let oversize = self.book_allocated(pool, small, bsize, requested);
         self.record_in(TraceAction::Alloc, addr, requested, stream.raw, Some(pool));
         Allocation {
             ptr: DevicePtr(addr),

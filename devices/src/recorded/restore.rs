@@ -128,7 +128,7 @@ impl DeviceCore {
                         .free
                         .insert(key(stream.raw, bsize, shift(addr)), id);
                     if split {
-                        self.book_inactive_split(small, 1, bsize as i64);
+                        self.book_inactive_split_grew(small, 1, bsize);
                     }
                 }
             }
