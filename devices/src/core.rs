@@ -23,10 +23,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpualloc_runtime::addr_map::{AddrMap, AddrSet};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 
 use crate::blocks::block::{BlockArena, BlockId};
+use crate::blocks::live::LiveBlocks;
 use crate::blocks::pool::{BlockPool, PoolOwner};
 use crate::budget::Budget;
 use crate::config::AllocatorConfig;
@@ -95,11 +95,8 @@ pub struct DeviceCore {
     pub(crate) pools: Vec<BlockPool>,
     /// Private pools, their ids and the streams routed to them.
     pub(crate) private: PrivatePools,
-    /// Allocated blocks by address.
-    pub(crate) active: AddrMap<BlockId>,
-    /// Allocations described for export to another process ([`DeviceCore::mark_exported`]),
-    /// until they are freed.
-    pub(crate) exported: AddrSet,
+    /// Allocated blocks by address, and those described for export to another process.
+    pub(crate) active: LiveBlocks,
     /// Segments by base address (an expandable segment's whole reservation).
     pub(crate) segments: BTreeMap<u64, SegmentMeta>,
     /// Expandable segments by base address.
@@ -170,8 +167,7 @@ impl DeviceCore {
                 BlockPool::new(false, PoolOwner::Default),
             ],
             private: PrivatePools::new(),
-            active: AddrMap::default(),
-            exported: AddrSet::default(),
+            active: LiveBlocks::default(),
             segments: BTreeMap::new(),
             expandable: ExpandableSegments::default(),
             budget,

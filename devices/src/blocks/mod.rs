@@ -2,5 +2,6 @@
 //! block pool (`pool.rs`), and a private pool's id (`pool_id.rs`). Leaf types the core keeps.
 
 pub(crate) mod block;
+pub(crate) mod live;
 pub(crate) mod pool;
 pub(crate) mod pool_id;

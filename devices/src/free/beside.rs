@@ -40,7 +40,7 @@ impl DeviceCore {
     pub fn record_beside(&mut self, entries: &mut Vec<(u64, TraceEntry)>) {
         let active = &self.active;
         self.history
-            .record_beside(entries, |addr| active.contains_key(&addr));
+            .record_beside(entries, |addr| active.contains(addr));
     }
 
     /// Frees `ptr`, a block an owner parked beside the core (the thread cache), for real.

@@ -22,20 +22,18 @@ impl DeviceCore {
     /// holding one cannot sleep ([`AllocError::PoolExported`]), since the importer maps the
     /// pool's physical pages, which a sleep releases and a wake replaces with others.
     pub fn mark_exported(&mut self, ptr: DevicePtr) -> Result<(), AllocError> {
-        if !self.active.contains_key(&ptr.0) {
+        if !self.active.mark_exported(ptr.0) {
             return Err(AllocError::UnknownPointer(ptr));
         }
-        self.exported.insert(ptr.0);
         Ok(())
     }
 
     /// Undoes [`DeviceCore::mark_exported`] for live allocation `ptr` (a region described but
     /// never shared): its pool may sleep again. False when it was not marked.
     pub fn unmark_exported(&mut self, ptr: DevicePtr) -> Result<bool, AllocError> {
-        if !self.active.contains_key(&ptr.0) {
-            return Err(AllocError::UnknownPointer(ptr));
-        }
-        Ok(self.exported.remove(&ptr.0))
+        self.active
+            .unmark_exported(ptr.0)
+            .ok_or(AllocError::UnknownPointer(ptr))
     }
 
     /// Frees an allocation. If other streams used it (`record_stream`), it returns to the pool
@@ -44,12 +42,9 @@ impl DeviceCore {
         if ptr.0 == 0 {
             return Ok(());
         }
-        let Some(id) = self.active.remove(&ptr.0) else {
+        let Some(id) = self.active.remove(ptr.0) else {
             return Err(AllocError::UnknownPointer(ptr));
         };
-        if !self.exported.is_empty() {
-            self.exported.remove(&ptr.0);
-        }
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Pending;
         let (size, requested, stream, pool) =
@@ -83,7 +78,7 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
-        let Some(&id) = self.active.get(&ptr.0) else {
+        let Some(id) = self.active.get(ptr.0) else {
             return Err(AllocError::UnknownPointer(ptr));
         };
         let block = self.blocks.get_mut(id);
@@ -95,7 +90,7 @@ impl DeviceCore {
 
     /// The allocation at `ptr`, if it is live.
     pub fn allocation(&self, ptr: DevicePtr) -> Option<Allocation> {
-        self.active.get(&ptr.0).map(|&id| {
+        self.active.get(ptr.0).map(|id| {
             let b = self.blocks.get(id);
             Allocation {
                 ptr,

@@ -307,7 +307,6 @@ impl DeviceCore {
         self.segments.clear();
         self.blocks.clear();
         self.active.clear();
-        self.exported.clear();
         for pool in &mut self.pools {
             pool.free.clear();
             pool.unmapped.clear();

@@ -303,7 +303,7 @@ impl DeviceCore {
                         }
                     }
                     BlockState::Allocated => {
-                        if self.active.get(&b.addr) != Some(&id) {
+                        if self.active.get(b.addr) != Some(id) {
                             return Err(format!(
                                 "allocated block at {:#x} not in the active map",
                                 b.addr

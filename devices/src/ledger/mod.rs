@@ -44,7 +44,7 @@ impl DeviceCore {
     /// for that address among the last `ATTACH_WITHIN` (4,096) entries) and to its block in
     /// snapshots until it is freed. Nothing when history is off or `addr` is not live.
     pub fn attach_frames(&mut self, addr: u64, frames: Frames) {
-        if self.active.contains_key(&addr) {
+        if self.active.contains(addr) {
             self.history.attach_frames(addr, frames);
         }
     }

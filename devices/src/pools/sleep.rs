@@ -194,10 +194,9 @@ impl DeviceCore {
         }
         let own = [p.small, p.large];
         let exported = self
-            .exported
-            .iter()
-            .filter_map(|a| self.active.get(a))
-            .filter(|&&id| own.contains(&self.blocks.get(id).pool))
+            .active
+            .exported()
+            .filter(|&id| own.contains(&self.blocks.get(id).pool))
             .count();
         if exported > 0 {
             return Err(AllocError::PoolExported {
