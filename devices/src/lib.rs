@@ -1,12 +1,15 @@
 //! The device caching allocator of gpualloc: one [`DeviceCore`] per GPU.
 //!
-//! This crate is a sans-IO state machine with PyTorch's `CUDACachingAllocator` semantics
+//! This crate is a synchronous state machine with PyTorch's `CUDACachingAllocator` semantics
 //! (rounding, small and large pools, best fit by (stream, size, address), split and merge,
 //! `max_split_size`, stream-ordered reuse through events, the OOM retry chain, private pools,
 //! statistics, trace history and snapshots). It has no tokio, no channels and no clock: every
 //! call runs to completion on the caller's thread, talks to the GPU only through a
-//! [`gpualloc_runtime::Backend`], and takes time stamps from the caller. Async, waiting and
-//! concurrency live in the actor that owns a core (facade crate).
+//! [`gpualloc_runtime::Backend`], and takes time stamps from the caller. It calls the backend
+//! itself for what never blocks (event queries, reserving address space) and for the calls
+//! of its in-place entry points (`malloc`, `empty_cache`); its miss chain is sans-IO: each
+//! driver call comes back to the caller to make ([`Miss`]). Async, waiting and concurrency
+//! live in the actor that owns a core (facade crate).
 
 mod blocks;
 mod budget;

@@ -1,8 +1,8 @@
 //! [`HostRegistry`]: registering existing host memory, synchronously, through the
 //! [`IntervalCache`].
 //!
-//! A sans-IO core in the crate's sense: plain synchronous Rust over an `Arc<dyn Backend>`, no
-//! async runtime, no threads, no clock of its own (the slow-call diagnostic times the backend
+//! A synchronous core: plain Rust that calls an `Arc<dyn Backend>` itself, with no async
+//! runtime, no threads and no clock of its own (the slow-call diagnostic times the backend
 //! call, nothing else). `register` rounds the range out to pages, asks the cache what is
 //! missing, registers only that at the backend, and returns a [`RegistrationId`] that
 //! remembers what the user asked for. `release` unregisters a backend range when its last
