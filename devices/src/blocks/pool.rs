@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::blocks::block::BlockId;
+use crate::blocks::block::{Block, BlockId};
 
 /// Sort key of a free block.
 pub(crate) type FreeKey = (u64, u64, u64);
@@ -42,6 +42,30 @@ impl BlockPool {
             owner,
             get_free_block_calls: 0,
         }
+    }
+
+    /// Files free mapped block `b` (id `id`) under its key: (stream, size, address) as it is
+    /// now. Every change of a filed block's stream, size or address is an unfile before and a
+    /// file after, so the keys are computed here only.
+    pub fn file_free(&mut self, b: &Block, id: BlockId) {
+        self.free.insert(key(b.stream.raw, b.size, b.addr), id);
+    }
+
+    /// Takes free mapped block `b` out of the pool; its id if it was filed.
+    pub fn unfile_free(&mut self, b: &Block) -> Option<BlockId> {
+        self.free.remove(&key(b.stream.raw, b.size, b.addr))
+    }
+
+    /// Files unmapped block `b` (id `id`) under its key ([`unmapped_key`]).
+    pub fn file_unmapped(&mut self, b: &Block, id: BlockId) {
+        self.unmapped
+            .insert(unmapped_key(b.stream.raw, b.addr, b.size), id);
+    }
+
+    /// Takes unmapped block `b` out of the pool; its id if it was filed.
+    pub fn unfile_unmapped(&mut self, b: &Block) -> Option<BlockId> {
+        self.unmapped
+            .remove(&unmapped_key(b.stream.raw, b.addr, b.size))
     }
 
     /// First free block of `stream` with size ≥ `size` (lowest address among equals).

@@ -13,7 +13,6 @@ use std::collections::BTreeMap;
 use gpualloc_runtime::{BackendError, DeviceId, DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId, BlockState};
-use crate::blocks::pool::{key, unmapped_key};
 use crate::core::{DeviceCore, SegmentMeta};
 use crate::error::AllocError;
 use crate::expandable::segment::{map_pages, Booking, ExpandableSegment};
@@ -171,9 +170,7 @@ impl DeviceCore {
         block.mapped = false;
         block.expandable = true;
         let id = self.blocks.insert(block);
-        self.pools[pool]
-            .unmapped
-            .insert(unmapped_key(stream.raw, base.0, size), id);
+        self.pools[pool].file_unmapped(self.blocks.get(id), id);
         tracing::debug!(
             device = self.device.0,
             addr = base.0,
@@ -230,15 +227,10 @@ impl DeviceCore {
         let b = self.blocks.get(id).clone();
         debug_assert!(!b.mapped && len <= b.size);
         let pool = b.pool;
-        self.pools[pool]
-            .unmapped
-            .remove(&unmapped_key(b.stream.raw, b.addr, b.size));
+        self.pools[pool].unfile_unmapped(&b);
         if len < b.size {
             let rest_id = self.split_back(id, len);
-            self.pools[pool].unmapped.insert(
-                unmapped_key(b.stream.raw, b.addr + len, b.size - len),
-                rest_id,
-            );
+            self.pools[pool].file_unmapped(self.blocks.get(rest_id), rest_id);
         }
     }
 
@@ -282,8 +274,7 @@ impl DeviceCore {
         let gc_base = self.pools[pool].get_free_block_calls;
         let blk = self.blocks.get_mut(id);
         blk.gc_base = gc_base;
-        let k = key(blk.stream.raw, blk.size, blk.addr);
-        self.pools[pool].free.insert(k, id);
+        self.pools[pool].file_free(blk, id);
         self.book_pages(pool, b.stream.raw, start, len, Booking::Mapped);
     }
 
@@ -314,9 +305,7 @@ impl DeviceCore {
             "unmapped only inside the block"
         );
         let pool = b.pool;
-        self.pools[pool]
-            .free
-            .remove(&key(b.stream.raw, b.size, b.addr));
+        self.pools[pool].unfile_free(&b);
         let gc_base = self.pools[pool].get_free_block_calls;
         let split_off = |core: &mut DeviceCore, addr: u64, size: u64, before: bool| {
             let mut nb = Block::segment(addr, size, b.stream, pool);
@@ -340,9 +329,7 @@ impl DeviceCore {
                 }
                 core.blocks.get_mut(id).next = Some(nid);
             }
-            core.pools[pool]
-                .free
-                .insert(key(b.stream.raw, size, addr), nid);
+            core.pools[pool].file_free(core.blocks.get(nid), nid);
         };
         let before = start - b.addr;
         if before > 0 {
@@ -395,10 +382,7 @@ impl DeviceCore {
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
-        let blk = self.blocks.get(id);
-        self.pools[pool]
-            .unmapped
-            .insert(unmapped_key(blk.stream.raw, blk.addr, blk.size), id);
+        self.pools[pool].file_unmapped(self.blocks.get(id), id);
     }
 
     /// Frees the reservation of segment `seg` when nothing in it is mapped any more.
@@ -427,9 +411,7 @@ impl DeviceCore {
             return Ok(()); // blocks of the segment are still in use
         }
         self.backend.va_free(self.device, DevicePtr(seg), size)?;
-        self.pools[pool]
-            .unmapped
-            .remove(&unmapped_key(b.stream.raw, b.addr, b.size));
+        self.pools[pool].unfile_unmapped(b);
         self.blocks.remove(id);
         self.expandable.remove(seg);
         self.segments.remove(&seg);

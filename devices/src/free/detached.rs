@@ -16,7 +16,6 @@
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle};
 
 use crate::blocks::block::BlockId;
-use crate::blocks::pool::key;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
@@ -94,7 +93,7 @@ impl DeviceCore {
         let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
         self.record_in(TraceAction::SegmentFree, addr, size, stream.raw, Some(pool));
         tracing::debug!(device = self.device.0, addr, size, "segment_free");
-        self.pools[pool].free.remove(&key(stream.raw, size, addr));
+        self.pools[pool].unfile_free(self.blocks.get(id));
         self.blocks.remove(id);
         self.segments.remove(&addr);
         self.budget.unreserve(size);

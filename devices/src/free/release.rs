@@ -4,7 +4,6 @@
 use gpualloc_runtime::DevicePtr;
 
 use crate::blocks::block::{BlockId, BlockState};
-use crate::blocks::pool::{key, unmapped_key};
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::ledger::trace::TraceAction;
@@ -33,13 +32,8 @@ impl DeviceCore {
         b.requested = 0;
         b.gc_base = gc_base;
         // A freed block was allocated, so it is mapped.
-        let (k, is_split, size, expandable) = (
-            key(b.stream.raw, b.size, b.addr),
-            b.is_split(),
-            b.size,
-            b.expandable,
-        );
-        self.pools[pool].free.insert(k, id);
+        let (is_split, size, expandable) = (b.is_split(), b.size, b.expandable);
+        self.pools[pool].file_free(b, id);
         if is_split {
             inactive_blocks += 1;
             inactive_bytes += size as i64;
@@ -63,14 +57,9 @@ impl DeviceCore {
         let src_block = s.clone();
         let pool = &mut self.pools[src_block.pool];
         if src_block.mapped {
-            pool.free
-                .remove(&key(src_block.stream.raw, src_block.size, src_block.addr));
+            pool.unfile_free(&src_block);
         } else {
-            pool.unmapped.remove(&unmapped_key(
-                src_block.stream.raw,
-                src_block.addr,
-                src_block.size,
-            ));
+            pool.unfile_unmapped(&src_block);
         }
         if d.prev == Some(src) {
             // [src dst]

@@ -12,7 +12,6 @@ pub(crate) mod segment_request;
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId, BlockState};
-use crate::blocks::pool::key;
 use crate::config::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::core::{AllocParams, Allocation, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
@@ -308,8 +307,8 @@ impl DeviceCore {
             rest.addr += size;
             rest.size -= size;
             rest.gc_base = gc_base;
-            let (rest_key, rest_size) = (key(rest.stream.raw, rest.size, rest.addr), rest.size);
-            self.pools[found.pool].free.insert(rest_key, id);
+            let rest_size = rest.size;
+            self.pools[found.pool].file_free(rest, id);
             if found.expandable {
                 // inactive_split is not tracked for expandable segments (as in PyTorch).
             } else if already_split {

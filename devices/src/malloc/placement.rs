@@ -65,9 +65,7 @@ impl DeviceCore {
         let Some(id) = tail else {
             return false;
         };
-        let b = self.blocks.get(id);
-        let k = key(stream, b.size, b.addr);
-        self.pools[params.pool].free.remove(&k);
+        self.pools[params.pool].unfile_free(self.blocks.get(id));
         params.block = Some(id);
         true
     }

@@ -140,8 +140,7 @@ impl DeviceCore {
             };
             (next, (size - b.size).min(self.blocks.get(next).size))
         } else {
-            let k = crate::blocks::pool::key(b.stream.raw, b.size, b.addr);
-            self.pools[params.pool].free.remove(&k);
+            self.pools[params.pool].unfile_free(b);
             params.block = Some(c);
             return Flow::Found;
         };

@@ -33,7 +33,7 @@ pub(crate) mod restore;
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::blocks::block::BlockState;
-use crate::blocks::pool::{key, unmapped_key};
+use crate::blocks::pool::key;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
 use crate::malloc::segment_request::SegmentRequest;
@@ -188,22 +188,15 @@ impl DeviceCore {
         }
         // Cut the block to the range: the parts before and after stay unmapped blocks.
         let b = self.blocks.get(id).clone();
-        let stream = b.stream.raw;
-        self.pools[pool]
-            .unmapped
-            .remove(&unmapped_key(stream, b.addr, b.size));
+        self.pools[pool].unfile_unmapped(&b);
         let mut range = id;
         if b.addr < addr {
             range = self.split_back(id, addr - b.addr);
-            self.pools[pool]
-                .unmapped
-                .insert(unmapped_key(stream, b.addr, addr - b.addr), id);
+            self.pools[pool].file_unmapped(self.blocks.get(id), id);
         }
         if end < b.addr + b.size {
             let rest = self.split_back(range, len);
-            self.pools[pool]
-                .unmapped
-                .insert(unmapped_key(stream, end, b.addr + b.size - end), rest);
+            self.pools[pool].file_unmapped(self.blocks.get(rest), rest);
         }
         match self.es_map((seg, pool, addr), len, len) {
             Ok(_) => {
@@ -328,21 +321,16 @@ impl DeviceCore {
             return;
         };
         let b = self.blocks.get(id).clone();
-        let stream = b.stream.raw;
-        self.pools[pool].free.remove(&key(stream, b.size, b.addr));
+        self.pools[pool].unfile_free(&b);
         let mut range = id;
         if b.addr < addr {
             range = self.split_back(id, addr - b.addr);
-            self.pools[pool]
-                .free
-                .insert(key(stream, addr - b.addr, b.addr), id);
+            self.pools[pool].file_free(self.blocks.get(id), id);
         }
         let end = b.addr + b.size;
         if addr + size < end {
             let rest = self.split_back(range, size);
-            self.pools[pool]
-                .free
-                .insert(key(stream, end - addr - size, addr + size), rest);
+            self.pools[pool].file_free(self.blocks.get(rest), rest);
         }
         let small = self.pools[pool].is_small;
         let blk = self.blocks.get_mut(range);

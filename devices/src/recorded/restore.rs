@@ -5,7 +5,6 @@
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId, BlockState};
-use crate::blocks::pool::key;
 use crate::core::{DeviceCore, MemPoolId, SegmentMeta, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 
@@ -124,9 +123,7 @@ impl DeviceCore {
                     self.book_allocated(pool, small, bsize, req);
                 }
                 None => {
-                    self.pools[pool]
-                        .free
-                        .insert(key(stream.raw, bsize, shift(addr)), id);
+                    self.pools[pool].file_free(self.blocks.get(id), id);
                     if split {
                         self.book_inactive_split_grew(small, 1, bsize);
                     }

@@ -117,9 +117,7 @@ impl DeviceCore {
                 raw: ORPHAN_STREAM,
             };
             self.blocks.get_mut(id).stream = orphan;
-            self.pools[pool]
-                .free
-                .insert(key(ORPHAN_STREAM, size, base), id);
+            self.pools[pool].file_free(self.blocks.get(id), id);
             if let Some(m) = self.segments.get_mut(&base) {
                 m.stream = orphan;
             }
@@ -179,9 +177,7 @@ impl DeviceCore {
         if let Some(m) = self.segments.get_mut(&base) {
             m.stream = params.stream;
         }
-        self.pools[params.pool]
-            .free
-            .insert(key(params.stream.raw, size, base), id);
+        self.pools[params.pool].file_free(self.blocks.get(id), id);
         tracing::debug!(
             device = self.device.0,
             addr = base,
