@@ -318,6 +318,172 @@ impl Replayer {
         Ok(blocks.len())
     }
 
+    /// Warm: PyTorch's state when recording began, its segments at their addresses with the
+    /// blocks alive in them (and, for a history of expandable segments, its reservations with
+    /// their mapped runs). Returns the reservations planned (see `analysis::reservations`);
+    /// allocations alive at the start that nothing holds count as warnings.
+    fn start_warm(
+        &mut self,
+        trace: &Trace,
+        initial: &[LiveAtStart],
+        capacity: u64,
+    ) -> Result<Vec<Reservation>, ReplayError> {
+        let mut plan: Vec<Reservation> = Vec::new();
+        // A snapshot that records no segment at all (none at the end, no segment events: a
+        // CPU profiler's recording) cannot say where anything was, like a log without
+        // segments.
+        let segments = start_segments(trace)
+            .filter(|s| !s.is_empty() || trace.events.iter().any(|e| e.action.changes_segments()))
+            .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
+        let mut placed = 0usize;
+        if self.core.config().expandable_segments && records_pages(trace) {
+            plan = reservations(trace, &segments, capacity + capacity / 8);
+            for res in &plan {
+                // Those with no page mapped yet are made at their first `segment_map`.
+                let inside: Vec<&StartSegment> = segments.iter().filter(|s| res.holds(s)).collect();
+                if !inside.is_empty() {
+                    placed += self.restore_reservation(res, &inside, initial, 0)?;
+                }
+            }
+        }
+        for seg in segments.iter().filter(|_| plan.is_empty()) {
+            let blocks = start_blocks(seg, initial, false);
+            let stream = self.stream(seg.stream);
+            let target = RestorePool {
+                private: self.pool(seg.pool),
+                small: seg.small,
+            };
+            self.backend.place_next(DEVICE, seg.addr);
+            let base = self
+                .core
+                .restore_segment(seg.addr, seg.size, stream, target, &blocks)
+                .map_err(|source| ReplayError::Alloc { index: 0, source })?;
+            for b in &blocks {
+                self.addrs
+                    .insert(b.addr, DevicePtr(b.addr - seg.addr + base.0));
+            }
+            placed += blocks.len();
+        }
+        self.warnings += (initial.len() - placed) as u64;
+        Ok(plan)
+    }
+
+    /// Cold: the allocations alive at the start, allocated largest first.
+    fn start_cold(&mut self, initial: &[LiveAtStart]) -> Result<(), ReplayError> {
+        // Largest first: the tightest packing of what was alive before recording began.
+        let mut order: Vec<_> = initial.iter().collect();
+        order.sort_by_key(|l| (std::cmp::Reverse(l.requested), l.addr));
+        for l in order {
+            let s = self.stream(l.stream);
+            let pool = self.pool(l.pool);
+            match self.malloc_in(pool, l.requested, s) {
+                Ok(a) => {
+                    self.addrs.insert(l.addr, a.ptr);
+                }
+                Err(e) if e.is_oom() => self.warnings += 1,
+                Err(source) => return Err(ReplayError::Alloc { index: 0, source }),
+            }
+        }
+        Ok(())
+    }
+
+    /// The trace's `alloc` at `i`: a malloc (as the history shows its miss, warm), its
+    /// address compared with PyTorch's (warm: `compared` counts (matched, compared); the
+    /// first mismatch goes in the report), and placed where PyTorch's pending
+    /// `segment_alloc` of its size put a new segment.
+    fn alloc(
+        &mut self,
+        trace: &Trace,
+        i: usize,
+        options: &ReplayOptions,
+        pending_segments: &mut HashMap<u64, VecDeque<u64>>,
+        report: &mut ReplayReport,
+        compared: &mut (u64, u64),
+    ) -> Result<(), ReplayError> {
+        let e = &trace.events[i];
+        if self.addrs.contains_key(&e.addr) {
+            // An address allocated twice without a free between: PyTorch's viewer
+            // takes the first as freed; so does the replay, and counts a warning.
+            self.warnings += 1;
+            self.free(e.addr, false);
+        }
+        let stream = self.stream(e.stream);
+        let pool = self.pool(event_pool(e));
+        // Warm: place a new segment where PyTorch's pending segment_alloc of the same
+        // size put it. Cold replays skip this bookkeeping (and its backend locks).
+        let placement = if pending_segments.is_empty() {
+            None
+        } else {
+            round_size(e.size, &options.config)
+                .and_then(|rounded| allocation_size(rounded, &options.config))
+                .and_then(|size| {
+                    pending_segments
+                        .get(&size)
+                        .and_then(|q| q.front().copied())
+                        .map(|a| (size, a))
+                })
+        };
+        let mallocs_before = if options.warm {
+            self.backend.counts().mallocs
+        } else {
+            0
+        };
+        // A new ordinary segment goes where PyTorch's was.
+        let want = placement.map(|(_, addr)| addr);
+        if let Some(addr) = want {
+            self.backend.place_next(DEVICE, addr);
+        }
+        let result = if options.warm && served_by_new_segment(trace, i) {
+            self.malloc_new_segment(pool, e.size, stream)
+        } else if options.warm && e.passed_over {
+            self.malloc_passed_over(pool, e.size, stream)
+        } else {
+            self.malloc_in(pool, e.size, stream)
+        };
+        let mut new_segment = false;
+        if options.warm {
+            new_segment = self.backend.counts().mallocs > mallocs_before;
+        }
+        if want.is_some() {
+            self.backend.clear_placement(DEVICE);
+        }
+        if let Some((size, _)) = placement {
+            if new_segment {
+                if let Some(q) = pending_segments.get_mut(&size) {
+                    q.pop_front();
+                    if q.is_empty() {
+                        pending_segments.remove(&size);
+                    }
+                }
+            }
+        }
+        match result {
+            Ok(a) => {
+                if options.warm {
+                    compared.1 += 1;
+                    if a.ptr.0 == e.addr {
+                        compared.0 += 1;
+                    } else if report.first_mismatch.is_none() {
+                        let torch_new = i > 0 && trace.events[i - 1].action == Action::SegmentAlloc;
+                        report.first_mismatch = Some(Mismatch::describe(
+                            i,
+                            e.size,
+                            a.ptr.0,
+                            e.addr,
+                            new_segment,
+                            torch_new,
+                            a.block_size,
+                        ));
+                    }
+                }
+                self.addrs.insert(e.addr, a.ptr);
+            }
+            Err(err) if err.is_oom() => {}
+            Err(source) => return Err(ReplayError::Alloc { index: i, source }),
+        }
+        Ok(())
+    }
+
     fn free(&mut self, torch_addr: u64, deferred: bool) {
         let Some(ptr) = self.addrs.remove(&torch_addr) else {
             self.warnings += 1;
@@ -392,64 +558,15 @@ pub fn replay_core(
         recorded_pools: trace.pools.clone(),
     };
     let (initial, unexplained) = live_at_start(trace);
-    // Warm, expandable history: the reservations to make (see `analysis::reservations`).
-    let mut reservations_plan: Vec<Reservation> = Vec::new();
     r.warnings += unexplained;
     let torch = torch_figures(trace, &initial);
-
-    if options.warm {
-        // A snapshot that records no segment at all (none at the end, no segment events: a
-        // CPU profiler's recording) cannot say where anything was, like a log without
-        // segments.
-        let segments = start_segments(trace)
-            .filter(|s| !s.is_empty() || trace.events.iter().any(|e| e.action.changes_segments()))
-            .ok_or_else(|| ReplayError::NoSegments(trace.name.clone()))?;
-        let mut placed = 0usize;
-        if r.core.config().expandable_segments && records_pages(trace) {
-            reservations_plan = reservations(trace, &segments, capacity + capacity / 8);
-            for res in &reservations_plan {
-                // Those with no page mapped yet are made at their first `segment_map`.
-                let inside: Vec<&StartSegment> = segments.iter().filter(|s| res.holds(s)).collect();
-                if !inside.is_empty() {
-                    placed += r.restore_reservation(res, &inside, &initial, 0)?;
-                }
-            }
-        }
-        for seg in segments.iter().filter(|_| reservations_plan.is_empty()) {
-            let blocks = start_blocks(seg, &initial, false);
-            let stream = r.stream(seg.stream);
-            let target = RestorePool {
-                private: r.pool(seg.pool),
-                small: seg.small,
-            };
-            r.backend.place_next(DEVICE, seg.addr);
-            let base = r
-                .core
-                .restore_segment(seg.addr, seg.size, stream, target, &blocks)
-                .map_err(|source| ReplayError::Alloc { index: 0, source })?;
-            for b in &blocks {
-                r.addrs
-                    .insert(b.addr, DevicePtr(b.addr - seg.addr + base.0));
-            }
-            placed += blocks.len();
-        }
-        r.warnings += (initial.len() - placed) as u64;
+    // Warm, expandable history: the reservations to make (see `analysis::reservations`).
+    let reservations_plan = if options.warm {
+        r.start_warm(trace, &initial, capacity)?
     } else {
-        // Largest first: the tightest packing of what was alive before recording began.
-        let mut order: Vec<_> = initial.iter().collect();
-        order.sort_by_key(|l| (std::cmp::Reverse(l.requested), l.addr));
-        for l in order {
-            let s = r.stream(l.stream);
-            let pool = r.pool(l.pool);
-            match r.malloc_in(pool, l.requested, s) {
-                Ok(a) => {
-                    r.addrs.insert(l.addr, a.ptr);
-                }
-                Err(e) if e.is_oom() => r.warnings += 1,
-                Err(source) => return Err(ReplayError::Alloc { index: 0, source }),
-            }
-        }
-    }
+        r.start_cold(&initial)?;
+        Vec::new()
+    };
 
     // A warm replay's start state is the recording's, not the replay's: its pages are not
     // counted. (A cold replay counts what it allocated for the allocations alive at the
@@ -468,7 +585,8 @@ pub fn replay_core(
         // events of a release.
         r.core.record_history(Some(2 * trace.events.len() + 1024));
     }
-    let (mut matched, mut compared) = (0u64, 0u64);
+    // Warm: addresses that matched PyTorch's, and addresses compared.
+    let mut compared = (0u64, 0u64);
     // PyTorch's own reserved bytes as the trace goes, for the plot's reference line.
     let mut torch_reserved = report.torch.start_reserved;
     let started = Instant::now();
@@ -518,89 +636,14 @@ pub fn replay_core(
                         .push_back(e.addr);
                 }
             }
-            Action::Alloc => {
-                if r.addrs.contains_key(&e.addr) {
-                    // An address allocated twice without a free between: PyTorch's viewer
-                    // takes the first as freed; so does the replay, and counts a warning.
-                    r.warnings += 1;
-                    r.free(e.addr, false);
-                }
-                let stream = r.stream(e.stream);
-                let pool = r.pool(event_pool(e));
-                // Warm: place a new segment where PyTorch's pending segment_alloc of the same
-                // size put it. Cold replays skip this bookkeeping (and its backend locks).
-                let placement = if pending_segments.is_empty() {
-                    None
-                } else {
-                    round_size(e.size, &options.config)
-                        .and_then(|rounded| allocation_size(rounded, &options.config))
-                        .and_then(|size| {
-                            pending_segments
-                                .get(&size)
-                                .and_then(|q| q.front().copied())
-                                .map(|a| (size, a))
-                        })
-                };
-                let mallocs_before = if options.warm {
-                    r.backend.counts().mallocs
-                } else {
-                    0
-                };
-                // A new ordinary segment goes where PyTorch's was.
-                let want = placement.map(|(_, addr)| addr);
-                if let Some(addr) = want {
-                    r.backend.place_next(DEVICE, addr);
-                }
-                let result = if options.warm && served_by_new_segment(trace, i) {
-                    r.malloc_new_segment(pool, e.size, stream)
-                } else if options.warm && e.passed_over {
-                    r.malloc_passed_over(pool, e.size, stream)
-                } else {
-                    r.malloc_in(pool, e.size, stream)
-                };
-                let mut new_segment = false;
-                if options.warm {
-                    new_segment = r.backend.counts().mallocs > mallocs_before;
-                }
-                if want.is_some() {
-                    r.backend.clear_placement(DEVICE);
-                }
-                if let Some((size, _)) = placement {
-                    if new_segment {
-                        if let Some(q) = pending_segments.get_mut(&size) {
-                            q.pop_front();
-                            if q.is_empty() {
-                                pending_segments.remove(&size);
-                            }
-                        }
-                    }
-                }
-                match result {
-                    Ok(a) => {
-                        if options.warm {
-                            compared += 1;
-                            if a.ptr.0 == e.addr {
-                                matched += 1;
-                            } else if report.first_mismatch.is_none() {
-                                let torch_new =
-                                    i > 0 && trace.events[i - 1].action == Action::SegmentAlloc;
-                                report.first_mismatch = Some(Mismatch::describe(
-                                    i,
-                                    e.size,
-                                    a.ptr.0,
-                                    e.addr,
-                                    new_segment,
-                                    torch_new,
-                                    a.block_size,
-                                ));
-                            }
-                        }
-                        r.addrs.insert(e.addr, a.ptr);
-                    }
-                    Err(err) if err.is_oom() => {}
-                    Err(source) => return Err(ReplayError::Alloc { index: i, source }),
-                }
-            }
+            Action::Alloc => r.alloc(
+                trace,
+                i,
+                options,
+                &mut pending_segments,
+                &mut report,
+                &mut compared,
+            )?,
             Action::FreeRequested => r.free(e.addr, deferred.contains(&i)),
             Action::FreeCompleted => {
                 if let Some(s) = r.deferred.remove(&e.addr) {
@@ -686,7 +729,7 @@ pub fn replay_core(
         f64::INFINITY
     };
     if options.warm {
-        report.address_match = Some((matched, compared));
+        report.address_match = Some(compared);
     }
     Ok((report, r.core))
 }
