@@ -20,7 +20,6 @@
 //! snapshots, invariants), `streams/`, `recorded/` (ARCHITECTURE.md has the table). Nothing
 //! here reads a clock or blocks on anything but the backend.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
@@ -28,6 +27,7 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
 use crate::blocks::block::{BlockArena, BlockId};
 use crate::blocks::live::LiveBlocks;
 use crate::blocks::pool::{BlockPool, PoolOwner};
+use crate::blocks::segment_table::{SegmentMeta, SegmentTable};
 use crate::budget::Budget;
 use crate::config::AllocatorConfig;
 use crate::error::AllocError;
@@ -98,7 +98,7 @@ pub struct DeviceCore {
     /// Allocated blocks by address, and those described for export to another process.
     pub(crate) active: LiveBlocks,
     /// Segments by base address (an expandable segment's whole reservation).
-    pub(crate) segments: BTreeMap<u64, SegmentMeta>,
+    pub(crate) segments: SegmentTable,
     /// Expandable segments by base address.
     pub(crate) expandable: ExpandableSegments,
     /// What the core holds from the backend, what is being obtained off it, and the
@@ -131,14 +131,6 @@ pub struct RuleKnobs {
     pub tie_break_high_address: bool,
 }
 
-/// What the core remembers of a segment.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct SegmentMeta {
-    pub size: u64,
-    pub pool: usize,
-    pub stream: StreamHandle,
-}
-
 pub(crate) const SMALL_POOL: usize = 0;
 pub(crate) const LARGE_POOL: usize = 1;
 
@@ -168,7 +160,7 @@ impl DeviceCore {
             ],
             private: PrivatePools::new(),
             active: LiveBlocks::default(),
-            segments: BTreeMap::new(),
+            segments: SegmentTable::default(),
             expandable: ExpandableSegments::default(),
             budget,
             pending: PendingFrees::default(),

@@ -5,3 +5,4 @@ pub(crate) mod block;
 pub(crate) mod live;
 pub(crate) mod pool;
 pub(crate) mod pool_id;
+pub(crate) mod segment_table;

@@ -189,7 +189,7 @@ impl DeviceCore {
     /// shutdown and this was its last off-core operation.
     fn end_growth(&mut self, plan: &GrowthPlan) -> Option<(DevicePtr, u64)> {
         self.budget.unclaim(plan.len);
-        if let Some(pool) = self.segments.get(&plan.seg).map(|m| m.pool) {
+        if let Some(pool) = self.segments.pool_of(plan.seg) {
             self.claim_for_pool(pool, plan.len, false);
         }
         self.end_off_core(plan.seg)

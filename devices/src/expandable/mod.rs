@@ -13,7 +13,8 @@ use std::collections::BTreeMap;
 use gpualloc_runtime::{BackendError, DeviceId, DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId, BlockState};
-use crate::core::{DeviceCore, SegmentMeta};
+use crate::blocks::segment_table::SegmentMeta;
+use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::expandable::segment::{map_pages, Booking, ExpandableSegment};
 use crate::ledger::trace::TraceAction;
@@ -414,7 +415,7 @@ impl DeviceCore {
         self.pools[pool].unfile_unmapped(b);
         self.blocks.remove(id);
         self.expandable.remove(seg);
-        self.segments.remove(&seg);
+        self.segments.remove(seg);
         Ok(())
     }
 
@@ -444,7 +445,7 @@ impl DeviceCore {
             } else if let Err(e) = self.backend.va_free(self.device, DevicePtr(seg), es.size()) {
                 first_err.get_or_insert(AllocError::Backend(e));
             }
-            self.segments.remove(&seg);
+            self.segments.remove(seg);
         }
         first_err
     }

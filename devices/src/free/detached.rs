@@ -95,7 +95,7 @@ impl DeviceCore {
         tracing::debug!(device = self.device.0, addr, size, "segment_free");
         self.pools[pool].unfile_free(self.blocks.get(id));
         self.blocks.remove(id);
-        self.segments.remove(&addr);
+        self.segments.remove(addr);
         self.budget.unreserve(size);
         let small = self.pools[pool].is_small;
         self.book_segment_stats(pool, small, size, false);

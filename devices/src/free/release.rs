@@ -282,7 +282,7 @@ impl DeviceCore {
         if let Some(e) = self.release_all_expandable() {
             first_err.get_or_insert(e);
         }
-        let segments: Vec<u64> = self.segments.keys().copied().collect();
+        let segments: Vec<u64> = self.segments.bases();
         for addr in segments {
             if let Err(e) = self.backend.free(self.device, DevicePtr(addr)) {
                 first_err.get_or_insert(AllocError::Backend(e));

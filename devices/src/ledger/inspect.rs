@@ -89,7 +89,7 @@ impl DeviceCore {
             by_segment.entry(b.segment).or_default().push(id);
         }
         let mut segments = Vec::with_capacity(self.segments.len());
-        for (&base, meta) in &self.segments {
+        for (&base, meta) in self.segments.iter() {
             let mut ids = by_segment.remove(&base).unwrap_or_default();
             ids.sort_by_key(|&id| self.blocks.get(id).addr);
             let asleep = self
@@ -211,7 +211,7 @@ impl DeviceCore {
         };
         let mut free_seen = 0usize;
         let mut pending_blocks = 0usize;
-        for (&base, meta) in &self.segments {
+        for (&base, meta) in self.segments.iter() {
             let small = self.pools[meta.pool].is_small;
             let es = self.expandable.get(base);
             match es {

@@ -15,7 +15,7 @@ impl DeviceCore {
     /// each stretch of mapped pages of an expandable segment.
     pub fn segment_ranges(&self) -> Vec<SegmentRange> {
         let mut out = Vec::new();
-        for (&base, meta) in &self.segments {
+        for (&base, meta) in self.segments.iter() {
             let pool = self.owner_of(meta.pool);
             let stream = meta.stream.raw;
             match self.expandable.get(base) {
@@ -58,9 +58,7 @@ impl DeviceCore {
         };
         let pool = self
             .segments
-            .range(..=addr)
-            .next_back()
-            .filter(|(base, meta)| addr < *base + meta.size)
+            .holding(addr)
             .and_then(|(_, meta)| self.owner_of(meta.pool));
         self.send_event(action, addr, size, stream, pool);
     }

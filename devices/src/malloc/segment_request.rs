@@ -5,7 +5,8 @@
 use gpualloc_runtime::DevicePtr;
 
 use crate::blocks::block::Block;
-use crate::core::{AllocParams, Allocation, DeviceCore, SegmentMeta};
+use crate::blocks::segment_table::SegmentMeta;
+use crate::core::{AllocParams, Allocation, DeviceCore};
 use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 

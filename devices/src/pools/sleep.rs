@@ -208,7 +208,7 @@ impl DeviceCore {
             .expandable
             .bases()
             .into_iter()
-            .filter(|s| self.segments.get(s).is_some_and(|m| own.contains(&m.pool)))
+            .filter(|&s| self.segments.pool_of(s).is_some_and(|p| own.contains(&p)))
             .collect();
         if segs.iter().any(|&s| self.expandable.is_busy(s)) {
             return Err(AllocError::PoolBusy {
@@ -351,7 +351,7 @@ impl DeviceCore {
         for (&seg, es) in self.expandable.iter() {
             if !self
                 .segments
-                .get(&seg)
+                .get(seg)
                 .is_some_and(|m| own.contains(&m.pool))
             {
                 continue;
@@ -477,7 +477,7 @@ impl DeviceCore {
 
     /// [`DeviceCore::book_pages`] for pages of segment `seg`.
     fn book_segment_pages(&mut self, seg: u64, start: u64, len: u64, booking: Booking) {
-        if let Some(meta) = self.segments.get(&seg).copied() {
+        if let Some(meta) = self.segments.get(seg).copied() {
             self.book_pages(meta.pool, meta.stream.raw, start, len, booking);
         }
     }

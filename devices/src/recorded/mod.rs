@@ -88,7 +88,7 @@ impl DeviceCore {
         if self.expandable.contains(base) {
             return Ok(false);
         }
-        let Some(meta) = self.segments.get(&base) else {
+        let Some(meta) = self.segments.get(base) else {
             return Ok(false);
         };
         // A free block as large as its segment, at its base, is the whole segment.
@@ -139,7 +139,7 @@ impl DeviceCore {
         if covered != last - first {
             return Ok(false);
         }
-        let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
+        let Some(pool) = self.segments.pool_of(seg) else {
             return Ok(false);
         };
         let found = self.pools[pool].free.values().copied().find(|&id| {
@@ -169,7 +169,7 @@ impl DeviceCore {
         let Some((seg, end)) = self.recorded_range(addr, len) else {
             return Ok(false);
         };
-        let Some(pool) = self.segments.get(&seg).map(|m| m.pool) else {
+        let Some(pool) = self.segments.pool_of(seg) else {
             return Ok(false);
         };
         let found = self.pools[pool].unmapped.values().copied().find(|&id| {

@@ -5,7 +5,8 @@
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId, BlockState};
-use crate::core::{DeviceCore, MemPoolId, SegmentMeta, LARGE_POOL, SMALL_POOL};
+use crate::blocks::segment_table::SegmentMeta;
+use crate::core::{DeviceCore, MemPoolId, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 
 /// A live block of a segment to restore.

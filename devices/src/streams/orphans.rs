@@ -118,7 +118,7 @@ impl DeviceCore {
             };
             self.blocks.get_mut(id).stream = orphan;
             self.pools[pool].file_free(self.blocks.get(id), id);
-            if let Some(m) = self.segments.get_mut(&base) {
+            if let Some(m) = self.segments.get_mut(base) {
                 m.stream = orphan;
             }
             tracing::debug!(
@@ -174,7 +174,7 @@ impl DeviceCore {
         let (size, base) = (k.1, k.2);
         self.pools[params.pool].free.remove(&k);
         self.blocks.get_mut(id).stream = params.stream;
-        if let Some(m) = self.segments.get_mut(&base) {
+        if let Some(m) = self.segments.get_mut(base) {
             m.stream = params.stream;
         }
         self.pools[params.pool].file_free(self.blocks.get(id), id);
@@ -199,6 +199,6 @@ impl DeviceCore {
 
     /// True while a segment of the device belongs to `stream`.
     fn names_segment(&self, stream: StreamHandle) -> bool {
-        self.segments.values().any(|m| m.stream == stream)
+        self.segments.names_stream(stream)
     }
 }
