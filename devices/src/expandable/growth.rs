@@ -160,7 +160,7 @@ impl DeviceCore {
         b.state = BlockState::Mapping;
         self.budget.claim(len);
         self.claim_for_pool(pool, len, true);
-        self.begin_off_core(seg);
+        self.expandable.begin_work(seg);
         Some(GrowthPlan {
             block: id,
             seg,
@@ -192,18 +192,7 @@ impl DeviceCore {
         if let Some(pool) = self.segments.pool_of(plan.seg) {
             self.claim_for_pool(pool, plan.len, false);
         }
-        self.end_off_core(plan.seg)
-    }
-
-    /// An off-core operation on segment `seg` starts: its reservation stays until it ends.
-    pub(crate) fn begin_off_core(&mut self, seg: u64) {
-        self.expandable.begin_work(seg);
-    }
-
-    /// An off-core operation on `seg` ended; the reservation to free if a shutdown orphaned it
-    /// and this was the last.
-    pub(crate) fn end_off_core(&mut self, seg: u64) -> Option<(DevicePtr, u64)> {
-        self.expandable.end_work(seg)
+        self.expandable.end_work(plan.seg)
     }
 
     /// Step 3: books the pages [`map_growth`] mapped as a free block of the segment (when it

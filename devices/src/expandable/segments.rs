@@ -75,12 +75,6 @@ impl ExpandableSegments {
         self.by_base.values()
     }
 
-    /// Forgets every segment (the core's books are gone: a shutdown); operations under way
-    /// and orphaned reservations stay, for their operations to finish.
-    pub(crate) fn clear(&mut self) {
-        self.by_base.clear();
-    }
-
     /// An off-core operation on segment `seg` starts: its reservation stays until it ends.
     pub(crate) fn begin_work(&mut self, seg: u64) {
         *self.busy.entry(seg).or_insert(0) += 1;

@@ -81,7 +81,7 @@ impl DeviceCore {
                 continue;
             }
             self.book_unmapped(id, mapped.start, mapped.bytes(), true);
-            self.begin_off_core(seg);
+            self.expandable.begin_work(seg);
             out.push(PageRelease {
                 block: id,
                 seg,
@@ -99,7 +99,7 @@ impl DeviceCore {
         &mut self,
         release: PageRelease,
     ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
-        let reservation = self.end_off_core(release.seg);
+        let reservation = self.expandable.end_work(release.seg);
         let id = release.block;
         let live = !self.shut_down
             && self.blocks.contains(id)

@@ -300,7 +300,6 @@ impl DeviceCore {
             pool.free.clear();
             pool.unmapped.clear();
         }
-        self.expandable.clear();
         self.budget.release_all();
         first_err.map_or(Ok(()), Err)
     }

@@ -86,8 +86,12 @@ impl DeviceCore {
     /// back when nothing fits.
     pub fn malloc_passed_over(
         &mut self,
-        request: SegmentRequest,
+        mut request: SegmentRequest,
     ) -> Result<Allocation, SegmentRequest> {
-        self.serve_from_cache(request, Self::take_passed_over)
+        if !self.take_passed_over(&mut request.params) {
+            return Err(request);
+        }
+        let size = request.size;
+        self.finish(&request.params, size).map_err(|_| request)
     }
 }

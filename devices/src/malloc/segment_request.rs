@@ -6,7 +6,7 @@ use gpualloc_runtime::DevicePtr;
 
 use crate::blocks::block::Block;
 use crate::blocks::segment_table::SegmentMeta;
-use crate::core::{AllocParams, Allocation, DeviceCore};
+use crate::core::{AllocParams, DeviceCore};
 use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
 
@@ -45,20 +45,6 @@ impl SegmentRequest {
 }
 
 impl DeviceCore {
-    /// For a miss an owner handles off the core: `take` looks for a block for the request in
-    /// the cache (into its params); `Err` gives the request back when it finds none.
-    pub(crate) fn serve_from_cache(
-        &mut self,
-        mut request: SegmentRequest,
-        take: impl FnOnce(&mut Self, &mut AllocParams) -> bool,
-    ) -> Result<Allocation, SegmentRequest> {
-        if !take(self, &mut request.params) {
-            return Err(request);
-        }
-        let size = request.size;
-        self.finish(&request.params, size).map_err(|_| request)
-    }
-
     /// Takes a freshly allocated segment of `params.alloc_size` bytes into the books.
     pub(crate) fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
         let size = params.alloc_size;

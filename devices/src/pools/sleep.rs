@@ -259,7 +259,7 @@ impl DeviceCore {
             for (first, n) in es.mapped_stretches() {
                 pages.push((seg, first, es.take_runs_inside(first, first + n)));
             }
-            self.begin_off_core(seg);
+            self.expandable.begin_work(seg);
         }
         for (seg, _, m) in &pages {
             self.book_segment_pages(*seg, m.start, m.bytes(), Booking::Released);
@@ -287,7 +287,7 @@ impl DeviceCore {
         let mut bytes = 0;
         for (seg, _, m) in &plan.pages {
             bytes += m.bytes();
-            if let Some(r) = self.end_off_core(*seg) {
+            if let Some(r) = self.expandable.end_work(*seg) {
                 left.reservations.push(r);
             }
         }
@@ -308,7 +308,7 @@ impl DeviceCore {
         self.pending.give_back(plan.events);
         let mut left = self.leftovers();
         for (seg, first, m) in plan.pages {
-            if let Some(r) = self.end_off_core(seg) {
+            if let Some(r) = self.expandable.end_work(seg) {
                 left.reservations.push(r);
             }
             // A shutdown meanwhile took the segment out of the books (`release_all_expandable`).
@@ -380,7 +380,7 @@ impl DeviceCore {
         }
         self.budget.claim(bytes);
         for r in &runs {
-            self.begin_off_core(r.seg);
+            self.expandable.begin_work(r.seg);
         }
         self.set_state(pool, PoolState::Waking);
         Ok(Some(WakePlan {
@@ -448,7 +448,7 @@ impl DeviceCore {
         self.budget.unclaim(plan.bytes);
         let mut left = self.leftovers();
         for r in &plan.runs {
-            if let Some(res) = self.end_off_core(r.seg) {
+            if let Some(res) = self.expandable.end_work(r.seg) {
                 left.reservations.push(res);
             }
         }

@@ -39,6 +39,13 @@ use crate::error::AllocError;
 use crate::malloc::segment_request::SegmentRequest;
 use crate::recorded::restore::{RestorePool, RestoredBlock};
 
+/// A recorded map or unmap's range inside an expandable segment (`recorded_range`).
+struct RecordedRange {
+    seg: u64,
+    pool: usize,
+    end: u64,
+}
+
 impl DeviceCore {
     /// The request a miss of `size` bytes on `stream` makes (its rounded size, segment size
     /// and pool), made without looking in the cache or processing events. Finish it like a
@@ -101,16 +108,28 @@ impl DeviceCore {
     }
 
     /// The expandable segment holding `[addr, addr + len)` as whole pages, in a pool that is
-    /// awake, and the range's end; None for anything else (a recorded map or unmap of it
-    /// changes nothing).
-    fn recorded_range(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
-        let end = addr.checked_add(len).filter(|_| len > 0)?;
-        let (seg, es) = self
+    /// awake: its base and block pool, and the range's end. `Err(Shutdown)` on a core that
+    /// shut down; `Ok(None)` for anything else (a recorded map or unmap of it changes
+    /// nothing).
+    fn recorded_range(&self, addr: u64, len: u64) -> Result<Option<RecordedRange>, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let Some(end) = addr.checked_add(len).filter(|_| len > 0) else {
+            return Ok(None);
+        };
+        let Some((seg, es)) = self
             .expandable
             .at_or_below(addr)
-            .filter(|(base, es)| end <= base + es.size() && es.slept.is_none())?;
+            .filter(|(base, es)| end <= base + es.size() && es.slept.is_none())
+        else {
+            return Ok(None);
+        };
         let whole_pages = (addr - seg) % es.page == 0 && len % es.page == 0;
-        whole_pages.then_some((seg, end))
+        let pool = self.segments.pool_of(seg);
+        Ok(pool
+            .filter(|_| whole_pages)
+            .map(|pool| RecordedRange { seg, pool, end }))
     }
 
     /// Unmaps the pages `[addr, addr + len)` of an expandable segment, as a `segment_unmap` of
@@ -120,10 +139,7 @@ impl DeviceCore {
     /// one free mapped block (of a pool that is awake) that physical handles cover exactly: a
     /// handle reaching out of the range cannot be released in part.
     pub fn unmap_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        if self.shut_down {
-            return Err(AllocError::Shutdown);
-        }
-        let Some((seg, end)) = self.recorded_range(addr, len) else {
+        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
             return Ok(false);
         };
         let Some(es) = self.expandable.get(seg) else {
@@ -139,9 +155,6 @@ impl DeviceCore {
         if covered != last - first {
             return Ok(false);
         }
-        let Some(pool) = self.segments.pool_of(seg) else {
-            return Ok(false);
-        };
         let found = self.pools[pool].free.values().copied().find(|&id| {
             let b = self.blocks.get(id);
             b.segment == seg && b.mapped && b.addr <= addr && end <= b.addr + b.size
@@ -163,13 +176,7 @@ impl DeviceCore {
     /// `per_process_memory_fraction` or a pool's quota, or when the device has no memory for
     /// it.
     pub fn map_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        if self.shut_down {
-            return Err(AllocError::Shutdown);
-        }
-        let Some((seg, end)) = self.recorded_range(addr, len) else {
-            return Ok(false);
-        };
-        let Some(pool) = self.segments.pool_of(seg) else {
+        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
             return Ok(false);
         };
         let found = self.pools[pool].unmapped.values().copied().find(|&id| {
