@@ -17,6 +17,7 @@
 
 use std::os::fd::OwnedFd;
 
+use crate::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 use crate::error::Result;
 use crate::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
@@ -171,6 +172,55 @@ pub trait Backend: Send + Sync + 'static {
     /// Destroys an event; a pending record still completes for the streams waiting on it.
     fn event_destroy(&self, event: EventHandle) -> Result<()>;
 
+    // ---- stream capture and graphs (see `crate::capture`) ----
+
+    /// Begins capturing `stream` in `mode` (`cuStreamBeginCapture`): work enqueued on it (and
+    /// on streams that wait on events recorded in it) is recorded into a graph, not run.
+    /// A backend without graphs answers `NotSupported`.
+    fn stream_begin_capture(&self, stream: StreamHandle, mode: CaptureMode) -> Result<()> {
+        let _ = (stream, mode);
+        Err(no_graphs(self.name()))
+    }
+    /// Ends the capture begun on `stream` and returns its graph (`cuStreamEndCapture`).
+    fn stream_end_capture(&self, stream: StreamHandle) -> Result<GraphHandle> {
+        let _ = stream;
+        Err(no_graphs(self.name()))
+    }
+    /// Whether `stream` is capturing (`cuStreamGetCaptureInfo`). A backend without graphs
+    /// never captures: `CaptureStatus::None`.
+    fn stream_capture_status(&self, stream: StreamHandle) -> Result<CaptureStatus> {
+        let _ = stream;
+        Ok(CaptureStatus::None)
+    }
+    /// Sets the calling thread's capture mode and returns the one it replaces
+    /// (`cuThreadExchangeStreamCaptureMode`). A backend without graphs has no modes to
+    /// keep: it answers `Global`, every thread's default, and keeps nothing.
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        let _ = mode;
+        Ok(CaptureMode::Global)
+    }
+    /// Makes a captured graph runnable (`cuGraphInstantiate`).
+    fn graph_instantiate(&self, graph: GraphHandle) -> Result<GraphExecHandle> {
+        let _ = graph;
+        Err(no_graphs(self.name()))
+    }
+    /// Enqueues the whole graph on `stream` as one unit of work (`cuGraphLaunch`).
+    fn graph_launch(&self, exec: GraphExecHandle, stream: StreamHandle) -> Result<()> {
+        let _ = (exec, stream);
+        Err(no_graphs(self.name()))
+    }
+    /// Destroys a captured graph (`cuGraphDestroy`); its instantiations live on.
+    fn graph_destroy(&self, graph: GraphHandle) -> Result<()> {
+        let _ = graph;
+        Err(no_graphs(self.name()))
+    }
+    /// Destroys an instantiated graph (`cuGraphExecDestroy`); launches already enqueued
+    /// still run.
+    fn graph_exec_destroy(&self, exec: GraphExecHandle) -> Result<()> {
+        let _ = exec;
+        Err(no_graphs(self.name()))
+    }
+
     // ---- pinned and registered host memory ----
 
     /// Allocates `size` bytes of page-locked host memory (`cuMemHostAlloc`).
@@ -238,4 +288,11 @@ pub trait Backend: Send + Sync + 'static {
     fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr>;
     /// Closes what [`Backend::ipc_open_mem_handle`] opened.
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()>;
+}
+
+/// What a backend without stream capture and graphs answers to their calls.
+fn no_graphs(backend: &str) -> crate::error::BackendError {
+    crate::error::BackendError::NotSupported(format!(
+        "stream capture and graphs on the {backend} backend"
+    ))
 }

@@ -61,6 +61,10 @@ pub enum BackendError {
         /// The error that lost it, e.g. `CUDA_ERROR_ILLEGAL_ADDRESS (driver error 700)`.
         cause: String,
     },
+    /// The call was refused for a stream capture's sake (the driver's 900–908), see
+    /// [`crate::capture`].
+    #[error("stream capture: {0}")]
+    Capture(crate::capture::CaptureError),
     /// A backend call was failed on purpose by the sim's fault injection.
     #[error("injected fault in {0}")]
     Injected(&'static str),
@@ -76,6 +80,14 @@ impl BackendError {
     /// True for [`BackendError::DeviceLost`]: the device can do no more work.
     pub fn is_device_lost(&self) -> bool {
         matches!(self, BackendError::DeviceLost { .. })
+    }
+
+    /// The capture error, for [`BackendError::Capture`].
+    pub fn capture(&self) -> Option<crate::capture::CaptureError> {
+        match self {
+            BackendError::Capture(e) => Some(*e),
+            _ => None,
+        }
     }
 
     /// Shorthand for an [`BackendError::InvalidValue`].

@@ -13,6 +13,7 @@
 
 pub mod addr_map;
 pub mod backend;
+pub mod capture;
 pub mod completion;
 pub mod error;
 pub mod guarded;
@@ -24,6 +25,7 @@ pub mod sync;
 pub mod types;
 
 pub use backend::Backend;
+pub use capture::{CaptureError, CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
 pub use guarded::guarded;

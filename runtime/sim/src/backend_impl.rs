@@ -10,6 +10,7 @@ use crate::os::{self, Mapping};
 use crate::queue::{SimEvent, SimStream};
 use crate::{host, latency, lock, Op, SimBackend};
 use gpualloc_runtime::backend::Backend;
+use gpualloc_runtime::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 use gpualloc_runtime::error::{BackendError, Result};
 use gpualloc_runtime::release_hooks::{Release, ReleaseHooks};
 use gpualloc_runtime::types::{
@@ -154,6 +155,7 @@ impl Backend for SimBackend {
             }
             streams.remove(&stream.raw)
         };
+        self.captures.stream_destroyed(stream.raw);
         if let Some(s) = s {
             s.shutdown();
         }
@@ -165,11 +167,14 @@ impl Backend for SimBackend {
         self.enter(Op::StreamSynchronize)?;
         let (shared, _tx) = self.stream(stream)?;
         drop(_tx);
+        self.captures.check_stream_sync(shared.raw)?;
         shared.synchronize()
     }
 
     fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
         self.enter(Op::StreamQuery)?;
+        self.stream(stream)?;
+        self.captures.check_stream_sync(stream.raw)?;
         self.stream_idle(stream)
     }
 
@@ -177,6 +182,12 @@ impl Backend for SimBackend {
         self.enter(Op::StreamWaitEvent)?;
         let (shared, tx) = self.stream(stream)?;
         let ev = self.event(event)?;
+        if let Some(captured) = self
+            .captures
+            .wait_event(shared.device, shared.raw, event.raw)
+        {
+            return captured;
+        }
         let seq = ev.last();
         if let Some((other, task)) = ev.last_at() {
             if other != shared.raw {
@@ -225,6 +236,11 @@ impl Backend for SimBackend {
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
         self.enter(Op::LaunchHostFunc)?;
         let (shared, tx) = self.stream(stream)?;
+        if self.captures.status(shared.raw).is_capturing() {
+            return Err(BackendError::NotSupported(
+                "a host function on a capturing stream (the sim's host functions run once)".into(),
+            ));
+        }
         latency::pay(self.latency().launch);
         shared.enqueue(
             &tx,
@@ -312,6 +328,9 @@ impl Backend for SimBackend {
                 ev.device, shared.device
             )));
         }
+        if let Some(captured) = self.captures.record_event(event.raw, shared.raw) {
+            return captured;
+        }
         let seq = ev.begin_record();
         let completer = ev.clone();
         latency::pay(self.latency().event);
@@ -336,15 +355,13 @@ impl Backend for SimBackend {
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        self.enter(Op::EventQuery)?;
-        let ev = self.event(event)?;
+        let ev = self.enter_event(Op::EventQuery, event)?;
         latency::pay(self.latency().event);
         Ok(ev.reached(ev.last()))
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
-        self.enter(Op::EventSynchronize)?;
-        let ev = self.event(event)?;
+        let ev = self.enter_event(Op::EventSynchronize, event)?;
         ev.wait(ev.last());
         Ok(())
     }
@@ -363,8 +380,65 @@ impl Backend for SimBackend {
         // Pending records keep their own reference and still complete.
         events.remove(&event.raw);
         drop(events);
+        self.captures.event_destroyed(event.raw);
         latency::pay(self.latency().event);
         Ok(())
+    }
+
+    fn stream_begin_capture(&self, stream: StreamHandle, mode: CaptureMode) -> Result<()> {
+        self.enter(Op::StreamBeginCapture)?;
+        let (shared, _tx) = self.stream(stream)?;
+        self.captures.begin(shared.device, shared.raw, mode)
+    }
+
+    fn stream_end_capture(&self, stream: StreamHandle) -> Result<GraphHandle> {
+        self.enter(Op::StreamEndCapture)?;
+        let (shared, _tx) = self.stream(stream)?;
+        let raw = self.captures.end(shared.raw)?;
+        Ok(GraphHandle {
+            device: shared.device,
+            raw,
+        })
+    }
+
+    fn stream_capture_status(&self, stream: StreamHandle) -> Result<CaptureStatus> {
+        self.enter(Op::StreamCaptureStatus)?;
+        let (shared, _tx) = self.stream(stream)?;
+        Ok(self.captures.status(shared.raw))
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        self.enter(Op::ExchangeCaptureMode)?;
+        Ok(crate::capture::exchange_thread_mode(mode))
+    }
+
+    fn graph_instantiate(&self, graph: GraphHandle) -> Result<GraphExecHandle> {
+        self.enter(Op::GraphInstantiate)?;
+        self.check_device(graph.device)?;
+        let raw = self.captures.instantiate(graph.device, graph.raw)?;
+        Ok(GraphExecHandle {
+            device: graph.device,
+            raw,
+        })
+    }
+
+    fn graph_launch(&self, exec: GraphExecHandle, stream: StreamHandle) -> Result<()> {
+        self.enter(Op::GraphLaunch)?;
+        let (shared, tx) = self.stream(stream)?;
+        let graph = self.captures.exec(shared.device, exec.raw)?;
+        latency::pay(self.latency().launch);
+        let touches = graph.touches();
+        self.submit(&shared, &tx, &touches, move || graph.run())
+    }
+
+    fn graph_destroy(&self, graph: GraphHandle) -> Result<()> {
+        self.enter(Op::GraphDestroy)?;
+        self.captures.destroy_graph(graph.device, graph.raw)
+    }
+
+    fn graph_exec_destroy(&self, exec: GraphExecHandle) -> Result<()> {
+        self.enter(Op::GraphExecDestroy)?;
+        self.captures.destroy_exec(exec.device, exec.raw)
     }
 
     fn host_alloc(&self, size: u64) -> Result<*mut u8> {

@@ -71,6 +71,48 @@ ops! {
     IpcOpenMemHandle => "ipc_open_mem_handle",
     IpcCloseMemHandle => "ipc_close_mem_handle",
     LaunchKernel => "launch_kernel",
+    StreamBeginCapture => "stream_begin_capture",
+    StreamEndCapture => "stream_end_capture",
+    StreamCaptureStatus => "stream_capture_status",
+    ExchangeCaptureMode => "exchange_capture_mode",
+    GraphInstantiate => "graph_instantiate",
+    GraphLaunch => "graph_launch",
+    GraphDestroy => "graph_destroy",
+    GraphExecDestroy => "graph_exec_destroy",
+}
+
+impl Op {
+    /// True for a call the driver counts as potentially unsafe during a stream capture
+    /// (allocating, freeing or mapping memory, synchronizing, querying completion, and
+    /// synchronous copies): refused while the calling thread's capture mode guards against a
+    /// capture under way (`capture.rs`).
+    pub fn is_capture_unsafe(self) -> bool {
+        matches!(
+            self,
+            Op::Malloc
+                | Op::Free
+                | Op::DeviceSynchronize
+                | Op::StreamSynchronize
+                | Op::StreamQuery
+                | Op::EventQuery
+                | Op::EventSynchronize
+                | Op::CopyToDevice
+                | Op::CopyFromDevice
+                | Op::HostAlloc
+                | Op::HostFree
+                | Op::HostRegister
+                | Op::HostUnregister
+                | Op::VaReserve
+                | Op::VaFree
+                | Op::PhysCreate
+                | Op::PhysRelease
+                | Op::Map
+                | Op::Unmap
+                | Op::SetAccess
+                | Op::IpcOpenMemHandle
+                | Op::IpcCloseMemHandle
+        )
+    }
 }
 
 impl std::fmt::Display for Op {
@@ -160,7 +202,7 @@ mod tests {
         assert_eq!(s.get(Op::Free), 0);
         assert_eq!(s.total(), 3);
         assert_eq!(s.nonzero(), vec![(Op::Malloc, 2), (Op::LaunchKernel, 1)]);
-        assert_eq!(Op::ALL.len(), 42);
+        assert_eq!(Op::ALL.len(), 50);
         assert_eq!(Op::IpcCloseMemHandle.name(), "ipc_close_mem_handle");
         c.reset();
         assert_eq!(c.snapshot().total(), 0);

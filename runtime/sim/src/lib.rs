@@ -7,6 +7,8 @@
 //!   memfd, `map` is `MAP_FIXED` over the reservation, exported handles are `dup`ed memfds.
 //! - Streams are worker threads running in-order queues (kernels, copies, event records and
 //!   waits, host functions); events complete when their stream reaches them.
+//! - Stream capture records a stream's work into a graph instead, and a graph launch runs it
+//!   again, with the driver's refusals of calls that conflict with a capture (`capture.rs`).
 //! - A region table validates every access by kernels and copies, so a stale pointer is a
 //!   typed error, never a SIGSEGV. It is stricter than a GPU: an access may cross from one
 //!   VMM mapping into the next (they tile a reservation) but never run off one allocation
@@ -23,6 +25,7 @@
 //! and it is not itself model-checked.
 
 mod backend_impl;
+mod capture;
 mod counters;
 mod faults;
 mod host;
@@ -107,6 +110,7 @@ pub struct SimBackend {
     streams: Mutex<HashMap<u64, SimStream>>,
     events: Mutex<HashMap<u64, Arc<SimEvent>>>,
     vmm: Mutex<VmmState>,
+    captures: capture::Captures,
     next_id: AtomicU64,
     page: u64,
     release_hooks: gpualloc_runtime::release_hooks::ReleaseHooks,
@@ -142,6 +146,7 @@ impl SimBackend {
             streams: Mutex::new(HashMap::new()),
             events: Mutex::new(HashMap::new()),
             vmm: Mutex::new(VmmState::default()),
+            captures: capture::Captures::default(),
             next_id: AtomicU64::new(1),
             page,
             release_hooks: Default::default(),
@@ -302,12 +307,13 @@ impl SimBackend {
     /// Enqueues a simulated kernel on `stream`: when the stream reaches it, it takes
     /// `duration`, then runs `f` over device memory. An error from `f` (or a panic) becomes
     /// the stream's sticky error, returned by the next `stream_synchronize`, and is counted
-    /// in [`SimBackend::kernel_failures`].
+    /// in [`SimBackend::kernel_failures`]. On a capturing stream the kernel is captured, not
+    /// run: it runs at each launch of the graph, hence `FnMut`.
     pub fn launch_kernel(
         &self,
         stream: StreamHandle,
         duration: Duration,
-        f: impl FnOnce(&mut KernelMemory) -> Result<()> + Send + 'static,
+        f: impl FnMut(&mut KernelMemory) -> Result<()> + Send + 'static,
     ) -> Result<()> {
         self.launch_kernel_touching(stream, duration, &[], f)
     }
@@ -322,32 +328,47 @@ impl SimBackend {
         stream: StreamHandle,
         duration: Duration,
         touches: &[(DevicePtr, u64)],
-        f: impl FnOnce(&mut KernelMemory) -> Result<()> + Send + 'static,
+        mut f: impl FnMut(&mut KernelMemory) -> Result<()> + Send + 'static,
     ) -> Result<()> {
         self.enter(Op::LaunchKernel)?;
         let (shared, tx) = self.stream(stream)?;
         let mem = self.mem.clone();
         latency::pay(self.latency().launch);
         let touches: Vec<(u64, u64)> = touches.iter().map(|&(p, len)| (p.0, len)).collect();
-        shared
-            .enqueue_touching(
-                &tx,
-                Box::new(move || {
-                    if !duration.is_zero() {
-                        std::thread::sleep(duration);
-                    }
-                    f(&mut KernelMemory::new(mem))
-                }),
-                &touches,
-            )
-            .map(|_| ())
+        self.submit(&shared, &tx, &touches, move || {
+            if !duration.is_zero() {
+                std::thread::sleep(duration);
+            }
+            f(&mut KernelMemory::new(mem.clone()))
+        })
+    }
+
+    /// Graphs and graph instantiations alive (captured and not destroyed yet).
+    pub fn live_graphs(&self) -> (usize, usize) {
+        self.captures.live()
     }
 
     // ---- helpers for the Backend impl ----
 
     fn enter(&self, op: Op) -> Result<()> {
         self.counters.bump(op);
-        self.faults.check(op)
+        self.faults.check(op)?;
+        if op.is_capture_unsafe() {
+            self.captures.check_unsafe_call()?;
+        }
+        Ok(())
+    }
+
+    /// [`SimBackend::enter`] for a query or synchronization of `event`: an event last
+    /// recorded in a capture is refused as such (`CapturedEvent`) before the call is weighed
+    /// as an unsafe one.
+    fn enter_event(&self, op: Op, event: EventHandle) -> Result<Arc<SimEvent>> {
+        self.counters.bump(op);
+        self.faults.check(op)?;
+        let ev = self.event(event)?;
+        self.captures.check_event(event.raw)?;
+        self.captures.check_unsafe_call()?;
+        Ok(ev)
     }
 
     fn check_device(&self, device: DeviceId) -> Result<()> {
@@ -401,27 +422,38 @@ impl SimBackend {
         }
     }
 
-    /// Enqueues a memory operation of `len` bytes on a stream: it costs the latency model's
-    /// copy time, then runs `work`.
+    /// Enqueues stream work that a capture may take: on a capturing stream it becomes a node
+    /// of the capture's graph (run at each launch), elsewhere it is queued to run once.
+    fn submit(
+        &self,
+        shared: &StreamShared,
+        tx: &Sender<Task>,
+        touches: &[(u64, u64)],
+        work: impl FnMut() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        match self.captures.add_node(shared.raw, touches, work) {
+            Ok(captured) => captured,
+            Err(work) => shared
+                .enqueue_touching(tx, Box::new(work), touches)
+                .map(|_| ()),
+        }
+    }
+
+    /// Enqueues a memory operation of `len` bytes on a stream (or captures it): it costs the
+    /// latency model's copy time, then runs `work`.
     fn enqueue_timed(
         &self,
         shared: &StreamShared,
         tx: &Sender<Task>,
         len: u64,
         touches: &[(u64, u64)],
-        work: impl FnOnce() -> Result<()> + Send + 'static,
+        mut work: impl FnMut() -> Result<()> + Send + 'static,
     ) -> Result<()> {
         let cost = self.latency().copy_cost(len);
-        shared
-            .enqueue_touching(
-                tx,
-                Box::new(move || {
-                    latency::pay(cost);
-                    work()
-                }),
-                touches,
-            )
-            .map(|_| ())
+        self.submit(shared, tx, touches, move || {
+            latency::pay(cost);
+            work()
+        })
     }
 
     /// Like [`SimBackend::enqueue_timed`], then waits for the stream to reach the operation
@@ -433,11 +465,17 @@ impl SimBackend {
         len: u64,
         work: impl FnOnce() -> Result<T> + Send + 'static,
     ) -> Result<T> {
+        self.captures.check_stream_sync(shared.raw)?;
         let (done_tx, done_rx) = crossbeam_channel::bounded(1);
-        self.enqueue_timed(shared, &tx, len, &[], move || {
-            let _ = done_tx.send(work());
-            Ok(())
-        })?;
+        let cost = self.latency().copy_cost(len);
+        shared.enqueue(
+            &tx,
+            Box::new(move || {
+                latency::pay(cost);
+                let _ = done_tx.send(work());
+                Ok(())
+            }),
+        )?;
         drop(tx);
         done_rx
             .recv()

@@ -35,6 +35,7 @@ fn sim_passes_every_conformance_check() {
     // Every check cleans up after itself.
     assert_eq!(sim.live_allocations(), 0);
     assert_eq!(sim.live_streams(), 0);
+    assert_eq!(sim.live_graphs(), (0, 0));
     assert_eq!(sim.live_reservations(), 0);
     assert_eq!(sim.live_phys(), 0);
     assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0);

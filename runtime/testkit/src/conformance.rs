@@ -48,6 +48,22 @@ pub fn run_all(
 
 static CHECKS: &[Check] = &[
     Check {
+        name: "graph_replays_captured_work",
+        run: crate::capture_checks::graph_replays_captured_work,
+    },
+    Check {
+        name: "capture_refuses_conflicting_calls",
+        run: crate::capture_checks::capture_refuses_conflicting_calls,
+    },
+    Check {
+        name: "capture_modes_across_threads",
+        run: crate::capture_checks::capture_modes_across_threads,
+    },
+    Check {
+        name: "capture_keeps_its_boundaries",
+        run: crate::capture_checks::capture_keeps_its_boundaries,
+    },
+    Check {
         name: "memory_read_write",
         run: memory_read_write,
     },
@@ -120,11 +136,11 @@ static CHECKS: &[Check] = &[
 /// How long a gate waits before a check gives up (a hung backend fails, never hangs).
 const GATE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn ok<T>(r: Result<T, BackendError>, what: &str) -> Result<T, String> {
+pub(crate) fn ok<T>(r: Result<T, BackendError>, what: &str) -> Result<T, String> {
     r.map_err(|e| format!("{what}: {e}"))
 }
 
-fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
+pub(crate) fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
     if cond {
         Ok(())
     } else {
@@ -132,7 +148,7 @@ fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
     }
 }
 
-fn expect_err<T: std::fmt::Debug>(
+pub(crate) fn expect_err<T: std::fmt::Debug>(
     r: Result<T, BackendError>,
     what: &str,
     accept: impl Fn(&BackendError) -> bool,
@@ -172,13 +188,13 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 /// A stream destroyed on drop (errors ignored: checks report their own).
-struct TestStream<'a> {
+pub(crate) struct TestStream<'a> {
     b: &'a Arc<dyn Backend>,
-    h: StreamHandle,
+    pub(crate) h: StreamHandle,
 }
 
 impl<'a> TestStream<'a> {
-    fn new(b: &'a Arc<dyn Backend>, d: DeviceId) -> Result<Self, String> {
+    pub(crate) fn new(b: &'a Arc<dyn Backend>, d: DeviceId) -> Result<Self, String> {
         Ok(TestStream {
             b,
             h: ok(b.stream_create(d), "stream_create")?,
@@ -193,14 +209,14 @@ impl Drop for TestStream<'_> {
 }
 
 /// A device allocation freed on drop.
-struct TestAlloc<'a> {
+pub(crate) struct TestAlloc<'a> {
     b: &'a Arc<dyn Backend>,
     d: DeviceId,
-    p: DevicePtr,
+    pub(crate) p: DevicePtr,
 }
 
 impl<'a> TestAlloc<'a> {
-    fn new(b: &'a Arc<dyn Backend>, d: DeviceId, size: u64) -> Result<Self, String> {
+    pub(crate) fn new(b: &'a Arc<dyn Backend>, d: DeviceId, size: u64) -> Result<Self, String> {
         Ok(TestAlloc {
             b,
             d,

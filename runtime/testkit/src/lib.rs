@@ -6,4 +6,5 @@
 //!
 //! It is a dev-dependency only (`publish = false`): a user of gpualloc never builds it.
 
+mod capture_checks;
 pub mod conformance;
