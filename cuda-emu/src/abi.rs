@@ -19,6 +19,10 @@ pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 /// `CUevent` (opaque).
 pub type CUevent = *mut c_void;
+/// `CUgraph` (opaque).
+pub type CUgraph = *mut c_void;
+/// `CUgraphExec` (opaque).
+pub type CUgraphExec = *mut c_void;
 /// `CUmemGenericAllocationHandle`.
 pub type CUmemGenericAllocationHandle = u64;
 /// `CU_STREAM_NON_BLOCKING`: a stream not ordered with the legacy default stream.
@@ -100,6 +104,7 @@ codes! {
     CUDA_ERROR_INVALID_DEVICE = 101, "invalid device ordinal";
     CUDA_ERROR_INVALID_CONTEXT = 201, "invalid device context";
     CUDA_ERROR_INVALID_HANDLE = 400, "invalid resource handle";
+    CUDA_ERROR_ILLEGAL_STATE = 401, "the operation cannot be performed in the present state";
     CUDA_ERROR_NOT_FOUND = 500, "named symbol not found";
     CUDA_ERROR_NOT_READY = 600, "device not ready";
     CUDA_ERROR_ECC_UNCORRECTABLE = 214, "uncorrectable ECC error encountered";
@@ -119,6 +124,15 @@ codes! {
     CUDA_ERROR_LAUNCH_FAILED = 719, "unspecified launch failure";
     CUDA_ERROR_NOT_PERMITTED = 800, "operation not permitted";
     CUDA_ERROR_NOT_SUPPORTED = 801, "operation not supported";
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900, "operation not permitted when stream is capturing";
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901, "operation failed due to a previous error during capture";
+    CUDA_ERROR_STREAM_CAPTURE_MERGE = 902, "operation would result in a merge of separate capture sequences";
+    CUDA_ERROR_STREAM_CAPTURE_UNMATCHED = 903, "capture was not ended in the same stream as it began";
+    CUDA_ERROR_STREAM_CAPTURE_UNJOINED = 904, "capturing stream has unjoined work";
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION = 905, "dependency created on uncaptured work in another stream";
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906, "operation would make the legacy stream depend on a capturing blocking stream";
+    CUDA_ERROR_CAPTURED_EVENT = 907, "operation not permitted on an event last recorded in a capturing stream";
+    CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908, "attempt to terminate a thread-local capture sequence from another thread";
     CUDA_ERROR_EXTERNAL_DEVICE = 911, "an error occurred on an external device";
 
     CUDA_ERROR_UNKNOWN = 999, "unknown error";

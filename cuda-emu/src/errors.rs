@@ -16,6 +16,7 @@ pub(crate) fn code(e: &BackendError) -> CUresult {
         BackendError::InvalidDevice(_) => CUDA_ERROR_INVALID_DEVICE,
         BackendError::InvalidHandle(_) => CUDA_ERROR_INVALID_HANDLE,
         BackendError::Driver { code, .. } => u32::try_from(*code).unwrap_or(CUDA_ERROR_UNKNOWN),
+        BackendError::Capture(e) => u32::try_from(e.code()).unwrap_or(CUDA_ERROR_UNKNOWN),
         _ => CUDA_ERROR_UNKNOWN,
     }
 }

@@ -41,6 +41,7 @@
 //! | context checks are per object: "cudaEventRecord() will fail if the input event and input stream are associated to different devices"; "a kernel launch will fail if it is issued to a stream that is not associated to the current device"; waits may cross devices | `cuEventRecord` across devices and `cuLaunchHostFunc` on another context's stream are `CUDA_ERROR_INVALID_HANDLE`; a call on a stream or event reports the sticky error of the object's own context, whichever is current | `device_faults.rs` `context_checks_are_per_object` |
 //! | "the exporting process must not free the memory while an importing process is still using it" (undefined behaviour) | an exporter's `cuMemFree` of an allocation another process has open through its IPC handle prints why and aborts the process (the importer holds a shared `flock` on the memory while it has it open) | `device_faults.rs` `freeing_memory_another_process_has_open_aborts_the_exporter` |
 //! | a context costs device memory (code, heap, local memory: a few hundred MiB on a data-center GPU) | a retained primary context takes [`CONTEXT_MIB`] (`GPUALLOC_EMU_CONTEXT_MIB`) from its device, from the first retain to the last release, visible in `cuMemGetInfo` and in what is left to allocate | `tests/capacity.rs`, `tests/backend_faults.rs` |
+//! | stream capture (`cuStreamBeginCapture`, `cuThreadExchangeStreamCaptureMode`): "potentially unsafe" calls are prohibited by the thread's mode during a capture, synchronizing a capturing stream is not permitted, a capture ends on its origin stream with its forks joined, dependencies may not cross its boundary, a captured event may not be queried | the sim's captures (`gpualloc_sim`): allocation, freeing, mapping, synchronizing and querying are refused with 900 and invalidate the capture (901 at its end); 902–908 as documented; the legacy stream cannot be captured and may not depend on a capturing blocking stream (906); graphs replay their captured copies and memsets | `tests/capture.rs`; the conformance checks `graph_replays_captured_work`, `capture_refuses_conflicting_calls`, `capture_modes_across_threads`, `capture_keeps_its_boundaries` through the CUDA backend |
 //!
 //! Still more lenient than the driver, said plainly:
 //! - a unified `cuMemcpyAsync` cannot tell a freed device pointer from pageable host memory:
@@ -49,6 +50,9 @@
 //! - `cuStreamDestroy` and `cuEventDestroy` of an object whose context faulted succeed;
 //! - `cuStreamWaitEvent` and `cuMemcpy*` on a stream of a context other than the current one
 //!   are accepted (the driver documents both as allowed);
+//! - a host function cannot be captured (`CUDA_ERROR_NOT_SUPPORTED`, the capture goes on),
+//!   instantiation flags are refused, and `cuStreamGetCaptureInfo_v2` does not hand out the
+//!   graph being built (`graphs.rs`);
 //! - nothing runs kernels, so a fault only comes from the calls above or
 //!   `gpualloc_emu_fault_stream_code`.
 //!
@@ -77,6 +81,7 @@ mod abi;
 mod device;
 mod errors;
 mod faults;
+mod graphs;
 mod memory;
 mod state;
 mod streams;
@@ -87,6 +92,7 @@ pub use abi::*;
 pub use device::*;
 pub use errors::*;
 pub use faults::gpualloc_emu_faults_injected;
+pub use graphs::*;
 pub use memory::*;
 pub use state::CONTEXT_MIB;
 pub use streams::*;

@@ -452,20 +452,35 @@ impl Emu {
         s: CUstream,
         device: DeviceId,
     ) -> Result<StreamHandle, CUresult> {
+        use gpualloc_runtime::Backend;
         let h = self.stream(s, device)?;
+        let capturing = |h: StreamHandle| {
+            self.sim
+                .stream_capture_status(h)
+                .is_ok_and(|c| c.is_capturing())
+        };
         if s.is_null() || s as usize == CU_STREAM_LEGACY {
             let blocking: Vec<StreamHandle> = lock(&self.streams)
                 .values()
                 .filter(|e| e.blocking && e.handle.device == device)
                 .map(|e| e.handle)
                 .collect();
+            // The driver: work on the legacy stream may not depend on a capturing blocking
+            // stream (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+            if blocking.iter().any(|b| capturing(*b)) {
+                return Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+            }
             for earlier in blocking {
                 self.order_after(h, earlier)?;
             }
-        } else if s as usize == CU_STREAM_PER_THREAD
+        } else if (s as usize == CU_STREAM_PER_THREAD
             || lock(&self.streams)
                 .get(&(s as u64))
-                .is_some_and(|e| e.blocking)
+                .is_some_and(|e| e.blocking))
+            // A capturing blocking stream's work does not wait for the legacy stream: that
+            // would be a dependency on work outside the capture (only the stream's own order
+            // crosses a capture's boundary).
+            && !capturing(h)
         {
             // A per-thread default stream is ordered after the legacy one as a blocking stream
             // is (the legacy stream does not wait for per-thread ones here: a simplification

@@ -94,7 +94,8 @@ pub extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
 pub extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
     call("cuStreamQuery", Needs::Context, |emu, d| {
         let s = emu.stream(stream, d)?;
-        match emu.sim.stream_idle(s).map_err(sim_err)? {
+        // Through the trait: a capturing stream's query is refused (and invalidates it).
+        match emu.sim.stream_query(s).map_err(sim_err)? {
             true => Ok(()),
             false => Err(CUDA_ERROR_NOT_READY),
         }

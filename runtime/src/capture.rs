@@ -108,6 +108,9 @@ pub enum CaptureError {
     /// 905: the call would make a dependency cross the capture's boundary (waiting, inside a
     /// capture, on an event recorded outside it or in another capture).
     Isolation,
+    /// 906: the call would make the legacy default stream depend on a capturing blocking
+    /// stream (the emulated driver's legacy stream).
+    Implicit,
     /// 907: the operation is not allowed on an event last recorded in a capturing stream.
     CapturedEvent,
     /// 908: a capture not begun in relaxed mode was ended from another thread.
@@ -124,6 +127,7 @@ impl CaptureError {
             CaptureError::Unmatched => 903,
             CaptureError::Unjoined => 904,
             CaptureError::Isolation => 905,
+            CaptureError::Implicit => 906,
             CaptureError::CapturedEvent => 907,
             CaptureError::WrongThread => 908,
         }
@@ -138,12 +142,13 @@ impl CaptureError {
             CaptureError::Unmatched => "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
             CaptureError::Unjoined => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
             CaptureError::Isolation => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+            CaptureError::Implicit => "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
             CaptureError::CapturedEvent => "CUDA_ERROR_CAPTURED_EVENT",
             CaptureError::WrongThread => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
         }
     }
 
-    /// The capture error a driver code stands for (`None` for other codes, and for 906, which the emulated driver never returns).
+    /// The capture error a driver code stands for (`None` for other codes).
     pub fn from_code(code: i32) -> Option<CaptureError> {
         Some(match code {
             900 => CaptureError::Unsupported,
@@ -152,6 +157,7 @@ impl CaptureError {
             903 => CaptureError::Unmatched,
             904 => CaptureError::Unjoined,
             905 => CaptureError::Isolation,
+            906 => CaptureError::Implicit,
             907 => CaptureError::CapturedEvent,
             908 => CaptureError::WrongThread,
             _ => return None,
@@ -178,12 +184,13 @@ mod tests {
             CaptureError::Unmatched,
             CaptureError::Unjoined,
             CaptureError::Isolation,
+            CaptureError::Implicit,
             CaptureError::CapturedEvent,
             CaptureError::WrongThread,
         ] {
             assert_eq!(CaptureError::from_code(e.code()), Some(e));
         }
-        assert_eq!(CaptureError::from_code(906), None);
+        assert_eq!(CaptureError::from_code(909), None);
         assert_eq!(CaptureError::Unsupported.code(), 900);
         assert_eq!(
             CaptureError::Invalidated.to_string(),

@@ -11,9 +11,11 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::context::{bind, Contexts, KeepCurrent};
 use super::error::{catch, check, drv};
+use super::graphs::{CuGraph, CuGraphExec};
 use super::health::Health;
 use super::registry::Registry;
 use super::streams::CuEvent;
+use gpualloc_runtime::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 use gpualloc_runtime::error::{BackendError, Result};
 use gpualloc_runtime::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
@@ -40,6 +42,9 @@ pub struct CudaBackend {
     pub(crate) health: Arc<Health>,
     pub(crate) streams: Registry<CudaStream>,
     pub(crate) events: Registry<CuEvent>,
+    /// Captured graphs and their instantiations (`graphs.rs`).
+    pub(crate) graphs: Registry<CuGraph>,
+    pub(crate) graph_execs: Registry<CuGraphExec>,
     pub(crate) granularity: Vec<OnceLock<u64>>,
     /// Legacy IPC mappings this backend opened, by address (see [`IpcOpened`]).
     pub(crate) ipc_opened: std::sync::Mutex<std::collections::BTreeMap<u64, IpcOpened>>,
@@ -147,6 +152,8 @@ impl CudaBackend {
             health: Health::new(count),
             streams: Registry::new("stream"),
             events: Registry::new("event"),
+            graphs: Registry::new("graph"),
+            graph_execs: Registry::new("graph instantiation"),
             granularity: (0..count).map(|_| OnceLock::new()).collect(),
             ipc_opened: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             release_hooks: Default::default(),
@@ -363,6 +370,50 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         self.health.seen(event.device, self.cu_event_destroy(event))
+    }
+
+    fn stream_begin_capture(&self, stream: StreamHandle, mode: CaptureMode) -> Result<()> {
+        let _keep = self.keep_current();
+        self.health
+            .seen(stream.device, self.cu_begin_capture(stream, mode))
+    }
+    fn stream_end_capture(&self, stream: StreamHandle) -> Result<GraphHandle> {
+        let _keep = self.keep_current();
+        self.health.seen(stream.device, self.cu_end_capture(stream))
+    }
+    fn stream_capture_status(&self, stream: StreamHandle) -> Result<CaptureStatus> {
+        let _keep = self.keep_current();
+        self.health
+            .seen(stream.device, self.cu_capture_status(stream))
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        self.cu_exchange_capture_mode(mode)
+    }
+    fn graph_instantiate(&self, graph: GraphHandle) -> Result<GraphExecHandle> {
+        let _keep = self.keep_current();
+        self.health
+            .seen(graph.device, self.cu_graph_instantiate(graph))
+    }
+    fn graph_launch(&self, exec: GraphExecHandle, stream: StreamHandle) -> Result<()> {
+        let _keep = self.keep_current();
+        self.health
+            .seen(stream.device, self.cu_graph_launch(exec, stream))
+    }
+    fn graph_destroy(&self, graph: GraphHandle) -> Result<()> {
+        let _keep = self.keep_current();
+        if self.forked() {
+            std::mem::forget(self.graphs.remove(graph.device, graph.raw)?);
+            return Ok(());
+        }
+        self.cu_graph_destroy(graph)
+    }
+    fn graph_exec_destroy(&self, exec: GraphExecHandle) -> Result<()> {
+        let _keep = self.keep_current();
+        if self.forked() {
+            std::mem::forget(self.graph_execs.remove(exec.device, exec.raw)?);
+            return Ok(());
+        }
+        self.cu_graph_exec_destroy(exec)
     }
 
     fn host_alloc(&self, size: u64) -> Result<*mut u8> {

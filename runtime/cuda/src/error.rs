@@ -10,6 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use cudarc::driver::result::DriverError;
 use cudarc::driver::sys::CUresult;
 
+use gpualloc_runtime::capture::CaptureError;
 use gpualloc_runtime::error::{BackendError, Result};
 
 /// The class of failure of a non-success `CUresult` from the call `op`.
@@ -33,9 +34,12 @@ pub(crate) fn map_code(op: &'static str, code: CUresult) -> BackendError {
         CUresult::CUDA_ERROR_INVALID_HANDLE => {
             BackendError::InvalidHandle(format!("{op}: CUDA_ERROR_INVALID_HANDLE"))
         }
-        other => BackendError::Driver {
-            code: other as i32,
-            name: format!("{other:?}"),
+        other => match CaptureError::from_code(other as i32) {
+            Some(e) => BackendError::Capture(e),
+            None => BackendError::Driver {
+                code: other as i32,
+                name: format!("{other:?}"),
+            },
         },
     }
 }

@@ -17,6 +17,7 @@
 mod backend;
 mod context;
 mod error;
+mod graphs;
 mod health;
 mod hostfn;
 mod interop;

@@ -25,6 +25,11 @@ fn cuda_passes_every_conformance_check() {
     // `GPUALLOC_TEST_DEVICE=N` checks device N (default 0): scripts/gpu-check.sh runs every GPU.
     let device = DeviceId(std::env::var("GPUALLOC_TEST_DEVICE").map_or(0, |d| d.parse().unwrap()));
     println!("conformance on {device}");
+    assert_eq!(
+        gpualloc_testkit::capture_is_supported(&backend, device),
+        Ok(true),
+        "the driver captures streams (CUDA 10+), so the capture checks must run"
+    );
     let mut failures = Vec::new();
     for check in checks() {
         let result = (check.run)(&backend, device);

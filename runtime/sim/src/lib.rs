@@ -265,6 +265,7 @@ impl SimBackend {
     /// only that `cuMemFree` *may* synchronize; the emulated driver frees this way in its
     /// no-sync mode, so a caller that relies on the synchronization is caught.
     pub fn free_without_sync(&self, device: DeviceId, ptr: DevicePtr) -> Result<()> {
+        self.captures.check_unsafe_call()?;
         self.check_allocation_of(device, ptr)?;
         self.free_region(device, ptr)
     }

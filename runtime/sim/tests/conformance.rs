@@ -13,6 +13,10 @@ fn sim_passes_every_conformance_check() {
     let sim = SimBackend::new(SimConfig::fast(2)).unwrap();
     let backend: Arc<dyn Backend> = sim.clone();
     let mut failures = Vec::new();
+    assert_eq!(
+        gpualloc_testkit::capture_is_supported(&backend, DeviceId(0)),
+        Ok(true)
+    );
     for device in [DeviceId(0), DeviceId(1)] {
         for check in checks() {
             let result = (check.run)(&backend, device);

@@ -160,7 +160,7 @@ pub(crate) fn expect_err<T: std::fmt::Debug>(
     }
 }
 
-fn is_invalid(e: &BackendError) -> bool {
+pub(crate) fn is_invalid(e: &BackendError) -> bool {
     matches!(
         e,
         BackendError::InvalidValue(_) | BackendError::InvalidHandle(_)
