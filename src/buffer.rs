@@ -120,7 +120,7 @@ impl DeviceBuffer {
     /// Errors for a stream of another device or another backend, and in a forked child.
     pub fn record_stream(&self, stream: &Stream) -> Result<(), Error> {
         self.actor().process.check()?;
-        if !Arc::ptr_eq(stream.backend(), &self.actor().backend) {
+        if !Arc::ptr_eq(stream.backend(), &self.actor().user_backend) {
             return Err(Error::ForeignStream);
         }
         if stream.device() != self.actor().device {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_host::{HostConfig, HostCore, HostError, MonotonicClock};
-use gpualloc_runtime::{Backend, BackendError, DeviceId};
+use gpualloc_runtime::{Backend, BackendError, CaptureSafe, DeviceId};
 use gpualloc_sim::{SimBackend, SimConfig};
 
 use crate::actor::{spawn_actor_task, DeviceActor};
@@ -210,11 +210,15 @@ impl AllocatorBuilder {
         let vmm = (0..count).all(|d| backend.has_vmm(DeviceId(d)));
         let config = self.resolve_config()?.resolved(vmm);
         let process = ProcessGuard::current();
+        // The allocators' own driver calls never invalidate a user's stream capture: they
+        // run in relaxed capture mode (`gpualloc_runtime::capture_safe`), as PyTorch's
+        // `cudaMalloc` does.
+        let own: Arc<dyn Backend> = Arc::new(CaptureSafe::new(backend.clone()));
         let mut devices = Vec::with_capacity(count as usize);
         let mut tasks = Vec::with_capacity(count as usize);
         for d in 0..count {
-            let core = DeviceCore::new(backend.clone(), DeviceId(d), config.clone())?;
-            let actor = DeviceActor::new(core, process, runtime.clone());
+            let core = DeviceCore::new(own.clone(), DeviceId(d), config.clone())?;
+            let actor = DeviceActor::new(core, backend.clone(), process, runtime.clone());
             tasks.push(spawn_actor_task(
                 actor.clone(),
                 &runtime,
@@ -224,7 +228,7 @@ impl AllocatorBuilder {
         }
         let host = HostActor::new(
             HostCore::new(
-                backend.clone(),
+                own.clone(),
                 host_config(&config)?,
                 Arc::new(MonotonicClock::new()),
             )?,

@@ -37,6 +37,7 @@ use crate::ledger::cross_stream::CrossStreamLog;
 use crate::ledger::history::History;
 use crate::ledger::observer::SegmentSink;
 use crate::ledger::stats::DeviceStats;
+use crate::pools::capture_state::Captures;
 use crate::pools::private::PrivatePools;
 
 /// A live allocation handed to a user.
@@ -117,6 +118,9 @@ pub struct DeviceCore {
     pub(crate) segment_sink: Option<SegmentSink>,
     /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
     pub(crate) cross_stream: CrossStreamLog,
+    /// Stream captures announced by the owner, and the frees they hold back
+    /// (`pools/capture.rs`).
+    pub(crate) captures: Captures,
     pub(crate) shut_down: bool,
     #[cfg(feature = "rule-knobs")]
     pub(crate) knobs: RuleKnobs,
@@ -173,6 +177,7 @@ impl DeviceCore {
             callbacks: Vec::new(),
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),
+            captures: Captures::default(),
             shut_down: false,
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),

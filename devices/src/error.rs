@@ -96,6 +96,13 @@ pub enum AllocError {
         /// Bytes it could have (free device memory, or room under the memory-fraction cap).
         free: u64,
     },
+    /// The call would synchronize the device, which a stream capture under way forbids (the
+    /// driver would invalidate the capture); PyTorch refuses it during a capture too.
+    #[error("{0} is not allowed while a stream capture is under way (it synchronizes the device)")]
+    CaptureUnderway(&'static str),
+    /// No capture of this id is under way (or one already is, for a begin).
+    #[error("stream capture {0} is not under way as this call needs")]
+    UnknownCapture(u64),
     /// The operation needs something this allocator's configuration or backend lacks.
     #[error("not supported: {0}")]
     NotSupported(&'static str),

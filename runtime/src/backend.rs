@@ -192,6 +192,13 @@ pub trait Backend: Send + Sync + 'static {
         let _ = stream;
         Ok(CaptureStatus::None)
     }
+    /// False when no stream capture can be under way in this process right now (a backend
+    /// without graphs, or the sim with none begun): callers may then skip the capture-mode
+    /// exchanges that guard their unsafe calls (`crate::capture_safe`). A driver cannot tell
+    /// cheaply: the CUDA backend answers true.
+    fn capture_may_be_underway(&self) -> bool {
+        false
+    }
     /// Sets the calling thread's capture mode and returns the one it replaces
     /// (`cuThreadExchangeStreamCaptureMode`). A backend without graphs has no modes to
     /// keep: it answers `Global`, every thread's default, and keeps nothing.

@@ -14,6 +14,7 @@
 pub mod addr_map;
 pub mod backend;
 pub mod capture;
+pub mod capture_safe;
 pub mod completion;
 pub mod error;
 pub mod guarded;
@@ -26,6 +27,7 @@ pub mod types;
 
 pub use backend::Backend;
 pub use capture::{CaptureError, CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
+pub use capture_safe::CaptureSafe;
 pub use completion::{Completion, CompletionCell};
 pub use error::{BackendError, Result};
 pub use guarded::guarded;

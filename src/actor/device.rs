@@ -54,7 +54,13 @@ const LANDING_WAIT: Duration = Duration::from_secs(5);
 /// One device's actor. See the module docs.
 pub struct DeviceActor {
     pub(crate) device: DeviceId,
+    /// The core's backend: the user's, its unsafe calls made in relaxed capture mode
+    /// (`gpualloc_runtime::CaptureSafe`). Every driver call of the actor goes through it.
     pub(crate) backend: Arc<dyn Backend>,
+    /// The user's backend as given: what the user's streams name (a stream is checked
+    /// against it), and where calls that cannot touch a capture go directly (the hit path's
+    /// lost-device check: a layer less than `backend`).
+    pub(crate) user_backend: Arc<dyn Backend>,
     pub(crate) mailbox: Mailbox<DeviceState>,
     pub(crate) signals: Arc<Signals>,
     pub(crate) process: ProcessGuard,
@@ -89,6 +95,7 @@ pub(crate) enum Attempt {
 impl DeviceActor {
     pub(crate) fn new(
         core: DeviceCore,
+        user_backend: Arc<dyn Backend>,
         process: ProcessGuard,
         runtime: tokio::runtime::Handle,
     ) -> Arc<Self> {
@@ -107,6 +114,7 @@ impl DeviceActor {
         Arc::new(DeviceActor {
             device: core.device(),
             backend: core.backend().clone(),
+            user_backend,
             mailbox: Mailbox::new(DeviceState::new(core, signals.clone())),
             signals,
             process,
@@ -366,7 +374,7 @@ impl DeviceActor {
         // A lost device (a sticky error: its context does no more work) hands out nothing,
         // cached blocks included: their memory may be what the faulting kernel corrupted, and
         // no work on it could run anyway. (An atomic load on the CUDA backend.)
-        if self.backend.device_lost(self.device).is_some() {
+        if self.user_backend.device_lost(self.device).is_some() {
             return None;
         }
         // While recording, a revive writes its `alloc` entry into the thread's slot
@@ -394,7 +402,7 @@ impl DeviceActor {
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Attempt {
-        if let Some(lost) = self.backend.device_lost(self.device) {
+        if let Some(lost) = self.user_backend.device_lost(self.device) {
             return Attempt::Failed(lost.into());
         }
         let handle = stream.handle();

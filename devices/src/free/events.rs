@@ -16,7 +16,13 @@ impl DeviceCore {
     /// Records an event on every stream that used the block and queues the block behind them.
     /// If the backend cannot record an event, the device is synchronized instead, which
     /// completes all prior work, and the block is freed at once: never lost, never reused early.
+    /// A use on a stream that is capturing holds the free back instead
+    /// (`pools/capture.rs`): an event recorded there would be the graph's.
     pub(crate) fn insert_events(&mut self, id: BlockId) {
+        if self.uses_capturing(id) {
+            self.defer_free(id);
+            return;
+        }
         let uses = std::mem::take(&mut self.blocks.get_mut(id).stream_uses);
         for stream in uses {
             match self.record_event(stream) {
@@ -55,7 +61,18 @@ impl DeviceCore {
 
     /// Completes the frees whose events have all completed; returns how many blocks went back
     /// to their pools. Called at the start of every malloc, and by the actor's reaper.
+    /// While an announced capture is under way it does nothing (PyTorch: querying an event
+    /// recorded in a capture is refused); after it, it first makes the frees captures held
+    /// back.
     pub fn process_events(&mut self) -> Result<usize, AllocError> {
+        // The hit path's test: nothing pending and nothing held back.
+        if self.pending.is_empty() && !self.captures.has_deferred() {
+            return Ok(0);
+        }
+        if !self.captures.is_quiet() {
+            return Ok(0);
+        }
+        self.flush_deferred_frees();
         if self.pending.is_empty() {
             return Ok(0);
         }

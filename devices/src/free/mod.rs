@@ -61,7 +61,7 @@ impl DeviceCore {
             self.count(Counted::CrossStreamFree);
         }
         if has_uses {
-            self.insert_events(id);
+            self.free_with_uses(id);
         } else {
             self.free_block(id);
         }
@@ -84,6 +84,7 @@ impl DeviceCore {
         let block = self.blocks.get_mut(id);
         if stream != block.stream && !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
+            self.note_capture_use(id, stream);
         }
         Ok(())
     }

@@ -266,6 +266,9 @@ impl DeviceCore {
         if self.shut_down {
             return Err(AllocError::Shutdown);
         }
+        if !self.captures.is_quiet() {
+            return Err(AllocError::CaptureUnderway("empty_cache"));
+        }
         self.release_cached_blocks().map(|_| ())
     }
 

@@ -193,6 +193,8 @@ impl DeviceCore {
                 let pools = self.own_pools(params.pool).into_iter().flatten().collect();
                 self.release_step(ops::Release::own(pools))
             }
+            // It synchronizes: not while a capture is under way (PyTorch skips it too).
+            ReleaseCached if !self.captures.is_quiet() => Flow::Next,
             ReleaseCached => {
                 let pools = self.release_scope();
                 self.release_step(ops::Release::cached(pools))

@@ -23,6 +23,8 @@
 //! - A dropped stream's free segments in a named pool become orphans of that pool
 //!   (`orphans.rs`): they serve the pool's requests on other streams.
 
+pub(crate) mod capture;
+pub(crate) mod capture_state;
 pub(crate) mod pool_records;
 pub(crate) mod pool_state;
 pub(crate) mod private;

@@ -407,6 +407,10 @@ impl Backend for SimBackend {
         Ok(self.captures.status(shared.raw))
     }
 
+    fn capture_may_be_underway(&self) -> bool {
+        self.captures.any()
+    }
+
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
         self.enter(Op::ExchangeCaptureMode)?;
         Ok(crate::capture::exchange_thread_mode(mode))

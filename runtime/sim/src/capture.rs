@@ -188,6 +188,11 @@ impl Captures {
         self.active.load(Ordering::Acquire) == 0
     }
 
+    /// True while a capture is under way (begun and not ended).
+    pub(crate) fn any(&self) -> bool {
+        !self.quiet()
+    }
+
     fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         lock(&self.table)
     }

@@ -1,0 +1,150 @@
+//! Allocating under a stream capture: PyTorch's graph pools (`beginAllocateToPool`,
+//! `endAllocateToPool`) and its rules while a capture is under way.
+//!
+//! A captured graph bakes in the pointers its work was captured with, so what is allocated
+//! during the capture must stay where it is while the graph lives, and be handed out again
+//! to the same requests when another graph is captured into the same pool. The owner
+//! announces a capture ([`DeviceCore::begin_capture`]) with the backend's capture id and a
+//! private pool: every allocation on the capture's streams (the one it began on, and those
+//! that joined it, [`DeviceCore::join_capture`]) is served from that pool, whose memory no
+//! request outside it ever gets. Until [`DeviceCore::end_capture`], as PyTorch does:
+//! - no event is queried (`process_events` waits: querying an event recorded in a capture
+//!   is refused by the driver), and a free of a block used on other streams is held back,
+//!   its events recorded once no capture is under way; streams it was used on during the
+//!   capture get no event then (their work is the graph's, ordered by it);
+//! - the miss chain does not synchronize to release every cached segment (synchronizing
+//!   would end the capture), and `empty_cache` is refused with
+//!   [`AllocError::CaptureUnderway`];
+//! - a block freed during the capture goes back to the pool and may serve a later request
+//!   of the same capture on the same stream (the graph orders them).
+//!
+//! A free with a use on a stream that captures *without* the core being told (a capture the
+//! owner did not announce) is held back the same way until that stream stops capturing:
+//! the core never records an event on a capturing stream.
+
+use gpualloc_runtime::StreamHandle;
+
+use crate::blocks::block::BlockId;
+use crate::core::{DeviceCore, MemPoolId};
+use crate::error::AllocError;
+
+impl DeviceCore {
+    /// Announces capture `capture` (the backend's id, from `stream_capture_status`) on
+    /// `stream`: its allocations go to private pool `pool` until [`DeviceCore::end_capture`].
+    /// Errors: an unknown or released pool, a capture already announced, a stream of another
+    /// device, a shut-down core.
+    pub fn begin_capture(
+        &mut self,
+        capture: u64,
+        pool: MemPoolId,
+        stream: StreamHandle,
+    ) -> Result<(), AllocError> {
+        self.check_stream(stream)?;
+        if self.private.live(pool.0).is_none() {
+            return Err(AllocError::UnknownPool(pool.0));
+        }
+        if !self.captures.begin(capture, pool.0, stream) {
+            return Err(AllocError::UnknownCapture(capture));
+        }
+        self.private.route(stream.raw, pool.0);
+        Ok(())
+    }
+
+    /// `stream` joined the announced capture `capture` (it waited on an event recorded in
+    /// it): its allocations go to the capture's pool too. False when `capture` is not under
+    /// way (the stream is left as it is).
+    pub fn join_capture(&mut self, capture: u64, stream: StreamHandle) -> bool {
+        if stream.device != self.device {
+            return false;
+        }
+        match self.captures.join(capture, stream) {
+            Some(pool) => {
+                self.private.route(stream.raw, pool);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Ends the announced capture `capture`: its streams allocate from their usual pools
+    /// again. The frees it held back are made at the next `process_events` once no capture
+    /// is under way.
+    pub fn end_capture(&mut self, capture: u64) -> Result<(), AllocError> {
+        let ended = self
+            .captures
+            .end(capture)
+            .ok_or(AllocError::UnknownCapture(capture))?;
+        for stream in ended.streams {
+            if self.private.routed(stream.raw) == Some(ended.pool) {
+                self.private.unroute(stream.raw);
+            }
+        }
+        Ok(())
+    }
+
+    /// The capture announced as under way on `stream` (begun or joined there), if any.
+    pub fn capture_of(&self, stream: StreamHandle) -> Option<u64> {
+        self.captures.of_stream(stream)
+    }
+
+    /// True while an announced capture is under way.
+    pub fn captures_underway(&self) -> bool {
+        !self.captures.is_quiet()
+    }
+
+    /// True while an announced capture allocates into `pool`.
+    pub fn pool_in_capture(&self, pool: MemPoolId) -> bool {
+        self.captures.fills(pool.0)
+    }
+
+    /// A block used on other streams is being freed: its events are recorded now, or, while
+    /// a capture is under way, once none is.
+    pub(crate) fn free_with_uses(&mut self, id: BlockId) {
+        let during_captures = self.captures.take_uses(id);
+        if self.captures.is_quiet() {
+            self.insert_events(id);
+        } else {
+            // Remembered again for the deferred free, which drops them.
+            for s in during_captures {
+                self.captures.note_use(id, s);
+            }
+            self.captures.defer(id);
+        }
+    }
+
+    /// Notes a use recorded on `stream` while a capture is under way.
+    pub(crate) fn note_capture_use(&mut self, id: BlockId, stream: StreamHandle) {
+        if !self.captures.is_quiet() {
+            self.captures.note_use(id, stream);
+        }
+    }
+
+    /// Makes the frees captures held back, once none is under way: events on the streams
+    /// used outside captures, or the free at once.
+    pub(crate) fn flush_deferred_frees(&mut self) {
+        for id in self.captures.take_deferred() {
+            let during_captures = self.captures.take_uses(id);
+            self.blocks
+                .get_mut(id)
+                .stream_uses
+                .retain(|s| !during_captures.contains(s));
+            self.insert_events(id);
+        }
+    }
+
+    /// True when a stream block `id` was used on is capturing now (a capture the owner may
+    /// not have announced): no event may be recorded there.
+    pub(crate) fn uses_capturing(&self, id: BlockId) -> bool {
+        self.backend.capture_may_be_underway()
+            && self.blocks.get(id).stream_uses.iter().any(|s| {
+                self.backend
+                    .stream_capture_status(*s)
+                    .is_ok_and(|c| c.is_capturing())
+            })
+    }
+
+    /// Holds block `id`'s free back (see [`DeviceCore::uses_capturing`]).
+    pub(crate) fn defer_free(&mut self, id: BlockId) {
+        self.captures.defer(id);
+    }
+}

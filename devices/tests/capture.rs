@@ -1,0 +1,236 @@
+//! The core under stream captures (`pools/capture.rs`), on the simulated GPU: graph pools
+//! route a capture's allocations, and no event is recorded on a capturing stream or queried
+//! while an announced capture is under way, as PyTorch's rules say.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore};
+use gpualloc_runtime::capture::CaptureMode;
+use gpualloc_runtime::{Backend, CaptureSafe, DeviceId, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
+
+const MIB: u64 = 1 << 20;
+const D0: DeviceId = DeviceId(0);
+
+struct Rig {
+    sim: Arc<SimBackend>,
+    core: DeviceCore,
+    s0: StreamHandle,
+    s1: StreamHandle,
+}
+
+const CONFIGS: [&str; 3] = [
+    "expandable_segments:False",
+    "expandable_segments:True",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+];
+
+fn rig(conf: &str) -> Rig {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s0 = dynb.stream_create(D0).unwrap();
+    let s1 = dynb.stream_create(D0).unwrap();
+    // The allocator's calls go through `CaptureSafe`, as the facade makes them.
+    let safe: Arc<dyn Backend> = Arc::new(CaptureSafe::new(dynb));
+    let core = DeviceCore::new(safe, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    Rig { sim, core, s0, s1 }
+}
+
+/// Holds `stream` until the returned sender is dropped.
+fn hold(sim: &SimBackend, stream: StreamHandle) -> std::sync::mpsc::SyncSender<()> {
+    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
+    sim.launch_kernel(stream, Duration::ZERO, move |_| {
+        let _ = gate.recv();
+        Ok(())
+    })
+    .unwrap();
+    open
+}
+
+fn capture_id(sim: &SimBackend, s: StreamHandle) -> u64 {
+    sim.stream_capture_status(s).unwrap().id().unwrap()
+}
+
+#[test]
+fn a_captures_allocations_come_from_its_pool_and_others_do_not() {
+    for conf in CONFIGS {
+        let mut r = rig(conf);
+        let pool = r.core.create_pool(false);
+        r.sim
+            .stream_begin_capture(r.s0, CaptureMode::Global)
+            .unwrap();
+        let id = capture_id(&r.sim, r.s0);
+        r.core.begin_capture(id, pool, r.s0).unwrap();
+        assert_eq!(r.core.capture_of(r.s0), Some(id));
+        assert!(r.core.pool_in_capture(pool));
+        let a = r.core.malloc(3 * MIB, r.s0).unwrap();
+        let small = r.core.malloc(1000, r.s0).unwrap();
+        let outside = r.core.malloc(3 * MIB, r.s1).unwrap();
+        assert_eq!(
+            (a.pool, small.pool, outside.pool),
+            (Some(pool), Some(pool), None),
+            "{conf}"
+        );
+        // A stream that joined the capture allocates from the pool too.
+        assert!(r.core.join_capture(id, r.s1));
+        let joined = r.core.malloc(MIB, r.s1).unwrap();
+        assert_eq!(joined.pool, Some(pool));
+        // A block freed during the capture serves a later request of it on its stream.
+        r.core.free(a.ptr).unwrap();
+        let again = r.core.malloc(3 * MIB, r.s0).unwrap();
+        assert_eq!((again.ptr, again.pool), (a.ptr, Some(pool)), "{conf}");
+        r.core.end_capture(id).unwrap();
+        assert!(!r.core.captures_underway());
+        assert_eq!(r.core.capture_of(r.s0), None);
+        let after = r.core.malloc(3 * MIB, r.s0).unwrap();
+        assert_eq!(after.pool, None);
+        // The capture itself was never invalidated by the allocator's driver calls.
+        let g = r.sim.stream_end_capture(r.s0).unwrap();
+        r.sim.graph_destroy(g).unwrap();
+        for p in [again.ptr, small.ptr, outside.ptr, joined.ptr, after.ptr] {
+            r.core.free(p).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_cross_stream_free_during_a_capture_waits_for_its_end_and_records_no_event_then() {
+    for conf in CONFIGS {
+        let mut r = rig(conf);
+        let pool = r.core.create_pool(false);
+        // A default-pool block used on s1 before the capture, freed during it.
+        let old = r.core.malloc(3 * MIB, r.s0).unwrap();
+        r.core.record_stream(old.ptr, r.s1).unwrap();
+        r.sim
+            .stream_begin_capture(r.s0, CaptureMode::Global)
+            .unwrap();
+        let id = capture_id(&r.sim, r.s0);
+        r.core.begin_capture(id, pool, r.s0).unwrap();
+        // A graph-pool block used on s1 during the capture, freed during it.
+        let inner = r.core.malloc(3 * MIB, r.s0).unwrap();
+        r.core.record_stream(inner.ptr, r.s1).unwrap();
+        r.sim.reset_counts();
+        r.core.free(old.ptr).unwrap();
+        r.core.free(inner.ptr).unwrap();
+        assert_eq!(r.core.process_events().unwrap(), 0);
+        let counts = r.sim.counts();
+        assert_eq!(
+            (counts.get(Op::EventRecord), counts.get(Op::EventQuery)),
+            (0, 0),
+            "no event recorded or queried during the capture ({conf})"
+        );
+        assert_eq!(
+            r.core.empty_cache(),
+            Err(AllocError::CaptureUnderway("empty_cache"))
+        );
+        r.core.end_capture(id).unwrap();
+        let g = r.sim.stream_end_capture(r.s0).unwrap();
+        r.sim.graph_destroy(g).unwrap();
+        // After it: the old block waits for s1's work (one event), the graph's block does not.
+        let open = hold(&r.sim, r.s1);
+        r.sim.reset_counts();
+        r.core.process_events().unwrap();
+        assert_eq!(r.sim.counts().get(Op::EventRecord), 1, "{conf}");
+        let stats = r.core.stats();
+        assert_eq!(stats.active_bytes[0].current, old.block_size, "{conf}");
+        drop(open);
+        r.sim.stream_synchronize(r.s1).unwrap();
+        r.core.process_events().unwrap();
+        assert_eq!(r.core.stats().active_bytes[0].current, 0, "{conf}");
+    }
+}
+
+#[test]
+fn the_miss_chain_does_not_synchronize_during_a_capture() {
+    // 64 MiB: a cached 40 MiB segment cannot serve a 40 MiB request of the graph pool, and
+    // releasing it needs the chain's synchronizing link.
+    let sim = SimBackend::new(SimConfig {
+        capacity_per_device: 64 * MIB,
+        ..SimConfig::fast(1)
+    })
+    .unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s0 = dynb.stream_create(D0).unwrap();
+    let mut core = DeviceCore::new(
+        Arc::new(CaptureSafe::new(dynb)),
+        D0,
+        AllocatorConfig::parse("expandable_segments:False").unwrap(),
+    )
+    .unwrap();
+    let cached = core.malloc(40 * MIB, s0).unwrap();
+    core.free(cached.ptr).unwrap();
+    let pool = core.create_pool(false);
+    sim.stream_begin_capture(s0, CaptureMode::Global).unwrap();
+    let id = capture_id(&sim, s0);
+    core.begin_capture(id, pool, s0).unwrap();
+    let before = core.stats().num_sync_all_streams;
+    let r = core.malloc(40 * MIB, s0);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+    assert_eq!(core.stats().num_sync_all_streams, before);
+    core.end_capture(id).unwrap();
+    // The capture survived the allocator's miss.
+    let g = sim.stream_end_capture(s0).unwrap();
+    sim.graph_destroy(g).unwrap();
+    // After it, the same request releases the cache and succeeds.
+    let a = core.malloc(40 * MIB, s0).unwrap();
+    assert_eq!(a.pool, None);
+}
+
+#[test]
+fn a_use_on_a_stream_that_captures_unannounced_holds_the_free_back() {
+    let mut r = rig("expandable_segments:False");
+    let a = r.core.malloc(3 * MIB, r.s0).unwrap();
+    r.core.record_stream(a.ptr, r.s1).unwrap();
+    // The user captures s1 without telling the allocator.
+    r.sim
+        .stream_begin_capture(r.s1, CaptureMode::Global)
+        .unwrap();
+    r.sim.reset_counts();
+    r.core.free(a.ptr).unwrap();
+    r.core.process_events().unwrap();
+    assert_eq!(
+        r.sim.counts().get(Op::EventRecord),
+        0,
+        "no event on a capturing stream"
+    );
+    assert_eq!(r.core.stats().active_bytes[0].current, a.block_size);
+    let g = r
+        .sim
+        .stream_end_capture(r.s1)
+        .expect("the allocator left the capture valid");
+    r.sim.graph_destroy(g).unwrap();
+    r.core.process_events().unwrap();
+    r.sim.stream_synchronize(r.s1).unwrap();
+    r.core.process_events().unwrap();
+    assert_eq!(r.core.stats().active_bytes[0].current, 0);
+}
+
+#[test]
+fn capture_announcements_are_checked() {
+    let mut r = rig("expandable_segments:False");
+    let pool = r.core.create_pool(false);
+    let other = StreamHandle {
+        device: DeviceId(1),
+        raw: r.s0.raw,
+    };
+    assert!(matches!(
+        r.core.begin_capture(1, pool, other),
+        Err(AllocError::WrongDevice { .. })
+    ));
+    assert_eq!(
+        r.core
+            .begin_capture(1, gpualloc_devices::MemPoolId(999), r.s0),
+        Err(AllocError::UnknownPool(999))
+    );
+    r.core.begin_capture(1, pool, r.s0).unwrap();
+    assert_eq!(
+        r.core.begin_capture(1, pool, r.s1),
+        Err(AllocError::UnknownCapture(1))
+    );
+    assert!(!r.core.join_capture(2, r.s1));
+    assert!(!r.core.join_capture(1, other));
+    assert_eq!(r.core.end_capture(2), Err(AllocError::UnknownCapture(2)));
+    r.core.end_capture(1).unwrap();
+    assert_eq!(r.core.end_capture(1), Err(AllocError::UnknownCapture(1)));
+}
