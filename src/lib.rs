@@ -46,6 +46,7 @@ mod cuda;
 mod error;
 mod export;
 mod fork;
+mod graph;
 mod guarded;
 mod history;
 mod history_frames;
@@ -66,6 +67,8 @@ pub use builder::{cuda_backend, sim_backend, AllocatorBuilder, BackendKind, BACK
 pub use error::Error;
 pub use gpualloc_devices::memory_summary;
 pub use gpualloc_devices::{PoolState, SleepMode};
+pub use gpualloc_runtime::capture::{CaptureError, CaptureMode, CaptureStatus};
+pub use graph::{Capture, Graph, GraphPool};
 pub use history::HistoryOptions;
 pub use observer::{SegmentAction, SegmentRange, SegmentWatch, SEGMENT_EVENTS_BUFFERED};
 pub use oom::OomEvent;

@@ -366,9 +366,10 @@ impl DeviceActor {
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Option<DeviceBuffer> {
-        // The thread cache holds default-pool blocks only (`release`).
+        // The thread cache holds default-pool blocks only (`release`), and serves none while
+        // a capture is under way: its requests go to a graph pool (`graph.rs`).
         let cache = self.signals.thread_cache.as_ref()?;
-        if pool.is_some() {
+        if pool.is_some() || self.signals.captures.load(Ordering::Acquire) != 0 {
             return None;
         }
         // A lost device (a sticky error: its context does no more work) hands out nothing,
@@ -530,6 +531,19 @@ impl DeviceActor {
                 if let Err(e) = st.core.release_pool(id) {
                     tracing::debug!(pool = id.0, error = %e, "releasing a pool");
                 }
+            })));
+    }
+
+    /// Ends announced capture `id` (a [`crate::Capture`] dropped unended): queued, then the
+    /// thread cache serves again.
+    pub(crate) fn end_capture_later(&self, id: u64) {
+        let signals = self.signals.clone();
+        self.mailbox
+            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
+                if let Err(e) = st.core.end_capture(id) {
+                    tracing::debug!(capture = id, error = %e, "ending a dropped capture");
+                }
+                signals.captures.fetch_sub(1, Ordering::AcqRel);
             })));
     }
 

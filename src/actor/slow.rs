@@ -183,8 +183,16 @@ impl DeviceActor {
 
     /// `empty_cache` for this device.
     pub(crate) fn empty_cache_blocking(&self) -> Result<(), Error> {
-        if self.mailbox.hold_blocking().state().core.is_shut_down() {
-            return Err(AllocError::Shutdown.into());
+        {
+            let mut held = self.mailbox.hold_blocking();
+            let core = &held.state().core;
+            if core.is_shut_down() {
+                return Err(AllocError::Shutdown.into());
+            }
+            // It synchronizes: refused while a capture is under way, as PyTorch does.
+            if core.captures_underway() {
+                return Err(AllocError::CaptureUnderway("empty_cache").into());
+            }
         }
         self.release_cache_blocking();
         let mut held = self.mailbox.hold_blocking();

@@ -24,6 +24,9 @@ pub(crate) struct Signals {
     /// `HISTORY_*` levels). While it is not off the thread cache records its parks and
     /// revives in its slots, and collections hand them to the core.
     pub history: std::sync::atomic::AtomicU8,
+    /// Captures under way into graph pools (`graph.rs`): while not zero the thread cache
+    /// serves nothing.
+    pub captures: std::sync::atomic::AtomicUsize,
 }
 
 /// One device's core, plus the signals its handlers raise.

@@ -16,7 +16,7 @@
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle};
 
 use crate::blocks::block::BlockId;
-use crate::core::DeviceCore;
+use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
@@ -69,6 +69,30 @@ impl DeviceCore {
         for pool in self.release_scope() {
             out.extend(self.detach_whole_segments(pool));
         }
+        Ok(out)
+    }
+
+    /// Takes the whole free segments of released private pool `pool` out of the books (a
+    /// graph pool whose last holder went: its memory goes back now, not at the next
+    /// `empty_cache`); the caller frees each with [`free_detached`]. A pool that is not
+    /// released keeps its segments (an empty list).
+    pub fn detach_pool_segments(
+        &mut self,
+        pool: MemPoolId,
+    ) -> Result<Vec<DetachedSegment>, AllocError> {
+        if self.shut_down {
+            return Err(AllocError::Shutdown);
+        }
+        let Some(p) = self.private.get(pool.0) else {
+            return Err(AllocError::UnknownPool(pool.0));
+        };
+        if !p.released {
+            return Ok(Vec::new());
+        }
+        let (small, large) = (p.small, p.large);
+        let mut out = self.detach_whole_segments(small);
+        out.extend(self.detach_whole_segments(large));
+        self.forget_released_private_pools();
         Ok(out)
     }
 

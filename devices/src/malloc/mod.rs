@@ -85,6 +85,9 @@ impl DeviceCore {
             }));
         }
         self.process_events()?;
+        if !self.captures.is_quiet() {
+            self.join_if_capturing(stream);
+        }
         let mut params = self.params_for(size, stream, route)?;
         if self.get_free_block(&mut params)
             || (self.trigger_free_memory_callbacks()? && self.get_free_block(&mut params))

@@ -66,9 +66,23 @@ impl DeviceCore {
         }
     }
 
+    /// While captures are under way: `stream`, not routed to a pool, joins the announced
+    /// capture the backend says it is part of (it waited on an event recorded in one), so
+    /// its allocations go to that capture's pool. PyTorch finds a request's capture the
+    /// same way (`cudaStreamGetCaptureInfo` against each capture's id).
+    pub(crate) fn join_if_capturing(&mut self, stream: StreamHandle) {
+        if self.private.routed(stream.raw).is_some() {
+            return;
+        }
+        if let Ok(status) = self.backend.stream_capture_status(stream) {
+            if let Some(id) = status.id() {
+                self.join_capture(id, stream);
+            }
+        }
+    }
+
     /// Ends the announced capture `capture`: its streams allocate from their usual pools
-    /// again. The frees it held back are made at the next `process_events` once no capture
-    /// is under way.
+    /// again. When no other capture is under way, the frees captures held back are made.
     pub fn end_capture(&mut self, capture: u64) -> Result<(), AllocError> {
         let ended = self
             .captures
@@ -78,6 +92,12 @@ impl DeviceCore {
             if self.private.routed(stream.raw) == Some(ended.pool) {
                 self.private.unroute(stream.raw);
             }
+        }
+        // The last one: the frees held back are made now, so that a capture into the same
+        // pool right after this one finds them (PyTorch's capture begins with an
+        // `empty_cache`, which makes them).
+        if self.captures.is_quiet() {
+            self.flush_deferred_frees();
         }
         Ok(())
     }

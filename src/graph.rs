@@ -1,0 +1,313 @@
+//! CUDA graphs: capturing a stream's work with the allocator's buffers in it, into graph
+//! memory pools (PyTorch's `torch.cuda.graph(g, pool=...)` and `graph_pool_handle()`).
+//!
+//! A graph bakes in the device pointers its work was captured with. So every buffer
+//! allocated during a capture comes from a [`GraphPool`], whose memory no request outside it
+//! ever gets, and stays reserved while anything holds the pool: a [`GraphPool`] handle, a
+//! [`Capture`] under way, or a [`Graph`] captured into it. Several graphs captured one
+//! after another into one pool share its memory (PyTorch's `pool=` sharing): a buffer one
+//! capture freed serves the next capture's request of the same size on the same stream, so
+//! graphs that run one at a time need the memory of the largest, not of all. When the last
+//! holder goes, the pool is released and its free segments go back to the device at once
+//! (a buffer still alive keeps its segment until it is dropped and the cache is emptied).
+//!
+//! ```no_run
+//! # async fn demo(alloc: gpualloc::Allocator, stream: gpualloc::Stream) -> Result<(), gpualloc::Error> {
+//! use gpualloc::CaptureMode;
+//! let pool = alloc.graph_pool(stream.device()).await?;
+//! let capture = pool.begin_capture(&stream, CaptureMode::ThreadLocal).await?;
+//! let out = alloc.malloc(4 << 20, &stream).await?; // from the pool
+//! // ... enqueue the step's work on `stream` (kernels through cudarc, copies) ...
+//! let graph = capture.end().await?;
+//! for _ in 0..100 {
+//!     graph.launch(&stream)?; // no allocator call
+//! }
+//! # drop(out); Ok(()) }
+//! ```
+//!
+//! While a capture is under way (PyTorch's rules, `gpualloc_devices`' `pools/capture.rs`):
+//! allocations on the capturing stream, and on streams that joined the capture through an
+//! event recorded in it, come from the capture's pool; the thread cache is bypassed (a
+//! parked block of the default pools must not serve a captured request); no event is
+//! recorded on a capturing stream or queried, a free of a buffer used on other streams waits
+//! until no capture is under way; the out-of-memory chain does not synchronize, and
+//! [`Allocator::empty_cache`] is refused ([`AllocError::CaptureUnderway`]). Every driver
+//! call of the allocator runs in relaxed capture mode, so it never invalidates a capture,
+//! this one or a user's own on another thread.
+//!
+//! A malloc on a stream that captures without a [`Capture`] of ours (begun through the
+//! backend or cudarc directly) gets PyTorch's behaviour: the request is served from the
+//! default pools, and what the graph captured may be handed out again after the buffer is
+//! dropped. Capture through a graph pool to keep a graph's memory.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use gpualloc_devices::{free_detached, AllocError, MemPoolId};
+use gpualloc_runtime::capture::{CaptureMode, GraphExecHandle};
+use gpualloc_runtime::{DeviceId, Stream};
+
+use crate::actor::DeviceActor;
+use crate::{Allocator, Error};
+
+/// A graph memory pool on one device. Cheap to clone; see the module docs.
+#[derive(Clone, Debug)]
+pub struct GraphPool {
+    inner: Arc<GraphPoolInner>,
+}
+
+#[derive(Debug)]
+struct GraphPoolInner {
+    alloc: Allocator,
+    device: DeviceId,
+    id: MemPoolId,
+}
+
+impl Drop for GraphPoolInner {
+    /// The last holder went: the pool is released and its free segments are freed, off the
+    /// caller's thread (a driver call per segment).
+    fn drop(&mut self) {
+        let Ok(actor) = self.alloc.device_actor(self.device) else {
+            return;
+        };
+        let (actor, id) = (actor.clone(), self.id);
+        let runtime = actor.runtime.clone();
+        drop(runtime.spawn_blocking(move || release_graph_pool(&actor, id)));
+    }
+}
+
+/// Releases pool `id` and frees its whole free segments.
+fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
+    let detached = {
+        let mut held = actor.mailbox.hold_blocking();
+        let core = &mut held.state().core;
+        core.release_pool(id)
+            .and_then(|()| core.detach_pool_segments(id))
+    };
+    match detached {
+        Ok(segments) => {
+            if let Err(e) = free_detached(actor.backend.as_ref(), actor.device, &segments) {
+                tracing::warn!(pool = id.0, error = %e, "freeing a graph pool's segments");
+            }
+            if !segments.is_empty() {
+                actor.signals.waiters.wake_head();
+            }
+        }
+        Err(AllocError::Shutdown) => {}
+        Err(e) => tracing::warn!(pool = id.0, error = %e, "releasing a graph pool"),
+    }
+}
+
+impl Allocator {
+    /// A new graph memory pool on `device` (PyTorch's `graph_pool_handle()`).
+    pub async fn graph_pool(&self, device: DeviceId) -> Result<GraphPool, Error> {
+        self.check()?;
+        let actor = self.device_actor(device)?;
+        let id = actor.call(|st| st.core.create_pool(false)).await?;
+        Ok(GraphPool {
+            inner: Arc::new(GraphPoolInner {
+                alloc: self.clone(),
+                device,
+                id,
+            }),
+        })
+    }
+}
+
+impl GraphPool {
+    /// The pool's id on its device (as stats, snapshots and the history name it:
+    /// `segment_pool_id`).
+    pub fn id(&self) -> MemPoolId {
+        self.inner.id
+    }
+
+    /// The pool's device.
+    pub fn device(&self) -> DeviceId {
+        self.inner.device
+    }
+
+    fn actor(&self) -> Result<&Arc<DeviceActor>, Error> {
+        self.inner.alloc.device_actor(self.inner.device)
+    }
+
+    /// Begins capturing `stream` (of this pool's device and allocator) in `mode`: until
+    /// [`Capture::end`], its work is recorded into a graph instead of running, and every
+    /// allocation on it (and on streams that join the capture) comes from this pool.
+    /// `CaptureMode::ThreadLocal` is what most callers want: other threads' driver calls
+    /// then cannot invalidate the capture.
+    pub async fn begin_capture(
+        &self,
+        stream: &Stream,
+        mode: CaptureMode,
+    ) -> Result<Capture, Error> {
+        let alloc = &self.inner.alloc;
+        alloc.check()?;
+        if !Arc::ptr_eq(stream.backend(), alloc.backend()) {
+            return Err(Error::ForeignStream);
+        }
+        if stream.device() != self.inner.device {
+            return Err(AllocError::WrongDevice {
+                expected: self.inner.device,
+                got: stream.device(),
+            }
+            .into());
+        }
+        let actor = self.actor()?.clone();
+        let backend = alloc.backend().clone();
+        let h = stream.handle();
+        // The thread cache is bypassed from before the capture starts.
+        actor.signals.captures.fetch_add(1, Ordering::AcqRel);
+        let announced = async {
+            backend.stream_begin_capture(h, mode)?;
+            let id = match backend.stream_capture_status(h)?.id() {
+                Some(id) => id,
+                None => {
+                    return Err(Error::Internal(
+                        "a stream began capturing but reports no capture".into(),
+                    ))
+                }
+            };
+            let pool = self.inner.id;
+            let announce = actor
+                .call(move |st| st.core.begin_capture(id, pool, h))
+                .await
+                .and_then(|r| r.map_err(Error::from));
+            if let Err(e) = announce {
+                if let Ok(g) = backend.stream_end_capture(h) {
+                    let _ = backend.graph_destroy(g);
+                }
+                return Err(e);
+            }
+            Ok(id)
+        }
+        .await;
+        match announced {
+            Ok(id) => Ok(Capture {
+                pool: self.clone(),
+                stream: stream.clone(),
+                id,
+                ended: false,
+            }),
+            Err(e) => {
+                actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A capture under way into a [`GraphPool`]. End it with [`Capture::end`]; dropping it
+/// instead ends the capture and discards its graph.
+#[derive(Debug)]
+pub struct Capture {
+    pool: GraphPool,
+    stream: Stream,
+    id: u64,
+    ended: bool,
+}
+
+impl Capture {
+    /// The backend's id of the capture.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The stream the capture began on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Ends the capture and instantiates its graph. A capture the driver invalidated (a
+    /// refused call during it) or one with a stream not joined back fails here, with the
+    /// driver's capture error ([`gpualloc_runtime::CaptureError`] in
+    /// [`Error::Backend`]); the pool keeps what was allocated for it until its buffers are
+    /// dropped.
+    pub async fn end(mut self) -> Result<Graph, Error> {
+        self.ended = true;
+        let backend = self.pool.inner.alloc.backend().clone();
+        let ended = backend.stream_end_capture(self.stream.handle());
+        self.forget().await?;
+        let graph = ended?;
+        let exec = backend.graph_instantiate(graph);
+        if let Err(e) = backend.graph_destroy(graph) {
+            tracing::warn!(error = %e, "destroying a captured graph after its instantiation");
+        }
+        Ok(Graph {
+            pool: self.pool.clone(),
+            exec: exec?,
+        })
+    }
+
+    /// Tells the core the capture is over and lets the thread cache serve again.
+    async fn forget(&self) -> Result<(), Error> {
+        let actor = self.pool.actor()?.clone();
+        let id = self.id;
+        let r = actor
+            .call(move |st| st.core.end_capture(id))
+            .await
+            .and_then(|r| r.map_err(Error::from));
+        actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        let backend = self.pool.inner.alloc.backend().clone();
+        if let Ok(g) = backend.stream_end_capture(self.stream.handle()) {
+            let _ = backend.graph_destroy(g);
+        }
+        if let Ok(actor) = self.pool.actor() {
+            actor.end_capture_later(self.id);
+        }
+    }
+}
+
+/// An instantiated graph captured into a [`GraphPool`]: it holds the pool (its pointers
+/// are baked in) until dropped. Launching it calls no allocator code.
+#[derive(Debug)]
+pub struct Graph {
+    pool: GraphPool,
+    exec: GraphExecHandle,
+}
+
+impl Graph {
+    /// Enqueues the whole graph on `stream` (of the pool's device and allocator).
+    pub fn launch(&self, stream: &Stream) -> Result<(), Error> {
+        let backend = self.pool.inner.alloc.backend();
+        if !Arc::ptr_eq(stream.backend(), backend) {
+            return Err(Error::ForeignStream);
+        }
+        if stream.device() != self.pool.device() {
+            return Err(AllocError::WrongDevice {
+                expected: self.pool.device(),
+                got: stream.device(),
+            }
+            .into());
+        }
+        Ok(backend.graph_launch(self.exec, stream.handle())?)
+    }
+
+    /// The pool the graph was captured into.
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // Launches already enqueued still run (the driver's rule, and the sim's).
+        if let Err(e) = self
+            .pool
+            .inner
+            .alloc
+            .backend()
+            .graph_exec_destroy(self.exec)
+        {
+            tracing::warn!(error = %e, "destroying a graph");
+        }
+    }
+}
