@@ -86,7 +86,8 @@ pub struct Deviation {
     pub evidence: &'static str,
 }
 
-/// Every departure of the `gpualloc` policy from PyTorch's rules: the one copy of the table.
+/// Every departure from PyTorch's rules (the `gpualloc` policy's, and the allocator's under
+/// stream capture, whatever the policy): the one copy of the table.
 /// The README shows it as [`deviations_table`] renders it (`devices/tests/departures.rs`
 /// checks that they are the same); cells are Markdown.
 pub const DEVIATIONS: &[Deviation] = &[
@@ -155,6 +156,59 @@ pub const DEVIATIONS: &[Deviation] = &[
                     13,296 MiB, a generated MiniLM-like inference 102 vs 84 MiB; driver calls during \
                     warm-up: 230 / 43 / 240 / 12 segment mallocs vs 329 / 45 / 673 / 16 page maps, \
                     none after (`replay/tests/real_traces.rs`, `small_model.rs`)",
+    },
+    Deviation {
+        rule: "the allocator's driver calls during a stream capture (both policies)",
+        pytorch: "puts the thread in relaxed capture mode around `cudaMalloc` only; its other \
+                   calls (`cudaFree`, event queries and synchronizations, the expandable \
+                   segments' maps) keep the thread's mode",
+        gpualloc: "every potentially unsafe call of the allocators (malloc, free, reserve, map, \
+                    unmap, event and stream queries and synchronizations, pinned memory) runs \
+                    in relaxed mode, the thread's mode restored after it \
+                    (`gpualloc_runtime::CaptureSafe`)",
+        why: "the allocator calls the driver from its own threads (misses off the gate, the \
+               reaper) and from every task that allocates: under a global-mode capture any such \
+               call from any thread invalidates the capture",
+        evidence: "four tasks missing on another stream during a global capture leave it valid \
+                    (`tests/graphs.rs`); the emulated driver and the sim invalidate a capture on \
+                    such a call made in global mode (`capture_modes_across_threads`)",
+    },
+    Deviation {
+        rule: "a free used on a stream that captures without the allocator being told",
+        pytorch: "records its events on that stream (they become the graph's, and the next event \
+                   query fails)",
+        gpualloc: "the free waits until that stream stops capturing, as frees wait during the \
+                    allocator's own captures; no event is ever recorded on a capturing stream",
+        why: "an event recorded in a capture cannot be queried (`CUDA_ERROR_CAPTURED_EVENT`) and \
+               would not mean the work is done",
+        evidence: "`devices/tests/capture.rs`: zero event records during the capture, one after \
+                    it, the block back once the stream's work ran",
+    },
+    Deviation {
+        rule: "what the end of the last capture does",
+        pytorch: "the frees a capture held back are made at the next `process_events` with no \
+                   capture under way (`torch.cuda.graph` begins each capture with an \
+                   `empty_cache`, which makes them); `empty_cache` during a capture fails an \
+                   internal assertion",
+        gpualloc: "they are made when the last capture ends; `empty_cache` during a capture is \
+                    a typed error (`AllocError::CaptureUnderway`)",
+        why: "graphs captured back to back into one pool (a serving engine's batch sizes) must \
+               find the memory the previous capture freed without an `empty_cache` that would \
+               also empty every other pool",
+        evidence: "a second graph captured into the same pool gets the first one's pointers and \
+                    no new memory (`tests/graphs.rs`)",
+    },
+    Deviation {
+        rule: "a graph pool's memory when its last holder goes",
+        pytorch: "the pool is released when its last graph is reset; its free segments go back \
+                   at the next `empty_cache` or out-of-memory release",
+        gpualloc: "released when the last `GraphPool` handle, capture or `Graph` is dropped, and \
+                    its free segments freed at once (buffers still alive keep theirs until \
+                    dropped and the cache is emptied)",
+        why: "a dropped graph's memory is wanted back by the next graph or request, and nothing \
+               else may reuse it",
+        evidence: "pool, graph and buffers dropped in three orders leave nothing reserved after \
+                    an `empty_cache` (`tests/graphs.rs`)",
     },
 ];
 
