@@ -13,7 +13,7 @@
 #      emulator-only knob and finds the GPUs it needs runs against NVIDIA's driver, the
 #      others print why they are skipped,
 #   3. the bench binary (binaries named bench*) with GPUALLOC_BACKEND=cuda,
-#   4. the conformance suite and tests/backend_env.rs again on every other GPU found
+#   4. the conformance suite, tests/backend_env.rs and tests/graphs_env.rs again on every other GPU found
 #      (GPUALLOC_TEST_DEVICE=k),
 #   5. a check that the driver those runs loaded is NVIDIA's (libcuda.so.<driver version>,
 #      as the CUDA smoke test reports it),
@@ -227,7 +227,7 @@ done
 # two-process IPC tests on it (GPUALLOC_TEST_DEVICE), since nothing may assume device 0.
 gpus="$(timeout 30 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
 for ((k = 1; k < ${gpus:-1}; k++)); do
-    for t in "$BIN_DIR"/tests/{conformance_cuda,backend_env,two_process,import_lifetime,hostile_importer,ipc_export}*; do
+    for t in "$BIN_DIR"/tests/{conformance_cuda,backend_env,graphs_env,two_process,import_lifetime,hostile_importer,ipc_export}*; do
         [[ -e "$t" ]] || continue
         step "$(basename "$t")-gpu$k" 60 env GPUALLOC_TEST_DEVICE="$k" "$t" --nocapture
     done
