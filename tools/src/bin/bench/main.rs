@@ -38,6 +38,7 @@
 //! on CUDA instead of the accounting backend (the direct reference too), misses with the
 //! real device malloc instead of the sim's 10 ms one, and the flood only with 2+ GPUs.
 
+mod graphs;
 mod history;
 mod host;
 mod misses;
@@ -369,6 +370,9 @@ fn main() {
         }
         if run("history") {
             history::history_figures(&mut figures).await;
+        }
+        if run("graphs") {
+            graphs::graph_figures(&mut figures).await;
         }
         if run("contention") {
             core_contention(&mut figures).await;
