@@ -35,6 +35,10 @@
 //! call of the allocator runs in relaxed capture mode, so it never invalidates a capture,
 //! this one or a user's own on another thread.
 //!
+//! A named [`Pool`] takes captures too ([`Pool::begin_capture`], PyTorch's
+//! `torch.cuda.graph(g, pool=mempool)`): while a capture into it is under way or a graph
+//! captured into it lives, it cannot sleep ([`AllocError::PoolInGraph`]).
+//!
 //! A malloc on a stream that captures without a [`Capture`] of ours (begun through the
 //! backend or cudarc directly) gets PyTorch's behaviour: the request is served from the
 //! default pools, and what the graph captured may be handed out again after the buffer is
@@ -48,7 +52,7 @@ use gpualloc_runtime::capture::{CaptureMode, GraphExecHandle};
 use gpualloc_runtime::{DeviceId, Stream};
 
 use crate::actor::DeviceActor;
-use crate::{Allocator, Error};
+use crate::{Allocator, Error, Pool};
 
 /// A graph memory pool on one device. Cheap to clone; see the module docs.
 #[derive(Clone, Debug)]
@@ -126,10 +130,6 @@ impl GraphPool {
         self.inner.device
     }
 
-    fn actor(&self) -> Result<&Arc<DeviceActor>, Error> {
-        self.inner.alloc.device_actor(self.inner.device)
-    }
-
     /// Begins capturing `stream` (of this pool's device and allocator) in `mode`: until
     /// [`Capture::end`], its work is recorded into a graph instead of running, and every
     /// allocation on it (and on streams that join the capture) comes from this pool.
@@ -140,11 +140,6 @@ impl GraphPool {
         stream: &Stream,
         mode: CaptureMode,
     ) -> Result<Capture, Error> {
-        let alloc = &self.inner.alloc;
-        alloc.check()?;
-        if !Arc::ptr_eq(stream.backend(), alloc.backend()) {
-            return Err(Error::ForeignStream);
-        }
         if stream.device() != self.inner.device {
             return Err(AllocError::WrongDevice {
                 expected: self.inner.device,
@@ -152,55 +147,102 @@ impl GraphPool {
             }
             .into());
         }
-        let actor = self.actor()?.clone();
-        let backend = alloc.backend().clone();
-        let h = stream.handle();
-        // The thread cache is bypassed from before the capture starts.
-        actor.signals.captures.fetch_add(1, Ordering::AcqRel);
-        let announced = async {
-            backend.stream_begin_capture(h, mode)?;
-            let id = match backend.stream_capture_status(h)?.id() {
-                Some(id) => id,
-                None => {
-                    return Err(Error::Internal(
-                        "a stream began capturing but reports no capture".into(),
-                    ))
-                }
-            };
-            let pool = self.inner.id;
-            let announce = actor
-                .call(move |st| st.core.begin_capture(id, pool, h))
-                .await
-                .and_then(|r| r.map_err(Error::from));
-            if let Err(e) = announce {
-                if let Ok(g) = backend.stream_end_capture(h) {
-                    let _ = backend.graph_destroy(g);
-                }
-                return Err(e);
-            }
-            Ok(id)
-        }
-        .await;
-        match announced {
-            Ok(id) => Ok(Capture {
-                pool: self.clone(),
-                stream: stream.clone(),
-                id,
-                ended: false,
-            }),
-            Err(e) => {
-                actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
-                Err(e)
-            }
+        begin(Holder::Graph(self.clone()), self.inner.id, stream, mode).await
+    }
+}
+
+impl Pool {
+    /// Begins capturing `stream` into this named pool on the stream's device (PyTorch's
+    /// `torch.cuda.graph(g, pool=mempool)`), as [`GraphPool::begin_capture`] does. While a
+    /// graph captured into the pool lives, or a capture into it is under way, the pool
+    /// cannot sleep ([`AllocError::PoolInGraph`]): its addresses are baked into the graph.
+    pub async fn begin_capture(
+        &self,
+        stream: &Stream,
+        mode: CaptureMode,
+    ) -> Result<Capture, Error> {
+        let id = self.id(stream.device())?;
+        begin(Holder::Named(self.clone()), id, stream, mode).await
+    }
+}
+
+/// What keeps a capture's pool: a graph pool, or a named pool.
+#[derive(Clone, Debug)]
+enum Holder {
+    Graph(GraphPool),
+    Named(Pool),
+}
+
+impl Holder {
+    fn alloc(&self) -> &Allocator {
+        match self {
+            Holder::Graph(g) => &g.inner.alloc,
+            Holder::Named(p) => p.allocator(),
         }
     }
 }
 
-/// A capture under way into a [`GraphPool`]. End it with [`Capture::end`]; dropping it
-/// instead ends the capture and discards its graph.
+/// Begins the backend's capture of `stream` and announces it to the core with pool `pool`.
+async fn begin(
+    holder: Holder,
+    pool: MemPoolId,
+    stream: &Stream,
+    mode: CaptureMode,
+) -> Result<Capture, Error> {
+    let alloc = holder.alloc().clone();
+    alloc.check()?;
+    if !Arc::ptr_eq(stream.backend(), alloc.backend()) {
+        return Err(Error::ForeignStream);
+    }
+    let actor = alloc.device_actor(stream.device())?.clone();
+    let backend = alloc.backend().clone();
+    let h = stream.handle();
+    // The thread cache is bypassed from before the capture starts.
+    actor.signals.captures.fetch_add(1, Ordering::AcqRel);
+    let announced = async {
+        backend.stream_begin_capture(h, mode)?;
+        let id = match backend.stream_capture_status(h)?.id() {
+            Some(id) => id,
+            None => {
+                return Err(Error::Internal(
+                    "a stream began capturing but reports no capture".into(),
+                ))
+            }
+        };
+        let announce = actor
+            .call(move |st| st.core.begin_capture(id, pool, h))
+            .await
+            .and_then(|r| r.map_err(Error::from));
+        if let Err(e) = announce {
+            if let Ok(g) = backend.stream_end_capture(h) {
+                let _ = backend.graph_destroy(g);
+            }
+            return Err(e);
+        }
+        Ok(id)
+    }
+    .await;
+    match announced {
+        Ok(id) => Ok(Capture {
+            holder,
+            pool,
+            stream: stream.clone(),
+            id,
+            ended: false,
+        }),
+        Err(e) => {
+            actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
+            Err(e)
+        }
+    }
+}
+
+/// A capture under way into a [`GraphPool`] or a named [`Pool`]. End it with
+/// [`Capture::end`]; dropping it instead ends the capture and discards its graph.
 #[derive(Debug)]
 pub struct Capture {
-    pool: GraphPool,
+    holder: Holder,
+    pool: MemPoolId,
     stream: Stream,
     id: u64,
     ended: bool,
@@ -224,30 +266,41 @@ impl Capture {
     /// dropped.
     pub async fn end(mut self) -> Result<Graph, Error> {
         self.ended = true;
-        let backend = self.pool.inner.alloc.backend().clone();
+        let alloc = self.holder.alloc().clone();
+        let backend = alloc.backend().clone();
         let ended = backend.stream_end_capture(self.stream.handle());
-        self.forget().await?;
-        let graph = ended?;
-        let exec = backend.graph_instantiate(graph);
-        if let Err(e) = backend.graph_destroy(graph) {
-            tracing::warn!(error = %e, "destroying a captured graph after its instantiation");
-        }
-        Ok(Graph {
-            pool: self.pool.clone(),
-            exec: exec?,
-        })
-    }
-
-    /// Tells the core the capture is over and lets the thread cache serve again.
-    async fn forget(&self) -> Result<(), Error> {
-        let actor = self.pool.actor()?.clone();
-        let id = self.id;
-        let r = actor
-            .call(move |st| st.core.end_capture(id))
+        let exec = ended.and_then(|graph| {
+            let exec = backend.graph_instantiate(graph);
+            if let Err(e) = backend.graph_destroy(graph) {
+                tracing::warn!(error = %e, "destroying a captured graph after its instantiation");
+            }
+            exec
+        });
+        // The core hears of the end either way; of the graph only if there is one.
+        let actor = alloc.device_actor(self.stream.device())?.clone();
+        let (id, pool, made) = (self.id, self.pool, exec.is_ok());
+        let told = actor
+            .call(move |st| {
+                st.core.end_capture(id)?;
+                if made {
+                    st.core.graph_captured(pool)?;
+                }
+                Ok::<(), AllocError>(())
+            })
             .await
             .and_then(|r| r.map_err(Error::from));
         actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
-        r
+        let exec = exec?;
+        if let Err(e) = told {
+            let _ = backend.graph_exec_destroy(exec);
+            return Err(e);
+        }
+        Ok(Graph {
+            holder: self.holder.clone(),
+            device: self.stream.device(),
+            pool,
+            exec,
+        })
     }
 }
 
@@ -256,34 +309,38 @@ impl Drop for Capture {
         if self.ended {
             return;
         }
-        let backend = self.pool.inner.alloc.backend().clone();
+        let alloc = self.holder.alloc();
+        let backend = alloc.backend();
         if let Ok(g) = backend.stream_end_capture(self.stream.handle()) {
             let _ = backend.graph_destroy(g);
         }
-        if let Ok(actor) = self.pool.actor() {
+        if let Ok(actor) = alloc.device_actor(self.stream.device()) {
             actor.end_capture_later(self.id);
         }
     }
 }
 
-/// An instantiated graph captured into a [`GraphPool`]: it holds the pool (its pointers
-/// are baked in) until dropped. Launching it calls no allocator code.
+/// An instantiated graph captured into a [`GraphPool`] or a named [`Pool`]: it holds the
+/// pool (its pointers are baked in; a named pool cannot sleep meanwhile) until dropped.
+/// Launching it calls no allocator code.
 #[derive(Debug)]
 pub struct Graph {
-    pool: GraphPool,
+    holder: Holder,
+    device: DeviceId,
+    pool: MemPoolId,
     exec: GraphExecHandle,
 }
 
 impl Graph {
     /// Enqueues the whole graph on `stream` (of the pool's device and allocator).
     pub fn launch(&self, stream: &Stream) -> Result<(), Error> {
-        let backend = self.pool.inner.alloc.backend();
+        let backend = self.holder.alloc().backend();
         if !Arc::ptr_eq(stream.backend(), backend) {
             return Err(Error::ForeignStream);
         }
-        if stream.device() != self.pool.device() {
+        if stream.device() != self.device {
             return Err(AllocError::WrongDevice {
-                expected: self.pool.device(),
+                expected: self.device,
                 got: stream.device(),
             }
             .into());
@@ -291,23 +348,26 @@ impl Graph {
         Ok(backend.graph_launch(self.exec, stream.handle())?)
     }
 
-    /// The pool the graph was captured into.
-    pub fn pool(&self) -> &GraphPool {
-        &self.pool
+    /// The id of the pool the graph was captured into, on its device.
+    pub fn pool_id(&self) -> MemPoolId {
+        self.pool
+    }
+
+    /// The graph's device.
+    pub fn device(&self) -> DeviceId {
+        self.device
     }
 }
 
 impl Drop for Graph {
     fn drop(&mut self) {
+        let alloc = self.holder.alloc();
         // Launches already enqueued still run (the driver's rule, and the sim's).
-        if let Err(e) = self
-            .pool
-            .inner
-            .alloc
-            .backend()
-            .graph_exec_destroy(self.exec)
-        {
+        if let Err(e) = alloc.backend().graph_exec_destroy(self.exec) {
             tracing::warn!(error = %e, "destroying a graph");
+        }
+        if let Ok(actor) = alloc.device_actor(self.device) {
+            actor.graph_dropped_later(self.pool);
         }
     }
 }

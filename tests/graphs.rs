@@ -313,3 +313,36 @@ async fn nothing_leaks_whatever_is_dropped_first() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_pool_cannot_sleep_while_a_capture_into_it_or_a_graph_of_it_lives() {
+    use gpualloc::{PoolOptions, SleepMode};
+    let (sim, alloc) = build("expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+    let capture = pool
+        .begin_capture(&s, CaptureMode::ThreadLocal)
+        .await
+        .unwrap();
+    let a = alloc.malloc(3 * MIB, &s).await.unwrap();
+    assert_eq!(pool.usage(D0).await.unwrap().allocated[0].current, 3 * MIB);
+    let in_graph = |graphs, capturing| {
+        Err(Error::Alloc(AllocError::PoolInGraph {
+            pool: "decode".into(),
+            graphs,
+            capturing,
+        }))
+    };
+    assert_eq!(pool.sleep(SleepMode::Discard).await, in_graph(0, true));
+    sim.memset_async(s.handle(), a.ptr(), 9, 16).unwrap();
+    let graph = capture.end().await.unwrap();
+    assert_eq!(graph.pool_id(), pool.id(D0).unwrap());
+    assert_eq!(pool.sleep(SleepMode::Discard).await, in_graph(1, false));
+    graph.launch(&s).unwrap();
+    s.synchronize().unwrap();
+    drop(graph);
+    drop(a);
+    pool.sleep(SleepMode::Discard).await.unwrap();
+    pool.wake().await.unwrap();
+    alloc.shutdown().await.unwrap();
+}

@@ -82,6 +82,22 @@ pub enum AllocError {
         /// Its live buffers exported.
         buffers: usize,
     },
+    /// A pool cannot sleep while a graph captured into it lives, or a capture into it is
+    /// under way: the graph's work has the pool's addresses baked in, and a sleep releases
+    /// the pages behind them.
+    #[error(
+        "memory pool {pool:?} is held by {graphs} live graph(s){}: it cannot sleep until they \
+         are dropped",
+        if *capturing { " and a capture under way" } else { "" }
+    )]
+    PoolInGraph {
+        /// The pool's name.
+        pool: String,
+        /// Live graphs captured into it.
+        graphs: usize,
+        /// A capture into it is under way.
+        capturing: bool,
+    },
     /// Waking a pool found too little device memory: the pool stays asleep, its data kept.
     #[error(
         "waking memory pool {pool:?} needs {} of device memory, {} free: it stays asleep, its data kept",

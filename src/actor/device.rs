@@ -547,6 +547,14 @@ impl DeviceActor {
             })));
     }
 
+    /// A graph captured into pool `pool` was dropped (`graph.rs`): queued.
+    pub(crate) fn graph_dropped_later(&self, pool: MemPoolId) {
+        self.mailbox
+            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
+                st.core.graph_dropped(pool)
+            })));
+    }
+
     /// Statistics of this device.
     pub(crate) async fn stats(&self) -> Result<DeviceStats, Error> {
         self.call(|st| st.core.stats().clone()).await

@@ -102,6 +102,24 @@ impl DeviceCore {
         Ok(())
     }
 
+    /// A graph was captured into `pool` (and instantiated): while it lives the pool cannot
+    /// sleep ([`AllocError::PoolInGraph`]).
+    pub fn graph_captured(&mut self, pool: MemPoolId) -> Result<(), AllocError> {
+        let p = self
+            .private
+            .get_mut(pool.0)
+            .ok_or(AllocError::UnknownPool(pool.0))?;
+        p.graphs += 1;
+        Ok(())
+    }
+
+    /// A graph captured into `pool` was destroyed.
+    pub fn graph_dropped(&mut self, pool: MemPoolId) {
+        if let Some(p) = self.private.get_mut(pool.0) {
+            p.graphs = p.graphs.saturating_sub(1);
+        }
+    }
+
     /// The capture announced as under way on `stream` (begun or joined there), if any.
     pub fn capture_of(&self, stream: StreamHandle) -> Option<u64> {
         self.captures.of_stream(stream)

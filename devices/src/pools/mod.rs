@@ -63,6 +63,7 @@ impl DeviceCore {
                 },
                 named: false,
                 claimed: 0,
+                graphs: 0,
                 unsplit: None,
             },
         );

@@ -24,6 +24,8 @@ pub(crate) struct PrivatePool {
     pub claimed: u64,
     /// Granularity of its unsplit blocks, or why the one asked for cannot be (`unsplit.rs`).
     pub unsplit: Option<Result<u64, &'static str>>,
+    /// Live graphs captured into it (`capture.rs`): their pointers are baked in.
+    pub graphs: usize,
 }
 
 /// The device's private pools (see the module docs).
@@ -122,6 +124,7 @@ mod tests {
             usage: PoolUsage::default(),
             named: false,
             claimed: 0,
+            graphs: 0,
             unsplit: None,
         }
     }

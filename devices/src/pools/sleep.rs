@@ -192,6 +192,14 @@ impl DeviceCore {
                 state: p.usage.state,
             });
         }
+        let capturing = self.captures.fills(pool.0);
+        if p.graphs > 0 || capturing {
+            return Err(AllocError::PoolInGraph {
+                pool: p.usage.name.clone(),
+                graphs: p.graphs,
+                capturing,
+            });
+        }
         let own = [p.small, p.large];
         let exported = self
             .active
