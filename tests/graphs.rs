@@ -346,3 +346,42 @@ async fn a_named_pool_cannot_sleep_while_a_capture_into_it_or_a_graph_of_it_live
     pool.wake().await.unwrap();
     alloc.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_stats_and_the_history_show_a_graph_pool_as_a_pool() {
+    use gpualloc::HistoryOptions;
+    let (_sim, alloc) = build("expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    alloc
+        .record_history(HistoryOptions::default())
+        .await
+        .unwrap();
+    let pool = alloc.graph_pool(D0).await.unwrap();
+    let capture = pool
+        .begin_capture(&s, CaptureMode::ThreadLocal)
+        .await
+        .unwrap();
+    let a = alloc.malloc(3 * MIB, &s).await.unwrap();
+    let graph = capture.end().await.unwrap();
+    let snap = &alloc.snapshot().await.unwrap()[0];
+    let id = pool.id().0;
+    let seg = snap
+        .segments
+        .iter()
+        .find(|seg| seg.address <= a.ptr().0 && a.ptr().0 < seg.address + seg.total_size)
+        .expect("the buffer's segment");
+    assert_eq!(seg.pool_id, (0, id), "segment_pool_id names the graph pool");
+    let alloc_entry = snap
+        .trace
+        .iter()
+        .find(|e| e.addr == a.ptr().0 && e.action == gpualloc::devices::trace::TraceAction::Alloc)
+        .expect("the history has the allocation");
+    assert_eq!(alloc_entry.pool, id);
+    assert_eq!(
+        alloc.stats(D0).await.unwrap().allocated_bytes[0].current,
+        3 * MIB,
+        "the device's statistics count the pool"
+    );
+    drop((graph, a, pool));
+    alloc.shutdown().await.unwrap();
+}

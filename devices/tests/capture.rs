@@ -63,7 +63,9 @@ fn a_captures_allocations_come_from_its_pool_and_others_do_not() {
         let id = capture_id(&r.sim, r.s0);
         r.core.begin_capture(id, pool, r.s0).unwrap();
         assert_eq!(r.core.capture_of(r.s0), Some(id));
-        assert!(r.core.pool_in_capture(pool));
+        assert!(r.core.pool_in_capture(pool) && r.core.captures_underway());
+        let idle = r.core.create_pool(false);
+        assert!(!r.core.pool_in_capture(idle));
         let a = r.core.malloc(3 * MIB, r.s0).unwrap();
         let small = r.core.malloc(1000, r.s0).unwrap();
         let outside = r.core.malloc(3 * MIB, r.s1).unwrap();
@@ -89,7 +91,7 @@ fn a_captures_allocations_come_from_its_pool_and_others_do_not() {
         let again = r.core.malloc(3 * MIB, r.s0).unwrap();
         assert_eq!((again.ptr, again.pool), (a.ptr, Some(pool)), "{conf}");
         r.core.end_capture(id).unwrap();
-        assert!(!r.core.captures_underway());
+        assert!(!r.core.captures_underway() && !r.core.pool_in_capture(pool));
         assert_eq!(r.core.capture_of(r.s0), None);
         let after = r.core.malloc(3 * MIB, r.s0).unwrap();
         assert_eq!(after.pool, None);
@@ -115,8 +117,9 @@ fn a_cross_stream_free_during_a_capture_waits_for_its_end_and_records_events_onl
             .unwrap();
         let id = capture_id(&r.sim, r.s0);
         r.core.begin_capture(id, pool, r.s0).unwrap();
-        // A graph-pool block used on s1 during the capture, freed during it.
-        let inner = r.core.malloc(3 * MIB, r.s0).unwrap();
+        // A graph-pool block used on s1 during the capture, freed during it (another size:
+        // the test tells which of the two waits).
+        let inner = r.core.malloc(5 * MIB, r.s0).unwrap();
         r.core.record_stream(inner.ptr, r.s1).unwrap();
         r.sim.reset_counts();
         r.core.free(old.ptr).unwrap();
@@ -191,6 +194,9 @@ fn a_use_on_a_stream_that_captures_unannounced_holds_the_free_back() {
     let mut r = rig("expandable_segments:False");
     let a = r.core.malloc(3 * MIB, r.s0).unwrap();
     r.core.record_stream(a.ptr, r.s1).unwrap();
+    let s2 = r.sim.stream_create(D0).unwrap();
+    let b = r.core.malloc(5 * MIB, r.s0).unwrap();
+    r.core.record_stream(b.ptr, s2).unwrap();
     // The user captures s1 without telling the allocator.
     r.sim
         .stream_begin_capture(r.s1, CaptureMode::Global)
@@ -203,6 +209,18 @@ fn a_use_on_a_stream_that_captures_unannounced_holds_the_free_back() {
         0,
         "no event on a capturing stream"
     );
+    assert_eq!(
+        r.core.stats().active_bytes[0].current,
+        a.block_size + b.block_size
+    );
+    // A use on a stream that does not capture gets its event at once, capture or not.
+    r.core.free(b.ptr).unwrap();
+    assert_eq!(r.sim.counts().get(Op::EventRecord), 1);
+    // (Synchronizing from this thread, which captures, needs relaxed mode.)
+    let mode = r.sim.exchange_capture_mode(CaptureMode::Relaxed).unwrap();
+    r.sim.stream_synchronize(s2).unwrap();
+    r.sim.exchange_capture_mode(mode).unwrap();
+    r.core.process_events().unwrap();
     assert_eq!(r.core.stats().active_bytes[0].current, a.block_size);
     let g = r
         .sim
@@ -242,4 +260,38 @@ fn capture_announcements_are_checked() {
     assert_eq!(r.core.end_capture(2), Err(AllocError::UnknownCapture(2)));
     r.core.end_capture(1).unwrap();
     assert_eq!(r.core.end_capture(1), Err(AllocError::UnknownCapture(1)));
+}
+
+#[test]
+fn a_pool_a_graph_holds_cannot_sleep_until_the_graph_is_dropped() {
+    use gpualloc_devices::{MemPoolId, PoolOptions, SleepMode};
+    let mut r = rig("expandable_segments:True");
+    let pool = r.core.create_named_pool("decode", PoolOptions::default());
+    let a = r.core.malloc_in(pool, 3 * MIB, r.s0).unwrap();
+    r.core.graph_captured(pool).unwrap();
+    r.core.graph_captured(pool).unwrap();
+    let held = |graphs| {
+        Err(AllocError::PoolInGraph {
+            pool: "decode".into(),
+            graphs,
+            capturing: false,
+        })
+    };
+    assert_eq!(
+        r.core.begin_sleep(pool, SleepMode::Discard).map(|_| ()),
+        held(2)
+    );
+    r.core.graph_dropped(pool);
+    assert_eq!(
+        r.core.begin_sleep(pool, SleepMode::Discard).map(|_| ()),
+        held(1)
+    );
+    r.core.graph_dropped(pool);
+    r.core.graph_dropped(pool); // one too many: no underflow
+    r.core.free(a.ptr).unwrap();
+    assert!(r.core.begin_sleep(pool, SleepMode::Discard).is_ok());
+    assert_eq!(
+        r.core.graph_captured(MemPoolId(999)),
+        Err(AllocError::UnknownPool(999))
+    );
 }
