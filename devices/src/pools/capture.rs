@@ -39,14 +39,12 @@ impl DeviceCore {
         pool: MemPoolId,
         stream: StreamHandle,
     ) -> Result<(), AllocError> {
-        self.check_stream(stream)?;
-        if self.private.live(pool.0).is_none() {
-            return Err(AllocError::UnknownPool(pool.0));
-        }
-        if !self.captures.begin(capture, pool.0, stream) {
+        if self.captures.get(capture).is_some() {
             return Err(AllocError::UnknownCapture(capture));
         }
-        self.private.route(stream.raw, pool.0);
+        // PyTorch's `beginAllocateToPool`: the stream's requests go to the pool.
+        self.begin_allocate_to_pool(pool, stream)?;
+        self.captures.begin(capture, pool.0, stream);
         Ok(())
     }
 
