@@ -19,6 +19,7 @@ mod recorded_miss;
 pub mod report;
 pub mod run;
 pub mod summary;
+pub mod waste;
 
 pub use input::{load, Trace};
 pub use report::ReplayReport;

@@ -123,6 +123,8 @@ pub struct ReplayReport {
     pub first_mismatch: Option<Mismatch>,
     /// Memory over time.
     pub samples: Vec<Sample>,
+    /// Where the free memory sat at the peak (`ReplayOptions::waste_at_peak`).
+    pub waste: Option<crate::waste::Waste>,
 }
 
 impl ReplayReport {
@@ -154,6 +156,7 @@ impl ReplayReport {
             address_match: None,
             first_mismatch: None,
             samples: Vec::new(),
+            waste: None,
         }
     }
 
@@ -201,6 +204,9 @@ impl ReplayReport {
         });
         if timing {
             v["events_per_second"] = json!(self.events_per_second);
+        }
+        if let Some(w) = &self.waste {
+            v["waste_at_peak"] = w.to_json();
         }
         if self.warm {
             let (matched, compared) = self.address_match.unwrap_or((0, 0));
@@ -285,6 +291,24 @@ pub fn table(reports: &[ReplayReport], timing: bool) -> String {
                 out,
                 "    {} events could not be applied (unknown addresses)",
                 r.warnings
+            );
+        }
+        if let Some(w) = &r.waste {
+            let _ = writeln!(
+                out,
+                "    at the peak (event {}): {} free of {} reserved: small pool {}, large {}, \
+                 expandable {}; in holes between live blocks {}; on {} stream(s), at most {} on \
+                 one; rounding {}",
+                w.event,
+                format_size(w.free()),
+                format_size(w.reserved),
+                format_size(w.free_small),
+                format_size(w.free_large),
+                format_size(w.free_expandable),
+                format_size(w.free_holes),
+                w.streams_with_free,
+                format_size(w.most_free_on_a_stream),
+                format_size(w.active - w.requested.min(w.active)),
             );
         }
         if let Some(torch_row) = i.checked_sub(1).map(|j| &reports[j]) {

@@ -116,6 +116,10 @@ pub struct ReplayOptions {
     /// 5.40 GiB top-down and at 5.79 GiB bottom-up. A warm replay places every segment
     /// at PyTorch's address and is not affected.
     pub top_down: bool,
+    /// Where the free memory sits when reserved memory first reaches its peak
+    /// ([`crate::waste::Waste`], `replay --waste`): a snapshot at every new peak, so off by
+    /// default.
+    pub waste_at_peak: bool,
 }
 
 impl Default for ReplayOptions {
@@ -129,6 +133,7 @@ impl Default for ReplayOptions {
             core_hook: None,
             record_history: false,
             top_down: false,
+            waste_at_peak: false,
         }
     }
 }
@@ -591,6 +596,8 @@ pub fn replay_core(
     let mut torch_reserved = report.torch.start_reserved;
     let started = Instant::now();
     let total = trace.events.len() as u64;
+    // The highest reserved memory so far (`waste_at_peak`).
+    let mut peak_seen = 0u64;
     for (i, e) in trace.events.iter().enumerate() {
         if options.record_history {
             let at = e.time_us.and_then(|t| u64::try_from(t).ok());
@@ -691,6 +698,13 @@ pub fn replay_core(
             Action::Oom | Action::Snapshot => {}
         }
         torch_reserved = torch_reserved.map(|t| torch_reserved_after(t, e));
+        if options.waste_at_peak {
+            let reserved = r.core.stats().reserved_bytes[0].current;
+            if reserved > peak_seen {
+                peak_seen = reserved;
+                report.waste = Some(crate::waste::Waste::of(&r.core.snapshot(), i as u64));
+            }
+        }
         if options.sample_every > 0
             && (i % options.sample_every == 0 || i + 1 == trace.events.len())
         {

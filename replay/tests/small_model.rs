@@ -9,7 +9,7 @@
 //! the trace as JSON Lines to `<target>/tmp/minilm-inference.jsonl` for `gpualloc replay`.
 
 use gpualloc_devices::{AllocatorConfig, Policy};
-use gpualloc_replay::{replay, ReplayOptions, Trace};
+use gpualloc_replay::{replay, replay_core, ReplayOptions, Trace};
 use gpualloc_trace::{Action, TraceEntry};
 
 const HIDDEN: u64 = 384;
@@ -171,4 +171,40 @@ fn a_small_models_inference_under_both_policies() {
         2 * figures[3].3 <= figures[2].3 && 2 * figures[1].3 <= figures[0].3,
         "at most half: {figures:?}"
     );
+}
+
+#[test]
+fn the_waste_at_the_peak_accounts_for_every_reserved_byte() {
+    let trace = minilm_inference();
+    for config in [
+        AllocatorConfig::default(),
+        AllocatorConfig::parse("expandable_segments:False").unwrap(),
+    ] {
+        let options = ReplayOptions {
+            config: config.clone(),
+            waste_at_peak: true,
+            ..ReplayOptions::default()
+        };
+        let (report, _) = replay_core(&trace, &options).unwrap();
+        let w = report.waste.clone().expect("measured");
+        assert_eq!(w.reserved, report.peak_reserved, "{config}");
+        assert_eq!(w.free(), w.reserved - w.active, "{config}");
+        assert!(
+            w.free_holes <= w.free() && w.requested <= w.active,
+            "{config}"
+        );
+        assert!(w.event < trace.events.len() as u64);
+        let json = report.to_json(false);
+        assert_eq!(json["waste_at_peak"]["reserved_bytes"], w.reserved);
+        // Off by default: the JSON stays as it was.
+        let (plain, _) = replay_core(
+            &trace,
+            &ReplayOptions {
+                config,
+                ..ReplayOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(plain.waste.is_none() && plain.to_json(false).get("waste_at_peak").is_none());
+    }
 }

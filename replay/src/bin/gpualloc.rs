@@ -73,6 +73,11 @@ enum Command {
         /// Best fit breaks ties by address, so this can change which block a request takes.
         #[arg(long)]
         top_down: bool,
+        /// Where the free memory sits when reserved memory first reaches its peak: in small,
+        /// large or expandable segments, in holes between live blocks, on how many streams
+        /// (a line under each row; `waste_at_peak` in the JSON).
+        #[arg(long)]
+        waste: bool,
     },
     /// Print a PyTorch-style memory summary of a snapshot's final state.
     Summary {
@@ -258,6 +263,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             plot,
             export_viz,
             top_down,
+            waste,
         } => {
             if let Some(path) = &plot {
                 PlotFormat::of(path)?;
@@ -328,6 +334,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                             core_hook: None,
                             record_history: export_viz.is_some(),
                             top_down,
+                            waste_at_peak: waste,
                         };
                         match replay_core(trace, &options) {
                             Ok((r, core)) => {

@@ -1,0 +1,187 @@
+//! Where a replay's reserved memory that no allocation uses sits at the peak
+//! (`replay --waste`): the measure that says which rule to change to bring fragmentation
+//! down (issue 44).
+//!
+//! At the event where reserved memory first reaches its peak, the core's segments are read
+//! and their free mapped bytes sorted by where they are: in small-pool segments, in ordinary
+//! large segments, in expandable segments; between two live blocks of one segment (a hole
+//! that only a neighbour's free can widen) or at a segment's edge; and by stream (each
+//! stream's free memory serves only its own requests).
+
+use std::collections::BTreeMap;
+
+use gpualloc_devices::{BlockStateName, DeviceSnapshot};
+use serde_json::{json, Value};
+
+/// Free memory at the peak, by place. Bytes throughout.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Waste {
+    /// Index of the trace event after which reserved memory first reached its peak.
+    pub event: u64,
+    /// Reserved then (segments' mapped bytes).
+    pub reserved: u64,
+    /// Held by live or pending-free blocks then.
+    pub active: u64,
+    /// Asked for by the live blocks (below `active`: rounding).
+    pub requested: u64,
+    /// Free in small-pool segments.
+    pub free_small: u64,
+    /// Free in ordinary large-pool segments.
+    pub free_large: u64,
+    /// Free and mapped in expandable segments.
+    pub free_expandable: u64,
+    /// Free blocks with a live block on both sides in their segment.
+    pub free_holes: u64,
+    /// Streams with free memory.
+    pub streams_with_free: u64,
+    /// The most free memory one stream has.
+    pub most_free_on_a_stream: u64,
+}
+
+impl Waste {
+    /// Free bytes at the peak (`reserved − active`).
+    pub fn free(&self) -> u64 {
+        self.free_small + self.free_large + self.free_expandable
+    }
+
+    /// The breakdown of `snap`, taken after event `event`.
+    pub fn of(snap: &DeviceSnapshot, event: u64) -> Waste {
+        let mut w = Waste {
+            event,
+            ..Waste::default()
+        };
+        let mut by_stream: BTreeMap<u64, u64> = BTreeMap::new();
+        for seg in &snap.segments {
+            let blocks: Vec<_> = seg.blocks.iter().filter(|b| b.mapped).collect();
+            for (i, b) in blocks.iter().enumerate() {
+                w.reserved += b.size;
+                if b.state != BlockStateName::Inactive {
+                    w.active += b.size;
+                    w.requested += b.requested_size;
+                    continue;
+                }
+                if seg.is_small {
+                    w.free_small += b.size;
+                } else if seg.is_expandable {
+                    w.free_expandable += b.size;
+                } else {
+                    w.free_large += b.size;
+                }
+                let live = |j: Option<usize>| {
+                    j.and_then(|j| blocks.get(j))
+                        .is_some_and(|n| n.state != BlockStateName::Inactive)
+                };
+                if live(i.checked_sub(1)) && live(Some(i + 1)) {
+                    w.free_holes += b.size;
+                }
+                *by_stream.entry(seg.stream).or_default() += b.size;
+            }
+        }
+        w.streams_with_free = by_stream.len() as u64;
+        w.most_free_on_a_stream = by_stream.values().copied().max().unwrap_or(0);
+        w
+    }
+
+    /// As JSON (MiB with two decimals are for the table; JSON keeps bytes).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "event": self.event,
+            "reserved_bytes": self.reserved,
+            "active_bytes": self.active,
+            "requested_bytes": self.requested,
+            "free_small_bytes": self.free_small,
+            "free_large_bytes": self.free_large,
+            "free_expandable_bytes": self.free_expandable,
+            "free_hole_bytes": self.free_holes,
+            "streams_with_free": self.streams_with_free,
+            "most_free_on_a_stream_bytes": self.most_free_on_a_stream,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpualloc_devices::{BlockInfo, SegmentInfo};
+
+    fn block(address: u64, size: u64, live: bool) -> BlockInfo {
+        BlockInfo {
+            address,
+            size,
+            requested_size: if live { size - 1 } else { 0 },
+            state: if live {
+                BlockStateName::ActiveAllocated
+            } else {
+                BlockStateName::Inactive
+            },
+            mapped: true,
+            frames: None,
+        }
+    }
+
+    fn segment(stream: u64, small: bool, expandable: bool, blocks: Vec<BlockInfo>) -> SegmentInfo {
+        SegmentInfo {
+            device: 0,
+            address: blocks[0].address,
+            total_size: blocks.iter().map(|b| b.size).sum(),
+            allocated_size: 0,
+            active_size: 0,
+            requested_size: 0,
+            stream,
+            is_small: small,
+            pool_id: (0, 0),
+            is_expandable: expandable,
+            blocks,
+        }
+    }
+
+    #[test]
+    fn free_memory_is_sorted_by_pool_kind_hole_and_stream() {
+        let mut unmapped = block(9000, 500, false);
+        unmapped.mapped = false;
+        let snap = DeviceSnapshot {
+            segments: vec![
+                // small: live 100, free 50 (edge)
+                segment(
+                    1,
+                    true,
+                    false,
+                    vec![block(0, 100, true), block(100, 50, false)],
+                ),
+                // large ordinary: live, hole 200, live, free 300 at the edge
+                segment(
+                    1,
+                    false,
+                    false,
+                    vec![
+                        block(1000, 400, true),
+                        block(1400, 200, false),
+                        block(1600, 400, true),
+                        block(2000, 300, false),
+                    ],
+                ),
+                // expandable on stream 2: free 700 then live, and unmapped pages
+                segment(
+                    2,
+                    false,
+                    true,
+                    vec![block(8000, 700, false), block(8700, 300, true), unmapped],
+                ),
+            ],
+            ..DeviceSnapshot::default()
+        };
+        let w = Waste::of(&snap, 42);
+        assert_eq!(w.event, 42);
+        assert_eq!(w.reserved, 100 + 50 + 400 + 200 + 400 + 300 + 700 + 300);
+        assert_eq!(w.active, 100 + 400 + 400 + 300);
+        assert_eq!(w.requested, w.active - 4);
+        assert_eq!(
+            (w.free_small, w.free_large, w.free_expandable),
+            (50, 500, 700)
+        );
+        assert_eq!(w.free_holes, 200);
+        assert_eq!(w.free(), w.reserved - w.active);
+        assert_eq!((w.streams_with_free, w.most_free_on_a_stream), (2, 700));
+        assert_eq!(w.to_json()["free_hole_bytes"], 200);
+    }
+}
