@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::completion::{Completion, CompletionCell};
-use crate::error::Result;
+use crate::error::{BackendError, Result};
 use crate::types::{DeviceId, EventHandle, StreamHandle};
 
 /// On cache lines of its own (two, for adjacent-line prefetch): every buffer clones its
@@ -192,9 +192,19 @@ impl Stream {
     /// Records a new event at the current end of the stream. Its completion future is armed
     /// on the first [`Event::completed`], on the stream's watcher (made by the stream's first
     /// record): the stream itself gets no host function.
+    ///
+    /// On a capturing stream the event is a point of the graph being captured: other streams
+    /// may wait on it (they join the capture), but it has no completion future
+    /// ([`Event::completed`] fails with `CaptureError::CapturedEvent`): its work runs when
+    /// the graph is launched, and arming the watcher on it would pull the watcher into the
+    /// capture (a fork never joined back, which fails the capture's end).
     pub fn record_event(&self) -> Result<Event> {
         let backend = &self.inner.backend;
         let watcher = self.inner.watcher()?;
+        let captured = backend.capture_may_be_underway()
+            && backend
+                .stream_capture_status(self.inner.handle)?
+                .is_capturing();
         let handle = backend.event_create(self.device())?;
         let event = Event {
             backend: backend.clone(),
@@ -202,6 +212,7 @@ impl Stream {
             cell: CompletionCell::new(),
             watcher,
             armed: std::sync::Once::new(),
+            captured,
         };
         backend.event_record(handle, self.inner.handle)?;
         Ok(event)
@@ -225,6 +236,8 @@ pub struct Event {
     watcher: Arc<Watcher>,
     /// The completion is armed on the watcher once, on the first `completed()`.
     armed: std::sync::Once,
+    /// Recorded on a capturing stream: a point of a graph, with no completion.
+    captured: bool,
 }
 
 impl fmt::Debug for Event {
@@ -257,6 +270,11 @@ impl Event {
     /// resolve with `DeviceLost`: the driver runs no host function once the context faulted,
     /// and nothing tells finished from lost work then.
     pub fn completed(&self) -> Completion {
+        if self.captured {
+            return Completion::ready(Err(BackendError::Capture(
+                crate::capture::CaptureError::CapturedEvent,
+            )));
+        }
         self.armed
             .call_once(|| self.watcher.complete_after(self.handle, &self.cell));
         Completion::new(self.cell.clone())

@@ -231,3 +231,33 @@ fn stream_idle_says_whether_queued_work_has_run() {
         "a destroyed stream is an error"
     );
 }
+
+/// An event recorded on a capturing stream forks and joins streams inside the capture, but
+/// has no completion future: arming the watcher on it would pull the watcher into the
+/// capture. The future fails with the driver's `CapturedEvent`, the capture ends cleanly,
+/// and the stream's futures work again after it (fails on the code before: the watcher
+/// joined the capture and the sim refused its host function).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_recorded_in_a_capture_forks_and_joins_but_has_no_future() {
+    use gpualloc_runtime::capture::{CaptureError, CaptureMode};
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let backend: Arc<dyn Backend> = sim.clone();
+    let s = Stream::new(&backend, D0).unwrap();
+    let other = Stream::new(&backend, D0).unwrap();
+    backend
+        .stream_begin_capture(s.handle(), CaptureMode::ThreadLocal)
+        .unwrap();
+    let fork = s.record_event().unwrap();
+    other.wait_event(&fork).unwrap();
+    let join = other.record_event().unwrap();
+    s.wait_event(&join).unwrap();
+    let captured = Err(BackendError::Capture(CaptureError::CapturedEvent));
+    assert_eq!(fork.completed().await, captured);
+    assert_eq!(s.completed().await, captured);
+    let g = backend
+        .stream_end_capture(s.handle())
+        .expect("the capture ends: no watcher joined it");
+    backend.graph_destroy(g).unwrap();
+    s.completed().await.unwrap();
+    other.completed().await.unwrap();
+}
