@@ -15,7 +15,7 @@
 //! # async fn demo(alloc: gpualloc::Allocator, stream: gpualloc::Stream) -> Result<(), gpualloc::Error> {
 //! use gpualloc::CaptureMode;
 //! let pool = alloc.graph_pool(stream.device()).await?;
-//! let capture = pool.begin_capture(&stream, CaptureMode::ThreadLocal).await?;
+//! let capture = pool.begin_capture(&stream, CaptureMode::Relaxed).await?;
 //! let out = alloc.malloc(4 << 20, &stream).await?; // from the pool
 //! // ... enqueue the step's work on `stream` (kernels through cudarc, copies) ...
 //! let graph = capture.end().await?;
@@ -34,6 +34,18 @@
 //! [`Allocator::empty_cache`] is refused ([`AllocError::CaptureUnderway`]). Every driver
 //! call of the allocator runs in relaxed capture mode, so it never invalidates a capture,
 //! this one or a user's own on another thread.
+//!
+//! **The capture mode from async code.** CUDA binds a capture begun in global or
+//! thread-local mode to the OS thread that began it: only that thread may end it
+//! (`CaptureError::WrongThread` elsewhere), and while it lasts, unsafe driver calls made on
+//! that thread (by any task a runtime worker runs there) invalidate it. A task on a
+//! multi-threaded runtime moves between threads at each `.await`, so from async code use
+//! `CaptureMode::Relaxed` (the allocator's own calls never invalidate a capture in any mode).
+//! The strict modes are for a capture begun and ended on one thread: a current-thread
+//! runtime, or a `block_on` thread. A capture the driver would not end (ended from the wrong
+//! thread) stays under way on its stream: [`Capture::end`] reports the error and drops the
+//! capture's record in the allocator, and the stream captures until it is ended on its
+//! thread or destroyed.
 //!
 //! A named [`Pool`] takes captures too ([`Pool::begin_capture`], PyTorch's
 //! `torch.cuda.graph(g, pool=mempool)`): while a capture into it is under way or a graph
@@ -133,8 +145,8 @@ impl GraphPool {
     /// Begins capturing `stream` (of this pool's device and allocator) in `mode`: until
     /// [`Capture::end`], its work is recorded into a graph instead of running, and every
     /// allocation on it (and on streams that join the capture) comes from this pool.
-    /// `CaptureMode::ThreadLocal` is what most callers want: other threads' driver calls
-    /// then cannot invalidate the capture.
+    /// From async code use `CaptureMode::Relaxed` (see the module docs: the strict modes
+    /// bind the capture to the OS thread that began it).
     pub async fn begin_capture(
         &self,
         stream: &Stream,

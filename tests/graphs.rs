@@ -385,3 +385,53 @@ async fn snapshots_stats_and_the_history_show_a_graph_pool_as_a_pool() {
     drop((graph, a, pool));
     alloc.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_capture_ended_on_another_thread_is_the_drivers_wrong_thread_error() {
+    let (sim, alloc) = build("expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let pool = alloc.graph_pool(D0).await.unwrap();
+    let capture = pool
+        .begin_capture(&s, CaptureMode::ThreadLocal)
+        .await
+        .unwrap();
+    // Ended from another OS thread, as a task that moved would.
+    let ended = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(capture.end()).map(drop)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        ended,
+        Err(Error::Backend(gpualloc_runtime::BackendError::Capture(
+            CaptureError::WrongThread
+        )))
+    );
+    // The allocator forgot it (empty_cache works again); the stream still captures, until
+    // ended on its thread.
+    alloc.empty_cache().await.unwrap();
+    assert!(sim
+        .stream_capture_status(s.handle())
+        .unwrap()
+        .is_capturing());
+    let g = sim.stream_end_capture(s.handle()).unwrap();
+    sim.graph_destroy(g).unwrap();
+    // A relaxed capture ends from any thread.
+    let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+    let graph = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(capture.end())
+    })
+    .join()
+    .unwrap()
+    .expect("a relaxed capture ends anywhere");
+    graph.launch(&s).unwrap();
+    s.synchronize().unwrap();
+    drop((graph, pool));
+    alloc.shutdown().await.unwrap();
+}

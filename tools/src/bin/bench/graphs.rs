@@ -61,7 +61,7 @@ async fn step(alloc: &Allocator, s: &Stream, batch: u64) {
 
 async fn capture(alloc: &Allocator, pool: &GraphPool, s: &Stream, batch: u64) -> gpualloc::Graph {
     let c = pool
-        .begin_capture(s, CaptureMode::ThreadLocal)
+        .begin_capture(s, CaptureMode::Relaxed)
         .await
         .expect("begin_capture");
     step(alloc, s, batch).await;
