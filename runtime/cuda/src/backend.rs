@@ -386,9 +386,10 @@ impl Backend for CudaBackend {
         self.health
             .seen(stream.device, self.cu_capture_status(stream))
     }
-    /// The driver does not say cheaply whether some thread captures: always true.
+    /// The driver does not say cheaply whether some thread captures: true, except in a
+    /// forked child, which makes no driver call (not even a mode exchange).
     fn capture_may_be_underway(&self) -> bool {
-        true
+        !self.forked()
     }
     fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
         self.cu_exchange_capture_mode(mode)
