@@ -295,3 +295,40 @@ fn a_pool_a_graph_holds_cannot_sleep_until_the_graph_is_dropped() {
         Err(AllocError::UnknownPool(999))
     );
 }
+
+#[test]
+fn a_released_graph_pool_gives_its_free_segments_back_at_once() {
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        let mut r = rig(conf);
+        let pool = r.core.create_pool(false);
+        let a = r.core.malloc_in(pool, 3 * MIB, r.s0).unwrap();
+        let b = r.core.malloc_in(pool, 30 * MIB, r.s0).unwrap();
+        r.core.free(a.ptr).unwrap();
+        // Not released yet: it keeps its segments.
+        assert!(
+            r.core.detach_pool_segments(pool).unwrap().is_empty(),
+            "{conf}"
+        );
+        r.core.release_pool(pool).unwrap();
+        let segments = r.core.detach_pool_segments(pool).unwrap();
+        // The free segment of `a` goes; `b`'s, live, stays.
+        assert_eq!(segments.len(), 1, "{conf}");
+        assert_eq!(
+            segments[0].size,
+            20 * MIB,
+            "{conf}: PyTorch's 20 MiB segment of `a`"
+        );
+        gpualloc_devices::free_detached(r.core.backend().as_ref(), D0, &segments).unwrap();
+        assert_eq!(
+            r.core.stats().reserved_bytes[0].current,
+            b.block_size,
+            "{conf}"
+        );
+        assert_eq!(
+            r.core
+                .detach_pool_segments(gpualloc_devices::MemPoolId(999)),
+            Err(AllocError::UnknownPool(999))
+        );
+        r.core.free(b.ptr).unwrap();
+    }
+}
