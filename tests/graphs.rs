@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use gpualloc::{AllocError, Allocator, CaptureError, CaptureMode, DeviceBuffer, Error, Stream};
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
-use gpualloc_sim::{SimBackend, SimConfig};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
 
 const MIB: u64 = 1 << 20;
 const D0: DeviceId = DeviceId(0);
@@ -124,6 +124,9 @@ async fn a_captured_step_replays_100_times_with_its_pointers_and_correct_data() 
             outside.push(x);
             outside.push(y);
         }
+        // A replay makes no allocator request and no memory call of the driver.
+        let requests = alloc.stats(D0).await.unwrap().allocation[0].allocated;
+        sim.reset_counts();
         for round in 0..100u8 {
             let input = vec![round; len as usize];
             sim.copy_to_device(s.handle(), inp.ptr(), &input).unwrap();
@@ -135,6 +138,22 @@ async fn a_captured_step_replays_100_times_with_its_pointers_and_correct_data() 
                 "{conf}: launch {round}"
             );
         }
+        assert_eq!(
+            alloc.stats(D0).await.unwrap().allocation[0].allocated,
+            requests,
+            "{conf}"
+        );
+        let calls = sim.counts();
+        assert_eq!(
+            (
+                calls.get(Op::Malloc),
+                calls.get(Op::Map),
+                calls.get(Op::Free)
+            ),
+            (0, 0, 0),
+            "{conf}"
+        );
+        assert_eq!(calls.get(Op::GraphLaunch), 100, "{conf}");
         drop((graph, pool, outside, inp, out));
         alloc.shutdown().await.unwrap();
         assert_eq!(sim.live_graphs(), (0, 0), "{conf}");

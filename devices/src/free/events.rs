@@ -20,7 +20,7 @@ impl DeviceCore {
     /// (`pools/capture.rs`): an event recorded there would be the graph's.
     pub(crate) fn insert_events(&mut self, id: BlockId) {
         if self.uses_capturing(id) {
-            self.defer_free(id);
+            self.captures.defer(id);
             return;
         }
         let uses = std::mem::take(&mut self.blocks.get_mut(id).stream_uses);

@@ -67,7 +67,8 @@ impl DeviceCore {
     /// While captures are under way: `stream`, not routed to a pool, joins the announced
     /// capture the backend says it is part of (it waited on an event recorded in one), so
     /// its allocations go to that capture's pool. PyTorch finds a request's capture the
-    /// same way (`cudaStreamGetCaptureInfo` against each capture's id).
+    /// same way (`cudaStreamGetCaptureInfo` against each capture's id): one status query per
+    /// request of a stream that is not routed, and only while a capture is under way.
     pub(crate) fn join_if_capturing(&mut self, stream: StreamHandle) {
         if self.private.routed(stream.raw).is_some() {
             return;
@@ -136,14 +137,13 @@ impl DeviceCore {
     /// A block used on other streams is being freed: its events are recorded now, or, while
     /// a capture is under way, once none is.
     pub(crate) fn free_with_uses(&mut self, id: BlockId) {
-        let during_captures = self.captures.take_uses(id);
         if self.captures.is_quiet() {
+            // Uses noted during captures that have ended get their events like any other
+            // (PyTorch drops them only for a free it deferred).
+            self.captures.take_uses(id);
             self.insert_events(id);
         } else {
-            // Remembered again for the deferred free, which drops them.
-            for s in during_captures {
-                self.captures.note_use(id, s);
-            }
+            // The deferred free drops the uses noted during captures (`flush_deferred_frees`).
             self.captures.defer(id);
         }
     }
@@ -177,10 +177,5 @@ impl DeviceCore {
                     .stream_capture_status(*s)
                     .is_ok_and(|c| c.is_capturing())
             })
-    }
-
-    /// Holds block `id`'s free back (see [`DeviceCore::uses_capturing`]).
-    pub(crate) fn defer_free(&mut self, id: BlockId) {
-        self.captures.defer(id);
     }
 }

@@ -38,17 +38,14 @@ impl Captures {
         self.underway.is_empty()
     }
 
-    /// Adds capture `id` on `stream` into pool `pool`; false when `id` is under way already.
-    pub(crate) fn begin(&mut self, id: u64, pool: u64, stream: StreamHandle) -> bool {
-        if self.get(id).is_some() {
-            return false;
-        }
+    /// Adds capture `id` on `stream` into pool `pool` (the caller checked that `id` is not
+    /// under way: [`Captures::get`]).
+    pub(crate) fn begin(&mut self, id: u64, pool: u64, stream: StreamHandle) {
         self.underway.push(Capture {
             id,
             pool,
             streams: vec![stream],
         });
-        true
     }
 
     /// The capture `id`, if under way.
@@ -130,8 +127,9 @@ mod tests {
     fn captures_route_their_streams_to_their_pool_until_they_end() {
         let mut c = Captures::default();
         assert!(c.is_quiet());
-        assert!(c.begin(7, 3, s(1)));
-        assert!(!c.begin(7, 4, s(2)), "one capture id, one begin");
+        c.begin(7, 3, s(1));
+        assert_eq!(c.get(7).map(|c| c.pool), Some(3));
+        assert!(c.get(8).is_none());
         assert_eq!(c.join(7, s(2)), Some(3));
         assert_eq!(c.join(7, s(2)), Some(3));
         assert_eq!(c.join(8, s(2)), None);

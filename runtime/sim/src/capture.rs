@@ -167,6 +167,18 @@ impl Table {
     }
 }
 
+/// Graph (or instantiation) `id` of `map`, if it belongs to `device`.
+fn of_device<'a>(
+    map: &'a HashMap<u64, Arc<Graph>>,
+    id: u64,
+    device: DeviceId,
+    what: &str,
+) -> Result<&'a Arc<Graph>> {
+    map.get(&id)
+        .filter(|g| g.device == device)
+        .ok_or_else(|| BackendError::InvalidHandle(format!("unknown {what} {id}")))
+}
+
 /// The sim's captures and graphs.
 #[derive(Default)]
 pub(crate) struct Captures {
@@ -484,14 +496,7 @@ impl Captures {
     /// Instantiates graph `graph`; returns the instantiation's id.
     pub(crate) fn instantiate(&self, device: DeviceId, graph: u64) -> Result<u64> {
         let mut t = self.table();
-        let g = match t.graphs.get(&graph) {
-            Some(g) if g.device == device => g.clone(),
-            _ => {
-                return Err(BackendError::InvalidHandle(format!(
-                    "unknown graph {graph}"
-                )))
-            }
-        };
+        let g = of_device(&t.graphs, graph, device, "graph")?.clone();
         t.next_id += 1;
         let exec = t.next_id;
         t.execs.insert(exec, g);
@@ -500,40 +505,23 @@ impl Captures {
 
     /// The graph instantiation `exec` runs.
     pub(crate) fn exec(&self, device: DeviceId, exec: u64) -> Result<Arc<Graph>> {
-        match self.table().execs.get(&exec) {
-            Some(g) if g.device == device => Ok(g.clone()),
-            _ => Err(BackendError::InvalidHandle(format!(
-                "unknown graph instantiation {exec}"
-            ))),
-        }
+        of_device(&self.table().execs, exec, device, "graph instantiation").cloned()
     }
 
     /// Destroys graph `graph` (its instantiations keep their nodes).
     pub(crate) fn destroy_graph(&self, device: DeviceId, graph: u64) -> Result<()> {
         let mut t = self.table();
-        match t.graphs.get(&graph) {
-            Some(g) if g.device == device => {
-                t.graphs.remove(&graph);
-                Ok(())
-            }
-            _ => Err(BackendError::InvalidHandle(format!(
-                "unknown graph {graph}"
-            ))),
-        }
+        of_device(&t.graphs, graph, device, "graph")?;
+        t.graphs.remove(&graph);
+        Ok(())
     }
 
     /// Destroys instantiation `exec` (launches already enqueued keep their nodes).
     pub(crate) fn destroy_exec(&self, device: DeviceId, exec: u64) -> Result<()> {
         let mut t = self.table();
-        match t.execs.get(&exec) {
-            Some(g) if g.device == device => {
-                t.execs.remove(&exec);
-                Ok(())
-            }
-            _ => Err(BackendError::InvalidHandle(format!(
-                "unknown graph instantiation {exec}"
-            ))),
-        }
+        of_device(&t.execs, exec, device, "graph instantiation")?;
+        t.execs.remove(&exec);
+        Ok(())
     }
 
     /// Graphs and instantiations alive (for leak checks).
