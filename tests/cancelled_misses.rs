@@ -259,22 +259,22 @@ async fn a_miss_whose_backend_panicked_gives_its_claim_back() {
 /// A miss that releases the cache to make room, where the backend panics while freeing a
 /// cached segment (a custom backend's bug), fails with a typed error and gives its claim
 /// back. (Before, the panic ended the miss's task: the request got an internal error and
-/// its 100 MiB stayed counted in flight for good.)
+/// its memory stayed counted in flight for good.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_while_releasing_the_cache_gives_the_claim_back() {
     use gpualloc::runtime::sim::{Fault, Op};
     let conf = "expandable_segments:False,thread_cache:False";
     let sim = common::sim_with(256 * MIB, LatencyModel::zero());
     let alloc = build(sim.clone(), conf);
-    // 200 MiB cached on one stream: a request on another stream cannot use it, and the
-    // device has no room for a new segment until the cache is released.
+    // 200 MiB cached on one stream: too small to lend a request of 210 MiB on another
+    // stream, and the device has no room for a new segment until the cache is released.
     let (s1, s2) = (
         alloc.new_stream(DeviceId(0)).unwrap(),
         alloc.new_stream(DeviceId(0)).unwrap(),
     );
     drop(alloc.malloc(200 * MIB, &s1).await.unwrap());
     sim.inject(Op::Free, Fault::PanicNext { skip: 0 });
-    let err = alloc.malloc(100 * MIB, &s2).await.unwrap_err();
+    let err = alloc.malloc(210 * MIB, &s2).await.unwrap_err();
     sim.clear_faults();
     assert!(!err.to_string().contains("task failed"), "{err}");
     assert_eq!(

@@ -269,10 +269,11 @@ async fn hits_flow_while_an_expandable_miss_over_the_fraction_unmaps_the_cache()
             ..LatencyModel::zero()
         });
         sim.reset_counts();
-        // 300 MiB more would pass the cap: cached pages must be unmapped first.
+        // 450 MiB more would pass the cap: cached pages must be unmapped first (the other
+        // stream's free 400 MiB are too few to lend).
         let big = {
             let (alloc, s) = (alloc.clone(), s.clone());
-            tokio::spawn(async move { alloc.malloc(300 * MIB, &s).await })
+            tokio::spawn(async move { alloc.malloc(450 * MIB, &s).await })
         };
         until_started(&sim, Op::Unmap, 1).await;
         let actor = alloc.device_actor(DeviceId(0)).unwrap();
@@ -285,7 +286,7 @@ async fn hits_flow_while_an_expandable_miss_over_the_fraction_unmaps_the_cache()
         drop(hit);
         sim.set_latency(LatencyModel::zero());
         let big = big.await.unwrap().unwrap();
-        assert_eq!(big.len(), 300 * MIB);
+        assert_eq!(big.len(), 450 * MIB);
         drop((big, small));
         alloc.shutdown().await.unwrap();
         assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");

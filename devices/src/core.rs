@@ -39,6 +39,7 @@ use crate::ledger::observer::SegmentSink;
 use crate::ledger::stats::DeviceStats;
 use crate::pools::capture_state::Captures;
 use crate::pools::private::PrivatePools;
+use crate::streams::loan_table::Loans;
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +122,8 @@ pub struct DeviceCore {
     /// Stream captures announced by the owner, and the frees they hold back
     /// (`pools/capture.rs`).
     pub(crate) captures: Captures,
+    /// Allocations lent to another stream than their block's (`streams/loans.rs`).
+    pub(crate) loans: Loans,
     pub(crate) shut_down: bool,
     #[cfg(feature = "rule-knobs")]
     pub(crate) knobs: RuleKnobs,
@@ -178,6 +181,7 @@ impl DeviceCore {
             segment_sink: None,
             cross_stream: CrossStreamLog::default(),
             captures: Captures::default(),
+            loans: Loans::default(),
             shut_down: false,
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),

@@ -168,7 +168,8 @@ fn expandable_growth_maps_pages_and_a_refused_map_leaves_the_books_as_they_were(
 
 #[test]
 fn the_last_release_unmaps_free_pages_of_expandable_segments() {
-    let conf = "expandable_segments:True";
+    // PyTorch's policy: the `gpualloc` policy would lend the other stream the cached block.
+    let conf = "expandable_segments:True,policy:pytorch";
     let (backend, mut core, s) = rig(1 << 30, conf);
     let other = backend.stream_create(DEV).unwrap();
     let a = core.malloc(40 * MIB, s).unwrap();

@@ -137,7 +137,9 @@ fn a_busy_stream_is_orphaned_once_its_event_completes() {
     let dynb: Arc<dyn Backend> = backend.clone();
     let old = dynb.stream_create(DeviceId(0)).unwrap();
     let new = dynb.stream_create(DeviceId(0)).unwrap();
-    let mut core = DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default()).unwrap();
+    // PyTorch's policy: the `gpualloc` policy would lend `new` the free 64 MiB at once.
+    let config = AllocatorConfig::parse("policy:pytorch").unwrap();
+    let mut core = DeviceCore::new(dynb, DeviceId(0), config).unwrap();
     let a = core.malloc(64 * MIB, old).unwrap();
     let kept = core.malloc(12 * MIB, old).unwrap();
     core.free(a.ptr).unwrap();

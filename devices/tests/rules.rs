@@ -218,9 +218,11 @@ fn best_fit_prefers_the_smallest_then_the_lowest_address() {
     r.check();
 }
 
+/// PyTorch's rule; the `gpualloc` policy lends another stream's free block instead of a new
+/// segment (`loans.rs`).
 #[test]
 fn blocks_are_reused_only_on_their_own_stream() {
-    let mut r = rig();
+    let mut r = rig_with(64 * GIB, "policy:pytorch", false);
     let a = r.core.malloc(MIB, r.s0).unwrap();
     r.core.free(a.ptr).unwrap();
     let b = r.core.malloc(MIB, r.s1).unwrap();

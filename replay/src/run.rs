@@ -502,8 +502,17 @@ impl Replayer {
                 self.deferred.insert(torch_addr, s);
             }
         }
+        // The stream the trace freed it on (a lent block's borrower: `streams/loans.rs` in
+        // `gpualloc_devices`).
+        let stream = self.core.allocation(ptr).map(|a| a.stream);
         if self.core.free(ptr).is_err() {
             self.warnings += 1;
+        }
+        // The replay runs no work: what the freeing stream queued is done by its free. Only a
+        // lent block's return waits for an event on a stream of the trace (deferred frees
+        // wait on streams of their own, above); the next request finds it back.
+        if let Some(s) = stream {
+            self.backend.complete_stream(s);
         }
     }
 }

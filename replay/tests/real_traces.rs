@@ -214,8 +214,9 @@ fn policies_differ_only_where_a_deviation_applies() {
                 trace.name
             );
             if torch != ours {
+                // With ordinary segments only loans apply, on traces of several streams.
                 assert!(
-                    !conf.contains("expandable_segments:False"),
+                    !conf.contains("expandable_segments:False") || streams_of(&trace) > 1,
                     "{} [{conf}]: the policies differ where no deviation applies",
                     trace.name
                 );
@@ -265,12 +266,13 @@ fn policies_differ_only_where_a_deviation_applies() {
             "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5642 MiB, growths 209 / 208, driver maps 340 / 329",
             "llama-lora-finetune.pickle [roundup_power2_divisions:4]: 6034 / 5986 MiB, growths 213 / 207, driver maps 0 / 348",
             "llama-lora-finetune.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 6024 / 5642 MiB, growths 230 / 208, driver maps 0 / 329",
-            "llama7b-offload-10streams.pickle []: 21476 / 21128 MiB, growths 728 / 752, driver maps 0 / 8139",
-            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 21128 MiB, growths 752 / 752, driver maps 8042 / 8139",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 21128 MiB, growths 913 / 752, driver maps 0 / 8139",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 21128 MiB, growths 902 / 752, driver maps 11828 / 8139",
-            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 22228 MiB, growths 729 / 738, driver maps 0 / 8140",
-            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 21128 MiB, growths 806 / 752, driver maps 0 / 8139",
+            "llama7b-offload-10streams.pickle []: 21476 / 20848 MiB, growths 728 / 556, driver maps 0 / 7581",
+            "llama7b-offload-10streams.pickle [expandable_segments:False]: 21476 / 21216 MiB, growths 728 / 478, driver maps 0 / 0",
+            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 20848 MiB, growths 752 / 556, driver maps 8042 / 7581",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 20848 MiB, growths 913 / 556, driver maps 0 / 7581",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 20848 MiB, growths 902 / 556, driver maps 11828 / 7581",
+            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 21924 MiB, growths 729 / 543, driver maps 0 / 7556",
+            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 20848 MiB, growths 806 / 556, driver maps 0 / 7581",
             "qwen2-7b-layerwise-calib-fp16.pickle []: 5926 / 4388 MiB, growths 479 / 449, driver maps 0 / 5852",
             "qwen2-7b-layerwise-calib-fp16.pickle [expandable_segments:True]: 4404 / 4388 MiB, growths 449 / 449, driver maps 5811 / 5852",
             "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128]: 6080 / 4388 MiB, growths 591 / 449, driver maps 0 / 5852",
@@ -314,29 +316,21 @@ fn policies_differ_only_where_a_deviation_applies() {
 /// Where the `gpualloc` policy reserves more than PyTorch's at its peak, measured on the
 /// seven shared traces (the README's policy paragraph says so too): (trace, config, bytes
 /// more). Every other (trace, config) reserves at most PyTorch's.
-/// - llama7b-offload-10streams, `expandable_segments:True`: 4 MiB more (0.02%) across its
-///   ten streams' segments; the cause is not pinned down yet (a suspect: a growth of more
-///   than 20 MiB gets physical handles cut from the growth's start, not at PyTorch's 20 MiB
-///   page boundaries, so a handle can straddle two of PyTorch's pages and stay mapped at an
-///   `empty_cache` where PyTorch unmaps a whole free page).
 /// - llama7b-offload-10streams, garbage collection with a fraction cap: the `gpualloc`
 ///   policy runs expandable segments by default, and garbage collection (PyTorch's rule)
 ///   releases only whole cached ordinary segments: it reclaims nothing from expandable
-///   segments, where it brings PyTorch's ordinary ones from 22.52 GB down to 20.99 GB.
+///   segments, where it brings PyTorch's ordinary ones from 22.52 GB down to 20.99 GB
+///   (loans between streams took the excess from 1.16 GB to 0.87 GB; the 4 MiB the
+///   `gpualloc` policy reserved over PyTorch's with `expandable_segments:True` are gone).
 /// - qwen3-gcn-3gpu device 2, `max_split_size_mb:128`: the default expandable segments
 ///   against PyTorch's ordinary segments under the oversize rule, which keeps that run's
 ///   1.3 and 5.3 GB blocks in segments of their own (cause measured as the segment kinds
 ///   only, not block by block).
-const MORE_THAN_PYTORCH: [(&str, &str, u64); 3] = [
-    (
-        "llama7b-offload-10streams.pickle",
-        "expandable_segments:True",
-        4 << 20,
-    ),
+const MORE_THAN_PYTORCH: [(&str, &str, u64); 2] = [
     (
         "llama7b-offload-10streams.pickle",
         "garbage_collection_threshold:0.8,per_process_memory_fraction:0.9",
-        1_163_919_360,
+        870_318_080,
     ),
     (
         "qwen3-gcn-3gpu-expandable-oom.pickle[device 2]",
@@ -344,6 +338,17 @@ const MORE_THAN_PYTORCH: [(&str, &str, u64); 3] = [
         190 << 20,
     ),
 ];
+
+/// How many streams the trace allocates on.
+fn streams_of(trace: &Trace) -> usize {
+    let streams: std::collections::BTreeSet<u64> = trace
+        .events
+        .iter()
+        .filter(|e| e.action == Action::Alloc)
+        .map(|e| e.stream)
+        .collect();
+    streams.len()
+}
 
 /// 1.2 × PyTorch's recorded peak reserved (or 1 TiB when the trace does not tell).
 fn trace_capacity(trace: &Trace) -> u64 {

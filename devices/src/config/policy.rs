@@ -57,6 +57,13 @@ impl Policy {
         self == Policy::Gpualloc
     }
 
+    /// Whether a request that misses its own stream's free blocks may take another stream's,
+    /// ordered after that stream's work by an event, before new memory (`streams/loans.rs`).
+    /// PyTorch: no, a stream's cached blocks serve only it. gpualloc: yes; see [`DEVIATIONS`].
+    pub fn lends_across_streams(self) -> bool {
+        self == Policy::Gpualloc
+    }
+
     /// Whether a config that does not name `expandable_segments` uses them where the backend
     /// has virtual memory ([`crate::AllocatorConfig::resolved`]). PyTorch: no, ordinary
     /// segments unless asked. gpualloc: yes; see [`DEVIATIONS`].
@@ -137,9 +144,30 @@ pub const DEVIATIONS: &[Deviation] = &[
         evidence: "`expandable_segments:True`, peak reserved: a generated MiniLM-like inference \
                     (`replay/tests/small_model.rs`) 92 MiB (PyTorch) vs 84 MiB, fragmentation 14.05% \
                     vs 5.86%; the seven shared traces at PyTorch's peak or below but \
-                    llama7b-offload-10streams (+4 MiB), driver map calls 18 against 9 on \
+                    llama7b-offload-10streams (+4 MiB before loans between streams), driver map calls 18 against 9 on \
                     cnn-counterfactual-small, +0.05% to +9.5% on the others \
                     (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`)",
+    },
+    Deviation {
+        rule: "another stream's free blocks (loans)",
+        pytorch: "a cached block serves only the stream it was freed on; a request that misses \
+                   its own stream's blocks gets new memory (or releases the cache)",
+        gpualloc: "before new memory, the request takes the best-fitting free block of another \
+                    stream of the default pools, under its pool's size rules: an event recorded on \
+                    the lender and waited for by the borrower orders it after the lender's work \
+                    (no synchronization, no driver memory call); the block stays the lender's and \
+                    goes back to it once an event on the borrower completes, as a `record_stream` \
+                    free does. Not during a capture (`devices/src/streams/loans.rs`)",
+        why: "streams that peak at different times (an offload engine's copy streams and its \
+               compute stream) otherwise keep every stream's peak reserved at once: each stream's \
+               free memory strands there",
+        evidence: "default config, llama7b-offload-10streams (10 streams): peak reserved 21,128 \
+                    MiB before loans vs 20,848 MiB (PyTorch 21,476), fragmentation 6.10% vs 4.84%, \
+                    growths 752 vs 556; `expandable_segments:False` 21,476 (PyTorch) vs 21,216 MiB, \
+                    segment mallocs 728 vs 478; the six one-stream traces unchanged; two streams \
+                    taking turns with 200 MiB: 400 MiB (PyTorch) vs 200 MiB reserved, no driver \
+                    call after the first step (`replay/tests/real_traces.rs`, \
+                    `devices/tests/loans.rs`)",
     },
     Deviation {
         rule: "segments under a config that does not name `expandable_segments`",

@@ -11,6 +11,7 @@ use crate::blocks::block::BlockId;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
+use crate::ledger::trace::TraceAction;
 
 impl DeviceCore {
     /// Records an event on every stream that used the block and queues the block behind them.
@@ -39,8 +40,18 @@ impl DeviceCore {
             }
         }
         if self.blocks.get(id).event_count == 0 {
-            self.free_block(id);
+            self.return_block(id);
         }
+    }
+
+    /// [`DeviceCore::free_block`] of a block that had uses: a lent block goes back to its
+    /// lender, and the loan ends (`streams/loans.rs`). The hit path's frees have no uses and
+    /// call `free_block` itself, so loans cost them nothing.
+    fn return_block(&mut self, id: BlockId) {
+        let addr = self.blocks.get(id).addr;
+        self.free_block(id);
+        self.restream_if_lent(TraceAction::FreeCompleted, addr);
+        self.loans.end(addr);
     }
 
     /// Records an event on `stream`: one of its device from the event pool, else a new one.
@@ -114,7 +125,7 @@ impl DeviceCore {
         let b = self.blocks.get_mut(id);
         b.event_count -= 1;
         if b.event_count == 0 {
-            self.free_block(id);
+            self.return_block(id);
             1
         } else {
             0

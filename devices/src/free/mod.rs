@@ -61,6 +61,8 @@ impl DeviceCore {
             self.count(Counted::CrossStreamFree);
         }
         if has_uses {
+            // A lent block (it has uses) is freed by its borrower, as it was allocated.
+            self.restream_if_lent(TraceAction::FreeRequested, ptr.0);
             self.free_with_uses(id);
         } else {
             self.free_block(id);
@@ -97,7 +99,7 @@ impl DeviceCore {
                 ptr,
                 size: b.requested,
                 block_size: b.size,
-                stream: b.stream,
+                stream: self.user_stream(ptr.0, b.stream),
                 small_pool: self.pools[b.pool].is_small,
                 oversize: b.size >= self.config.max_split_size,
                 pool: self.owner_of(b.pool),

@@ -120,6 +120,16 @@ impl History {
         }
     }
 
+    /// Gives the `action` entry just recorded for `addr` the stream `stream` (a loan's
+    /// borrower: `streams/loans.rs`).
+    pub fn restream(&mut self, action: TraceAction, addr: u64, stream: u64) {
+        if let Some(ring) = &mut self.ring {
+            if let Some(e) = ring.newest_mut(1, |e| e.action == action && e.addr == addr) {
+                e.stream = stream;
+            }
+        }
+    }
+
     /// The counter that orders entries (`beside.rs`).
     pub fn sequence(&self) -> Arc<AtomicU64> {
         self.seq.clone()

@@ -28,6 +28,8 @@ pub(crate) enum Link {
     AtQuota,
     /// A segment of a stream its user dropped.
     AdoptOrphan,
+    /// A free block of another stream, lent after that stream's work (`streams/loans.rs`).
+    BorrowFree,
     /// A new segment, or the pages of an expandable segment (PyTorch's `alloc_block`).
     AllocBlock { retry: bool, when: When },
     /// A block the `gpualloc` policy passed over.
@@ -67,6 +69,7 @@ pub(crate) const CHAIN: &[Link] = &[
     QuotaFailure,
     // Every request from here.
     AdoptOrphan,
+    BorrowFree,
     AllocBlock {
         retry: false,
         when: When::Always,
@@ -128,8 +131,10 @@ impl DeviceCore {
                     flow = self.run_link(miss, link);
                 }
                 Flow::Found => {
-                    let size = miss.request.size;
-                    return match self.finish(&miss.request.params, size) {
+                    let (params, size) = (&miss.request.params, miss.request.size);
+                    return match self.finish(params, size) {
+                        // Another stream's block: lent to the request's stream.
+                        Ok(a) if miss.borrowed => MissStep::Done(self.lend(a, params.stream)),
                         Ok(a) => MissStep::Done(a),
                         Err(e) => MissStep::Failed(e),
                     };
@@ -164,6 +169,13 @@ impl DeviceCore {
                 Flow::Next
             }
             AdoptOrphan => found_if(self.adopt_orphan(params)),
+            BorrowFree => match self.borrow_free(params) {
+                Ok(found) => {
+                    miss.borrowed = found;
+                    found_if(found)
+                }
+                Err(e) => Flow::Fail(e),
+            },
             AllocBlock { retry, when } => {
                 let runs = match when {
                     When::Always => true,

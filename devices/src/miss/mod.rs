@@ -66,6 +66,8 @@ pub struct Miss {
     off_core: bool,
     /// Growths made again by an off-core miss that lost its new pages to another request.
     regrowths: usize,
+    /// The block found is another stream's, to lend (the `BorrowFree` link).
+    borrowed: bool,
 }
 
 /// How many times an off-core miss grows again after another request took the pages it
@@ -83,6 +85,7 @@ impl Miss {
             op: None,
             off_core: false,
             regrowths: 0,
+            borrowed: false,
         }
     }
 

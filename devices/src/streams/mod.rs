@@ -7,6 +7,8 @@
 //! each of them when it is freed. A stream no longer returned can be destroyed: events
 //! already recorded on it stay valid in the backend (as in CUDA).
 
+pub(crate) mod loan_table;
+pub(crate) mod loans;
 pub mod orphans;
 
 use std::collections::BTreeSet;

@@ -1,0 +1,175 @@
+//! Loans: a request that misses its own stream's free blocks takes another stream's free
+//! block, ordered after that stream's work by an event, instead of new memory (the `gpualloc`
+//! policy's miss-chain link `BorrowFree`, before any segment is allocated or grown).
+//!
+//! Why: cached blocks serve only the stream they were freed on (stream-ordered reuse), so a
+//! job whose streams peak at different times (an offload engine: a copy stream per layer, a
+//! compute stream) keeps each stream's peak reserved at once: on llama7b-offload-10streams
+//! the streams' free memory at the peak was 4.35 GiB of 20.63 GiB reserved, 3.54 GiB of it on
+//! one stream. A loan moves no page and needs no synchronization:
+//! - **the order**: the lender's block is free, so only work the lender queued before its
+//!   free can still touch it. The core records an event on the lender now and makes the
+//!   borrower's stream wait for it (`cuEventRecord` + `cuStreamWaitEvent`, both asynchronous):
+//!   everything the borrower queues with the block runs after the lender's work. The event is
+//!   spare again at once (a wait waits for the record made before it);
+//! - **the return**: the block stays the lender's (its segment, its pool, its stream), lent
+//!   with the borrower as a recorded use: its free waits for an event on the borrower, as a
+//!   `record_stream` free does, and then goes back to the lender's free blocks. The user sees
+//!   the borrower's stream everywhere (the allocation, the history, the thread cache, which
+//!   parks it under the borrower: reuse by the borrower is ordered);
+//! - **the choice**: the best fit among the other streams' free mapped blocks of the request's
+//!   pool (the default pools only; private pools keep PyTorch's rules), smallest first, then
+//!   lowest stream and address, under the size rules of the request's own pool.
+//!
+//! Not while a capture is under way (an event must not be recorded on, or waited for by, a
+//! capturing stream), nor under the `pytorch` policy. A job whose streams take turns makes a
+//! record and a wait per loan and an event per return, no driver memory call: after warm-up a
+//! repeated step maps, unmaps, allocates and frees nothing (`devices/tests/loans.rs`).
+
+use gpualloc_runtime::{BackendError, CaptureStatus, StreamHandle};
+
+use crate::blocks::block::BlockId;
+use crate::blocks::pool::FreeKey;
+use crate::core::{AllocParams, Allocation, DeviceCore};
+use crate::error::AllocError;
+use crate::ledger::trace::TraceAction;
+use crate::streams::orphans::ORPHAN_STREAM;
+
+impl DeviceCore {
+    /// Lends allocation `a`, just made from another stream's block, to `borrower`: its free
+    /// waits for an event on the borrower (a recorded use), and the user sees the borrower's
+    /// stream in the allocation and the history.
+    pub(crate) fn lend(&mut self, mut a: Allocation, borrower: StreamHandle) -> Allocation {
+        if let Some(id) = self.active.get(a.ptr.0) {
+            self.blocks.get_mut(id).stream_uses.push(borrower);
+        }
+        self.loans.begin(a.ptr.0, borrower);
+        self.history
+            .restream(TraceAction::Alloc, a.ptr.0, borrower.raw);
+        a.stream = borrower;
+        a
+    }
+
+    /// Gives the `action` entry just recorded for `addr` its borrower's stream, if the
+    /// allocation at `addr` is lent (the history shows the user's stream throughout).
+    pub(crate) fn restream_if_lent(&mut self, action: TraceAction, addr: u64) {
+        if self.loans.is_empty() {
+            return;
+        }
+        if let Some(borrower) = self.loans.borrower(addr) {
+            self.history.restream(action, addr, borrower.raw);
+        }
+    }
+
+    /// The stream a user sees for live allocation `addr` of a block of `stream`: its borrower
+    /// if it is lent.
+    #[inline]
+    pub(crate) fn user_stream(&self, addr: u64, stream: StreamHandle) -> StreamHandle {
+        if self.loans.is_empty() {
+            return stream;
+        }
+        self.loans.borrower(addr).unwrap_or(stream)
+    }
+
+    /// Lends the request the best-fitting free block of another stream (see the module docs),
+    /// if the policy and the pool allow loans and one fits: the block is in `params.block`,
+    /// still the lender's until the miss's end lends it ([`DeviceCore::lend`]). False when
+    /// none was lent.
+    pub(crate) fn borrow_free(&mut self, params: &mut AllocParams) -> Result<bool, AllocError> {
+        if !self.config.policy.lends_across_streams()
+            || self.owner_of(params.pool).is_some()
+            || !self.captures.is_quiet()
+        {
+            return Ok(false);
+        }
+        let Some((k, id)) = self.best_loan(params) else {
+            return Ok(false);
+        };
+        let lender = self.blocks.get(id).stream;
+        if self.capturing(lender)? || self.capturing(params.stream)? {
+            return Ok(false);
+        }
+        let event = match self.pending.take_spare_of(self.device) {
+            Some(e) => e,
+            None => self.backend.event_create(self.device)?,
+        };
+        let ordered = self
+            .backend
+            .event_record(event, lender)
+            .and_then(|()| self.backend.stream_wait_event(params.stream, event));
+        // The wait holds the record it was made after: the event may be recorded again.
+        self.pending.give_back([event]);
+        ordered?;
+        self.pools[params.pool].free.remove(&k);
+        params.block = Some(id);
+        tracing::debug!(
+            device = self.device.0,
+            addr = k.2,
+            size = k.1,
+            lender = lender.raw,
+            borrower = params.stream.raw,
+            "free block lent to another stream"
+        );
+        Ok(true)
+    }
+
+    /// The best fit for `params` among the other streams' free blocks of its pool: the
+    /// smallest, then the lowest stream and address; None when no block fits under the size
+    /// rules `get_free_block` applies.
+    fn best_loan(&self, params: &AllocParams) -> Option<(FreeKey, BlockId)> {
+        let pool = &self.pools[params.pool];
+        let mut best: Option<(FreeKey, BlockId)> = None;
+        let mut from: FreeKey = (0, 0, 0);
+        // Each stream with a free block, in order: the first key at or after `from`.
+        while let Some((&(stream, _, _), _)) = pool.free.range(from..).next() {
+            if stream == ORPHAN_STREAM {
+                break;
+            }
+            if stream != params.stream.raw {
+                let fit = pool
+                    .free
+                    .range((stream, params.size, 0)..=(stream, u64::MAX, u64::MAX))
+                    .next()
+                    .map(|(k, id)| (*k, *id));
+                if let Some((k, id)) = fit {
+                    let better = best.is_none_or(|(b, _)| k.1 < b.1);
+                    if better && self.may_serve(id, k.1, params) {
+                        best = Some((k, id));
+                    }
+                }
+            }
+            let Some(next) = stream.checked_add(1) else {
+                break;
+            };
+            from = (next, 0, 0);
+        }
+        best
+    }
+
+    /// The size rules of `get_free_block` for a block of `size` serving `params`: an
+    /// oversize block of an ordinary segment (or of any segment under PyTorch's policy) is
+    /// not given to a small request, nor to a larger one it exceeds by `max_non_split_rounding`.
+    fn may_serve(&self, id: BlockId, size: u64, params: &AllocParams) -> bool {
+        let expandable = self.blocks.get(id).expandable;
+        if expandable && !self.config.policy.max_split_limits_expandable() {
+            return true;
+        }
+        let max_split = self.config.max_split_size;
+        let oversize_for_small = params.size < max_split && size >= max_split;
+        let too_big = params.size >= max_split
+            && size
+                >= params
+                    .size
+                    .saturating_add(self.config.max_non_split_rounding);
+        !oversize_for_small && !too_big
+    }
+
+    /// True when `stream` is capturing (asked only where the backend says a capture may be
+    /// under way).
+    fn capturing(&self, stream: StreamHandle) -> Result<bool, BackendError> {
+        if !self.backend.capture_may_be_underway() {
+            return Ok(false);
+        }
+        Ok(self.backend.stream_capture_status(stream)? != CaptureStatus::None)
+    }
+}

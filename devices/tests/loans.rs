@@ -1,0 +1,241 @@
+//! Loans (`streams/loans.rs`): under the `gpualloc` policy a request that misses its own
+//! stream's free blocks takes another stream's free block, ordered after that stream's work,
+//! before it gets new memory; the block goes back to its lender once the borrower's work on
+//! it is done.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gpualloc_accounting::AccountingBackend;
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_runtime::capture::CaptureMode;
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+use gpualloc_sim::{Op, SimBackend, SimConfig};
+
+const MIB: u64 = 1 << 20;
+const D0: DeviceId = DeviceId(0);
+
+const CONFIGS: [&str; 3] = [
+    "expandable_segments:False",
+    "expandable_segments:True",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
+];
+
+fn sim_rig(conf: &str) -> (Arc<SimBackend>, DeviceCore, StreamHandle, StreamHandle) {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let dynb: Arc<dyn Backend> = sim.clone();
+    let s0 = dynb.stream_create(D0).unwrap();
+    let s1 = dynb.stream_create(D0).unwrap();
+    let core = DeviceCore::new(dynb, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (sim, core, s0, s1)
+}
+
+fn accounting_rig(
+    conf: &str,
+    manual_events: bool,
+) -> (
+    Arc<AccountingBackend>,
+    DeviceCore,
+    StreamHandle,
+    StreamHandle,
+) {
+    let backend = Arc::new(if manual_events {
+        AccountingBackend::manual_events(1, 1 << 40)
+    } else {
+        AccountingBackend::new(1, 1 << 40)
+    });
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s0 = dynb.stream_create(D0).unwrap();
+    let s1 = dynb.stream_create(D0).unwrap();
+    let core = DeviceCore::new(dynb, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (backend, core, s0, s1)
+}
+
+/// The bytes at `ptr`, read by a kernel on `stream` after its work.
+fn read(sim: &SimBackend, stream: StreamHandle, ptr: gpualloc_runtime::DevicePtr) -> Vec<u8> {
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let o = out.clone();
+    sim.launch_kernel(stream, Duration::ZERO, move |m| {
+        *o.lock().unwrap() = m.read(ptr, MIB)?;
+        Ok(())
+    })
+    .unwrap();
+    sim.stream_synchronize(stream).unwrap();
+    let v = out.lock().unwrap().clone();
+    v
+}
+
+/// The lender's kernel still runs when the block is lent: the borrower's kernel, queued
+/// after the loan, runs after it (what it wrote is what stays), and nothing was allocated,
+/// mapped or synchronized for the loan: one event record and one wait.
+#[test]
+fn the_borrowers_work_runs_after_the_lenders() {
+    for conf in CONFIGS {
+        let (sim, mut core, s0, s1) = sim_rig(conf);
+        let a = core.malloc(4 * MIB, s0).unwrap();
+        let ptr = a.ptr;
+        sim.launch_kernel(s0, Duration::from_millis(100), move |m| {
+            m.fill(ptr, MIB, 0x11)
+        })
+        .unwrap();
+        core.free(a.ptr).unwrap();
+        let before = sim.counts();
+        let b = core.malloc(4 * MIB, s1).unwrap();
+        let after = sim.counts();
+        assert_eq!((b.ptr, b.stream), (a.ptr, s1), "{conf}");
+        assert_eq!(core.allocation(b.ptr).unwrap().stream, s1);
+        for op in [
+            Op::Malloc,
+            Op::Map,
+            Op::StreamSynchronize,
+            Op::DeviceSynchronize,
+        ] {
+            assert_eq!(after.get(op), before.get(op), "{conf}: {op:?}");
+        }
+        assert_eq!(after.get(Op::EventRecord) - before.get(Op::EventRecord), 1);
+        assert_eq!(
+            after.get(Op::StreamWaitEvent) - before.get(Op::StreamWaitEvent),
+            1
+        );
+        sim.launch_kernel(s1, Duration::ZERO, move |m| m.fill(ptr, MIB, 0x22))
+            .unwrap();
+        sim.stream_synchronize(s0).unwrap();
+        assert!(
+            read(&sim, s1, ptr).iter().all(|&x| x == 0x22),
+            "{conf}: the borrower ran before the lender"
+        );
+        core.free(b.ptr).unwrap();
+        core.check_invariants().unwrap();
+    }
+}
+
+/// A lent block's free waits for an event on the borrower, then the block is the lender's
+/// again: its next request of the size gets it with no new memory.
+#[test]
+fn a_lent_block_goes_back_to_its_lender_once_the_borrowers_work_is_done() {
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        let (backend, mut core, s0, s1) = accounting_rig(conf, true);
+        let a = core.malloc(40 * MIB, s0).unwrap();
+        core.free(a.ptr).unwrap();
+        core.record_history(Some(100));
+        let b = core.malloc(40 * MIB, s1).unwrap();
+        assert_eq!(b.ptr, a.ptr, "{conf}");
+        core.free(b.ptr).unwrap();
+        let reserved = core.reserved_bytes();
+        // The borrower's event has not completed: the lender gets new memory.
+        let c = core.malloc(40 * MIB, s0).unwrap();
+        assert_ne!(c.ptr, a.ptr, "{conf}");
+        assert!(core.reserved_bytes() > reserved, "{conf}");
+        core.free(c.ptr).unwrap();
+        backend.complete_stream(s1);
+        core.process_events().unwrap();
+        let d = core.malloc(40 * MIB, s0).unwrap();
+        assert_eq!((d.ptr, d.stream), (a.ptr, s0), "{conf}: back to its lender");
+        core.free(d.ptr).unwrap();
+        core.check_invariants().unwrap();
+        // The history shows the loan on the borrower's stream from its alloc to its return,
+        // and the block on its lender's after.
+        let at_a: Vec<(String, u64)> = core
+            .snapshot()
+            .trace
+            .iter()
+            .filter(|e| e.addr == a.ptr.0)
+            .map(|e| (e.action.as_str().to_string(), e.stream))
+            .collect();
+        let expect = [
+            ("alloc", s1.raw),
+            ("free_requested", s1.raw),
+            ("free_completed", s1.raw),
+            ("alloc", s0.raw),
+            ("free_requested", s0.raw),
+            ("free_completed", s0.raw),
+        ];
+        let expect: Vec<(String, u64)> = expect.iter().map(|(a, s)| (a.to_string(), *s)).collect();
+        assert_eq!(at_a, expect, "{conf}");
+    }
+}
+
+/// Two streams taking turns with 200 MiB each: PyTorch's policy keeps 400 MiB (each stream's
+/// own), the `gpualloc` policy 200 MiB; after the first step, neither maps, unmaps,
+/// allocates nor frees device memory again (events only, for the loans).
+#[test]
+fn streams_taking_turns_share_their_memory_and_make_no_driver_call_after_warm_up() {
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        for (policy, reserved) in [("pytorch", 400 * MIB), ("gpualloc", 200 * MIB)] {
+            let conf = format!("{conf},policy:{policy}");
+            let (backend, mut core, s0, s1) = accounting_rig(&conf, false);
+            let step = |core: &mut DeviceCore| {
+                for s in [s0, s1] {
+                    let x = core.malloc(150 * MIB, s).unwrap();
+                    let y = core.malloc(50 * MIB, s).unwrap();
+                    core.free(x.ptr).unwrap();
+                    core.free(y.ptr).unwrap();
+                }
+            };
+            step(&mut core);
+            let warm = backend.counts();
+            for _ in 0..10 {
+                step(&mut core);
+            }
+            let after = backend.counts();
+            assert_eq!(core.reserved_bytes(), reserved, "{conf}");
+            assert_eq!(core.stats().reserved_bytes[0].peak, reserved, "{conf}");
+            assert_eq!(
+                (after.mallocs, after.frees, after.maps, after.unmaps),
+                (warm.mallocs, warm.frees, warm.maps, warm.unmaps),
+                "{conf}"
+            );
+            core.check_invariants().unwrap();
+        }
+    }
+}
+
+/// The size rules of the request's pool hold for loans: an oversize block of an ordinary
+/// segment is not lent to a small request.
+#[test]
+fn an_oversize_block_is_not_lent_to_a_small_request() {
+    let conf = "max_split_size_mb:64,expandable_segments:False";
+    let (backend, mut core, s0, s1) = accounting_rig(conf, false);
+    let a = core.malloc(100 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    let b = core.malloc(4 * MIB, s1).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    assert_eq!(backend.counts().mallocs, 2);
+    // A request it exceeds by less than `max_non_split_rounding` (20 MiB) may have it.
+    let c = core.malloc(90 * MIB, s1).unwrap();
+    assert_eq!(c.ptr, a.ptr);
+    core.check_invariants().unwrap();
+}
+
+/// No loan while a capture is under way: an event must not be recorded on, or waited for
+/// by, a capturing stream. The other stream gets new memory.
+#[test]
+fn nothing_is_lent_during_a_capture() {
+    let (sim, mut core, s0, s1) = sim_rig("expandable_segments:False");
+    let s2 = sim.stream_create(D0).unwrap();
+    let a = core.malloc(4 * MIB, s2).unwrap();
+    core.free(a.ptr).unwrap();
+    // The user's own capture on s1, which the allocator was not told of.
+    sim.stream_begin_capture(s1, CaptureMode::Relaxed).unwrap();
+    let b = core.malloc(4 * MIB, s1).unwrap();
+    assert_ne!(b.ptr, a.ptr);
+    let g = sim.stream_end_capture(s1).unwrap();
+    sim.graph_destroy(g).unwrap();
+    // An announced capture on s0: no loan to any stream while it is under way.
+    let pool = core.create_pool(false);
+    sim.stream_begin_capture(s0, CaptureMode::Relaxed).unwrap();
+    let id = sim.stream_capture_status(s0).unwrap().id().unwrap();
+    core.begin_capture(id, pool, s0).unwrap();
+    let c = core.malloc(4 * MIB, s1).unwrap();
+    assert_ne!(c.ptr, a.ptr);
+    core.end_capture(id).unwrap();
+    let g = sim.stream_end_capture(s0).unwrap();
+    sim.graph_destroy(g).unwrap();
+    // After it, s0 is lent the smallest free block that fits: the rest of s1's segment
+    // (12 MiB: b and c took 8 of its 20), not s2's 16 MiB.
+    let mallocs = sim.counts().get(Op::Malloc);
+    let d = core.malloc(4 * MIB, s0).unwrap();
+    assert_eq!((d.ptr.0, d.stream), (c.ptr.0 + 4 * MIB, s0));
+    assert_eq!(sim.counts().get(Op::Malloc), mallocs);
+    core.check_invariants().unwrap();
+}
