@@ -131,6 +131,11 @@ fn a_lent_block_goes_back_to_its_lender_once_the_borrowers_work_is_done() {
         core.process_events().unwrap();
         let d = core.malloc(40 * MIB, s0).unwrap();
         assert_eq!((d.ptr, d.stream), (a.ptr, s0), "{conf}: back to its lender");
+        assert_eq!(
+            core.allocation(d.ptr).unwrap().stream,
+            s0,
+            "{conf}: loan ended"
+        );
         core.free(d.ptr).unwrap();
         core.check_invariants().unwrap();
         // The history shows the loan on the borrower's stream from its alloc to its return,
@@ -208,17 +213,28 @@ fn an_oversize_block_is_not_lent_to_a_small_request() {
 }
 
 /// No loan while a capture is under way: an event must not be recorded on, or waited for
-/// by, a capturing stream. The other stream gets new memory.
+/// by, a capturing stream; while the user's own capture runs on one stream, the others lend
+/// and borrow as ever. Among equal fits the lowest stream lends.
 #[test]
 fn nothing_is_lent_during_a_capture() {
     let (sim, mut core, s0, s1) = sim_rig("expandable_segments:False");
-    let s2 = sim.stream_create(D0).unwrap();
+    let (s2, s3, s4) = (
+        sim.stream_create(D0).unwrap(),
+        sim.stream_create(D0).unwrap(),
+        sim.stream_create(D0).unwrap(),
+    );
+    // s2's 20 MiB segment, free.
     let a = core.malloc(4 * MIB, s2).unwrap();
     core.free(a.ptr).unwrap();
-    // The user's own capture on s1, which the allocator was not told of.
+    // The user's own capture on s1, which the allocator was not told of: s1 borrows nothing.
     sim.stream_begin_capture(s1, CaptureMode::Relaxed).unwrap();
     let b = core.malloc(4 * MIB, s1).unwrap();
     assert_ne!(b.ptr, a.ptr);
+    // s3 captures nothing: it is lent s2's block meanwhile.
+    let mallocs = sim.counts().get(Op::Malloc);
+    let c = core.malloc(4 * MIB, s3).unwrap();
+    assert_eq!((c.ptr, c.stream), (a.ptr, s3));
+    assert_eq!(sim.counts().get(Op::Malloc), mallocs);
     let g = sim.stream_end_capture(s1).unwrap();
     sim.graph_destroy(g).unwrap();
     // An announced capture on s0: no loan to any stream while it is under way.
@@ -226,16 +242,67 @@ fn nothing_is_lent_during_a_capture() {
     sim.stream_begin_capture(s0, CaptureMode::Relaxed).unwrap();
     let id = sim.stream_capture_status(s0).unwrap().id().unwrap();
     core.begin_capture(id, pool, s0).unwrap();
-    let c = core.malloc(4 * MIB, s1).unwrap();
-    assert_ne!(c.ptr, a.ptr);
+    let e = core.malloc(4 * MIB, s4).unwrap();
+    assert_eq!(
+        sim.counts().get(Op::Malloc),
+        mallocs + 1,
+        "new memory for s4"
+    );
     core.end_capture(id).unwrap();
     let g = sim.stream_end_capture(s0).unwrap();
     sim.graph_destroy(g).unwrap();
-    // After it, s0 is lent the smallest free block that fits: the rest of s1's segment
-    // (12 MiB: b and c took 8 of its 20), not s2's 16 MiB.
-    let mallocs = sim.counts().get(Op::Malloc);
+    // After it, s0 is lent: three 16 MiB remainders fit (s1's, s2's, s4's), the lowest
+    // stream's is taken.
     let d = core.malloc(4 * MIB, s0).unwrap();
-    assert_eq!((d.ptr.0, d.stream), (c.ptr.0 + 4 * MIB, s0));
-    assert_eq!(sim.counts().get(Op::Malloc), mallocs);
+    assert_eq!((d.ptr.0, d.stream), (b.ptr.0 + 4 * MIB, s0));
+    assert_eq!(sim.counts().get(Op::Malloc), mallocs + 1);
+    for x in [b, c, d, e] {
+        core.free(x.ptr).unwrap();
+    }
     core.check_invariants().unwrap();
+}
+
+/// The best fit among the other streams' free blocks, under the size rules of the request's
+/// pool: the smallest that fits; an oversize block of an ordinary segment only for a large
+/// request it exceeds by less than `max_non_split_rounding` (20 MiB); an expandable block
+/// whatever its size (the `gpualloc` policy does not limit them by `max_split_size`).
+#[test]
+fn the_smallest_fitting_block_is_lent_under_the_pools_size_rules() {
+    // Smallest: s1 has 40 MiB free, s2 20 MiB; s0 asks 10.
+    let (backend, mut core, s0, s1) = accounting_rig("expandable_segments:False", false);
+    let s2 = backend.stream_create(D0).unwrap();
+    let big = core.malloc(40 * MIB, s1).unwrap();
+    let small = core.malloc(20 * MIB, s2).unwrap();
+    core.free(big.ptr).unwrap();
+    core.free(small.ptr).unwrap();
+    assert_eq!(core.malloc(10 * MIB, s0).unwrap().ptr, small.ptr);
+
+    // Ordinary segments with `max_split_size_mb:64`: 80 MiB free serves 64 MiB (not small,
+    // exceeded by 16 MiB); 100 MiB free does not serve 70 MiB (exceeded by 30 MiB).
+    let conf = "expandable_segments:False,max_split_size_mb:64";
+    let (_, mut core, s0, s1) = accounting_rig(conf, false);
+    let a = core.malloc(80 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_eq!(core.malloc(64 * MIB, s1).unwrap().ptr, a.ptr);
+    let (_, mut core, s0, s1) = accounting_rig(conf, false);
+    let a = core.malloc(100 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_ne!(core.malloc(70 * MIB, s1).unwrap().ptr, a.ptr);
+
+    // Expandable: the 100 MiB block serves a 4 MiB request.
+    let conf = "expandable_segments:True,max_split_size_mb:64";
+    let (_, mut core, s0, s1) = accounting_rig(conf, false);
+    let a = core.malloc(100 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_eq!(core.malloc(4 * MIB, s1).unwrap().ptr, a.ptr);
+}
+
+/// Private pools keep PyTorch's rule: a named pool's free block serves only its stream.
+#[test]
+fn a_private_pools_blocks_are_not_lent() {
+    let (_, mut core, s0, s1) = accounting_rig("expandable_segments:False", false);
+    let pool = core.create_named_pool("kv", Default::default());
+    let a = core.malloc_in(pool, 4 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    assert_ne!(core.malloc_in(pool, 4 * MIB, s1).unwrap().ptr, a.ptr);
 }

@@ -82,13 +82,13 @@ impl DeviceCore {
         {
             return Ok(false);
         }
-        let Some((k, id)) = self.best_loan(params) else {
+        if self.capturing(params.stream)? {
+            return Ok(false);
+        }
+        let Some((k, id)) = self.best_loan(params)? else {
             return Ok(false);
         };
         let lender = self.blocks.get(id).stream;
-        if self.capturing(lender)? || self.capturing(params.stream)? {
-            return Ok(false);
-        }
         let event = match self.pending.take_spare_of(self.device) {
             Some(e) => e,
             None => self.backend.event_create(self.device)?,
@@ -113,10 +113,10 @@ impl DeviceCore {
         Ok(true)
     }
 
-    /// The best fit for `params` among the other streams' free blocks of its pool: the
-    /// smallest, then the lowest stream and address; None when no block fits under the size
-    /// rules `get_free_block` applies.
-    fn best_loan(&self, params: &AllocParams) -> Option<(FreeKey, BlockId)> {
+    /// The best fit for `params` among the free blocks of its pool of the other streams that
+    /// are not capturing: the smallest, then the lowest stream and address; None when no
+    /// block fits under the size rules `get_free_block` applies.
+    fn best_loan(&self, params: &AllocParams) -> Result<Option<(FreeKey, BlockId)>, AllocError> {
         let pool = &self.pools[params.pool];
         let mut best: Option<(FreeKey, BlockId)> = None;
         let mut from: FreeKey = (0, 0, 0);
@@ -133,7 +133,13 @@ impl DeviceCore {
                     .map(|(k, id)| (*k, *id));
                 if let Some((k, id)) = fit {
                     let better = best.is_none_or(|(b, _)| k.1 < b.1);
-                    if better && self.may_serve(id, k.1, params) {
+                    if better
+                        && self.may_serve(id, k.1, params)
+                        && !self.capturing(StreamHandle {
+                            device: params.stream.device,
+                            raw: k.0,
+                        })?
+                    {
                         best = Some((k, id));
                     }
                 }
@@ -143,7 +149,7 @@ impl DeviceCore {
             };
             from = (next, 0, 0);
         }
-        best
+        Ok(best)
     }
 
     /// The size rules of `get_free_block` for a block of `size` serving `params`: an
