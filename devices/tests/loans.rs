@@ -195,6 +195,50 @@ fn streams_taking_turns_share_their_memory_and_make_no_driver_call_after_warm_up
     }
 }
 
+/// The same turns on the sim, each stream's work done before the other's turn: after warm-up
+/// a step's backend calls are the loans' events alone, two loans and two returns (a record on
+/// the lender and a wait on the borrower each, a record on the borrower and a query each),
+/// and no memory call, synchronization or event creation.
+#[test]
+fn a_repeated_step_with_loans_calls_the_backend_for_events_only() {
+    for conf in ["expandable_segments:False", "expandable_segments:True"] {
+        let (sim, mut core, s0, s1) = sim_rig(conf);
+        let mut step = |core: &mut DeviceCore| {
+            for s in [s0, s1] {
+                let x = core.malloc(150 * MIB, s).unwrap();
+                let y = core.malloc(50 * MIB, s).unwrap();
+                core.free(x.ptr).unwrap();
+                core.free(y.ptr).unwrap();
+                sim.stream_synchronize(s).unwrap();
+            }
+        };
+        step(&mut core);
+        step(&mut core);
+        let warm = sim.counts();
+        for _ in 0..10 {
+            step(&mut core);
+        }
+        let after = sim.counts();
+        let calls: Vec<(Op, u64)> = after
+            .nonzero()
+            .into_iter()
+            .map(|(op, n)| (op, n - warm.get(op)))
+            .filter(|(op, n)| *n > 0 && *op != Op::StreamSynchronize)
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (Op::StreamWaitEvent, 20),
+                (Op::EventRecord, 40),
+                (Op::EventQuery, 20)
+            ],
+            "{conf}"
+        );
+        assert_eq!(core.reserved_bytes(), 200 * MIB, "{conf}");
+        core.check_invariants().unwrap();
+    }
+}
+
 /// The size rules of the request's pool hold for loans: an oversize block of an ordinary
 /// segment is not lent to a small request.
 #[test]
