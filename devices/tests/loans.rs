@@ -203,7 +203,7 @@ fn streams_taking_turns_share_their_memory_and_make_no_driver_call_after_warm_up
 fn a_repeated_step_with_loans_calls_the_backend_for_events_only() {
     for conf in ["expandable_segments:False", "expandable_segments:True"] {
         let (sim, mut core, s0, s1) = sim_rig(conf);
-        let mut step = |core: &mut DeviceCore| {
+        let step = |core: &mut DeviceCore| {
             for s in [s0, s1] {
                 let x = core.malloc(150 * MIB, s).unwrap();
                 let y = core.malloc(50 * MIB, s).unwrap();
