@@ -239,6 +239,35 @@ fn a_repeated_step_with_loans_calls_the_backend_for_events_only() {
     }
 }
 
+/// A loan the backend cannot order (its event record or wait fails) is not made: the request
+/// gets new memory, as without loans, and nothing fails.
+#[test]
+fn a_loan_the_backend_cannot_order_falls_back_to_new_memory() {
+    use gpualloc_runtime::BackendError;
+    use gpualloc_sim::Fault;
+    for op in [Op::EventRecord, Op::StreamWaitEvent] {
+        let (sim, mut core, s0, s1) = sim_rig("expandable_segments:False");
+        let a = core.malloc(4 * MIB, s0).unwrap();
+        core.free(a.ptr).unwrap();
+        sim.inject(
+            op,
+            Fault::FailNext {
+                skip: 0,
+                count: 1,
+                error: BackendError::invalid("injected"),
+            },
+        );
+        let mallocs = sim.counts().get(Op::Malloc);
+        let b = core.malloc(4 * MIB, s1).unwrap();
+        assert_ne!(b.ptr, a.ptr, "{op:?}");
+        assert_eq!(sim.counts().get(Op::Malloc), mallocs + 1, "{op:?}");
+        assert!(core.allocation(b.ptr).is_some_and(|x| x.stream == s1));
+        sim.clear_faults();
+        core.free(b.ptr).unwrap();
+        core.check_invariants().unwrap();
+    }
+}
+
 /// The size rules of the request's pool hold for loans: an oversize block of an ordinary
 /// segment is not lent to a small request.
 #[test]

@@ -157,7 +157,9 @@ pub const DEVIATIONS: &[Deviation] = &[
                     the lender and waited for by the borrower orders it after the lender's work \
                     (no synchronization, no driver memory call); the block stays the lender's and \
                     goes back to it once an event on the borrower completes, as a `record_stream` \
-                    free does. Not during a capture (`devices/src/streams/loans.rs`)",
+                    free does. Not during an announced capture, nor to or from a capturing \
+                    stream; a loan the backend cannot order is not made \
+                    (`devices/src/streams/loans.rs`)",
         why: "streams that peak at different times (an offload engine's copy streams and its \
                compute stream) otherwise keep every stream's peak reserved at once: each stream's \
                free memory strands there",

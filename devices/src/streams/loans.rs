@@ -21,8 +21,11 @@
 //!   pool (the default pools only; private pools keep PyTorch's rules), smallest first, then
 //!   lowest stream and address, under the size rules of the request's own pool.
 //!
-//! Not while a capture is under way (an event must not be recorded on, or waited for by, a
-//! capturing stream), nor under the `pytorch` policy. A job whose streams take turns makes a
+//! Not while an announced capture is under way, nor to or from a stream that captures (an
+//! event must not be recorded on, or waited for by, a capturing stream; a stream whose status
+//! the backend cannot tell counts as capturing), nor under the `pytorch` policy. A loan is an
+//! optimization: where the backend fails to record or wait for its event, the request goes on
+//! to new memory as it would without loans. A job whose streams take turns makes a
 //! record and a wait per loan and an event per return, no driver memory call: after warm-up a
 //! repeated step maps, unmaps, allocates and frees nothing (`devices/tests/loans.rs`).
 
@@ -82,24 +85,19 @@ impl DeviceCore {
         {
             return Ok(false);
         }
-        if self.capturing(params.stream)? {
+        if self.capturing(params.stream) {
             return Ok(false);
         }
-        let Some((k, id)) = self.best_loan(params)? else {
+        let Some((k, id)) = self.best_loan(params) else {
             return Ok(false);
         };
         let lender = self.blocks.get(id).stream;
-        let event = match self.pending.take_spare_of(self.device) {
-            Some(e) => e,
-            None => self.backend.event_create(self.device)?,
-        };
-        let ordered = self
-            .backend
-            .event_record(event, lender)
-            .and_then(|()| self.backend.stream_wait_event(params.stream, event));
-        // The wait holds the record it was made after: the event may be recorded again.
-        self.pending.give_back([event]);
-        ordered?;
+        // A loan is an optimization: where the backend cannot order it, the request goes on
+        // to new memory as it would without loans.
+        if let Err(e) = self.order_after(lender, params.stream) {
+            tracing::warn!(error = %e, "a loan could not be ordered; new memory instead");
+            return Ok(false);
+        }
         self.pools[params.pool].free.remove(&k);
         params.block = Some(id);
         tracing::debug!(
@@ -113,10 +111,30 @@ impl DeviceCore {
         Ok(true)
     }
 
+    /// Makes `borrower`'s later work wait for the work `lender` queued so far: an event
+    /// recorded on the lender, waited for by the borrower. The event is spare again at once
+    /// (a wait waits for the record made before it).
+    fn order_after(
+        &mut self,
+        lender: StreamHandle,
+        borrower: StreamHandle,
+    ) -> Result<(), BackendError> {
+        let event = match self.pending.take_spare_of(self.device) {
+            Some(e) => e,
+            None => self.backend.event_create(self.device)?,
+        };
+        let ordered = self
+            .backend
+            .event_record(event, lender)
+            .and_then(|()| self.backend.stream_wait_event(borrower, event));
+        self.pending.give_back([event]);
+        ordered
+    }
+
     /// The best fit for `params` among the free blocks of its pool of the other streams that
     /// are not capturing: the smallest, then the lowest stream and address; None when no
     /// block fits under the size rules `get_free_block` applies.
-    fn best_loan(&self, params: &AllocParams) -> Result<Option<(FreeKey, BlockId)>, AllocError> {
+    fn best_loan(&self, params: &AllocParams) -> Option<(FreeKey, BlockId)> {
         let pool = &self.pools[params.pool];
         let mut best: Option<(FreeKey, BlockId)> = None;
         let mut from: FreeKey = (0, 0, 0);
@@ -138,7 +156,7 @@ impl DeviceCore {
                         && !self.capturing(StreamHandle {
                             device: params.stream.device,
                             raw: k.0,
-                        })?
+                        })
                     {
                         best = Some((k, id));
                     }
@@ -149,7 +167,7 @@ impl DeviceCore {
             };
             from = (next, 0, 0);
         }
-        Ok(best)
+        best
     }
 
     /// The size rules of `get_free_block` for a block of `size` serving `params`: an
@@ -170,12 +188,15 @@ impl DeviceCore {
         !oversize_for_small && !too_big
     }
 
-    /// True when `stream` is capturing (asked only where the backend says a capture may be
-    /// under way).
-    fn capturing(&self, stream: StreamHandle) -> Result<bool, BackendError> {
+    /// True when `stream` is capturing, or the backend cannot say (asked only where the
+    /// backend says a capture may be under way): such a stream neither lends nor borrows.
+    fn capturing(&self, stream: StreamHandle) -> bool {
         if !self.backend.capture_may_be_underway() {
-            return Ok(false);
+            return false;
         }
-        Ok(self.backend.stream_capture_status(stream)? != CaptureStatus::None)
+        !matches!(
+            self.backend.stream_capture_status(stream),
+            Ok(CaptureStatus::None)
+        )
     }
 }
