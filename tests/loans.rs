@@ -3,6 +3,7 @@
 //! stream's request (ordered after the first stream's work) instead of new memory, and its
 //! memory goes back to the first stream after the second stream's work.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,7 +62,8 @@ async fn a_buffer_freed_on_one_stream_serves_another_after_its_work() {
         );
         sim.launch_kernel(s2.handle(), Duration::ZERO, move |m| m.fill(ptr, MIB, 0x22))
             .unwrap();
-        // The lender's stream handle goes while its block is lent.
+        // The lender's work is done, and its stream handle goes while its block is lent.
+        s1.synchronize().unwrap();
         drop(s1);
         assert!(
             read(&sim, &s2, ptr).iter().all(|&x| x == 0x22),
@@ -115,4 +117,61 @@ async fn pytorchs_policy_lends_nothing() {
     assert_ne!(b.ptr(), ptr);
     drop(b);
     alloc.shutdown().await.unwrap();
+}
+
+/// Six tasks on streams of their own write a tag into each buffer with a slow kernel, check it
+/// with a kernel right after, and drop the buffer while both are still queued: the next
+/// request of another stream may be lent it at once. Were a loan not ordered after the
+/// lender's work, one stream's write would land between another's write and check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_lending_to_each_other_never_see_each_others_writes() {
+    const TASKS: u64 = 6;
+    const ROUNDS: u64 = 30;
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let bad = Arc::new(AtomicU64::new(0));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|t| {
+                let (alloc, sim, bad) = (alloc.clone(), sim.clone(), bad.clone());
+                tokio::spawn(async move {
+                    let s = alloc.new_stream(DeviceId(0)).unwrap();
+                    for i in 0..ROUNDS {
+                        let len = [MIB, 2 * MIB, 3 * MIB][((t + i) % 3) as usize];
+                        let buf = alloc.malloc(len, &s).await.unwrap();
+                        let (ptr, tag) = (buf.ptr(), (t * ROUNDS + i) as u8);
+                        let slow = Duration::from_micros(500 + 300 * ((t + i) % 4));
+                        sim.launch_kernel(s.handle(), slow, move |m| m.fill(ptr, len, tag))
+                            .unwrap();
+                        let bad = bad.clone();
+                        sim.launch_kernel(s.handle(), Duration::ZERO, move |m| {
+                            if m.read(ptr, len)?.iter().any(|&x| x != tag) {
+                                bad.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Ok(())
+                        })
+                        .unwrap();
+                        drop(buf);
+                        if i % 5 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                    s.synchronize().unwrap();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(
+            bad.load(Ordering::Relaxed),
+            0,
+            "{conf}: a write landed out of order"
+        );
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        // Loans were made (each orders its borrower by a wait), so the check had something
+        // to catch.
+        assert!(sim.counts().get(Op::StreamWaitEvent) > 0, "{conf}: no loan");
+        alloc.shutdown().await.unwrap();
+    }
 }
