@@ -22,7 +22,7 @@
 
 use std::sync::Arc;
 
-use gpualloc_runtime::{Backend, DeviceId, DevicePtr, EventHandle, StreamHandle};
+use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
 use crate::blocks::block::{BlockArena, BlockId};
 use crate::blocks::live::LiveBlocks;
@@ -40,6 +40,7 @@ use crate::ledger::stats::DeviceStats;
 use crate::pools::capture_state::Captures;
 use crate::pools::private::PrivatePools;
 use crate::streams::loan_table::Loans;
+use crate::streams::retiring::RetiringStreams;
 
 /// A live allocation handed to a user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +111,7 @@ pub struct DeviceCore {
     pub(crate) pending: PendingFrees,
     /// Streams the owner's users dropped, with an event recorded on each when it was retired
     /// (`orphans.rs`).
-    pub(crate) retiring: Vec<(StreamHandle, Option<EventHandle>)>,
+    pub(crate) retiring: RetiringStreams,
     pub(crate) stats: DeviceStats,
     /// The history: entries, their times and order, frames of live blocks (`history.rs`).
     pub(crate) history: History,
@@ -171,7 +172,7 @@ impl DeviceCore {
             expandable: ExpandableSegments::default(),
             budget,
             pending: PendingFrees::default(),
-            retiring: Vec::new(),
+            retiring: RetiringStreams::default(),
             stats: DeviceStats {
                 max_split_size,
                 ..DeviceStats::default()

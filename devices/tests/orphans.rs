@@ -219,3 +219,54 @@ fn named_pools_orphan_a_retired_streams_segments_within_the_pool() {
     }
     core.check_invariants().unwrap();
 }
+
+/// Holds `stream` busy until the returned sender is dropped.
+fn hold(sim: &SimBackend, stream: StreamHandle) -> std::sync::mpsc::SyncSender<()> {
+    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
+    sim.launch_kernel(stream, std::time::Duration::ZERO, move |_| {
+        let _ = gate.recv();
+        Ok(())
+    })
+    .unwrap();
+    open
+}
+
+/// Retiring records one event per busy stream however often it is asked, none for a stream
+/// that names no segment; the event goes back to the core's spare events once the stream's
+/// work is done, and a shutdown destroys the events of streams still retiring.
+#[test]
+fn a_retiring_stream_holds_one_event_and_gives_it_back() {
+    let (sim, mut core, old, new) = sim_core("expandable_segments:False");
+    let records = |sim: &SimBackend| sim.counts().get(Op::EventRecord);
+    let creates = |sim: &SimBackend| sim.counts().get(Op::EventCreate);
+    let before = records(&sim);
+    core.retire_stream(new).unwrap();
+    assert_eq!(records(&sim), before, "a stream with no segment");
+    let a = core.malloc(4 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    let busy = hold(&sim, old);
+    core.retire_stream(old).unwrap();
+    core.retire_stream(old).unwrap();
+    assert_eq!(records(&sim), before + 1, "one entry, one event");
+    drop(busy);
+    sim.stream_synchronize(old).unwrap();
+    core.orphan_retired().unwrap();
+    assert_eq!(segment_streams(&core), [(20, ORPHAN_STREAM)]);
+    // `new` adopts the orphan, then retires busy: the spare event is recorded again.
+    let b = core.malloc(4 * MIB, new).unwrap();
+    core.free(b.ptr).unwrap();
+    let made = creates(&sim);
+    let busy = hold(&sim, new);
+    core.retire_stream(new).unwrap();
+    assert_eq!((creates(&sim), records(&sim)), (made, before + 2));
+    // Its work done but not yet seen: the shutdown finds it still retiring.
+    drop(busy);
+    sim.stream_synchronize(new).unwrap();
+    core.shutdown().unwrap();
+    let counts = sim.counts();
+    assert_eq!(
+        counts.get(Op::EventDestroy),
+        counts.get(Op::EventCreate),
+        "every event destroyed at shutdown"
+    );
+}

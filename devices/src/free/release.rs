@@ -291,7 +291,7 @@ impl DeviceCore {
                 first_err.get_or_insert(AllocError::Backend(e));
             }
         }
-        let retiring: Vec<_> = self.retiring.drain(..).filter_map(|(_, e)| e).collect();
+        let retiring = self.retiring.drain_events();
         self.pending.give_back(retiring);
         for ev in self.pending.drain_spare() {
             let _ = self.backend.event_destroy(ev);

@@ -10,6 +10,7 @@
 pub(crate) mod loan_table;
 pub(crate) mod loans;
 pub mod orphans;
+pub(crate) mod retiring;
 
 use std::collections::BTreeSet;
 

@@ -41,7 +41,7 @@ impl DeviceCore {
         if self.shut_down || stream.raw == ORPHAN_STREAM {
             return Ok(());
         }
-        if !self.names_segment(stream) || self.retiring.iter().any(|(s, _)| *s == stream) {
+        if !self.names_segment(stream) || self.retiring.contains(stream) {
             return Ok(());
         }
         // An idle stream's segments are orphaned at once (those still in use by later passes,
@@ -49,7 +49,7 @@ impl DeviceCore {
         if self.backend.stream_query(stream)? {
             self.orphan_segments_of(stream)?;
             if self.names_segment(stream) {
-                self.retiring.push((stream, None));
+                self.retiring.add(stream, None);
             }
             return Ok(());
         }
@@ -62,7 +62,7 @@ impl DeviceCore {
             self.pending.give_back([event]);
             return Err(e.into());
         }
-        self.retiring.push((stream, Some(event)));
+        self.retiring.add(stream, Some(event));
         self.orphan_retired()
     }
 
@@ -71,7 +71,7 @@ impl DeviceCore {
     pub fn orphan_retired(&mut self) -> Result<(), AllocError> {
         let mut i = 0;
         while i < self.retiring.len() {
-            let (stream, event) = self.retiring[i];
+            let (stream, event) = self.retiring.get(i);
             // Done when the event is, or when the stream is idle now (all it had then is done).
             let done = match event {
                 None => true,
@@ -82,16 +82,15 @@ impl DeviceCore {
                 continue;
             }
             // Its work is done: the event is not needed any more.
-            if let Some(e) = event {
+            if let Some(e) = self.retiring.take_event(i) {
                 self.pending.give_back([e]);
-                self.retiring[i].1 = None;
             }
             self.orphan_segments_of(stream)?;
             if self.names_segment(stream) {
                 i += 1;
                 continue;
             }
-            self.retiring.swap_remove(i);
+            self.retiring.remove(i);
         }
         Ok(())
     }
