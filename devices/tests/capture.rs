@@ -3,12 +3,14 @@
 //! while an announced capture is under way, as PyTorch's rules say.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use gpualloc_devices::{AllocError, AllocatorConfig, DeviceCore};
 use gpualloc_runtime::capture::CaptureMode;
 use gpualloc_runtime::{Backend, CaptureSafe, DeviceId, StreamHandle};
 use gpualloc_sim::{Op, SimBackend, SimConfig};
+
+mod common;
+use common::hold;
 
 const MIB: u64 = 1 << 20;
 const D0: DeviceId = DeviceId(0);
@@ -35,17 +37,6 @@ fn rig(conf: &str) -> Rig {
     let safe: Arc<dyn Backend> = Arc::new(CaptureSafe::new(dynb));
     let core = DeviceCore::new(safe, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
     Rig { sim, core, s0, s1 }
-}
-
-/// Holds `stream` until the returned sender is dropped.
-fn hold(sim: &SimBackend, stream: StreamHandle) -> std::sync::mpsc::SyncSender<()> {
-    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
-    sim.launch_kernel(stream, Duration::ZERO, move |_| {
-        let _ = gate.recv();
-        Ok(())
-    })
-    .unwrap();
-    open
 }
 
 fn capture_id(sim: &SimBackend, s: StreamHandle) -> u64 {

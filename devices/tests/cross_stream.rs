@@ -2,12 +2,14 @@
 //! stream still has queued work on the block that was neither `record_stream`ed nor waited for.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{AllocatorConfig, CrossStreamFree, DeviceCore, CROSS_STREAM_LOG};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 use gpualloc_sim::{Op, SimBackend, SimConfig};
+
+mod common;
+use common::hold;
 
 const MIB: u64 = 1 << 20;
 const D0: DeviceId = DeviceId(0);
@@ -26,17 +28,6 @@ fn rig(conf: &str) -> Rig {
     let s1 = dynb.stream_create(D0).unwrap();
     let core = DeviceCore::new(dynb, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
     Rig { sim, core, s0, s1 }
-}
-
-/// Holds `stream` until the returned sender is dropped.
-fn hold(sim: &SimBackend, stream: StreamHandle) -> std::sync::mpsc::SyncSender<()> {
-    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
-    sim.launch_kernel(stream, Duration::ZERO, move |_| {
-        let _ = gate.recv();
-        Ok(())
-    })
-    .unwrap();
-    open
 }
 
 const CONFIGS: [&str; 2] = [

@@ -352,22 +352,24 @@ fn the_smallest_fitting_block_is_lent_under_the_pools_size_rules() {
 
     // Ordinary segments with `max_split_size_mb:64`: 80 MiB free serves 64 MiB (not small,
     // exceeded by 16 MiB); 100 MiB free does not serve 70 MiB (exceeded by 30 MiB).
-    let conf = "expandable_segments:False,max_split_size_mb:64";
-    let (_, mut core, s0, s1) = accounting_rig(conf, false);
-    let a = core.malloc(80 * MIB, s0).unwrap();
-    core.free(a.ptr).unwrap();
-    assert_eq!(core.malloc(64 * MIB, s1).unwrap().ptr, a.ptr);
-    let (_, mut core, s0, s1) = accounting_rig(conf, false);
-    let a = core.malloc(100 * MIB, s0).unwrap();
-    core.free(a.ptr).unwrap();
-    assert_ne!(core.malloc(70 * MIB, s1).unwrap().ptr, a.ptr);
-
+    let ordinary = "expandable_segments:False,max_split_size_mb:64";
+    assert!(lent(ordinary, 80 * MIB, 64 * MIB));
+    assert!(!lent(ordinary, 100 * MIB, 70 * MIB));
     // Expandable: the 100 MiB block serves a 4 MiB request.
-    let conf = "expandable_segments:True,max_split_size_mb:64";
+    assert!(lent(
+        "expandable_segments:True,max_split_size_mb:64",
+        100 * MIB,
+        4 * MIB
+    ));
+}
+
+/// Whether, under `conf`, a block of `held` bytes one stream freed is lent to another stream's
+/// request of `asked` bytes.
+fn lent(conf: &str, held: u64, asked: u64) -> bool {
     let (_, mut core, s0, s1) = accounting_rig(conf, false);
-    let a = core.malloc(100 * MIB, s0).unwrap();
+    let a = core.malloc(held, s0).unwrap();
     core.free(a.ptr).unwrap();
-    assert_eq!(core.malloc(4 * MIB, s1).unwrap().ptr, a.ptr);
+    core.malloc(asked, s1).unwrap().ptr == a.ptr
 }
 
 /// Private pools keep PyTorch's rule: a named pool's free block serves only its stream.

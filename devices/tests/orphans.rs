@@ -10,6 +10,9 @@ use gpualloc_devices::{AllocatorConfig, DeviceCore};
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 use gpualloc_sim::{Op, SimBackend, SimConfig};
 
+mod common;
+use common::hold;
+
 const MIB: u64 = 1 << 20;
 
 /// (segment size in MiB, raw stream), sorted.
@@ -218,17 +221,6 @@ fn named_pools_orphan_a_retired_streams_segments_within_the_pool() {
         core.free(p).unwrap();
     }
     core.check_invariants().unwrap();
-}
-
-/// Holds `stream` busy until the returned sender is dropped.
-fn hold(sim: &SimBackend, stream: StreamHandle) -> std::sync::mpsc::SyncSender<()> {
-    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
-    sim.launch_kernel(stream, std::time::Duration::ZERO, move |_| {
-        let _ = gate.recv();
-        Ok(())
-    })
-    .unwrap();
-    open
 }
 
 /// Retiring records one event per busy stream however often it is asked, none for a stream

@@ -156,8 +156,6 @@ impl DeviceCore {
     pub(crate) fn get_free_block(&mut self, params: &mut AllocParams) -> bool {
         let gc_on =
             self.config.garbage_collection_threshold > 0.0 && self.budget.allowed().is_some();
-        let max_split = self.config.max_split_size;
-        let max_rounding = self.config.max_non_split_rounding;
         if gc_on {
             self.pools[params.pool].get_free_block_calls += 1;
         }
@@ -226,21 +224,29 @@ impl DeviceCore {
         if !params.any_fit && self.passes_over(id, params) {
             return self.take_tail(params);
         }
-        let block_size = k.1;
-        // `max_split_size` limits expandable blocks only under PyTorch's policy.
-        if !self.blocks.get(id).expandable || self.config.policy.max_split_limits_expandable() {
-            // Never hand an oversize block to a small request.
-            if params.size < max_split && block_size >= max_split {
-                return false;
-            }
-            // A large request may take an oversize block only if the waste stays bounded.
-            if params.size >= max_split && block_size >= params.size.saturating_add(max_rounding) {
-                return false;
-            }
+        if !self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable) {
+            return false;
         }
         self.pools[params.pool].free.remove(&k);
         params.block = Some(id);
         true
+    }
+
+    /// PyTorch's size rules for a free block of `block_size` serving a request of `size`
+    /// (its `get_free_block`): never an oversize block (`max_split_size` or more) to a small
+    /// request, and to a large one only if the waste stays under `max_non_split_rounding`.
+    /// `max_split_size` limits blocks of expandable segments only under PyTorch's policy.
+    /// Best fit, orphan adoption and loans all ask here.
+    #[inline]
+    pub(crate) fn size_rules_allow(&self, block_size: u64, size: u64, expandable: bool) -> bool {
+        if expandable && !self.config.policy.max_split_limits_expandable() {
+            return true;
+        }
+        let max_split = self.config.max_split_size;
+        let oversize_for_small = size < max_split && block_size >= max_split;
+        let too_big = size >= max_split
+            && block_size >= size.saturating_add(self.config.max_non_split_rounding);
+        !oversize_for_small && !too_big
     }
 
     fn trigger_free_memory_callbacks(&mut self) -> Result<bool, AllocError> {

@@ -152,7 +152,7 @@ impl DeviceCore {
                 if let Some((k, id)) = fit {
                     let better = best.is_none_or(|(b, _)| k.1 < b.1);
                     if better
-                        && self.may_serve(id, k.1, params)
+                        && self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable)
                         && !self.capturing(StreamHandle {
                             device: params.stream.device,
                             raw: k.0,
@@ -168,24 +168,6 @@ impl DeviceCore {
             from = (next, 0, 0);
         }
         best
-    }
-
-    /// The size rules of `get_free_block` for a block of `size` serving `params`: an
-    /// oversize block of an ordinary segment (or of any segment under PyTorch's policy) is
-    /// not given to a small request, nor to a larger one it exceeds by `max_non_split_rounding`.
-    fn may_serve(&self, id: BlockId, size: u64, params: &AllocParams) -> bool {
-        let expandable = self.blocks.get(id).expandable;
-        if expandable && !self.config.policy.max_split_limits_expandable() {
-            return true;
-        }
-        let max_split = self.config.max_split_size;
-        let oversize_for_small = params.size < max_split && size >= max_split;
-        let too_big = params.size >= max_split
-            && size
-                >= params
-                    .size
-                    .saturating_add(self.config.max_non_split_rounding);
-        !oversize_for_small && !too_big
     }
 
     /// True when `stream` is capturing, or the backend cannot say (asked only where the

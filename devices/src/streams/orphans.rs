@@ -161,13 +161,8 @@ impl DeviceCore {
         let Some((k, id)) = self.pools[params.pool].lower_bound(ORPHAN_STREAM, params.size) else {
             return false;
         };
-        let (max_split, rounding) = (
-            self.config.max_split_size,
-            self.config.max_non_split_rounding,
-        );
-        let oversize_for_small = params.size < max_split && k.1 >= max_split;
-        let too_big = params.size >= max_split && k.1 >= params.size.saturating_add(rounding);
-        if k.0 != ORPHAN_STREAM || oversize_for_small || too_big {
+        let expandable = self.blocks.get(id).expandable;
+        if k.0 != ORPHAN_STREAM || !self.size_rules_allow(k.1, params.size, expandable) {
             return false;
         }
         let (size, base) = (k.1, k.2);

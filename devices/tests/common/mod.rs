@@ -104,3 +104,17 @@ pub fn drive_miss(
 pub fn segment_malloc(io: &MissIo) -> bool {
     matches!(io, MissIo::AllocSegment { .. })
 }
+
+/// Holds `stream` of the sim busy until the returned sender is dropped.
+pub fn hold(
+    sim: &gpualloc_sim::SimBackend,
+    stream: StreamHandle,
+) -> std::sync::mpsc::SyncSender<()> {
+    let (open, gate) = std::sync::mpsc::sync_channel::<()>(0);
+    sim.launch_kernel(stream, std::time::Duration::ZERO, move |_| {
+        let _ = gate.recv();
+        Ok(())
+    })
+    .unwrap();
+    open
+}
