@@ -35,8 +35,9 @@ use crate::expandable::segments::ExpandableSegments;
 use crate::free::pending::PendingFrees;
 use crate::ledger::cross_stream::CrossStreamLog;
 use crate::ledger::history::History;
-use crate::ledger::observer::SegmentSink;
+use crate::ledger::observer::SegmentObserver;
 use crate::ledger::stats::DeviceStats;
+use crate::malloc::callbacks::FreeMemoryCallbacks;
 use crate::pools::capture_state::Captures;
 use crate::pools::private::PrivatePools;
 use crate::streams::loan_table::Loans;
@@ -64,10 +65,7 @@ pub struct Allocation {
 
 pub use crate::blocks::pool_id::MemPoolId;
 
-/// A callback run when the pools have no block for a request, before a device malloc. It
-/// returns pointers of this allocator's live allocations that may now be freed (e.g. blocks
-/// another process has released); the core frees them and searches again.
-pub type FreeMemoryCallback = Box<dyn FnMut() -> Vec<DevicePtr> + Send>;
+pub use crate::malloc::callbacks::FreeMemoryCallback;
 
 /// Parameters of one malloc on its way through the chain.
 pub(crate) struct AllocParams {
@@ -115,9 +113,10 @@ pub struct DeviceCore {
     pub(crate) stats: DeviceStats,
     /// The history: entries, their times and order, frames of live blocks (`history.rs`).
     pub(crate) history: History,
-    pub(crate) callbacks: Vec<FreeMemoryCallback>,
+    /// Run on a miss before new memory (`malloc/callbacks.rs`).
+    pub(crate) callbacks: FreeMemoryCallbacks,
     /// Told of every segment change (`observer.rs`).
-    pub(crate) segment_sink: Option<SegmentSink>,
+    pub(crate) observer: SegmentObserver,
     /// Reports of the `debug_cross_stream_frees` check (`cross_stream.rs`).
     pub(crate) cross_stream: CrossStreamLog,
     /// Stream captures announced by the owner, and the frees they hold back
@@ -178,8 +177,8 @@ impl DeviceCore {
                 ..DeviceStats::default()
             },
             history: History::default(),
-            callbacks: Vec::new(),
-            segment_sink: None,
+            callbacks: FreeMemoryCallbacks::default(),
+            observer: SegmentObserver::default(),
             cross_stream: CrossStreamLog::default(),
             captures: Captures::default(),
             loans: Loans::default(),
@@ -212,7 +211,7 @@ impl DeviceCore {
 
     /// Adds a callback run on a cache miss (see [`FreeMemoryCallback`]).
     pub fn add_free_memory_callback(&mut self, callback: FreeMemoryCallback) {
-        self.callbacks.push(callback);
+        self.callbacks.add(callback);
     }
 
     /// Bytes held from the backend.

@@ -5,7 +5,9 @@
 //! block of that stream that fits, and among equal sizes the lowest address. That tie-break is
 //! part of PyTorch's behaviour and replays depend on it.
 
+use std::collections::btree_map::Range;
 use std::collections::BTreeMap;
+use std::ops::RangeBounds;
 
 use crate::blocks::block::{Block, BlockId};
 
@@ -21,12 +23,13 @@ pub(crate) enum PoolOwner {
     Private(u64),
 }
 
-/// Free blocks of one pool.
+/// Free blocks of one pool. The trees are the pool's own: blocks go in and out by the file
+/// and take calls below, so every key is built here.
 pub(crate) struct BlockPool {
-    pub free: BTreeMap<FreeKey, BlockId>,
+    free: BTreeMap<FreeKey, BlockId>,
     /// Unmapped ranges of expandable segments, ordered by (stream, address): see
     /// [`unmapped_key`].
-    pub unmapped: BTreeMap<FreeKey, BlockId>,
+    unmapped: BTreeMap<FreeKey, BlockId>,
     pub is_small: bool,
     pub owner: PoolOwner,
     /// Calls of `get_free_block` on this pool (garbage collection ages blocks by it).
@@ -68,6 +71,61 @@ impl BlockPool {
             .remove(&unmapped_key(b.stream.raw, b.addr, b.size))
     }
 
+    /// Takes the free mapped block filed under `k` out of the pool; its id if there was one.
+    #[inline]
+    pub fn take_free(&mut self, k: &FreeKey) -> Option<BlockId> {
+        self.free.remove(k)
+    }
+
+    /// The free mapped block filed under `k`, left in the pool.
+    pub fn free_at(&self, k: &FreeKey) -> Option<BlockId> {
+        self.free.get(k).copied()
+    }
+
+    /// The free mapped blocks with keys in `range`, in key order.
+    #[inline]
+    pub fn free_range<R: RangeBounds<FreeKey>>(&self, range: R) -> Range<'_, FreeKey, BlockId> {
+        self.free.range(range)
+    }
+
+    /// Every free mapped block, in key order.
+    pub fn free_ids(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.free.values().copied()
+    }
+
+    /// The unmapped blocks with keys in `range`, in key order.
+    pub fn unmapped_range<R: RangeBounds<FreeKey>>(&self, range: R) -> Range<'_, FreeKey, BlockId> {
+        self.unmapped.range(range)
+    }
+
+    /// Whether block `b` (id `id`) is filed here under its key as it is now: in the free
+    /// tree if it is mapped, else in the unmapped one.
+    pub fn holds(&self, b: &Block, id: BlockId) -> bool {
+        let filed = if b.mapped {
+            self.free.get(&key(b.stream.raw, b.size, b.addr))
+        } else {
+            self.unmapped
+                .get(&unmapped_key(b.stream.raw, b.addr, b.size))
+        };
+        filed == Some(&id)
+    }
+
+    /// Every unmapped block, in key order.
+    pub fn unmapped_ids(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.unmapped.values().copied()
+    }
+
+    /// Blocks filed, mapped and unmapped.
+    pub fn len(&self) -> usize {
+        self.free.len() + self.unmapped.len()
+    }
+
+    /// Forgets every block (the arena is cleared with it: a shutdown).
+    pub fn clear(&mut self) {
+        self.free.clear();
+        self.unmapped.clear();
+    }
+
     /// First free block of `stream` with size ≥ `size` (lowest address among equals).
     pub fn lower_bound(&self, stream: u64, size: u64) -> Option<(FreeKey, BlockId)> {
         self.free
@@ -79,7 +137,7 @@ impl BlockPool {
 
 /// The key an unmapped block is stored under: (stream, address, size), so blocks of one
 /// stream are visited in address order (PyTorch's `BlockComparatorAddress`).
-pub(crate) fn unmapped_key(stream: u64, addr: u64, size: u64) -> FreeKey {
+fn unmapped_key(stream: u64, addr: u64, size: u64) -> FreeKey {
     (stream, addr, size)
 }
 

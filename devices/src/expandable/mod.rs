@@ -199,8 +199,7 @@ impl DeviceCore {
             return self.new_expandable_segment(stream, pool, Some(size));
         }
         let candidates: Vec<BlockId> = self.pools[pool]
-            .unmapped
-            .range((stream.raw, 0, 0)..)
+            .unmapped_range((stream.raw, 0, 0)..)
             .take_while(|(k, _)| k.0 == stream.raw)
             .map(|(_, id)| *id)
             .collect();
@@ -399,10 +398,9 @@ impl DeviceCore {
         }
         let size = es.size();
         let head = self.pools.iter().enumerate().find_map(|(p, pool)| {
-            pool.unmapped
-                .values()
-                .find(|&&id| self.blocks.get(id).segment == seg)
-                .map(|&id| (p, id))
+            pool.unmapped_ids()
+                .find(|&id| self.blocks.get(id).segment == seg)
+                .map(|id| (p, id))
         });
         let Some((pool, id)) = head else {
             return Ok(());

@@ -59,9 +59,7 @@ impl DeviceCore {
     pub(crate) fn detach_pages_of(&mut self, pool: usize) -> Vec<PageRelease> {
         // The free sets hold mapped blocks only (unmapped ones have sets of their own).
         let ids: Vec<BlockId> = self.pools[pool]
-            .free
-            .values()
-            .copied()
+            .free_ids()
             .filter(|&id| self.blocks.get(id).expandable)
             .collect();
         let mut out = Vec::new();

@@ -100,9 +100,7 @@ impl DeviceCore {
     /// the books (in the pool's order, as PyTorch's `release_blocks` frees them).
     pub(crate) fn detach_whole_segments(&mut self, pool: usize) -> Vec<DetachedSegment> {
         let whole: Vec<BlockId> = self.pools[pool]
-            .free
-            .values()
-            .copied()
+            .free_ids()
             .filter(|&id| {
                 let b = self.blocks.get(id);
                 !b.is_split() && !b.expandable

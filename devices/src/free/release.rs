@@ -105,7 +105,7 @@ impl DeviceCore {
     /// of every free block of an expandable segment (then frees reservations left empty).
     pub(crate) fn release_blocks(&mut self, pool: usize) -> Result<(), AllocError> {
         let (mut whole, mut to_unmap) = (Vec::new(), Vec::new());
-        for &id in self.pools[pool].free.values() {
+        for id in self.pools[pool].free_ids() {
             let b = self.blocks.get(id);
             if b.expandable {
                 to_unmap.push(id);
@@ -154,8 +154,7 @@ impl DeviceCore {
         }
         // No single block is large enough: release oversize blocks from the largest down.
         let candidates: Vec<(u64, BlockId)> = pool
-            .free
-            .range(..(stream, target, 0))
+            .free_range(..(stream, target, 0))
             .rev()
             .take_while(|((s, size, _), _)| *s == stream && *size >= max_split)
             .map(|((_, size, _), id)| (*size, *id))
@@ -235,9 +234,7 @@ impl DeviceCore {
         let calls = self.pools[LARGE_POOL].get_free_block_calls;
         let age = |id: BlockId| calls - self.blocks.get(id).gc_base;
         let mut freeable: Vec<BlockId> = self.pools[LARGE_POOL]
-            .free
-            .values()
-            .copied()
+            .free_ids()
             .filter(|&id| self.is_whole_segment(id))
             .collect();
         let mut total_age: u64 = freeable.iter().map(|&id| age(id)).sum();
@@ -300,8 +297,7 @@ impl DeviceCore {
         self.blocks.clear();
         self.active.clear();
         for pool in &mut self.pools {
-            pool.free.clear();
-            pool.unmapped.clear();
+            pool.clear();
         }
         self.budget.release_all();
         first_err.map_or(Ok(()), Err)

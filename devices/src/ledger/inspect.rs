@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::blocks::block::{BlockId, BlockState};
-use crate::blocks::pool::{key, unmapped_key, PoolOwner};
+use crate::blocks::pool::PoolOwner;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::ledger::cross_stream::CrossStreamFree;
 use crate::ledger::snapshot::{BlockInfo, BlockStateName, DeviceSnapshot, PoolInfo, SegmentInfo};
@@ -284,15 +284,7 @@ impl DeviceCore {
                     }
                     BlockState::Free => {
                         free_seen += 1;
-                        let (k, set) = if b.mapped {
-                            (key(b.stream.raw, b.size, b.addr), &self.pools[b.pool].free)
-                        } else {
-                            (
-                                unmapped_key(b.stream.raw, b.addr, b.size),
-                                &self.pools[b.pool].unmapped,
-                            )
-                        };
-                        if set.get(&k) != Some(&id) {
+                        if !self.pools[b.pool].holds(b, id) {
                             return Err(format!(
                                 "free block at {:#x} missing from its pool",
                                 b.addr
@@ -335,11 +327,7 @@ impl DeviceCore {
                 ));
             }
         }
-        let pooled: usize = self
-            .pools
-            .iter()
-            .map(|p| p.free.len() + p.unmapped.len())
-            .sum();
+        let pooled: usize = self.pools.iter().map(|p| p.len()).sum();
         if pooled != free_seen {
             return Err(format!(
                 "{pooled} pooled blocks but {free_seen} free blocks in segments"

@@ -84,6 +84,31 @@ pub struct SegmentRange {
 /// The function a core calls with each [`SegmentEvent`].
 pub type SegmentSink = Box<dyn FnMut(SegmentEvent) + Send>;
 
+/// The core's sink, if one is installed: the one place events leave the core.
+#[derive(Default)]
+pub(crate) struct SegmentObserver {
+    sink: Option<SegmentSink>,
+}
+
+impl SegmentObserver {
+    /// Installs `sink` in place of the one before (`None`: removes it).
+    pub fn set(&mut self, sink: Option<SegmentSink>) {
+        self.sink = sink;
+    }
+
+    /// A sink is installed (the core builds no event otherwise).
+    pub fn is_set(&self) -> bool {
+        self.sink.is_some()
+    }
+
+    /// Hands `event` to the sink, if one is installed.
+    pub fn send(&mut self, event: SegmentEvent) {
+        if let Some(sink) = &mut self.sink {
+            sink(event);
+        }
+    }
+}
+
 /// The ranges of device memory held, kept from a list of ranges
 /// ([`DeviceCore::segment_ranges`](crate::DeviceCore::segment_ranges), or a watch's) and the
 /// [`SegmentEvent`]s after it. An unmap may cover several announced ranges, or part of one (a sleep, a release of whole handles):

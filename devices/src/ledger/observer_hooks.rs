@@ -8,7 +8,7 @@ use crate::ledger::trace::TraceAction;
 impl DeviceCore {
     /// Installs (or with `None` removes) the segment sink (see `observer.rs`).
     pub fn set_segment_sink(&mut self, sink: Option<SegmentSink>) {
-        self.segment_sink = sink;
+        self.observer.set(sink);
     }
 
     /// The ranges of device memory held now, in address order: each ordinary segment whole,
@@ -46,7 +46,7 @@ impl DeviceCore {
 
     /// Sends the segment event of trace action `action`, if it is one and a sink is set.
     pub(crate) fn announce(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
-        if self.segment_sink.is_none() {
+        if !self.observer.is_set() {
             return;
         }
         let action = match action {
@@ -77,15 +77,13 @@ impl DeviceCore {
         pool: Option<MemPoolId>,
     ) {
         let device = self.device;
-        if let Some(sink) = &mut self.segment_sink {
-            sink(SegmentEvent {
-                action,
-                device,
-                addr,
-                size,
-                stream,
-                pool,
-            });
-        }
+        self.observer.send(SegmentEvent {
+            action,
+            device,
+            addr,
+            size,
+            stream,
+            pool,
+        });
     }
 }

@@ -4,6 +4,7 @@
 //! and the split of the block it found (`alloc_found_block`). A miss leaves here as a
 //! [`SegmentRequest`] (`segment_request.rs`, `miss/`).
 
+pub(crate) mod callbacks;
 pub mod map_ahead;
 pub(crate) mod oom;
 pub mod placement;
@@ -163,7 +164,7 @@ impl DeviceCore {
         let stream = params.stream.raw;
         // One walk of the free tree: its first entry is the best fit by size, and the best
         // fit by growth below goes on from there (a second search cost a tenth of a hit).
-        let mut walk = pool.free.range((stream, params.size, 0)..);
+        let mut walk = pool.free_range((stream, params.size, 0)..);
         let Some((&first_key, &first_id)) = walk.next() else {
             return false;
         };
@@ -176,21 +177,18 @@ impl DeviceCore {
             if k.1 != params.size {
                 return false;
             }
-            self.pools[params.pool].free.remove(&k);
+            self.pools[params.pool].take_free(&k);
             params.block = Some(id);
             return true;
         }
         #[cfg(feature = "rule-knobs")]
         if self.knobs.tie_break_high_address {
             if let Some((hk, high)) = pool
-                .free
-                .range((stream, k.1, 0)..=(stream, k.1, u64::MAX))
+                .free_range((stream, k.1, 0)..=(stream, k.1, u64::MAX))
                 .next_back()
             {
                 (k, id) = (*hk, *high);
-                walk = pool
-                    .free
-                    .range((std::ops::Bound::Excluded(k), std::ops::Bound::Unbounded));
+                walk = pool.free_range((std::ops::Bound::Excluded(k), std::ops::Bound::Unbounded));
             }
         }
         if self.blocks.get(id).expandable {
@@ -227,7 +225,7 @@ impl DeviceCore {
         if !self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable) {
             return false;
         }
-        self.pools[params.pool].free.remove(&k);
+        self.pools[params.pool].take_free(&k);
         params.block = Some(id);
         true
     }
@@ -253,10 +251,7 @@ impl DeviceCore {
         if self.callbacks.is_empty() {
             return Ok(false);
         }
-        let mut to_free = Vec::new();
-        for cb in &mut self.callbacks {
-            to_free.extend(cb());
-        }
+        let to_free = self.callbacks.collect();
         let mut freed = false;
         for ptr in to_free {
             match self.free(ptr) {

@@ -53,8 +53,7 @@ impl DeviceCore {
         let stream = params.stream.raw;
         let blocks = &self.blocks;
         let tail = self.pools[params.pool]
-            .free
-            .range(key(stream, params.size, 0)..)
+            .free_range(key(stream, params.size, 0)..)
             .take_while(|(k, _)| k.0 == stream)
             .map(|(_, id)| *id)
             .filter(|id| {

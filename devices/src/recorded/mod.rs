@@ -100,7 +100,7 @@ impl DeviceCore {
         };
         // A free block as large as its segment, at its base, is the whole segment.
         let whole = key(meta.stream.raw, meta.size, base);
-        let Some(&id) = self.pools[meta.pool].free.get(&whole) else {
+        let Some(id) = self.pools[meta.pool].free_at(&whole) else {
             return Ok(false);
         };
         self.release_block(id)?;
@@ -155,7 +155,7 @@ impl DeviceCore {
         if covered != last - first {
             return Ok(false);
         }
-        let found = self.pools[pool].free.values().copied().find(|&id| {
+        let found = self.pools[pool].free_ids().find(|&id| {
             let b = self.blocks.get(id);
             b.segment == seg && b.mapped && b.addr <= addr && end <= b.addr + b.size
         });
@@ -179,7 +179,7 @@ impl DeviceCore {
         let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
             return Ok(false);
         };
-        let found = self.pools[pool].unmapped.values().copied().find(|&id| {
+        let found = self.pools[pool].unmapped_ids().find(|&id| {
             let b = self.blocks.get(id);
             b.segment == seg
                 && b.state == BlockState::Free
@@ -321,7 +321,7 @@ impl DeviceCore {
     /// Makes `[addr, addr + size)`, inside a free mapped block of `pool`, an allocated block
     /// of `requested` bytes; the parts of the free block before and after it stay free.
     fn carve_allocated(&mut self, pool: usize, addr: u64, size: u64, requested: u64) {
-        let Some(id) = self.pools[pool].free.values().copied().find(|&id| {
+        let Some(id) = self.pools[pool].free_ids().find(|&id| {
             let b = self.blocks.get(id);
             b.mapped && b.addr <= addr && addr + size <= b.addr + b.size
         }) else {

@@ -98,7 +98,7 @@ impl DeviceCore {
             tracing::warn!(error = %e, "a loan could not be ordered; new memory instead");
             return Ok(false);
         }
-        self.pools[params.pool].free.remove(&k);
+        self.pools[params.pool].take_free(&k);
         params.block = Some(id);
         tracing::debug!(
             device = self.device.0,
@@ -139,14 +139,13 @@ impl DeviceCore {
         let mut best: Option<(FreeKey, BlockId)> = None;
         let mut from: FreeKey = (0, 0, 0);
         // Each stream with a free block, in order: the first key at or after `from`.
-        while let Some((&(stream, _, _), _)) = pool.free.range(from..).next() {
+        while let Some((&(stream, _, _), _)) = pool.free_range(from..).next() {
             if stream == ORPHAN_STREAM {
                 break;
             }
             if stream != params.stream.raw {
                 let fit = pool
-                    .free
-                    .range((stream, params.size, 0)..=(stream, u64::MAX, u64::MAX))
+                    .free_range((stream, params.size, 0)..=(stream, u64::MAX, u64::MAX))
                     .next()
                     .map(|(k, id)| (*k, *id));
                 if let Some((k, id)) = fit {

@@ -108,7 +108,7 @@ impl DeviceCore {
                 continue;
             }
             let k = key(stream.raw, size, base);
-            let Some(id) = self.pools[pool].free.remove(&k) else {
+            let Some(id) = self.pools[pool].take_free(&k) else {
                 continue; // not wholly free: a later pass
             };
             let orphan = StreamHandle {
@@ -136,8 +136,7 @@ impl DeviceCore {
         let free: Vec<_> = self
             .pools
             .iter()
-            .flat_map(|p| p.free.values())
-            .copied()
+            .flat_map(|p| p.free_ids())
             .filter(|id| self.blocks.get(*id).segment == seg)
             .collect();
         for id in free {
@@ -166,7 +165,7 @@ impl DeviceCore {
             return false;
         }
         let (size, base) = (k.1, k.2);
-        self.pools[params.pool].free.remove(&k);
+        self.pools[params.pool].take_free(&k);
         self.blocks.get_mut(id).stream = params.stream;
         if let Some(m) = self.segments.get_mut(base) {
             m.stream = params.stream;
