@@ -145,3 +145,57 @@ fn unmapped_key(stream: u64, addr: u64, size: u64) -> FreeKey {
 pub(crate) fn key(stream: u64, size: u64, addr: u64) -> FreeKey {
     (stream, size, addr)
 }
+
+#[cfg(test)]
+mod tests {
+    use gpualloc_runtime::{DeviceId, StreamHandle};
+
+    use super::*;
+
+    fn block(raw: u64, addr: u64, size: u64, mapped: bool) -> Block {
+        let stream = StreamHandle {
+            device: DeviceId(0),
+            raw,
+        };
+        let mut b = Block::segment(addr, size, stream, 1);
+        b.mapped = mapped;
+        b
+    }
+
+    #[test]
+    fn a_block_is_held_only_under_its_key_as_it_is_now() {
+        let mut pool = BlockPool::new(false, PoolOwner::Default);
+        let (free, unmapped) = (
+            block(7, 0x1000, 0x400, true),
+            block(7, 0x2000, 0x800, false),
+        );
+        assert!(!pool.holds(&free, 3));
+        pool.file_free(&free, 3);
+        pool.file_unmapped(&unmapped, 4);
+        assert!(pool.holds(&free, 3));
+        assert!(pool.holds(&unmapped, 4));
+        assert!(!pool.holds(&free, 4), "another id under the key");
+        let mut grown = free.clone();
+        grown.size += 0x200;
+        assert!(!pool.holds(&grown, 3), "the size changed without a refile");
+        let mut now_unmapped = free.clone();
+        now_unmapped.mapped = false;
+        assert!(!pool.holds(&now_unmapped, 3), "looked up in the other tree");
+        assert_eq!(pool.len(), 2);
+        assert_eq!(pool.free_ids().collect::<Vec<_>>(), [3]);
+        assert_eq!(pool.unmapped_ids().collect::<Vec<_>>(), [4]);
+        assert_eq!(pool.take_free(&key(7, 0x400, 0x1000)), Some(3));
+        assert!(!pool.holds(&free, 3));
+    }
+
+    #[test]
+    fn clear_forgets_both_trees() {
+        let mut pool = BlockPool::new(true, PoolOwner::Default);
+        pool.file_free(&block(1, 0x1000, 0x200, true), 0);
+        pool.file_unmapped(&block(1, 0x3000, 0x200, false), 1);
+        pool.clear();
+        assert_eq!(pool.len(), 0);
+        assert_eq!(pool.free_ids().count() + pool.unmapped_ids().count(), 0);
+        assert_eq!(pool.lower_bound(1, 0), None);
+    }
+}
