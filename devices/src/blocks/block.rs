@@ -5,6 +5,11 @@
 //! doubly linked list in address order (`prev`/`next`), which is how splits and merges find
 //! their neighbours. Blocks live in a slab ([`BlockArena`]) and refer to each other by
 //! [`BlockId`], so the core has no pointers and no unsafe code.
+//!
+//! The links are the arena's own: a block's `prev`/`next` are read through
+//! [`Block::prev`]/[`Block::next`] and changed only by the arena's list operations
+//! ([`BlockArena::insert_before`], [`BlockArena::insert_after`], [`BlockArena::absorb`]), so
+//! a split or a merge cannot leave a one-sided link.
 
 use gpualloc_runtime::StreamHandle;
 
@@ -39,8 +44,8 @@ pub(crate) struct Block {
     pub stream: StreamHandle,
     /// Index of the pool the block belongs to (see `core::PoolIndex`).
     pub pool: usize,
-    pub prev: Option<BlockId>,
-    pub next: Option<BlockId>,
+    prev: Option<BlockId>,
+    next: Option<BlockId>,
     pub state: BlockState,
     /// Outstanding stream events while `Pending`.
     pub event_count: u32,
@@ -75,6 +80,18 @@ impl Block {
             mapped: true,
             expandable: false,
         }
+    }
+
+    /// The block before this one in its segment.
+    #[inline]
+    pub fn prev(&self) -> Option<BlockId> {
+        self.prev
+    }
+
+    /// The block after this one in its segment.
+    #[inline]
+    pub fn next(&self) -> Option<BlockId> {
+        self.next
     }
 
     /// True when the block shares its segment with other blocks.
@@ -135,8 +152,175 @@ impl BlockArena {
             .filter_map(|(i, b)| b.as_ref().map(|b| (i as BlockId, b)))
     }
 
+    /// Splits block `id`: its front `size` bytes become a new free block, of the same segment,
+    /// stream, pool and mapping, linked before it; `id` keeps the rest. Returns the new id.
+    /// (The hit path's split: the new block is built in place, as the arena's only literal.)
+    #[inline]
+    pub fn split_front(&mut self, id: BlockId, size: u64) -> BlockId {
+        let found = self.get(id);
+        debug_assert!(size < found.size, "a split leaves a remainder");
+        let front = Block {
+            addr: found.addr,
+            size,
+            requested: 0,
+            stream: found.stream,
+            pool: found.pool,
+            prev: found.prev,
+            next: Some(id),
+            state: BlockState::Free,
+            event_count: 0,
+            stream_uses: Vec::new(),
+            segment: found.segment,
+            gc_base: 0,
+            mapped: found.mapped,
+            expandable: found.expandable,
+        };
+        let prev = found.prev;
+        let front_id = self.insert(front);
+        if let Some(p) = prev {
+            self.get_mut(p).next = Some(front_id);
+        }
+        let rest = self.get_mut(id);
+        rest.prev = Some(front_id);
+        rest.addr += size;
+        rest.size -= size;
+        front_id
+    }
+
+    /// Inserts `block` into the list just before block `at`; returns its id. The caller has
+    /// made `block`'s range end where `at`'s begins.
+    pub fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
+        let prev = self.get(at).prev;
+        block.prev = prev;
+        block.next = Some(at);
+        let id = self.insert(block);
+        if let Some(p) = prev {
+            self.get_mut(p).next = Some(id);
+        }
+        self.get_mut(at).prev = Some(id);
+        id
+    }
+
+    /// Inserts `block` into the list just after block `at`; returns its id. The caller has
+    /// made `block`'s range begin where `at`'s ends.
+    pub fn insert_after(&mut self, at: BlockId, mut block: Block) -> BlockId {
+        let next = self.get(at).next;
+        block.prev = Some(at);
+        block.next = next;
+        let id = self.insert(block);
+        if let Some(n) = next {
+            self.get_mut(n).prev = Some(id);
+        }
+        self.get_mut(at).next = Some(id);
+        id
+    }
+
+    /// Merges block `src`, a neighbour of `dst` in its segment, into `dst`: `dst` then covers
+    /// both ranges and takes `src`'s place in the list; `src` leaves the arena and is
+    /// returned. `None`, changing nothing, when `src` is not next to `dst`.
+    #[inline]
+    pub fn absorb(&mut self, dst: BlockId, src: BlockId) -> Option<Block> {
+        let d = self.get(dst);
+        let before = if d.prev == Some(src) {
+            true
+        } else if d.next == Some(src) {
+            false
+        } else {
+            return None;
+        };
+        let s = self.remove(src)?;
+        let d = self.get_mut(dst);
+        d.size += s.size;
+        if before {
+            // [src dst]
+            d.addr = s.addr;
+            d.prev = s.prev;
+            if let Some(p) = s.prev {
+                self.get_mut(p).next = Some(dst);
+            }
+        } else {
+            // [dst src]
+            d.next = s.next;
+            if let Some(n) = s.next {
+                self.get_mut(n).prev = Some(dst);
+            }
+        }
+        Some(s)
+    }
+
     pub fn clear(&mut self) {
         self.slots.clear();
         self.vacant.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gpualloc_runtime::{DeviceId, StreamHandle};
+
+    use super::*;
+
+    fn block(addr: u64, size: u64) -> Block {
+        let stream = StreamHandle {
+            device: DeviceId(0),
+            raw: 1,
+        };
+        Block::segment(addr, size, stream, 1)
+    }
+
+    /// The ids in list order from `first`, checking each back link on the way.
+    fn walk(arena: &BlockArena, first: BlockId) -> Vec<BlockId> {
+        assert_eq!(arena.get(first).prev(), None, "the walk starts at the head");
+        let (mut out, mut at) = (vec![first], first);
+        while let Some(n) = arena.get(at).next() {
+            assert_eq!(arena.get(n).prev(), Some(at), "{n}'s back link");
+            assert_eq!(arena.get(at).end(), arena.get(n).addr, "{at} and {n} touch");
+            out.push(n);
+            at = n;
+        }
+        out
+    }
+
+    #[test]
+    fn inserts_link_both_sides_and_absorb_unlinks() {
+        let mut arena = BlockArena::default();
+        let mid = arena.insert(block(0x300, 0x100));
+        assert!(!arena.get(mid).is_split());
+        let head = arena.insert_before(mid, block(0x100, 0x100));
+        let tail = arena.insert_after(mid, block(0x400, 0x100));
+        let inner = arena.insert_after(head, block(0x200, 0x100));
+        assert!(arena.get(mid).is_split());
+        assert_eq!(walk(&arena, head), [head, inner, mid, tail]);
+        // Not neighbours, or itself: nothing changes.
+        assert!(arena.absorb(head, tail).is_none());
+        assert!(arena.absorb(mid, mid).is_none());
+        assert_eq!(walk(&arena, head), [head, inner, mid, tail]);
+        // [src dst]: the block before takes dst's start and dst its place.
+        let gone = arena.absorb(mid, inner).expect("inner is before mid");
+        assert_eq!((gone.addr, gone.size), (0x200, 0x100));
+        assert!(!arena.contains(inner));
+        assert_eq!((arena.get(mid).addr, arena.get(mid).size), (0x200, 0x200));
+        assert_eq!(walk(&arena, head), [head, mid, tail]);
+        // [dst src]: the block after.
+        let gone = arena.absorb(mid, tail).expect("tail is after mid");
+        assert_eq!((gone.addr, gone.size), (0x400, 0x100));
+        assert_eq!((arena.get(mid).addr, arena.get(mid).end()), (0x200, 0x500));
+        assert_eq!(walk(&arena, head), [head, mid]);
+        arena.absorb(mid, head).expect("head is before mid");
+        assert_eq!(walk(&arena, mid), [mid]);
+        assert!(!arena.get(mid).is_split());
+        assert_eq!((arena.get(mid).addr, arena.get(mid).size), (0x100, 0x400));
+        // The hit path's split: the front before, the rest keeps the id.
+        arena.get_mut(mid).mapped = false;
+        let front = arena.split_front(mid, 0x80);
+        assert_eq!(walk(&arena, front), [front, mid]);
+        let (f, r) = (arena.get(front), arena.get(mid));
+        assert_eq!(
+            (f.addr, f.size, r.addr, r.size),
+            (0x100, 0x80, 0x180, 0x380)
+        );
+        assert!(!f.mapped && f.segment == r.segment && f.stream == r.stream);
+        let second = arena.split_front(mid, 0x80);
+        assert_eq!(walk(&arena, front), [front, second, mid]);
     }
 }

@@ -128,7 +128,7 @@ impl DeviceCore {
             if bytes >= size {
                 break;
             }
-            at = b.next;
+            at = b.next();
         }
         Ok(None)
     }

@@ -204,7 +204,7 @@ impl DeviceCore {
             .map(|(_, id)| *id)
             .collect();
         for mut c in candidates {
-            let prev = self.blocks.get(c).prev;
+            let prev = self.blocks.get(c).prev();
             if self.allocatable(prev) {
                 c = prev.unwrap_or(c);
             }
@@ -212,7 +212,7 @@ impl DeviceCore {
             while bytes < size && self.allocatable(b) {
                 let blk = self.blocks.get(b.unwrap_or(c));
                 bytes += blk.size;
-                b = blk.next;
+                b = blk.next();
             }
             if bytes >= size {
                 return Ok(c);
@@ -243,15 +243,8 @@ impl DeviceCore {
         rest.segment = b.segment;
         rest.mapped = b.mapped;
         rest.expandable = b.expandable;
-        rest.prev = Some(id);
-        rest.next = b.next;
-        let rest_id = self.blocks.insert(rest);
-        if let Some(n) = b.next {
-            self.blocks.get_mut(n).prev = Some(rest_id);
-        }
-        let blk = self.blocks.get_mut(id);
-        blk.next = Some(rest_id);
-        blk.size = len;
+        let rest_id = self.blocks.insert_after(id, rest);
+        self.blocks.get_mut(id).size = len;
         rest_id
     }
 
@@ -267,7 +260,7 @@ impl DeviceCore {
         let blk = self.blocks.get_mut(id);
         blk.mapped = true;
         blk.state = BlockState::Free;
-        let (prev, next) = (blk.prev, blk.next);
+        let (prev, next) = (blk.prev(), blk.next());
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
@@ -312,23 +305,11 @@ impl DeviceCore {
             nb.segment = b.segment;
             nb.expandable = true;
             nb.gc_base = gc_base;
-            let nid = core.blocks.insert(nb);
-            let cur = core.blocks.get(id).clone();
-            if before {
-                core.blocks.get_mut(nid).prev = cur.prev;
-                core.blocks.get_mut(nid).next = Some(id);
-                if let Some(p) = cur.prev {
-                    core.blocks.get_mut(p).next = Some(nid);
-                }
-                core.blocks.get_mut(id).prev = Some(nid);
+            let nid = if before {
+                core.blocks.insert_before(id, nb)
             } else {
-                core.blocks.get_mut(nid).prev = Some(id);
-                core.blocks.get_mut(nid).next = cur.next;
-                if let Some(n) = cur.next {
-                    core.blocks.get_mut(n).prev = Some(nid);
-                }
-                core.blocks.get_mut(id).next = Some(nid);
-            }
+                core.blocks.insert_after(id, nb)
+            };
             core.pools[pool].file_free(core.blocks.get(nid), nid);
         };
         let before = start - b.addr;
@@ -378,7 +359,7 @@ impl DeviceCore {
     /// neighbours.
     pub(crate) fn file_unmapped(&mut self, id: BlockId) {
         let blk = self.blocks.get(id);
-        let (prev, next, pool) = (blk.prev, blk.next, blk.pool);
+        let (prev, next, pool) = (blk.prev(), blk.next(), blk.pool);
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }

@@ -15,7 +15,7 @@ impl DeviceCore {
         let b = self.blocks.get(id);
         let (addr, requested, stream, pool, original_size) =
             (b.addr, b.requested, b.stream, b.pool, b.size);
-        let (prev, next) = (b.prev, b.next);
+        let (prev, next) = (b.prev(), b.next());
         self.record(TraceAction::FreeCompleted, addr, requested, stream.raw);
         let mut inactive_blocks: i64 = 0;
         let mut inactive_bytes: i64 = 0;
@@ -54,31 +54,15 @@ impl DeviceCore {
         if s.state != BlockState::Free || !s.stream_uses.is_empty() || s.mapped != d.mapped {
             return 0;
         }
-        let src_block = s.clone();
+        let Some(src_block) = self.blocks.absorb(dst, src) else {
+            return 0;
+        };
         let pool = &mut self.pools[src_block.pool];
         if src_block.mapped {
             pool.unfile_free(&src_block);
         } else {
             pool.unfile_unmapped(&src_block);
         }
-        if d.prev == Some(src) {
-            // [src dst]
-            let d = self.blocks.get_mut(dst);
-            d.addr = src_block.addr;
-            d.prev = src_block.prev;
-            if let Some(p) = src_block.prev {
-                self.blocks.get_mut(p).next = Some(dst);
-            }
-        } else {
-            // [dst src]
-            let d = self.blocks.get_mut(dst);
-            d.next = src_block.next;
-            if let Some(n) = src_block.next {
-                self.blocks.get_mut(n).prev = Some(dst);
-            }
-        }
-        self.blocks.get_mut(dst).size += src_block.size;
-        self.blocks.remove(src);
         src_block.size
     }
 

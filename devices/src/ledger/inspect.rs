@@ -235,7 +235,8 @@ impl DeviceCore {
             let mut next = Some(head);
             while let Some(id) = next {
                 let b = self.blocks.get(id);
-                if b.addr != cursor || b.prev != prev || b.segment != base || b.pool != meta.pool {
+                if b.addr != cursor || b.prev() != prev || b.segment != base || b.pool != meta.pool
+                {
                     return Err(format!(
                         "block {id} at {:#x} breaks segment {base:#x}'s chain",
                         b.addr
@@ -317,7 +318,7 @@ impl DeviceCore {
                 }
                 cursor = b.end();
                 prev = Some(id);
-                next = b.next;
+                next = b.next();
             }
             if cursor != base + meta.size {
                 return Err(format!(

@@ -200,10 +200,10 @@ impl DeviceCore {
             // flight this is PyTorch's rule: its unmapped neighbours are one block.
             let grow = |id: BlockId| {
                 let mut size = self.blocks.get(id).size;
-                let mut next = self.blocks.get(id).next;
+                let mut next = self.blocks.get(id).next();
                 while let Some(n) = next.map(|n| self.blocks.get(n)).filter(|n| !n.mapped) {
                     size += n.size;
-                    next = n.next;
+                    next = n.next();
                 }
                 size
             };
@@ -285,31 +285,9 @@ impl DeviceCore {
         let already_split = found.is_split();
         if self.should_split(&found, size) {
             // The front `size` bytes become a new block; the remainder keeps the old id.
-            let front = Block {
-                addr: found.addr,
-                size,
-                requested: 0,
-                stream: found.stream,
-                pool: found.pool,
-                prev: found.prev,
-                next: Some(id),
-                state: BlockState::Free,
-                event_count: 0,
-                stream_uses: Vec::new(),
-                segment: found.segment,
-                gc_base: 0,
-                mapped: found.mapped,
-                expandable: found.expandable,
-            };
-            let front_id = self.blocks.insert(front);
-            if let Some(p) = found.prev {
-                self.blocks.get_mut(p).next = Some(front_id);
-            }
+            let front_id = self.blocks.split_front(id, size);
             let gc_base = self.pools[found.pool].get_free_block_calls;
             let rest = self.blocks.get_mut(id);
-            rest.prev = Some(front_id);
-            rest.addr += size;
-            rest.size -= size;
             rest.gc_base = gc_base;
             let rest_size = rest.size;
             self.pools[found.pool].file_free(rest, id);

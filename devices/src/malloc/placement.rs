@@ -58,7 +58,7 @@ impl DeviceCore {
             .map(|(_, id)| *id)
             .filter(|id| {
                 let b = blocks.get(*id);
-                b.mapped && b.next.is_some_and(|n| !blocks.get(n).mapped)
+                b.mapped && b.next().is_some_and(|n| !blocks.get(n).mapped)
             })
             .min_by_key(|id| blocks.get(*id).addr);
         let Some(id) = tail else {

@@ -132,7 +132,7 @@ impl DeviceCore {
         let (to_map, need) = if !b.mapped {
             (c, b.size.min(size))
         } else if b.size < size {
-            let Some(next) = b.next else {
+            let Some(next) = b.next() else {
                 return Flow::Fail(AllocError::InvalidSize {
                     size,
                     reason: "expandable segment exhausted (internal)",

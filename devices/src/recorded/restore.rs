@@ -109,11 +109,10 @@ impl DeviceCore {
         for (addr, bsize, requested) in pieces {
             let mut block = Block::segment(shift(addr), bsize, stream, pool);
             block.segment = ptr.0;
-            block.prev = prev;
-            let id = self.blocks.insert(block);
-            if let Some(p) = prev {
-                self.blocks.get_mut(p).next = Some(id);
-            }
+            let id = match prev {
+                Some(p) => self.blocks.insert_after(p, block),
+                None => self.blocks.insert(block),
+            };
             prev = Some(id);
             match requested {
                 Some(req) => {
