@@ -298,7 +298,8 @@ pub fn table(reports: &[ReplayReport], timing: bool) -> String {
                 out,
                 "    at the peak (event {}): {} free of {} reserved: small pool {}, large {}, \
                  expandable {}; in holes between live blocks {}; on {} stream(s), at most {} on \
-                 one; rounding {}",
+                 one; rounding {}. Floor {} (the peak allocated to the 2 MiB page: {:.2}%), {} \
+                 with the small and large pools apart ({:.2}%)",
                 w.event,
                 format_size(w.free()),
                 format_size(w.reserved),
@@ -309,6 +310,10 @@ pub fn table(reports: &[ReplayReport], timing: bool) -> String {
                 w.streams_with_free,
                 format_size(w.most_free_on_a_stream),
                 format_size(w.active - w.requested.min(w.active)),
+                format_size(w.floor),
+                floor_fragmentation(r.peak_allocated, w.floor),
+                format_size(w.floor_pools_apart),
+                floor_fragmentation(r.peak_allocated, w.floor_pools_apart),
             );
         }
         if let Some(torch_row) = i.checked_sub(1).map(|j| &reports[j]) {
@@ -386,5 +391,14 @@ pub(crate) fn truncate(s: &str, n: usize) -> String {
     } else {
         let cut: String = s.chars().take(n.saturating_sub(1)).collect();
         format!("{cut}…")
+    }
+}
+
+/// The fragmentation a replay would show reserving `floor` at its peak, in percent.
+fn floor_fragmentation(peak_allocated: u64, floor: u64) -> f64 {
+    if floor == 0 {
+        0.0
+    } else {
+        (1.0 - peak_allocated as f64 / floor as f64) * 100.0
     }
 }

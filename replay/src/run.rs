@@ -737,6 +737,13 @@ pub fn replay_core(
     report.peak_reserved = st.reserved_bytes[0].peak;
     report.peak_allocated = st.allocated_bytes[0].peak;
     report.peak_requested = st.requested_bytes[0].peak;
+    if let Some(w) = &mut report.waste {
+        w.set_floors(
+            st.allocated_bytes.all().peak,
+            st.allocated_bytes.small().peak,
+            st.allocated_bytes.large().peak,
+        );
+    }
     report.device_mallocs = st.num_device_alloc.saturating_sub(baseline.1);
     report.device_frees = st.num_device_free;
     let calls = r.backend.counts();

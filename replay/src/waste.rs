@@ -13,6 +13,10 @@ use std::collections::BTreeMap;
 use gpualloc_devices::{BlockStateName, DeviceSnapshot};
 use serde_json::{json, Value};
 
+/// The page the floors round to: the small pool's, and the large pool's under the `gpualloc`
+/// policy.
+pub const FLOOR_PAGE: u64 = 2 << 20;
+
 /// Free memory at the peak, by place. Bytes throughout.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Waste {
@@ -36,6 +40,15 @@ pub struct Waste {
     pub streams_with_free: u64,
     /// The most free memory one stream has.
     pub most_free_on_a_stream: u64,
+    /// The floor: the run's peak allocated bytes rounded up to the 2 MiB page (what a perfect
+    /// layout would reserve at the peak). Set at the end of the run ([`Waste::set_floors`]).
+    pub floor: u64,
+    /// The floor when small and large blocks never share a page and no page moves between the
+    /// two pools: each pool's own peak allocated bytes rounded up to the page, summed (pages
+    /// are not released during a run, so each pool holds at least its own peak's pages at
+    /// the end). Where this is above the 2% target, only pages shared or moved between the
+    /// pools can reach it.
+    pub floor_pools_apart: u64,
 }
 
 impl Waste {
@@ -82,6 +95,14 @@ impl Waste {
         w
     }
 
+    /// Sets the two floors from the run's peak allocated bytes: all blocks, the small pool's,
+    /// the large pool's.
+    pub fn set_floors(&mut self, peak_all: u64, peak_small: u64, peak_large: u64) {
+        let page = |b: u64| b.div_ceil(FLOOR_PAGE) * FLOOR_PAGE;
+        self.floor = page(peak_all);
+        self.floor_pools_apart = page(peak_small) + page(peak_large);
+    }
+
     /// As JSON (MiB with two decimals are for the table; JSON keeps bytes).
     pub fn to_json(&self) -> Value {
         json!({
@@ -95,6 +116,8 @@ impl Waste {
             "free_hole_bytes": self.free_holes,
             "streams_with_free": self.streams_with_free,
             "most_free_on_a_stream_bytes": self.most_free_on_a_stream,
+            "floor_bytes": self.floor,
+            "floor_pools_apart_bytes": self.floor_pools_apart,
         })
     }
 }
@@ -183,5 +206,18 @@ mod tests {
         assert_eq!(w.free(), w.reserved - w.active);
         assert_eq!((w.streams_with_free, w.most_free_on_a_stream), (2, 700));
         assert_eq!(w.to_json()["free_hole_bytes"], 200);
+    }
+
+    #[test]
+    fn the_floors_round_each_peak_up_to_the_page() {
+        let mib = 1u64 << 20;
+        let mut w = Waste::default();
+        // cnn-counterfactual-small's peaks: 103.26 MiB in all, 6.51 small, 97.75 large.
+        w.set_floors(108_275_712, 6_826_496, 102_498_304);
+        assert_eq!((w.floor, w.floor_pools_apart), (104 * mib, 106 * mib));
+        // Exact pages stay as they are; nothing allocated takes no page.
+        w.set_floors(4 * mib, 0, 4 * mib);
+        assert_eq!((w.floor, w.floor_pools_apart), (4 * mib, 4 * mib));
+        assert_eq!(w.to_json()["floor_pools_apart_bytes"], 4 * mib);
     }
 }
