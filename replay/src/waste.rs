@@ -44,10 +44,10 @@ pub struct Waste {
     /// layout would reserve at the peak). Set at the end of the run ([`Waste::set_floors`]).
     pub floor: u64,
     /// The floor when small and large blocks never share a page and no page moves between the
-    /// two pools: each pool's own peak allocated bytes rounded up to the page, summed (pages
-    /// are not released during a run, so each pool holds at least its own peak's pages at
-    /// the end). Where this is above the 2% target, only pages shared or moved between the
-    /// pools can reach it.
+    /// two pools: each pool's own peak allocated bytes rounded up to the page, summed. In a
+    /// run that releases no page (no `empty_cache`), each pool holds at least its own peak's
+    /// pages at the end, so no such layout reserves less; where this is above the 2% target,
+    /// only pages shared or moved between the pools can reach it.
     pub floor_pools_apart: u64,
 }
 

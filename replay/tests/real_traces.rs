@@ -126,6 +126,38 @@ fn a_broken_tie_break_is_caught() {
 /// so PyTorch reused a whole 196 MiB segment where the bottom-up replay took the half of a
 /// 392 MiB one, which then could not serve the next 392 MiB request. Top-down, the cold
 /// replay peaks at PyTorch's 5.40 GiB exactly.
+/// A warm replay under a config with expandable segments runs to its end on every trace and
+/// under both policies: each stream's two pools reserve 9/8 of the replay's 1 TiB device
+/// each, as PyTorch's do, and llama7b-offload's ten streams under PyTorch's policy ran the
+/// accounting backend's address window out (`address space exhausted` at event 1689 with a
+/// 16 TiB window; it holds 56 such reservations now).
+#[test]
+fn warm_replays_with_expandable_segments_run_to_the_end() {
+    use gpualloc_devices::{AllocatorConfig, Policy};
+    for trace in all_traces() {
+        for conf in [
+            "expandable_segments:True",
+            "max_split_size_mb:128,expandable_segments:True",
+        ] {
+            for policy in Policy::ALL {
+                let options = ReplayOptions {
+                    warm: true,
+                    config: AllocatorConfig::parse(conf).unwrap().with_policy(policy),
+                    ..ReplayOptions::default()
+                };
+                let r = replay(&trace, &options)
+                    .unwrap_or_else(|e| panic!("{} [{conf}] {policy}: {e}", trace.name));
+                assert!(r.address_match.is_some(), "{} [{conf}]", trace.name);
+                assert!(
+                    r.peak_reserved >= r.peak_allocated,
+                    "{} [{conf}]",
+                    trace.name
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn cold_replay_peak_is_at_most_pytorchs() {
     let one_segment = 20 << 20;

@@ -5,7 +5,7 @@
 //! trace on a laptop (nothing is touched, so nothing is consumed), and driving the allocator
 //! cores through exact event schedules in property tests ([`AccountingBackend::manual_events`]:
 //! an event stays pending until the test completes it). Addresses are deterministic: each
-//! device allocates from its own 16 TiB window, 2 MiB aligned, lowest free address first
+//! device allocates from its own 64 TiB window, 2 MiB aligned, lowest free address first
 //! (highest first with [`AccountingBackend::highest_address_first`]), unless [`AccountingBackend::place_next`] asks for a specific address (trace replays use it
 //! to give a segment the address PyTorch gave it).
 //!
@@ -34,9 +34,12 @@ use gpualloc_runtime::{BackendError, Result};
 /// Alignment of every device allocation and reservation (real drivers give at least this for
 /// large allocations; the allocator only relies on 512 B).
 pub const ALIGNMENT: u64 = 2 << 20;
-/// Address window of each device (16 TiB: room for expandable-segment reservations of
-/// 9/8 of a large capacity).
-const WINDOW: u64 = 1 << 44;
+/// Address window of each device (64 TiB). Each expandable segment reserves 9/8 of the
+/// device, as PyTorch's does, and a replay's device is 1 TiB unless told otherwise: 64 TiB
+/// holds 56 such reservations (a job on 10 streams makes 20: a small and a large pool each;
+/// 16 TiB held 14). Device 0's window, from 0x7000_0000_0000, holds the addresses CUDA gave
+/// the shared traces (0x7f..), where a warm replay places segments.
+const WINDOW: u64 = 1 << 46;
 /// Address window of host allocations.
 const HOST_WINDOW: u64 = 1 << 40;
 const BASE: u64 = 0x7000_0000_0000;

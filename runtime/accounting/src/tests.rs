@@ -174,3 +174,25 @@ fn place_next_and_vmm_accounting() {
     assert_eq!(b.reservation_holding(d, va.0), None);
     assert_eq!(b.used(d), 2 << 20);
 }
+
+/// A replay's device is "unlimited" (1 TiB), and each expandable segment reserves 9/8 of the
+/// device, as PyTorch's does: a job on 10 streams has two such segments per stream (small
+/// and large pool). The window must hold them all (llama7b-offload-10streams, replayed warm
+/// with `expandable_segments:True`, failed at event 1689 with "address space exhausted").
+#[test]
+fn a_device_window_holds_the_reservations_of_ten_streams_two_pools_each() {
+    let capacity = 1u64 << 40;
+    let b = AccountingBackend::new(2, capacity);
+    let reservation = capacity + capacity / 8;
+    let mut bases = Vec::new();
+    for i in 0..20 {
+        let r = b.va_reserve(DeviceId(0), reservation, 0);
+        bases.push(r.unwrap_or_else(|e| panic!("reservation {i}: {e}")).0);
+    }
+    // Disjoint, inside device 0's window, below device 1's first address.
+    bases.sort_unstable();
+    assert!(bases.windows(2).all(|w| w[1] - w[0] >= reservation));
+    let device1 = b.malloc(DeviceId(1), 1).unwrap().0;
+    assert!(bases[19] + reservation <= device1);
+    assert_eq!(bases[0], BASE);
+}

@@ -7,9 +7,9 @@ use gpualloc_runtime::{Backend, DeviceId, DevicePtr};
 
 const DEV: DeviceId = DeviceId(0);
 const MIB: u64 = 1 << 20;
-/// Device 0's window: 16 TiB from 0x7000_0000_0000.
+/// Device 0's window: 64 TiB from 0x7000_0000_0000.
 const LO: u64 = 0x7000_0000_0000;
-const HI: u64 = LO + (1 << 44);
+const HI: u64 = LO + (1 << 46);
 
 #[test]
 fn the_lowest_free_address_comes_first_by_default() {
