@@ -298,13 +298,13 @@ fn policies_differ_only_where_a_deviation_applies() {
             "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5642 MiB, growths 209 / 208, driver maps 340 / 329",
             "llama-lora-finetune.pickle [roundup_power2_divisions:4]: 6034 / 5986 MiB, growths 213 / 207, driver maps 0 / 348",
             "llama-lora-finetune.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 6024 / 5642 MiB, growths 230 / 208, driver maps 0 / 329",
-            "llama7b-offload-10streams.pickle []: 21476 / 20848 MiB, growths 728 / 556, driver maps 0 / 7581",
-            "llama7b-offload-10streams.pickle [expandable_segments:False]: 21476 / 21216 MiB, growths 728 / 478, driver maps 0 / 0",
-            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 20848 MiB, growths 752 / 556, driver maps 8042 / 7581",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 20848 MiB, growths 913 / 556, driver maps 0 / 7581",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 20848 MiB, growths 902 / 556, driver maps 11828 / 7581",
-            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 21924 MiB, growths 729 / 543, driver maps 0 / 7556",
-            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 20848 MiB, growths 806 / 556, driver maps 0 / 7581",
+            "llama7b-offload-10streams.pickle []: 21476 / 20852 MiB, growths 728 / 642, driver maps 0 / 7667",
+            "llama7b-offload-10streams.pickle [expandable_segments:False]: 21476 / 21220 MiB, growths 728 / 564, driver maps 0 / 0",
+            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 20852 MiB, growths 752 / 642, driver maps 8042 / 7667",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 20852 MiB, growths 913 / 642, driver maps 0 / 7667",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 20852 MiB, growths 902 / 642, driver maps 11828 / 7667",
+            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 21928 MiB, growths 729 / 629, driver maps 0 / 7642",
+            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 20852 MiB, growths 806 / 642, driver maps 0 / 7667",
             "qwen2-7b-layerwise-calib-fp16.pickle []: 5926 / 4388 MiB, growths 479 / 449, driver maps 0 / 5852",
             "qwen2-7b-layerwise-calib-fp16.pickle [expandable_segments:True]: 4404 / 4388 MiB, growths 449 / 449, driver maps 5811 / 5852",
             "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128]: 6080 / 4388 MiB, growths 591 / 449, driver maps 0 / 5852",
@@ -352,7 +352,8 @@ fn policies_differ_only_where_a_deviation_applies() {
 ///   policy runs expandable segments by default, and garbage collection (PyTorch's rule)
 ///   releases only whole cached ordinary segments: it reclaims nothing from expandable
 ///   segments, where it brings PyTorch's ordinary ones from 22.52 GB down to 20.99 GB
-///   (loans between streams took the excess from 1.16 GB to 0.87 GB; the 4 MiB the
+///   (loans between streams took the excess from 1.16 GB to 0.87 GB, 4 MiB more since small
+///   blocks are not lent; the 4 MiB the
 ///   `gpualloc` policy reserved over PyTorch's with `expandable_segments:True` are gone).
 /// - qwen3-gcn-3gpu device 2, `max_split_size_mb:128`: the default expandable segments
 ///   against PyTorch's ordinary segments under the oversize rule, which keeps that run's
@@ -362,7 +363,7 @@ const MORE_THAN_PYTORCH: [(&str, &str, u64); 2] = [
     (
         "llama7b-offload-10streams.pickle",
         "garbage_collection_threshold:0.8,per_process_memory_fraction:0.9",
-        870_318_080,
+        874_512_384,
     ),
     (
         "qwen3-gcn-3gpu-expandable-oom.pickle[device 2]",

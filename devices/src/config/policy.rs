@@ -152,8 +152,10 @@ pub const DEVIATIONS: &[Deviation] = &[
         rule: "another stream's free blocks (loans)",
         pytorch: "a cached block serves only the stream it was freed on; a request that misses \
                    its own stream's blocks gets new memory (or releases the cache)",
-        gpualloc: "before new memory, the request takes the best-fitting free block of another \
-                    stream of the default pools, under its pool's size rules: an event recorded on \
+        gpualloc: "before new memory, a large-pool request takes the best-fitting free block of \
+                    another stream of the default large pool, under its pool's size rules (small \
+                    blocks are not lent: a loan saves at most their 2 MiB page and costs events at \
+                    every reuse): an event recorded on \
                     the lender and waited for by the borrower orders it after the lender's work \
                     (no synchronization, no driver memory call); the block stays the lender's and \
                     goes back to it once an event on the borrower completes, as a `record_stream` \
@@ -164,12 +166,12 @@ pub const DEVIATIONS: &[Deviation] = &[
                compute stream) otherwise keep every stream's peak reserved at once: each stream's \
                free memory strands there",
         evidence: "default config, llama7b-offload-10streams (10 streams): peak reserved 21,128 \
-                    MiB before loans vs 20,848 MiB (PyTorch 21,476), fragmentation 6.10% vs 4.84%, \
-                    growths 752 vs 556; `expandable_segments:False` 21,476 (PyTorch) vs 21,216 MiB, \
-                    segment mallocs 728 vs 478; the six one-stream traces unchanged; two streams \
+                    MiB before loans vs 20,852 MiB (PyTorch 21,476), fragmentation 6.10% vs 4.86%, \
+                    growths 752 vs 642; `expandable_segments:False` 21,476 (PyTorch) vs 21,220 MiB, \
+                    segment mallocs 728 vs 564; the six one-stream traces unchanged; two streams \
                     taking turns with 200 MiB: 400 MiB (PyTorch) vs 200 MiB reserved, no driver \
-                    call after the first step (`replay/tests/real_traces.rs`, \
-                    `devices/tests/loans.rs`)",
+                    call after the first step; a stream's loop of small blocks hits after its first \
+                    miss, no backend call (`replay/tests/real_traces.rs`, `devices/tests/loans.rs`)",
     },
     Deviation {
         rule: "segments under a config that does not name `expandable_segments`",
