@@ -402,3 +402,42 @@ fn floor_fragmentation(peak_allocated: u64, floor: u64) -> f64 {
         (1.0 - peak_allocated as f64 / floor as f64) * 100.0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::waste::Waste;
+
+    #[test]
+    fn a_floor_s_fragmentation_is_the_share_no_block_uses() {
+        assert_eq!(floor_fragmentation(0, 0), 0.0);
+        assert_eq!(floor_fragmentation(3 << 20, 4 << 20), 25.0);
+        // cnn-counterfactual-small: 103.26 MiB at the peak, floors 104 and 106 MiB.
+        let at = |floor_mib: u64| floor_fragmentation(108_275_712, floor_mib << 20);
+        assert_eq!(format!("{:.2} / {:.2}", at(104), at(106)), "0.71 / 2.59");
+    }
+
+    #[test]
+    fn the_waste_line_shows_both_floors() {
+        let trace = Trace {
+            name: "t.pickle".into(),
+            device: 0,
+            events: Vec::new(),
+            final_segments: None,
+            recorded_config: None,
+            pools: Vec::new(),
+        };
+        let mut r = ReplayReport::new(&trace, &ReplayOptions::default(), TorchFigures::default());
+        r.peak_allocated = 3 << 20;
+        r.peak_reserved = 4 << 20;
+        let mut w = Waste::default();
+        w.set_floors(3 << 20, 1 << 20, 2 << 20);
+        r.waste = Some(w);
+        let text = table(&[r], false);
+        assert!(text.contains("t.pickle"), "{text}");
+        assert!(
+            text.contains("Floor 4.00 MiB (the peak allocated to the 2 MiB page: 25.00%), 4.00 MiB with the small and large pools apart (25.00%)"),
+            "{text}"
+        );
+    }
+}
