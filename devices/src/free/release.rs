@@ -250,6 +250,9 @@ impl DeviceCore {
         if !self.captures.is_quiet() {
             return Err(AllocError::CaptureUnderway("empty_cache"));
         }
+        // A job that empties its cache pays for releases already: the `gpualloc` policy's
+        // chain may then release before a growth past the high-water mark (`miss/chain.rs`).
+        self.budget.user_released();
         self.release_cached_blocks().map(|_| ())
     }
 

@@ -42,6 +42,9 @@ pub(crate) enum Link {
     ReleaseOwnPool,
     /// Synchronize pending events, release every cached segment (`release_cached_blocks`).
     ReleaseCached,
+    /// Under the `gpualloc` policy, after the user's `empty_cache`: release the cache before
+    /// a growth of an expandable segment would pass the most ever held (see below).
+    ReleaseBeforeGrowth,
     /// The pool's quota error, if it still applies.
     QuotaFailure,
     /// Out of memory (or the quota error).
@@ -70,6 +73,7 @@ pub(crate) const CHAIN: &[Link] = &[
     // Every request from here.
     AdoptOrphan,
     BorrowFree,
+    ReleaseBeforeGrowth,
     AllocBlock {
         retry: false,
         when: When::Always,
@@ -206,6 +210,22 @@ impl DeviceCore {
                 self.release_step(ops::Release::own(pools))
             }
             // It synchronizes: not while a capture is under way (PyTorch skips it too).
+            // Free memory strands in holes between live blocks and on other streams; a job
+            // that empties its cache between steps already pays for releases, so before its
+            // reserved memory grows past the most it ever held, what is cached goes back
+            // first and the growth maps it again where the request needs it. A bounded number
+            // of times per `empty_cache` (`budget.rs`): a job that never empties its cache is
+            // never touched, and one that stops makes no driver call for it after a few.
+            ReleaseBeforeGrowth => {
+                let armed = self.config.policy.releases_before_growth()
+                    && self.captures.is_quiet()
+                    && self.pool_expands(params.pool);
+                if !armed || !self.budget.take_release_before_growth(params.alloc_size) {
+                    return Flow::Next;
+                }
+                let pools = self.release_scope();
+                self.release_step(ops::Release::cached(pools))
+            }
             ReleaseCached if !self.captures.is_quiet() => Flow::Next,
             ReleaseCached => {
                 let pools = self.release_scope();

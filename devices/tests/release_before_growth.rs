@@ -1,0 +1,108 @@
+//! The `gpualloc` policy's release before a growth (`miss/chain.rs`, `ReleaseBeforeGrowth`):
+//! after the user's `empty_cache`, a growth of an expandable segment that would pass the most
+//! the core ever held first releases what is cached, a bounded number of times per
+//! `empty_cache` (`budget.rs`); never before one, never under PyTorch's policy.
+
+use std::sync::Arc;
+
+use gpualloc_accounting::AccountingBackend;
+use gpualloc_devices::{AllocatorConfig, DeviceCore};
+use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
+
+const MIB: u64 = 1 << 20;
+const D0: DeviceId = DeviceId(0);
+/// The `gpualloc` policy with expandable segments (the facade resolves the default to them
+/// where the backend maps pages; a bare core takes the config as written).
+const GPUALLOC: &str = "expandable_segments:True";
+
+fn rig(conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
+    let backend = Arc::new(AccountingBackend::new(1, 1 << 40));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let s = dynb.stream_create(D0).unwrap();
+    let core = DeviceCore::new(dynb, D0, AllocatorConfig::parse(conf).unwrap()).unwrap();
+    (backend, core, s)
+}
+
+/// 100 MiB and 100 MiB, the first freed (a 100 MiB hole before a live block), then 150 MiB,
+/// which the hole cannot hold: the most reserved during the step.
+fn step_with_a_hole(core: &mut DeviceCore, s: StreamHandle) -> u64 {
+    let a = core.malloc(100 * MIB, s).unwrap();
+    let b = core.malloc(100 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let c = core.malloc(150 * MIB, s).unwrap();
+    let peak = core.reserved_bytes();
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+    peak
+}
+
+#[test]
+fn after_an_empty_cache_a_growth_past_the_high_water_mark_releases_the_hole_first() {
+    for (conf, armed_peak) in [
+        (GPUALLOC, 250 * MIB),
+        // PyTorch's 20 MiB pages: 100 + 100 + 160.
+        ("policy:pytorch,expandable_segments:True", 360 * MIB),
+        // Ordinary segments: nothing to grow, nothing released for.
+        ("expandable_segments:False", 350 * MIB),
+    ] {
+        let (_b, mut core, s) = rig(conf);
+        // A first step sets the high-water mark at 200 MiB (a and b), then the job empties its
+        // cache, as a layer-by-layer job does between layers.
+        let a = core.malloc(100 * MIB, s).unwrap();
+        let b = core.malloc(100 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        core.free(b.ptr).unwrap();
+        core.empty_cache().unwrap();
+        assert_eq!(core.reserved_bytes(), 0);
+        // gpualloc: the 150 MiB growth would pass 200 MiB, so the hole goes back first:
+        // 100 (b) + 150 (c). PyTorch's policy maps the 150 beside the hole.
+        assert_eq!(step_with_a_hole(&mut core, s), armed_peak, "[{conf}]");
+    }
+}
+
+#[test]
+fn a_job_that_never_empties_its_cache_is_never_released_for() {
+    let (backend, mut core, s) = rig(GPUALLOC);
+    // The 150 MiB growth maps ahead to 160 (`map_ahead.rs`): 100 + 100 + 160.
+    assert_eq!(step_with_a_hole(&mut core, s), 360 * MIB);
+    let before = backend.counts();
+    for _ in 0..5 {
+        assert_eq!(step_with_a_hole(&mut core, s), 360 * MIB);
+    }
+    let after = backend.counts();
+    assert_eq!((after.maps, after.unmaps), (before.maps, before.unmaps));
+}
+
+/// A job that empties its cache once and then repeats a step: it releases at most
+/// `RELEASES_PER_EMPTY_CACHE` (4) times (`budget.rs`'s unit test pins that the allowance runs
+/// out), and after that the step maps, unmaps and synchronizes nothing.
+#[test]
+fn after_the_allowance_a_repeated_step_makes_no_driver_call() {
+    let (backend, mut core, s) = rig(GPUALLOC);
+    let a = core.malloc(100 * MIB, s).unwrap();
+    let b = core.malloc(100 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.empty_cache().unwrap();
+    let synced = core.stats().num_sync_all_streams;
+    let mut peaks = Vec::new();
+    for _ in 0..6 {
+        peaks.push(step_with_a_hole(&mut core, s) / MIB);
+    }
+    let releases = core.stats().num_sync_all_streams - synced;
+    assert!(
+        (1..=4).contains(&releases),
+        "{releases} releases, peaks {peaks:?}"
+    );
+    let before = (backend.counts(), core.stats().num_sync_all_streams);
+    for _ in 0..5 {
+        step_with_a_hole(&mut core, s);
+    }
+    let after = (backend.counts(), core.stats().num_sync_all_streams);
+    assert_eq!(
+        (after.0.maps, after.0.unmaps, after.0.mallocs, after.1),
+        (before.0.maps, before.0.unmaps, before.0.mallocs, before.1),
+        "peaks {peaks:?}"
+    );
+}
