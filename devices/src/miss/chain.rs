@@ -209,7 +209,6 @@ impl DeviceCore {
                 let pools = self.own_pools(params.pool).into_iter().flatten().collect();
                 self.release_step(ops::Release::own(pools))
             }
-            // It synchronizes: not while a capture is under way (PyTorch skips it too).
             // Free memory strands in holes between live blocks and on other streams; a job
             // that empties its cache between steps already pays for releases, so before its
             // reserved memory grows past the most it ever held, what is cached goes back
@@ -226,6 +225,7 @@ impl DeviceCore {
                 let pools = self.release_scope();
                 self.release_step(ops::Release::cached(pools))
             }
+            // It synchronizes: not while a capture is under way (PyTorch skips it too).
             ReleaseCached if !self.captures.is_quiet() => Flow::Next,
             ReleaseCached => {
                 let pools = self.release_scope();
