@@ -4,14 +4,14 @@
 //! memory goes back to the first stream after the second stream's work.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
 
-use common::{build, sim, MIB};
-use gpualloc::runtime::sim::{Op, SimBackend};
-use gpualloc::{DeviceId, DevicePtr, Stream};
+use common::{build, fill_mib, read_mib, sim, MIB};
+use gpualloc::runtime::sim::Op;
+use gpualloc::DeviceId;
 
 const CONFIGS: [&str; 4] = [
     "expandable_segments:True",
@@ -19,20 +19,6 @@ const CONFIGS: [&str; 4] = [
     "garbage_collection_threshold:0.6,per_process_memory_fraction:0.9",
     "thread_cache:False",
 ];
-
-/// 1 MiB at `ptr`, read by a kernel on `stream` once its work before is done.
-fn read(sim: &SimBackend, stream: &Stream, ptr: DevicePtr) -> Vec<u8> {
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let o = out.clone();
-    sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
-        *o.lock().unwrap() = m.read(ptr, MIB)?;
-        Ok(())
-    })
-    .unwrap();
-    stream.synchronize().unwrap();
-    let bytes = out.lock().unwrap().clone();
-    bytes
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_buffer_freed_on_one_stream_serves_another_after_its_work() {
@@ -60,13 +46,12 @@ async fn a_buffer_freed_on_one_stream_serves_another_after_its_work() {
             mallocs,
             "{conf}"
         );
-        sim.launch_kernel(s2.handle(), Duration::ZERO, move |m| m.fill(ptr, MIB, 0x22))
-            .unwrap();
+        fill_mib(&sim, &s2, ptr, 0x22);
         // The lender's work is done, and its stream handle goes while its block is lent.
         s1.synchronize().unwrap();
         drop(s1);
         assert!(
-            read(&sim, &s2, ptr).iter().all(|&x| x == 0x22),
+            read_mib(&sim, &s2, ptr).iter().all(|&x| x == 0x22),
             "{conf}: the borrower's kernel ran before the lender's"
         );
         let stats = alloc.stats(DeviceId(0)).await.unwrap();

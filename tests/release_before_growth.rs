@@ -2,46 +2,23 @@
 //! growth past the most ever held releases the cache first), used as a user would: the public
 //! API only, on the sim, a live buffer's bytes checked across the release.
 
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
-
 mod common;
 
-use common::{build, sim, MIB};
+use common::{build, fill_mib, read_mib, sim, MIB};
 use gpualloc::runtime::sim::SimBackend;
-use gpualloc::{Allocator, DeviceId, DevicePtr, Stream};
-
-fn fill(sim: &SimBackend, stream: &Stream, ptr: DevicePtr, byte: u8) {
-    sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
-        m.fill(ptr, MIB, byte)
-    })
-    .unwrap();
-}
-
-fn read(sim: &SimBackend, stream: &Stream, ptr: DevicePtr) -> Vec<u8> {
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let o = out.clone();
-    sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
-        *o.lock().unwrap() = m.read(ptr, MIB)?;
-        Ok(())
-    })
-    .unwrap();
-    stream.synchronize().unwrap();
-    let bytes = out.lock().unwrap().clone();
-    bytes
-}
+use gpualloc::{Allocator, DeviceId, Stream};
 
 /// 100 MiB and 100 MiB, the first dropped, then 150 MiB: reserved memory at that point, with
 /// the second buffer's bytes as written before the release.
 async fn step(alloc: &Allocator, sim: &SimBackend, stream: &Stream) -> u64 {
     let a = alloc.malloc(100 * MIB, stream).await.unwrap();
     let b = alloc.malloc(100 * MIB, stream).await.unwrap();
-    fill(sim, stream, b.ptr(), 0x5a);
+    fill_mib(sim, stream, b.ptr(), 0x5a);
     drop(a);
     let c = alloc.malloc(150 * MIB, stream).await.unwrap();
-    fill(sim, stream, c.ptr(), 0x33);
-    assert!(read(sim, stream, b.ptr()).iter().all(|&x| x == 0x5a));
-    assert!(read(sim, stream, c.ptr()).iter().all(|&x| x == 0x33));
+    fill_mib(sim, stream, c.ptr(), 0x33);
+    assert!(read_mib(sim, stream, b.ptr()).iter().all(|&x| x == 0x5a));
+    assert!(read_mib(sim, stream, c.ptr()).iter().all(|&x| x == 0x33));
     let st = alloc.stats(DeviceId(0)).await.unwrap();
     st.reserved_bytes[0].current
 }

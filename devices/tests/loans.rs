@@ -160,6 +160,22 @@ fn a_lent_block_goes_back_to_its_lender_once_the_borrowers_work_is_done() {
     }
 }
 
+/// One step of two streams taking turns: each takes 150 and 50 MiB and frees them, and
+/// `after_turn` runs after each stream's turn.
+fn take_turns(
+    core: &mut DeviceCore,
+    streams: [StreamHandle; 2],
+    after_turn: impl Fn(StreamHandle),
+) {
+    for s in streams {
+        let x = core.malloc(150 * MIB, s).unwrap();
+        let y = core.malloc(50 * MIB, s).unwrap();
+        core.free(x.ptr).unwrap();
+        core.free(y.ptr).unwrap();
+        after_turn(s);
+    }
+}
+
 /// Two streams taking turns with 200 MiB each: PyTorch's policy keeps 400 MiB (each stream's
 /// own), the `gpualloc` policy 200 MiB; after the first step, neither maps, unmaps,
 /// allocates nor frees device memory again (events only, for the loans).
@@ -169,14 +185,7 @@ fn streams_taking_turns_share_their_memory_and_make_no_driver_call_after_warm_up
         for (policy, reserved) in [("pytorch", 400 * MIB), ("gpualloc", 200 * MIB)] {
             let conf = format!("{conf},policy:{policy}");
             let (backend, mut core, s0, s1) = accounting_rig(&conf, false);
-            let step = |core: &mut DeviceCore| {
-                for s in [s0, s1] {
-                    let x = core.malloc(150 * MIB, s).unwrap();
-                    let y = core.malloc(50 * MIB, s).unwrap();
-                    core.free(x.ptr).unwrap();
-                    core.free(y.ptr).unwrap();
-                }
-            };
+            let step = |core: &mut DeviceCore| take_turns(core, [s0, s1], |_| {});
             step(&mut core);
             let warm = backend.counts();
             for _ in 0..10 {
@@ -204,13 +213,7 @@ fn a_repeated_step_with_loans_calls_the_backend_for_events_only() {
     for conf in ["expandable_segments:False", "expandable_segments:True"] {
         let (sim, mut core, s0, s1) = sim_rig(conf);
         let step = |core: &mut DeviceCore| {
-            for s in [s0, s1] {
-                let x = core.malloc(150 * MIB, s).unwrap();
-                let y = core.malloc(50 * MIB, s).unwrap();
-                core.free(x.ptr).unwrap();
-                core.free(y.ptr).unwrap();
-                sim.stream_synchronize(s).unwrap();
-            }
+            take_turns(core, [s0, s1], |s| sim.stream_synchronize(s).unwrap())
         };
         step(&mut core);
         step(&mut core);

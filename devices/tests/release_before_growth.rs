@@ -37,6 +37,17 @@ fn step_with_a_hole(core: &mut DeviceCore, s: StreamHandle) -> u64 {
     peak
 }
 
+/// A first step that sets the high-water mark at 200 MiB (100 and 100 MiB), then the user's
+/// `empty_cache`, as a layer-by-layer job does between layers.
+fn first_step_then_empty_cache(core: &mut DeviceCore, s: StreamHandle) {
+    let a = core.malloc(100 * MIB, s).unwrap();
+    let b = core.malloc(100 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+}
+
 #[test]
 fn after_an_empty_cache_a_growth_past_the_high_water_mark_releases_the_hole_first() {
     for (conf, armed_peak) in [
@@ -47,14 +58,7 @@ fn after_an_empty_cache_a_growth_past_the_high_water_mark_releases_the_hole_firs
         ("expandable_segments:False", 350 * MIB),
     ] {
         let (_b, mut core, s) = rig(conf);
-        // A first step sets the high-water mark at 200 MiB (a and b), then the job empties its
-        // cache, as a layer-by-layer job does between layers.
-        let a = core.malloc(100 * MIB, s).unwrap();
-        let b = core.malloc(100 * MIB, s).unwrap();
-        core.free(a.ptr).unwrap();
-        core.free(b.ptr).unwrap();
-        core.empty_cache().unwrap();
-        assert_eq!(core.reserved_bytes(), 0);
+        first_step_then_empty_cache(&mut core, s);
         // gpualloc: the 150 MiB growth would pass 200 MiB, so the hole goes back first:
         // 100 (b) + 150 (c). PyTorch's policy maps the 150 beside the hole.
         assert_eq!(step_with_a_hole(&mut core, s), armed_peak, "[{conf}]");
@@ -80,11 +84,7 @@ fn a_job_that_never_empties_its_cache_is_never_released_for() {
 #[test]
 fn after_the_allowance_a_repeated_step_makes_no_driver_call() {
     let (backend, mut core, s) = rig(GPUALLOC);
-    let a = core.malloc(100 * MIB, s).unwrap();
-    let b = core.malloc(100 * MIB, s).unwrap();
-    core.free(a.ptr).unwrap();
-    core.free(b.ptr).unwrap();
-    core.empty_cache().unwrap();
+    first_step_then_empty_cache(&mut core, s);
     let synced = core.stats().num_sync_all_streams;
     let mut peaks = Vec::new();
     for _ in 0..6 {

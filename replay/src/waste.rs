@@ -14,8 +14,8 @@ use gpualloc_devices::{BlockStateName, DeviceSnapshot};
 use serde_json::{json, Value};
 
 /// The page the floors round to: the small pool's, and the large pool's under the `gpualloc`
-/// policy.
-pub const FLOOR_PAGE: u64 = 2 << 20;
+/// policy (`map_ahead.rs`).
+pub const FLOOR_PAGE: u64 = gpualloc_devices::map_ahead::LARGE_POOL_PAGE;
 
 /// Free memory at the peak, by place. Bytes throughout.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

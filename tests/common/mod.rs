@@ -3,12 +3,12 @@
 //! crate and uses only some of them.)
 #![allow(dead_code)]
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
-use gpualloc::{Allocator, Backend, DeviceId, HistoryOptions, Stream};
+use gpualloc::{Allocator, Backend, DeviceId, DevicePtr, HistoryOptions, Stream};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -83,4 +83,26 @@ pub async fn recording(conf: &str, options: HistoryOptions) -> (Allocator, Strea
     let stream = alloc.new_stream(DeviceId(0)).unwrap();
     alloc.record_history(options).await.unwrap();
     (alloc, stream)
+}
+
+/// Fills 1 MiB at `ptr` with `byte` by a kernel queued on `stream` (the sim's memory).
+pub fn fill_mib(sim: &SimBackend, stream: &Stream, ptr: DevicePtr, byte: u8) {
+    sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+        m.fill(ptr, MIB, byte)
+    })
+    .unwrap();
+}
+
+/// 1 MiB at `ptr`, read by a kernel on `stream` once its work before is done.
+pub fn read_mib(sim: &SimBackend, stream: &Stream, ptr: DevicePtr) -> Vec<u8> {
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let o = out.clone();
+    sim.launch_kernel(stream.handle(), Duration::ZERO, move |m| {
+        *o.lock().unwrap() = m.read(ptr, MIB)?;
+        Ok(())
+    })
+    .unwrap();
+    stream.synchronize().unwrap();
+    let bytes = out.lock().unwrap().clone();
+    bytes
 }
