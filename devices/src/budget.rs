@@ -6,8 +6,10 @@
 //! counts against the cap until it lands" is written once.
 //!
 //! It also keeps the most the core has ever held (its high-water mark, which no stats reset
-//! lowers) and the releases before a growth that the user's last `empty_cache` allows
-//! ([`Budget::take_release_before_growth`], the `gpualloc` policy's rule in `miss/chain.rs`).
+//! lowers) and the releases before a growth that are still allowed
+//! ([`Budget::take_release_before_growth`], the `gpualloc` policy's rules in `miss/chain.rs`):
+//! of the whole cache after the user's `empty_cache`, and of the growing pool's free pages
+//! once per rise of the high-water mark.
 
 /// See the module docs.
 #[derive(Debug, Clone)]
@@ -25,6 +27,21 @@ pub(crate) struct Budget {
     /// Growths past the high-water mark that may still release the cache first (set by the
     /// user's `empty_cache`, one taken by each such release).
     releases_allowed: u32,
+    /// Whether the next growth past the high-water mark may release the growing pool's free
+    /// pages first: set by each rise of the mark, taken by that release.
+    page_move_allowed: bool,
+}
+
+/// What a growth past the high-water mark releases first ([`Budget::take_release_before_growth`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReleaseBeforeGrowth {
+    /// Nothing: the growth stays within the mark, or no release is allowed.
+    Nothing,
+    /// The whole cache, as `empty_cache` does (allowed by the user's `empty_cache`).
+    Cache,
+    /// The free pages of the pool that grows, which the growth maps again where the request
+    /// needs them (allowed once per rise of the high-water mark).
+    PoolPages,
 }
 
 /// How many growths past the high-water mark may release the cache first after each
@@ -44,6 +61,7 @@ impl Budget {
             device_total,
             high_water: 0,
             releases_allowed: 0,
+            page_move_allowed: false,
         }
     }
 
@@ -59,16 +77,31 @@ impl Budget {
         self.releases_allowed = RELEASES_PER_EMPTY_CACHE;
     }
 
-    /// Whether a growth of `bytes` would pass the high-water mark and a release before it is
-    /// still allowed; if so, takes that allowance.
-    pub fn take_release_before_growth(&mut self, bytes: u64) -> bool {
-        let passes = self.held().saturating_add(bytes) > self.high_water;
-        if passes && self.releases_allowed > 0 {
+    /// What a growth of `bytes` releases first: nothing unless it would pass the high-water
+    /// mark; then the cache (if `may_release`) while the user's last `empty_cache` allows it,
+    /// else the growing pool's pages (if `may_move`) if the mark rose since the last such
+    /// release. Takes the allowance used, and only that.
+    pub fn take_release_before_growth(
+        &mut self,
+        bytes: u64,
+        may_release: bool,
+        may_move: bool,
+    ) -> ReleaseBeforeGrowth {
+        if !self.passes_high_water(bytes) {
+            ReleaseBeforeGrowth::Nothing
+        } else if may_release && self.releases_allowed > 0 {
             self.releases_allowed -= 1;
-            true
+            ReleaseBeforeGrowth::Cache
+        } else if may_move && std::mem::take(&mut self.page_move_allowed) {
+            ReleaseBeforeGrowth::PoolPages
         } else {
-            false
+            ReleaseBeforeGrowth::Nothing
         }
+    }
+
+    /// Whether a growth of `bytes` would pass the high-water mark.
+    pub fn passes_high_water(&self, bytes: u64) -> bool {
+        self.held().saturating_add(bytes) > self.high_water
     }
 
     /// Bytes held from the backend.
@@ -115,7 +148,10 @@ impl Budget {
     /// `bytes` more are held from the backend.
     pub fn reserve(&mut self, bytes: u64) {
         self.reserved += bytes;
-        self.high_water = self.high_water.max(self.reserved);
+        if self.reserved > self.high_water {
+            self.high_water = self.reserved;
+            self.page_move_allowed = true;
+        }
     }
 
     /// `bytes` went back to the backend.
@@ -155,25 +191,73 @@ mod tests {
         assert_eq!(b.reserved(), 0);
     }
 
+    impl Budget {
+        fn take(&mut self, bytes: u64) -> ReleaseBeforeGrowth {
+            self.take_release_before_growth(bytes, true, true)
+        }
+    }
+
+    #[test]
+    fn what_is_not_allowed_is_not_taken() {
+        use ReleaseBeforeGrowth::{Cache, Nothing, PoolPages};
+        let mut b = Budget::new(1 << 40, None);
+        b.reserve(100);
+        b.user_released();
+        assert_eq!(b.take_release_before_growth(1, false, false), Nothing);
+        assert_eq!(b.take_release_before_growth(1, false, true), PoolPages);
+        assert_eq!(b.take_release_before_growth(1, false, true), Nothing);
+        b.reserve(1);
+        assert_eq!(b.take_release_before_growth(1, true, false), Cache);
+        assert_eq!(b.take_release_before_growth(1, false, true), PoolPages);
+        for _ in 1..RELEASES_PER_EMPTY_CACHE {
+            assert_eq!(b.take(1), Cache);
+        }
+        assert_eq!(b.take(1), Nothing);
+    }
+
     #[test]
     fn releases_before_growth_are_allowed_after_an_empty_cache_and_counted() {
+        use ReleaseBeforeGrowth::{Cache, Nothing, PoolPages};
         let mut b = Budget::new(1 << 40, None);
         b.reserve(300);
         b.unreserve(100);
         assert_eq!((b.reserved(), b.high_water()), (200, 300));
-        // Not allowed before the user empties the cache.
-        assert!(!b.take_release_before_growth(200));
+        // The mark rose (to 300): one page move, then none until it rises again.
+        assert_eq!(b.take(101), PoolPages);
+        assert_eq!(b.take(101), Nothing);
         b.user_released();
         // Within the high-water mark: nothing to release for, nothing taken.
-        assert!(!b.take_release_before_growth(100));
+        assert_eq!(b.take(100), Nothing);
         for _ in 0..RELEASES_PER_EMPTY_CACHE {
-            assert!(b.take_release_before_growth(101));
+            assert_eq!(b.take(101), Cache);
         }
-        assert!(!b.take_release_before_growth(101), "the allowance is spent");
+        assert_eq!(b.take(101), Nothing, "the allowance is spent");
         // What is in flight counts: 200 held + 50 claimed + 51 passes 300.
         b.user_released();
         b.claim(50);
-        assert!(!b.take_release_before_growth(50));
-        assert!(b.take_release_before_growth(51));
+        assert_eq!(b.take(50), Nothing);
+        assert_eq!(b.take(51), Cache);
+    }
+
+    #[test]
+    fn each_rise_of_the_high_water_mark_allows_one_page_move() {
+        use ReleaseBeforeGrowth::{Nothing, PoolPages};
+        let mut b = Budget::new(1 << 40, None);
+        assert_eq!(b.take(1), Nothing, "nothing held yet: no rise");
+        b.reserve(100);
+        b.reserve(50);
+        // Two rises before a release allow one move, not two.
+        assert_eq!(b.take(1), PoolPages);
+        assert_eq!(b.take(1), Nothing);
+        // Back to the mark is no rise.
+        b.unreserve(50);
+        b.reserve(50);
+        assert_eq!(b.take(1), Nothing);
+        b.reserve(1);
+        assert_eq!(b.high_water(), 151);
+        // Within the mark a growth takes nothing, and keeps the allowance for one past it.
+        b.unreserve(100);
+        assert_eq!(b.take(100), Nothing);
+        assert_eq!(b.take(101), PoolPages);
     }
 }

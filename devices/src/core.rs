@@ -80,6 +80,10 @@ pub(crate) struct AllocParams {
     /// Set by an owner that retries the request ([`SegmentRequest::quiet_oom`]): its
     /// out-of-memory errors are returned but not counted, recorded or logged.
     pub quiet_oom: bool,
+    /// Set once free pages were moved for the request (`miss/chain.rs`, `ReleaseBeforeGrowth`):
+    /// its growth maps what it needs and no pages ahead (`map_ahead.rs`), which would pass the
+    /// most ever held that the move kept reserved memory under.
+    pub exact_growth: bool,
 }
 
 /// The caching allocator of one device. See the module docs.

@@ -274,7 +274,7 @@ fn a_small_blocks_loop_on_a_new_stream_makes_no_backend_call_after_its_first_mis
             .filter(|(_, n)| *n > 0)
             .collect();
         assert_eq!(calls, [], "{conf}");
-        // Six streams, a small page each.
+        // Six streams, a small page each (small pages are not moved either).
         assert_eq!(core.reserved_bytes(), 6 * 2 * MIB, "{conf}");
         core.check_invariants().unwrap();
     }

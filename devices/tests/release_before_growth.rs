@@ -1,7 +1,9 @@
 //! The `gpualloc` policy's release before a growth (`miss/chain.rs`, `ReleaseBeforeGrowth`):
-//! after the user's `empty_cache`, a growth of an expandable segment that would pass the most
-//! the core ever held first releases what is cached, a bounded number of times per
-//! `empty_cache` (`budget.rs`); never before one, never under PyTorch's policy.
+//! a growth of an expandable segment that would pass the most the core ever held first
+//! releases what is cached, a bounded number of times per `empty_cache` of the user's
+//! (`budget.rs`), and otherwise unmaps the default large pool's free pages when they come to
+//! 3/4 of the request, once per rise of that mark (the page move); never under PyTorch's
+//! policy.
 
 use std::sync::Arc;
 
@@ -26,10 +28,15 @@ fn rig(conf: &str) -> (Arc<AccountingBackend>, DeviceCore, StreamHandle) {
 /// 100 MiB and 100 MiB, the first freed (a 100 MiB hole before a live block), then 150 MiB,
 /// which the hole cannot hold: the most reserved during the step.
 fn step_with_a_hole(core: &mut DeviceCore, s: StreamHandle) -> u64 {
+    step_with_a_hole_then(core, s, 150 * MIB)
+}
+
+/// [`step_with_a_hole`] with a last request of `last` bytes.
+fn step_with_a_hole_then(core: &mut DeviceCore, s: StreamHandle, last: u64) -> u64 {
     let a = core.malloc(100 * MIB, s).unwrap();
     let b = core.malloc(100 * MIB, s).unwrap();
     core.free(a.ptr).unwrap();
-    let c = core.malloc(150 * MIB, s).unwrap();
+    let c = core.malloc(last, s).unwrap();
     let peak = core.reserved_bytes();
     core.free(b.ptr).unwrap();
     core.free(c.ptr).unwrap();
@@ -65,17 +72,81 @@ fn after_an_empty_cache_a_growth_past_the_high_water_mark_releases_the_hole_firs
     }
 }
 
+/// Without an `empty_cache`, a growth past the most ever held first unmaps the free pages of
+/// the default large pool (the page move), once per rise of that mark, when they come to at
+/// least 3/4 of the request: the 120 MiB request maps where the 100 MiB hole's pages were given
+/// up, and no pages ahead. The rise that growth made allows one more move (the second step's);
+/// then the mark stays, and a repeated step makes no driver call.
 #[test]
-fn a_job_that_never_empties_its_cache_is_never_released_for() {
+fn a_growth_past_the_high_water_mark_moves_free_pages_once_per_rise_of_the_mark() {
     let (backend, mut core, s) = rig(GPUALLOC);
-    // The 150 MiB growth maps ahead to 160 (`map_ahead.rs`): 100 + 100 + 160.
+    // 100 (b) + 120 (c): the hole went back before c's growth.
+    assert_eq!(step_with_a_hole_then(&mut core, s, 120 * MIB), 220 * MIB);
+    // The hole's 100 MiB were mapped by growths of at most 20 MiB, a handle each.
+    assert_eq!(backend.counts().unmaps, 5, "the hole's pages, once");
+    assert_eq!(step_with_a_hole_then(&mut core, s, 120 * MIB), 220 * MIB);
+    let warm = backend.counts();
+    let mut peaks = Vec::new();
+    for _ in 0..5 {
+        peaks.push(step_with_a_hole_then(&mut core, s, 120 * MIB) / MIB);
+    }
+    let after = backend.counts();
+    assert_eq!(peaks, [220; 5]);
+    assert_eq!(
+        (after.maps, after.unmaps, after.mallocs),
+        (warm.maps, warm.unmaps, warm.mallocs),
+        "no driver call in a repeated step"
+    );
+    assert_eq!(
+        core.stats().num_sync_all_streams,
+        0,
+        "a move synchronizes nothing"
+    );
+}
+
+/// Free pages under 3/4 of the request are not moved: the 100 MiB hole stays for a 150 MiB
+/// request, which maps ahead to 160 (`map_ahead.rs`): 100 + 100 + 160, every step, and no
+/// unmap ever.
+#[test]
+fn free_pages_short_of_three_quarters_of_the_request_are_not_moved() {
+    let (backend, mut core, s) = rig(GPUALLOC);
     assert_eq!(step_with_a_hole(&mut core, s), 360 * MIB);
-    let before = backend.counts();
+    let first = backend.counts();
     for _ in 0..5 {
         assert_eq!(step_with_a_hole(&mut core, s), 360 * MIB);
     }
     let after = backend.counts();
-    assert_eq!((after.maps, after.unmaps), (before.maps, before.unmaps));
+    assert_eq!(after.unmaps, 0);
+    assert_eq!((after.maps, after.mallocs), (first.maps, first.mallocs));
+}
+
+/// PyTorch's policy moves no page: 100 + 100 + 120 (its 20 MiB pages) in every step.
+#[test]
+fn pytorchs_policy_moves_no_page() {
+    let (backend, mut core, s) = rig("policy:pytorch,expandable_segments:True");
+    for _ in 0..3 {
+        assert_eq!(step_with_a_hole_then(&mut core, s, 120 * MIB), 320 * MIB);
+    }
+    assert_eq!(backend.counts().unmaps, 0);
+}
+
+/// Nor does a private pool's growth, nor a small one (`miss/chain.rs`): a named pool gets the
+/// same step as PyTorch's pool would.
+#[test]
+fn a_private_pools_growth_moves_no_page() {
+    use gpualloc_devices::PoolOptions;
+    let (backend, mut core, s) = rig(GPUALLOC);
+    let pool = core.create_named_pool("p", PoolOptions::default());
+    for _ in 0..3 {
+        let a = core.malloc_in(pool, 100 * MIB, s).unwrap();
+        let b = core.malloc_in(pool, 100 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let c = core.malloc_in(pool, 120 * MIB, s).unwrap();
+        assert_eq!(core.reserved_bytes(), 320 * MIB);
+        core.free(b.ptr).unwrap();
+        core.free(c.ptr).unwrap();
+    }
+    assert_eq!(backend.counts().unmaps, 0);
 }
 
 /// A job that empties its cache once and then repeats a step: it releases at most

@@ -122,7 +122,7 @@ impl DeviceCore {
             }
             if !b.mapped {
                 let (need, avail) = ((size - bytes).min(b.size), b.size);
-                return Ok(self.plan_pages(id, need, avail, true));
+                return Ok(self.plan_pages(id, need, avail, true, !params.exact_growth));
             }
             bytes += b.size;
             if bytes >= size {
@@ -135,20 +135,22 @@ impl DeviceCore {
 
     /// Plans mapping the front `need` bytes (at least; pages ahead as `map_ahead.rs` says) of
     /// free unmapped block `id`, of `avail` bytes; `None` when the pages would pass a named
-    /// pool's quota or, with `check_fraction`, `per_process_memory_fraction`.
+    /// pool's quota or, with `check_fraction`, `per_process_memory_fraction`. Without `ahead`,
+    /// no pages ahead.
     pub(crate) fn plan_pages(
         &mut self,
         id: BlockId,
         need: u64,
         avail: u64,
         check_fraction: bool,
+        ahead: bool,
     ) -> Option<GrowthPlan> {
         let (seg, pool, addr) = {
             let b = self.blocks.get(id);
             (b.segment, b.pool, b.addr)
         };
         let page = self.segment_page_size(pool);
-        let (want, len) = self.growth_len(seg, pool, addr, need, avail);
+        let (want, len) = self.growth_len(seg, pool, addr, need, avail, ahead);
         if check_fraction && !self.budget.fits(want) {
             return None;
         }

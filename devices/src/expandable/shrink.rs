@@ -54,6 +54,22 @@ impl DeviceCore {
         Ok(out)
     }
 
+    /// Bytes of the whole pages inside `pool`'s free blocks of expandable segments: at most
+    /// what [`DeviceCore::detach_pages_of`] would release (a physical handle that reaches
+    /// past its block stays).
+    pub(crate) fn free_whole_pages(&self, pool: usize) -> u64 {
+        self.pools[pool]
+            .free_ids()
+            .map(|id| self.blocks.get(id))
+            .filter(|b| b.expandable)
+            .filter_map(|b| {
+                let es = self.expandable.get(b.segment)?;
+                let (first, last) = (es.page_right(b.addr), es.page_left(b.end()));
+                Some(last.saturating_sub(first) as u64 * es.page)
+            })
+            .sum()
+    }
+
     /// Step 1 for block pool `pool` alone: the whole pages of each of its free blocks of an
     /// expandable segment, in the pool's order.
     pub(crate) fn detach_pages_of(&mut self, pool: usize) -> Vec<PageRelease> {

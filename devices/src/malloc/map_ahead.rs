@@ -16,9 +16,11 @@
 //!   most `large_segment_size`, so a segment that keeps growing grows as often as with
 //!   20 MiB pages; but never past the next multiple of `large_segment_size` from the
 //!   segment's base that holds the request, where PyTorch's page would end, so a growth never
-//!   maps more than PyTorch's would. Without room on the device for the pages ahead it maps only what the
-//!   request needs; the pages ahead never push reserved memory past
-//!   `per_process_memory_fraction`.
+//!   maps more than PyTorch's would. Without room on the device for the pages ahead it maps
+//!   only what the request needs; the pages ahead never push reserved memory past
+//!   `per_process_memory_fraction`. Nor does a growth for which free pages were just moved
+//!   (`miss/chain.rs`, `ReleaseBeforeGrowth`) map ahead: the move is made to keep reserved
+//!   memory near the most it ever held, which pages ahead would pass.
 //!
 //! Measured (`gpualloc replay --policy both`, `expandable_segments:True`; BENCHMARKS.md): see
 //! the policy's [`DEVIATIONS`](crate::config::policy::DEVIATIONS) entry.
@@ -60,7 +62,7 @@ impl DeviceCore {
 
     /// Bytes to map in segment `seg` of `pool` from `addr` (the start of an unmapped block of
     /// `avail` bytes) for a request needing `need` more bytes: (what the request needs,
-    /// rounded to pages; that and the pages ahead). See the module docs.
+    /// rounded to pages; that and the pages ahead, none without `ahead`). See the module docs.
     pub(crate) fn growth_len(
         &self,
         seg: u64,
@@ -68,13 +70,14 @@ impl DeviceCore {
         addr: u64,
         need: u64,
         avail: u64,
+        ahead: bool,
     ) -> (u64, u64) {
         let Some(es) = self.expandable.get(seg) else {
             return (need, need);
         };
         let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);
         // (A pool of unsplit blocks needs no rule here: its segment is exactly the block.)
-        if self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
+        if !ahead || self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
             return (want, want);
         }
         let big = self.config.large_segment_size;

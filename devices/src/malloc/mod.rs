@@ -125,6 +125,7 @@ impl DeviceCore {
             block: None,
             any_fit: false,
             quiet_oom: false,
+            exact_growth: false,
         };
         self.apply_pool_rules(&mut params)?;
         Ok(params)

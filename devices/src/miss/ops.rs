@@ -45,7 +45,7 @@ pub(crate) enum Op {
 /// A release of cached memory over several block pools: for each pool, free its whole cached
 /// segments, then unmap the whole pages of its free blocks of expandable segments (PyTorch's
 /// `release_blocks`); `ReleaseCached` synchronizes pending events first and forgets released
-/// private pools left empty after.
+/// private pools left empty after. [`Release::pages`] unmaps free pages only.
 pub(crate) struct Release {
     pools: Vec<usize>,
     next: usize,
@@ -67,6 +67,20 @@ impl Release {
             pools,
             next: 0,
             phase: Phase::Segments,
+            cached: false,
+        }
+    }
+
+    /// The whole pages of `pool`'s free blocks of expandable segments, and nothing else: no
+    /// segment is freed (a segment free synchronizes the device on CUDA), no event waited for.
+    /// The free block a growth would extend gives up its pages too: measured, keeping them
+    /// left qwen2-7b-layerwise-calib at 6.20% fragmentation instead of 1.71% (the growth
+    /// then places differently).
+    pub(crate) fn pages(pool: usize) -> Self {
+        Release {
+            pools: vec![pool],
+            next: 0,
+            phase: Phase::Pages,
             cached: false,
         }
     }
@@ -149,7 +163,7 @@ impl DeviceCore {
         // check in `alloc_block_step` counted PyTorch's segment size, which such a growth is
         // not).
         let check_fraction = self.config.policy.fine_large_pages();
-        match self.plan_pages(to_map, need, avail, check_fraction) {
+        match self.plan_pages(to_map, need, avail, check_fraction, !params.exact_growth) {
             Some(plan) => Flow::Wait(Op::Growth, MissIo::MapPages(plan)),
             None => Flow::Next,
         }
