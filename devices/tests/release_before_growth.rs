@@ -177,3 +177,19 @@ fn after_the_allowance_a_repeated_step_makes_no_driver_call() {
         "peaks {peaks:?}"
     );
 }
+
+/// After a move the growth maps no pages ahead: with 200 MiB live, a segment grows to the next
+/// 20 MiB boundary (1/8 of what it maps is past 20 MiB, `map_ahead.rs`); the 210 MiB request
+/// that took the 200 MiB hole's pages maps 210 MiB, not 220.
+#[test]
+fn a_growth_after_a_move_maps_no_pages_ahead() {
+    let (_b, mut core, s) = rig(GPUALLOC);
+    let a = core.malloc(200 * MIB, s).unwrap();
+    let b = core.malloc(200 * MIB, s).unwrap();
+    core.free(a.ptr).unwrap();
+    let c = core.malloc(210 * MIB, s).unwrap();
+    assert_eq!(core.reserved_bytes(), 410 * MIB);
+    core.free(b.ptr).unwrap();
+    core.free(c.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
