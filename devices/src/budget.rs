@@ -8,7 +8,7 @@
 //! It also keeps the most the core has ever held (its high-water mark, which no stats reset
 //! lowers) and the releases before a growth that are still allowed
 //! ([`Budget::take_release_before_growth`], the `gpualloc` policy's rules in `miss/chain.rs`):
-//! of the whole cache after the user's `empty_cache`, and of the growing pool's free pages
+//! of the whole cache after the user's `empty_cache`, and of the default pools' free pages
 //! once per rise of the high-water mark.
 
 /// See the module docs.
@@ -27,7 +27,7 @@ pub(crate) struct Budget {
     /// Growths past the high-water mark that may still release the cache first (set by the
     /// user's `empty_cache`, one taken by each such release).
     releases_allowed: u32,
-    /// Whether the next growth past the high-water mark may release the growing pool's free
+    /// Whether the next growth past the high-water mark may release the default pools' free
     /// pages first: set by each rise of the mark, taken by that release.
     page_move_allowed: bool,
 }
@@ -39,7 +39,7 @@ pub(crate) enum ReleaseBeforeGrowth {
     Nothing,
     /// The whole cache, as `empty_cache` does (allowed by the user's `empty_cache`).
     Cache,
-    /// The free pages of the pool that grows, which the growth maps again where the request
+    /// The free pages of the default pools, which the growth maps again where the request
     /// needs them (allowed once per rise of the high-water mark).
     PoolPages,
 }
@@ -79,7 +79,7 @@ impl Budget {
 
     /// What a growth of `bytes` releases first: nothing unless it would pass the high-water
     /// mark; then the cache (if `may_release`) while the user's last `empty_cache` allows it,
-    /// else the growing pool's pages (if `may_move`) if the mark rose since the last such
+    /// else the default pools' free pages (if `may_move`) if the mark rose since the last such
     /// release. Takes the allowance used, and only that.
     pub fn take_release_before_growth(
         &mut self,

@@ -193,3 +193,16 @@ fn a_growth_after_a_move_maps_no_pages_ahead() {
     core.free(c.ptr).unwrap();
     core.check_invariants().unwrap();
 }
+
+/// A move takes the small pool's whole free pages too: a freed 512 KiB block's 2 MiB page goes
+/// with the 100 MiB hole, 220 MiB where 222 would stay mapped.
+#[test]
+fn a_move_takes_the_small_pools_free_pages_too() {
+    let (backend, mut core, s) = rig(GPUALLOC);
+    let small = core.malloc(512 << 10, s).unwrap();
+    assert!(small.small_pool);
+    core.free(small.ptr).unwrap();
+    assert_eq!(step_with_a_hole_then(&mut core, s, 120 * MIB), 220 * MIB);
+    // The hole's five handles and the small page's one.
+    assert_eq!(backend.counts().unmaps, 6);
+}

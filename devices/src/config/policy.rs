@@ -72,8 +72,9 @@ impl Policy {
         self == Policy::Gpualloc
     }
 
-    /// Whether a growth of an expandable segment past the most ever held first unmaps the
-    /// growing pool's free pages, once per rise of that mark (`miss/chain.rs`). PyTorch: no.
+    /// Whether a growth of the default large pool's expandable segment past the most ever held
+    /// first unmaps the default pools' free pages, once per rise of that mark
+    /// (`miss/chain.rs`). PyTorch: no.
     /// gpualloc: yes; see [`DEVIATIONS`].
     pub fn moves_pages_before_growth(self) -> bool {
         self == Policy::Gpualloc
@@ -210,24 +211,26 @@ pub const DEVIATIONS: &[Deviation] = &[
         rule: "moving free pages before a growth past the most ever held",
         pytorch: "a growth maps new pages beside the free ones it cannot use",
         gpualloc: "a growth of the default large pool's expandable segment that would pass the \
-                    most ever held first unmaps that pool's free pages (every stream's), when \
-                    they come to at least 3/4 of the request, and then maps only what the \
-                    request needs, no pages ahead; once per rise of that mark, with no \
-                    synchronization (each unmap waits for its segment's stream, as every unmap \
-                    does); not in private pools, nor small pages (`devices/src/miss/chain.rs`, \
-                    `ReleaseBeforeGrowth`; `devices/src/budget.rs`)",
+                    most ever held first unmaps the default pools' free pages (every stream's, \
+                    the small pool's whole free pages too), when they come to at least 3/4 of \
+                    the request, and then maps only what the request needs, no pages ahead; \
+                    once per rise of that mark, with no synchronization (each unmap waits for \
+                    its segment's stream, as every unmap does); not for private pools nor small \
+                    requests (`devices/src/miss/chain.rs`, `ReleaseBeforeGrowth`; \
+                    `devices/src/budget.rs`)",
         why: "free pages strand in holes between live blocks a request cannot use, and the \
                growth beside them sets a new peak; moved where the request needs them, they \
                keep the peak down. Once the mark stops rising, a repeated step moves nothing",
         evidence: "default config, peak reserved: qwen2-7b-layerwise-calib 4,364 -> 4,222 MiB \
-                    (PyTorch 5,926), fragmentation 4.91% -> 1.71%; qwen3-gcn devices 0 and 2 \
-                    1.00% -> 0.85%, 1.46% -> 0.70%; llama7b-offload 0.56% -> 0.50%; growths at \
-                    most 1.41x PyTorch's (qwen3-gcn device 2: 110 vs 78); qwen3-gcn device 2 with \
-                    `max_split_size_mb:128` 190 -> 30 MiB over PyTorch's. A share of 1/2 of the \
-                    request instead of 3/4 reserves 62 MiB more than PyTorch on \
-                    transformer-lm-train with `expandable_segments:True`, 1 reserves 4 MiB more \
-                    on qwen3-gcn device 0, 3/2 leaves qwen2 at 7.04% \
-                    (`replay/tests/real_traces.rs`, `devices/tests/release_before_growth.rs`)",
+                    (PyTorch 5,926), fragmentation 4.91% -> 1.71%; transformer-lm-forward 2.91% \
+                    -> 2.40%; qwen3-gcn devices 0 and 2 1.00% -> 0.83%, 1.46% -> 0.70%; \
+                    llama7b-offload 0.56% -> 0.50%; growths at most 1.41x PyTorch's (qwen3-gcn \
+                    device 2: 110 vs 78); qwen3-gcn device 2 with `max_split_size_mb:128` 190 -> \
+                    30 MiB over PyTorch's. A share of 1/2 of the request instead of 3/4 reserves \
+                    62 MiB more than PyTorch on transformer-lm-train with \
+                    `expandable_segments:True`, 1 reserves 4 MiB more on qwen3-gcn device 0, 3/2 \
+                    leaves qwen2 at 7.04% (`replay/tests/real_traces.rs`, \
+                    `devices/tests/release_before_growth.rs`)",
     },
     Deviation {
         rule: "segments under a config that does not name `expandable_segments`",

@@ -1,7 +1,7 @@
 //! The order of the miss chain (`CHAIN`) and the step that walks it.
 
 use crate::budget;
-use crate::core::{DeviceCore, LARGE_POOL};
+use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
 
@@ -216,7 +216,8 @@ impl DeviceCore {
             // release is allowed):
             // - the whole cache, a bounded number of times after each `empty_cache` of the
             //   user's: a job that empties its cache between steps pays for releases already;
-            // - else the default large pool's free pages, once per rise of the mark: with
+            // - else, for the default large pool, the default pools' free pages (a small
+            //   pool's whole free pages too), once per rise of the mark: with
             //   no synchronization (a free block has no pending event; the unmap waits for its
             //   stream as every unmap does), and none once the mark stops rising, so a repeated
             //   step after warm-up makes no driver call for either rule.
@@ -226,14 +227,15 @@ impl DeviceCore {
                     return Flow::Next;
                 }
                 let may_release = policy.releases_before_growth();
-                // The default large pool only: a private pool's memory is its own (a graph's,
-                // or an unsplit pool's ranges, which would be released and reserved again),
-                // and a small page moved saves at most 2 MiB while a stream's last one takes
-                // its reservation with it.
+                // For the default large pool only, from the default pools only: a private
+                // pool's memory is its own (a graph's, or an unsplit pool's ranges, which would
+                // be released and reserved again), and a small request's growth would move
+                // 2 MiB pages between streams for at most one page.
                 let may_move = policy.moves_pages_before_growth()
                     && params.pool == LARGE_POOL
                     && self.budget.passes_high_water(params.alloc_size)
-                    && self.free_whole_pages(params.pool) >= moved_enough(params.alloc_size);
+                    && self.free_whole_pages(LARGE_POOL) + self.free_whole_pages(SMALL_POOL)
+                        >= moved_enough(params.alloc_size);
                 let release = self.budget.take_release_before_growth(
                     params.alloc_size,
                     may_release,
@@ -246,7 +248,7 @@ impl DeviceCore {
                     }
                     budget::ReleaseBeforeGrowth::PoolPages => {
                         params.exact_growth = true;
-                        self.release_step(ops::Release::pages(params.pool))
+                        self.release_step(ops::Release::pages(vec![LARGE_POOL, SMALL_POOL]))
                     }
                     budget::ReleaseBeforeGrowth::Nothing => Flow::Next,
                 }
@@ -275,7 +277,7 @@ impl DeviceCore {
     }
 }
 
-/// The least free memory, in whole pages of the default large pool, worth a page move for a
+/// The least free memory, in whole pages of the default pools, worth a page move for a
 /// growth of `alloc_size`: 3/4 of it. Fewer free pages than the request mostly means the job
 /// needs more memory, not that holes strand it; moving them then only scatters the layout.
 /// Measured on the shared traces (default config and the configs of `real_traces.rs`, with no
