@@ -206,3 +206,77 @@ fn a_move_takes_the_small_pools_free_pages_too() {
     // The hole's five handles and the small page's one.
     assert_eq!(backend.counts().unmaps, 6);
 }
+
+/// A step that would release at every turn without the bound: 60 MiB and 40 MiB, the first
+/// freed, then 150 MiB, after one `empty_cache`. Unbounded (a scratch build), it releases and
+/// maps 8 handles again at every step, forever; the bound stops it after
+/// `RELEASES_PER_EMPTY_CACHE` (4) releases, and from then on, with the page move on too, the
+/// step makes no driver call and no synchronization.
+#[test]
+fn the_release_allowance_stops_a_step_that_would_release_at_every_turn() {
+    let (backend, mut core, s) = rig(GPUALLOC);
+    let warm = core.malloc(100 * MIB, s).unwrap();
+    core.free(warm.ptr).unwrap();
+    core.empty_cache().unwrap();
+    let emptied = core.stats().num_sync_all_streams;
+    let step = |core: &mut DeviceCore| {
+        let a = core.malloc(60 * MIB, s).unwrap();
+        let b = core.malloc(40 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let c = core.malloc(150 * MIB, s).unwrap();
+        core.free(b.ptr).unwrap();
+        core.free(c.ptr).unwrap();
+        core.check_invariants().unwrap();
+    };
+    for _ in 0..7 {
+        step(&mut core);
+    }
+    assert_eq!(
+        core.stats().num_sync_all_streams - emptied,
+        4,
+        "the allowance, all used"
+    );
+    let before = (backend.counts(), core.stats().num_sync_all_streams);
+    for _ in 0..7 {
+        step(&mut core);
+    }
+    let after = (backend.counts(), core.stats().num_sync_all_streams);
+    assert_eq!(
+        (after.0.maps, after.0.unmaps, after.0.mallocs, after.1),
+        (before.0.maps, before.0.unmaps, before.0.mallocs, before.1)
+    );
+}
+
+/// A step that would move pages at every turn without the once-per-rise bound: 100 MiB and
+/// 20 MiB, the first freed, then 120 MiB, in a job that never empties its cache. Unbounded (a
+/// scratch build), it unmaps 6 handles and maps them again at every step, forever; with the
+/// bound it moves in the first two steps (5 and 6 handles) and never again.
+#[test]
+fn the_page_move_bound_stops_a_step_that_would_move_at_every_turn() {
+    let (backend, mut core, s) = rig(GPUALLOC);
+    let step = |core: &mut DeviceCore| {
+        let a = core.malloc(100 * MIB, s).unwrap();
+        let b = core.malloc(20 * MIB, s).unwrap();
+        core.free(a.ptr).unwrap();
+        let c = core.malloc(120 * MIB, s).unwrap();
+        core.free(b.ptr).unwrap();
+        core.free(c.ptr).unwrap();
+        core.check_invariants().unwrap();
+    };
+    let mut unmaps = Vec::new();
+    for _ in 0..3 {
+        step(&mut core);
+        unmaps.push(backend.counts().unmaps);
+    }
+    assert_eq!(unmaps, [5, 11, 11]);
+    let before = backend.counts();
+    for _ in 0..10 {
+        step(&mut core);
+    }
+    let after = backend.counts();
+    assert_eq!(
+        (after.maps, after.unmaps, after.mallocs),
+        (before.maps, before.unmaps, before.mallocs)
+    );
+    assert_eq!(core.stats().num_sync_all_streams, 0);
+}
