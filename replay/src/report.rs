@@ -315,6 +315,21 @@ pub fn table(reports: &[ReplayReport], timing: bool) -> String {
                 format_size(w.floor_pools_apart),
                 floor_fragmentation(r.peak_allocated, w.floor_pools_apart),
             );
+            if !w.largest_holes.is_empty() {
+                let holes: Vec<String> = w
+                    .largest_holes
+                    .iter()
+                    .map(|h| {
+                        format!(
+                            "{} (between {} and {})",
+                            format_size(h.bytes),
+                            format_size(h.before),
+                            format_size(h.after)
+                        )
+                    })
+                    .collect();
+                let _ = writeln!(out, "    largest holes: {}", holes.join(", "));
+            }
         }
         if let Some(torch_row) = i.checked_sub(1).map(|j| &reports[j]) {
             if let Some(d) = PolicyDifference::between(torch_row, r) {

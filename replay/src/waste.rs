@@ -36,6 +36,9 @@ pub struct Waste {
     pub free_expandable: u64,
     /// Free blocks with a live block on both sides in their segment.
     pub free_holes: u64,
+    /// The largest of those holes, largest first (at most [`LARGEST_HOLES`]), each with the
+    /// sizes of the live blocks on its two sides: what keeps it open.
+    pub largest_holes: Vec<Hole>,
     /// Streams with free memory.
     pub streams_with_free: u64,
     /// The most free memory one stream has.
@@ -49,6 +52,20 @@ pub struct Waste {
     /// pages at the end, so no such layout reserves less; where this is above the 2% target,
     /// only pages shared or moved between the pools can reach it.
     pub floor_pools_apart: u64,
+}
+
+/// How many holes [`Waste::largest_holes`] lists.
+pub const LARGEST_HOLES: usize = 8;
+
+/// A free block between two live blocks of one segment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Hole {
+    /// Its size.
+    pub bytes: u64,
+    /// The live block before it.
+    pub before: u64,
+    /// The live block after it.
+    pub after: u64,
 }
 
 impl Waste {
@@ -82,14 +99,22 @@ impl Waste {
                 }
                 let live = |j: Option<usize>| {
                     j.and_then(|j| blocks.get(j))
-                        .is_some_and(|n| n.state != BlockStateName::Inactive)
+                        .filter(|n| n.state != BlockStateName::Inactive)
+                        .map(|n| n.size)
                 };
-                if live(i.checked_sub(1)) && live(Some(i + 1)) {
+                if let (Some(before), Some(after)) = (live(i.checked_sub(1)), live(Some(i + 1))) {
                     w.free_holes += b.size;
+                    w.largest_holes.push(Hole {
+                        bytes: b.size,
+                        before,
+                        after,
+                    });
                 }
                 *by_stream.entry(seg.stream).or_default() += b.size;
             }
         }
+        w.largest_holes.sort_by_key(|h| std::cmp::Reverse(h.bytes));
+        w.largest_holes.truncate(LARGEST_HOLES);
         w.streams_with_free = by_stream.len() as u64;
         w.most_free_on_a_stream = by_stream.values().copied().max().unwrap_or(0);
         w
@@ -114,6 +139,11 @@ impl Waste {
             "free_large_bytes": self.free_large,
             "free_expandable_bytes": self.free_expandable,
             "free_hole_bytes": self.free_holes,
+            "largest_holes": self.largest_holes.iter().map(|h| json!({
+                "bytes": h.bytes,
+                "before_bytes": h.before,
+                "after_bytes": h.after,
+            })).collect::<Vec<_>>(),
             "streams_with_free": self.streams_with_free,
             "most_free_on_a_stream_bytes": self.most_free_on_a_stream,
             "floor_bytes": self.floor,
@@ -203,6 +233,15 @@ mod tests {
             (50, 500, 700)
         );
         assert_eq!(w.free_holes, 200);
+        assert_eq!(
+            w.largest_holes,
+            [Hole {
+                bytes: 200,
+                before: 400,
+                after: 400
+            }]
+        );
+        assert_eq!(w.to_json()["largest_holes"][0]["before_bytes"], 400);
         assert_eq!(w.free(), w.reserved - w.active);
         assert_eq!((w.streams_with_free, w.most_free_on_a_stream), (2, 700));
         assert_eq!(w.to_json()["free_hole_bytes"], 200);
@@ -219,5 +258,70 @@ mod tests {
         w.set_floors(4 * mib, 0, 4 * mib);
         assert_eq!((w.floor, w.floor_pools_apart), (4 * mib, 4 * mib));
         assert_eq!(w.to_json()["floor_pools_apart_bytes"], 4 * mib);
+    }
+}
+
+#[cfg(test)]
+mod hole_tests {
+    use super::*;
+    use gpualloc_devices::{BlockInfo, SegmentInfo};
+
+    fn block(address: u64, size: u64, live: bool) -> BlockInfo {
+        BlockInfo {
+            address,
+            size,
+            requested_size: if live { size } else { 0 },
+            state: if live {
+                BlockStateName::ActiveAllocated
+            } else {
+                BlockStateName::Inactive
+            },
+            mapped: true,
+            frames: None,
+        }
+    }
+
+    #[test]
+    fn the_largest_holes_are_listed_largest_first_and_at_most_eight() {
+        // live 10, then ten holes of 1..=10 bytes, each followed by a live block of 20 + k.
+        let mut blocks = vec![block(0, 10, true)];
+        let mut at = 10;
+        for k in 1..=10u64 {
+            blocks.push(block(at, k, false));
+            at += k;
+            blocks.push(block(at, 20 + k, true));
+            at += 20 + k;
+        }
+        // A free block at the edge is no hole.
+        blocks.push(block(at, 1000, false));
+        let total = at + 1000;
+        let snap = DeviceSnapshot {
+            segments: vec![SegmentInfo {
+                device: 0,
+                address: 0,
+                total_size: total,
+                allocated_size: 0,
+                active_size: 0,
+                requested_size: 0,
+                stream: 1,
+                is_small: false,
+                pool_id: (0, 0),
+                is_expandable: true,
+                blocks,
+            }],
+            ..DeviceSnapshot::default()
+        };
+        let w = Waste::of(&snap, 0);
+        assert_eq!(w.free_holes, 55);
+        let sizes: Vec<u64> = w.largest_holes.iter().map(|h| h.bytes).collect();
+        assert_eq!(sizes, [10, 9, 8, 7, 6, 5, 4, 3]);
+        assert_eq!(
+            w.largest_holes[0],
+            Hole {
+                bytes: 10,
+                before: 29,
+                after: 30
+            }
+        );
     }
 }

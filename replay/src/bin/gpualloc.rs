@@ -74,10 +74,10 @@ enum Command {
         #[arg(long)]
         top_down: bool,
         /// Where the free memory sits when reserved memory first reaches its peak: in small,
-        /// large or expandable segments, in holes between live blocks, on how many streams;
-        /// and the floor, the peak allocated rounded up to the 2 MiB page, with and without
-        /// the small and large pools apart (a line under each row; `waste_at_peak` in the
-        /// JSON).
+        /// large or expandable segments, in holes between live blocks (the largest listed with
+        /// the live blocks beside them), on how many streams; and the floor, the peak
+        /// allocated rounded up to the 2 MiB page, with and without the small and large pools
+        /// apart (lines under each row; `waste_at_peak` in the JSON).
         #[arg(long)]
         waste: bool,
     },
