@@ -86,3 +86,50 @@ async fn a_growth_past_the_most_ever_held_takes_the_free_pages_first() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// With every rule on, a repeated step makes no backend call once warm, as a user sees it:
+/// the two steps that would release or move at every turn without their bounds (the core's
+/// tests in `devices/tests/release_before_growth.rs`), on the sim, in three configs. The calls
+/// of the sim are counted, every kind, after seven turns of warm-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_step_makes_no_backend_call_once_warm() {
+    use gpualloc::runtime::sim::Op;
+    for conf in [
+        "",
+        "expandable_segments:True,thread_cache:False",
+        "garbage_collection_threshold:0.8",
+    ] {
+        for (first, second, last, empty_first) in [(100, 20, 120, false), (60, 40, 150, true)] {
+            let sim = sim(4 << 30);
+            let alloc = build(sim.clone(), conf);
+            let stream = alloc.new_stream(DeviceId(0)).unwrap();
+            if empty_first {
+                drop(alloc.malloc(100 * MIB, &stream).await.unwrap());
+                alloc.empty_cache().await.unwrap();
+            }
+            let step = || async {
+                let a = alloc.malloc(first * MIB, &stream).await.unwrap();
+                let b = alloc.malloc(second * MIB, &stream).await.unwrap();
+                drop(a);
+                let c = alloc.malloc(last * MIB, &stream).await.unwrap();
+                drop((b, c));
+            };
+            for _ in 0..7 {
+                step().await;
+            }
+            let warm = sim.counts();
+            for _ in 0..7 {
+                step().await;
+            }
+            let after = sim.counts();
+            let calls: Vec<(Op, u64)> = after
+                .nonzero()
+                .into_iter()
+                .map(|(op, n)| (op, n - warm.get(op)))
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            assert_eq!(calls, [], "[{conf}] {first}, {second}, {last}");
+            alloc.shutdown().await.unwrap();
+        }
+    }
+}
