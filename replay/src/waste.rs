@@ -1,6 +1,6 @@
 //! Where a replay's reserved memory that no allocation uses sits at the peak
 //! (`replay --waste`): the measure that says which rule to change to bring fragmentation
-//! down (issue 44).
+//! down toward the floor.
 //!
 //! At the event where reserved memory first reaches its peak, the core's segments are read
 //! and their free mapped bytes sorted by where they are: in small-pool segments, in ordinary
