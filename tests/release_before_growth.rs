@@ -93,7 +93,6 @@ async fn a_growth_past_the_most_ever_held_takes_the_free_pages_first() {
 /// of the sim are counted, every kind, after seven turns of warm-up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_step_makes_no_backend_call_once_warm() {
-    use gpualloc::runtime::sim::Op;
     for conf in [
         "",
         "expandable_segments:True,thread_cache:False",
@@ -121,13 +120,7 @@ async fn a_repeated_step_makes_no_backend_call_once_warm() {
             for _ in 0..7 {
                 step().await;
             }
-            let after = sim.counts();
-            let calls: Vec<(Op, u64)> = after
-                .nonzero()
-                .into_iter()
-                .map(|(op, n)| (op, n - warm.get(op)))
-                .filter(|(_, n)| *n > 0)
-                .collect();
+            let calls = sim.counts().since(&warm);
             assert_eq!(calls, [], "[{conf}] {first}, {second}, {last}");
             alloc.shutdown().await.unwrap();
         }

@@ -33,8 +33,14 @@ fn step_with_a_hole(core: &mut DeviceCore, s: StreamHandle) -> u64 {
 
 /// [`step_with_a_hole`] with a last request of `last` bytes.
 fn step_with_a_hole_then(core: &mut DeviceCore, s: StreamHandle, last: u64) -> u64 {
-    let a = core.malloc(100 * MIB, s).unwrap();
-    let b = core.malloc(100 * MIB, s).unwrap();
+    step_sized(core, s, [100 * MIB, 100 * MIB, last])
+}
+
+/// `first` and `second` bytes, the first freed, then `last`: the most reserved during the
+/// step, whose blocks are all freed at its end.
+fn step_sized(core: &mut DeviceCore, s: StreamHandle, [first, second, last]: [u64; 3]) -> u64 {
+    let a = core.malloc(first, s).unwrap();
+    let b = core.malloc(second, s).unwrap();
     core.free(a.ptr).unwrap();
     let c = core.malloc(last, s).unwrap();
     let peak = core.reserved_bytes();
@@ -220,13 +226,7 @@ fn the_release_allowance_stops_a_step_that_would_release_at_every_turn() {
     core.empty_cache().unwrap();
     let emptied = core.stats().num_sync_all_streams;
     let step = |core: &mut DeviceCore| {
-        let a = core.malloc(60 * MIB, s).unwrap();
-        let b = core.malloc(40 * MIB, s).unwrap();
-        core.free(a.ptr).unwrap();
-        let c = core.malloc(150 * MIB, s).unwrap();
-        core.free(b.ptr).unwrap();
-        core.free(c.ptr).unwrap();
-        core.check_invariants().unwrap();
+        step_sized(core, s, [60 * MIB, 40 * MIB, 150 * MIB]);
     };
     for _ in 0..7 {
         step(&mut core);
@@ -255,13 +255,7 @@ fn the_release_allowance_stops_a_step_that_would_release_at_every_turn() {
 fn the_page_move_bound_stops_a_step_that_would_move_at_every_turn() {
     let (backend, mut core, s) = rig(GPUALLOC);
     let step = |core: &mut DeviceCore| {
-        let a = core.malloc(100 * MIB, s).unwrap();
-        let b = core.malloc(20 * MIB, s).unwrap();
-        core.free(a.ptr).unwrap();
-        let c = core.malloc(120 * MIB, s).unwrap();
-        core.free(b.ptr).unwrap();
-        core.free(c.ptr).unwrap();
-        core.check_invariants().unwrap();
+        step_sized(core, s, [100 * MIB, 20 * MIB, 120 * MIB]);
     };
     let mut unmaps = Vec::new();
     for _ in 0..3 {

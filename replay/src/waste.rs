@@ -259,27 +259,6 @@ mod tests {
         assert_eq!((w.floor, w.floor_pools_apart), (4 * mib, 4 * mib));
         assert_eq!(w.to_json()["floor_pools_apart_bytes"], 4 * mib);
     }
-}
-
-#[cfg(test)]
-mod hole_tests {
-    use super::*;
-    use gpualloc_devices::{BlockInfo, SegmentInfo};
-
-    fn block(address: u64, size: u64, live: bool) -> BlockInfo {
-        BlockInfo {
-            address,
-            size,
-            requested_size: if live { size } else { 0 },
-            state: if live {
-                BlockStateName::ActiveAllocated
-            } else {
-                BlockStateName::Inactive
-            },
-            mapped: true,
-            frames: None,
-        }
-    }
 
     #[test]
     fn the_largest_holes_are_listed_largest_first_and_at_most_eight() {
@@ -294,21 +273,8 @@ mod hole_tests {
         }
         // A free block at the edge is no hole.
         blocks.push(block(at, 1000, false));
-        let total = at + 1000;
         let snap = DeviceSnapshot {
-            segments: vec![SegmentInfo {
-                device: 0,
-                address: 0,
-                total_size: total,
-                allocated_size: 0,
-                active_size: 0,
-                requested_size: 0,
-                stream: 1,
-                is_small: false,
-                pool_id: (0, 0),
-                is_expandable: true,
-                blocks,
-            }],
+            segments: vec![segment(1, false, true, blocks)],
             ..DeviceSnapshot::default()
         };
         let w = Waste::of(&snap, 0);

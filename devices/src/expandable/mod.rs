@@ -94,12 +94,10 @@ impl DeviceCore {
             .expandable
             .get_mut(seg)
             .ok_or(AllocError::UnknownPointer(DevicePtr(seg)))?;
-        let (first, last) = (es.page_right(addr), es.page_left(addr + len));
-        let inside = if first < last {
-            es.runs_inside(first, last)
-        } else {
-            Vec::new()
-        };
+        let inside = es
+            .pages_inside(addr, addr + len)
+            .map(|(first, last)| es.runs_inside(first, last))
+            .unwrap_or_default();
         let Some(&start) = inside.first() else {
             return Ok((addr, 0));
         };

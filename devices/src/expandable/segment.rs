@@ -104,6 +104,13 @@ impl ExpandableSegment {
         (addr - self.base).div_ceil(self.page) as usize
     }
 
+    /// The pages lying wholly inside `[addr, end)`, as `(first, last)` page indices with
+    /// `first < last`; `None` when no whole page does.
+    pub(crate) fn pages_inside(&self, addr: u64, end: u64) -> Option<(usize, usize)> {
+        let (first, last) = (self.page_right(addr), self.page_left(end));
+        (first < last).then_some((first, last))
+    }
+
     pub(crate) fn page_addr(&self, i: usize) -> u64 {
         self.base + i as u64 * self.page
     }

@@ -64,8 +64,8 @@ impl DeviceCore {
             .filter(|b| b.expandable)
             .filter_map(|b| {
                 let es = self.expandable.get(b.segment)?;
-                let (first, last) = (es.page_right(b.addr), es.page_left(b.end()));
-                Some(last.saturating_sub(first) as u64 * es.page)
+                let (first, last) = es.pages_inside(b.addr, b.end())?;
+                Some((last - first) as u64 * es.page)
             })
             .sum()
     }
@@ -85,10 +85,9 @@ impl DeviceCore {
             let Some(es) = self.expandable.get_mut(seg) else {
                 continue;
             };
-            let (first, last) = (es.page_right(addr), es.page_left(end));
-            if first >= last {
+            let Some((first, last)) = es.pages_inside(addr, end) else {
                 continue;
-            }
+            };
             // Only runs wholly inside the block: a physical handle is released whole.
             let mapped = es.take_runs_inside(first, last);
             if mapped.pieces.is_empty() {

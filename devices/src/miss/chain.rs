@@ -43,8 +43,9 @@ pub(crate) enum Link {
     ReleaseOwnPool,
     /// Synchronize pending events, release every cached segment (`release_cached_blocks`).
     ReleaseCached,
-    /// Under the `gpualloc` policy, after the user's `empty_cache`: release the cache before
-    /// a growth of an expandable segment would pass the most ever held (see below).
+    /// Under the `gpualloc` policy, before a growth of an expandable segment would pass the
+    /// most ever held: release the cache (after the user's `empty_cache`), or move the default
+    /// pools' free pages (see below).
     ReleaseBeforeGrowth,
     /// The pool's quota error, if it still applies.
     QuotaFailure,
@@ -223,7 +224,10 @@ impl DeviceCore {
             //   step after warm-up makes no driver call for either rule.
             ReleaseBeforeGrowth => {
                 let policy = self.config.policy;
-                if !self.captures.is_quiet() || !self.pool_expands(params.pool) {
+                if !self.captures.is_quiet()
+                    || !self.pool_expands(params.pool)
+                    || !self.budget.passes_high_water(params.alloc_size)
+                {
                     return Flow::Next;
                 }
                 let may_release = policy.releases_before_growth();
@@ -233,8 +237,10 @@ impl DeviceCore {
                 // 2 MiB pages between streams for at most one page.
                 let may_move = policy.moves_pages_before_growth()
                     && params.pool == LARGE_POOL
-                    && self.budget.passes_high_water(params.alloc_size)
-                    && self.free_whole_pages(LARGE_POOL) + self.free_whole_pages(SMALL_POOL)
+                    && MOVED_POOLS
+                        .iter()
+                        .map(|&p| self.free_whole_pages(p))
+                        .sum::<u64>()
                         >= moved_enough(params.alloc_size);
                 let release = self.budget.take_release_before_growth(
                     params.alloc_size,
@@ -248,7 +254,7 @@ impl DeviceCore {
                     }
                     budget::ReleaseBeforeGrowth::PoolPages => {
                         params.exact_growth = true;
-                        self.release_step(ops::Release::pages(vec![LARGE_POOL, SMALL_POOL]))
+                        self.release_step(ops::Release::pages(MOVED_POOLS.to_vec()))
                     }
                     budget::ReleaseBeforeGrowth::Nothing => Flow::Next,
                 }
@@ -276,6 +282,9 @@ impl DeviceCore {
         }
     }
 }
+
+/// The pools whose free pages a page move unmaps: the default ones.
+const MOVED_POOLS: [usize; 2] = [LARGE_POOL, SMALL_POOL];
 
 /// The least free memory, in whole pages of the default pools, worth a page move for a
 /// growth of `alloc_size`: 3/4 of it. Fewer free pages than the request mostly means the job

@@ -52,6 +52,8 @@ pub(crate) struct Release {
     phase: Phase,
     /// The cache's full release (`release_cached_blocks`), not a pool's own.
     cached: bool,
+    /// Whole cached segments are freed too (all but [`Release::pages`]).
+    segments: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -59,8 +61,6 @@ enum Phase {
     Synchronize,
     Segments,
     Pages,
-    /// [`Release::pages`]: each pool's pages, no segment.
-    PagesOnly,
 }
 
 impl Release {
@@ -70,6 +70,7 @@ impl Release {
             next: 0,
             phase: Phase::Segments,
             cached: false,
+            segments: true,
         }
     }
 
@@ -82,8 +83,9 @@ impl Release {
         Release {
             pools,
             next: 0,
-            phase: Phase::PagesOnly,
+            phase: Phase::Pages,
             cached: false,
+            segments: false,
         }
     }
 
@@ -93,6 +95,7 @@ impl Release {
             next: 0,
             phase: Phase::Synchronize,
             cached: true,
+            segments: true,
         }
     }
 }
@@ -220,20 +223,16 @@ impl DeviceCore {
                         return self.free_segments(segments, Op::Release(r));
                     }
                 }
-                Phase::PagesOnly => {
+                Phase::Pages => {
+                    // Past the last pool only without segments: the segments' phase ends the
+                    // others.
                     let Some(&pool) = r.pools.get(r.next) else {
                         return Flow::Next;
                     };
                     r.next += 1;
-                    let releases = self.detach_pages_of(pool);
-                    if !releases.is_empty() {
-                        return Flow::Wait(Op::Release(r), MissIo::UnmapPages(releases));
+                    if r.segments {
+                        r.phase = Phase::Segments;
                     }
-                }
-                Phase::Pages => {
-                    let pool = r.pools[r.next];
-                    r.next += 1;
-                    r.phase = Phase::Segments;
                     let releases = self.detach_pages_of(pool);
                     if !releases.is_empty() {
                         return Flow::Wait(Op::Release(r), MissIo::UnmapPages(releases));

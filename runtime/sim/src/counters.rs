@@ -138,6 +138,16 @@ impl CallCounts {
         self.counts.iter().sum()
     }
 
+    /// The operations called since `earlier` (a snapshot of the same counters taken before),
+    /// with how many times: what a stretch of work cost.
+    pub fn since(&self, earlier: &CallCounts) -> Vec<(Op, u64)> {
+        Op::ALL
+            .iter()
+            .map(|op| (*op, self.get(*op).saturating_sub(earlier.get(*op))))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
     /// The operations called at least once, with their counts.
     pub fn nonzero(&self) -> Vec<(Op, u64)> {
         Op::ALL
