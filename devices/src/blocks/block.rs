@@ -6,10 +6,14 @@
 //! their neighbours. Blocks live in a slab ([`BlockArena`]) and refer to each other by
 //! [`BlockId`], so the core has no pointers and no unsafe code.
 //!
-//! The links are the arena's own: a block's `prev`/`next` are read through
-//! [`Block::prev`]/[`Block::next`] and changed only by the arena's list operations
-//! ([`BlockArena::insert_before`], [`BlockArena::insert_after`], [`BlockArena::absorb`]), so
-//! a split or a merge cannot leave a one-sided link.
+//! The record is the block's own: every field is private, read through a getter of the same
+//! name and changed only by the operations below, each a step of a block's life, with the
+//! state it may start from checked in debug builds ([`Block::allocate`], [`Block::begin_free`],
+//! [`Block::cache`], [`Block::begin_mapping`], ...). The links and the range are the arena's:
+//! `prev`/`next`, `addr` and `size` change only in its list operations
+//! ([`BlockArena::split_front`], [`BlockArena::split_back`], [`BlockArena::carve`],
+//! [`BlockArena::insert_before`], [`BlockArena::insert_after`], [`BlockArena::absorb`]), so a
+//! split or a merge cannot leave a one-sided link or a gap between neighbours.
 
 use gpualloc_runtime::StreamHandle;
 
@@ -36,34 +40,45 @@ pub(crate) enum BlockState {
 /// One block. See the module docs.
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
-    pub addr: u64,
-    pub size: u64,
+    addr: u64,
+    size: u64,
     /// What the user asked for (0 when free).
-    pub requested: u64,
+    requested: u64,
     /// The stream the segment was allocated for; the block is only reused on it.
-    pub stream: StreamHandle,
+    stream: StreamHandle,
     /// Index of the pool the block belongs to (see `core::PoolIndex`).
-    pub pool: usize,
+    pool: usize,
     prev: Option<BlockId>,
     next: Option<BlockId>,
-    pub state: BlockState,
+    state: BlockState,
     /// Outstanding stream events while `Pending`.
-    pub event_count: u32,
+    event_count: u32,
     /// Streams other than `stream` that used the block (`record_stream`).
-    pub stream_uses: Vec<StreamHandle>,
+    stream_uses: Vec<StreamHandle>,
     /// Base address of the block's segment.
-    pub segment: u64,
+    segment: u64,
     /// The pool's `get_free_block` call count when the block was cached (garbage collection age).
-    pub gc_base: u64,
+    gc_base: u64,
     /// False for the unmapped parts of an expandable segment.
-    pub mapped: bool,
+    mapped: bool,
     /// Part of an expandable segment.
-    pub expandable: bool,
+    expandable: bool,
 }
 
 impl Block {
     /// A fresh free block covering a whole segment.
-    pub fn segment(addr: u64, size: u64, stream: StreamHandle, pool: usize) -> Block {
+    pub fn whole_segment(addr: u64, size: u64, stream: StreamHandle, pool: usize) -> Block {
+        Block::in_segment(addr, addr, size, stream, pool)
+    }
+
+    /// A fresh free mapped block `[addr, addr + size)` of the segment at `segment`, unlinked.
+    pub fn in_segment(
+        segment: u64,
+        addr: u64,
+        size: u64,
+        stream: StreamHandle,
+        pool: usize,
+    ) -> Block {
         Block {
             addr,
             size,
@@ -75,10 +90,220 @@ impl Block {
             state: BlockState::Free,
             event_count: 0,
             stream_uses: Vec::new(),
-            segment: addr,
+            segment,
             gc_base: 0,
             mapped: true,
             expandable: false,
+        }
+    }
+
+    /// The block covering a whole reserved expandable segment: free, its pages not mapped.
+    pub fn reserved_range(addr: u64, size: u64, stream: StreamHandle, pool: usize) -> Block {
+        Block {
+            mapped: false,
+            expandable: true,
+            ..Block::whole_segment(addr, size, stream, pool)
+        }
+    }
+
+    /// A fresh free block `[addr, addr + size)` of this block's segment, stream and pool,
+    /// mapped as this one is, unlinked (the arena links it).
+    fn piece(&self, addr: u64, size: u64) -> Block {
+        Block {
+            mapped: self.mapped,
+            expandable: self.expandable,
+            ..Block::in_segment(self.segment, addr, size, self.stream, self.pool)
+        }
+    }
+
+    /// Start address.
+    #[inline]
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    #[inline]
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// What the user asked for (0 when not allocated).
+    #[inline]
+    pub fn requested(&self) -> u64 {
+        self.requested
+    }
+
+    /// The stream the block is reused on (its segment's, or the one it was handed to).
+    #[inline]
+    pub fn stream(&self) -> StreamHandle {
+        self.stream
+    }
+
+    /// Index of the block pool it belongs to.
+    #[inline]
+    pub fn pool(&self) -> usize {
+        self.pool
+    }
+
+    /// Where the block is in its life.
+    #[inline]
+    pub fn state(&self) -> BlockState {
+        self.state
+    }
+
+    /// Outstanding stream events while `Pending`.
+    #[inline]
+    pub fn event_count(&self) -> u32 {
+        self.event_count
+    }
+
+    /// Streams other than [`Block::stream`] that used the block (`record_stream`).
+    #[inline]
+    pub fn stream_uses(&self) -> &[StreamHandle] {
+        &self.stream_uses
+    }
+
+    /// Base address of the block's segment.
+    #[inline]
+    pub fn segment(&self) -> u64 {
+        self.segment
+    }
+
+    /// The pool's `get_free_block` call count when the block was cached (its garbage
+    /// collection age).
+    #[inline]
+    pub fn gc_base(&self) -> u64 {
+        self.gc_base
+    }
+
+    /// False for the unmapped parts of an expandable segment.
+    #[inline]
+    pub fn mapped(&self) -> bool {
+        self.mapped
+    }
+
+    /// Part of an expandable segment.
+    #[inline]
+    pub fn expandable(&self) -> bool {
+        self.expandable
+    }
+
+    /// Hands the free block to a user who asked for `requested` bytes.
+    #[inline]
+    pub fn allocate(&mut self, requested: u64) {
+        debug_assert_eq!(
+            self.state,
+            BlockState::Free,
+            "only a free block is handed out"
+        );
+        self.state = BlockState::Allocated;
+        self.requested = requested;
+    }
+
+    /// The user freed the block: it waits for its streams' events before it is cached.
+    #[inline]
+    pub fn begin_free(&mut self) {
+        debug_assert_eq!(
+            self.state,
+            BlockState::Allocated,
+            "only a live block is freed"
+        );
+        self.state = BlockState::Pending;
+    }
+
+    /// The block is cached (free, nothing requested) at garbage collection age `gc_base`.
+    #[inline]
+    pub fn cache(&mut self, gc_base: u64) {
+        self.state = BlockState::Free;
+        self.requested = 0;
+        self.gc_base = gc_base;
+    }
+
+    /// Sets the garbage collection age of a block that stays cached (a split's remainder, a
+    /// range just mapped or split off).
+    #[inline]
+    pub fn set_gc_base(&mut self, gc_base: u64) {
+        self.gc_base = gc_base;
+    }
+
+    /// Notes a use on `stream` (`record_stream`); a use on the block's own stream, or one
+    /// already noted, changes nothing. True when the use is new.
+    pub fn record_use(&mut self, stream: StreamHandle) -> bool {
+        if stream == self.stream || self.stream_uses.contains(&stream) {
+            return false;
+        }
+        self.stream_uses.push(stream);
+        true
+    }
+
+    /// Takes the uses noted, to record an event on each at free time.
+    pub fn take_uses(&mut self) -> Vec<StreamHandle> {
+        std::mem::take(&mut self.stream_uses)
+    }
+
+    /// Forgets the uses on the streams `forget` picks (uses recorded during a capture: the
+    /// graph's replays order them, no event is recorded for them).
+    pub fn forget_uses(&mut self, forget: impl Fn(&StreamHandle) -> bool) {
+        self.stream_uses.retain(|s| !forget(s));
+    }
+
+    /// One more stream event to wait for before the block is cached.
+    #[inline]
+    pub fn add_event(&mut self) {
+        debug_assert_eq!(
+            self.state,
+            BlockState::Pending,
+            "events wait on a freed block"
+        );
+        self.event_count += 1;
+    }
+
+    /// One of the block's stream events completed; true when it was the last.
+    #[inline]
+    pub fn complete_event(&mut self) -> bool {
+        debug_assert!(self.event_count > 0, "an event the block waits for");
+        self.event_count -= 1;
+        self.event_count == 0
+    }
+
+    /// The block is reused on `stream` from now on (a dropped stream's segment handed on).
+    /// The caller has taken it out of its pool's sets: a filed block's key holds its stream.
+    pub fn move_to_stream(&mut self, stream: StreamHandle) {
+        self.stream = stream;
+    }
+
+    /// Unmapped pages about to be mapped off the core: in no pool until committed or aborted.
+    pub fn begin_mapping(&mut self) {
+        debug_assert!(
+            self.state == BlockState::Free && !self.mapped,
+            "only unmapped free pages are mapped"
+        );
+        self.state = BlockState::Mapping;
+    }
+
+    /// Pages planned for mapping, or being unmapped, are free again (the plan aborted, the
+    /// unmap finished), still unmapped.
+    pub fn end_page_work(&mut self) {
+        debug_assert!(
+            matches!(self.state, BlockState::Mapping | BlockState::Unmapping),
+            "page work under way"
+        );
+        self.state = BlockState::Free;
+    }
+
+    /// The block's pages are mapped now: a free mapped block.
+    pub fn mark_mapped(&mut self) {
+        self.mapped = true;
+        self.state = BlockState::Free;
+    }
+
+    /// The block's pages are unmapped now; `in_flight`: still being unmapped off the core
+    /// (state `Unmapping` until that finishes).
+    pub fn mark_unmapped(&mut self, in_flight: bool) {
+        self.mapped = false;
+        if in_flight {
+            self.state = BlockState::Unmapping;
         }
     }
 
@@ -189,6 +414,46 @@ impl BlockArena {
         front_id
     }
 
+    /// Cuts block `id` to its front `len` bytes; the rest becomes a new free block of the same
+    /// segment, stream, pool and mapping, linked after it. Returns the rest's id.
+    pub fn split_back(&mut self, id: BlockId, len: u64) -> BlockId {
+        let b = self.get(id);
+        debug_assert!(len < b.size, "a split leaves a remainder");
+        let rest = b.piece(b.addr + len, b.size - len);
+        let rest_id = self.insert_after(id, rest);
+        self.get_mut(id).size = len;
+        rest_id
+    }
+
+    /// Narrows block `id` to `[start, start + len)`, inside it: the parts before and after
+    /// become new free blocks of the same segment, stream, pool and mapping, linked on each
+    /// side. Returns their ids (`None` where the range starts at the block's start, or ends
+    /// at its end).
+    pub fn carve(
+        &mut self,
+        id: BlockId,
+        start: u64,
+        len: u64,
+    ) -> (Option<BlockId>, Option<BlockId>) {
+        let b = self.get(id).clone();
+        debug_assert!(
+            start >= b.addr && start + len <= b.end(),
+            "carved only inside the block"
+        );
+        let before = (start > b.addr).then(|| {
+            let piece = b.piece(b.addr, start - b.addr);
+            self.insert_before(id, piece)
+        });
+        let after = (start + len < b.end()).then(|| {
+            let piece = b.piece(start + len, b.end() - start - len);
+            self.insert_after(id, piece)
+        });
+        let blk = self.get_mut(id);
+        blk.addr = start;
+        blk.size = len;
+        (before, after)
+    }
+
     /// Inserts `block` into the list just before block `at`; returns its id. The caller has
     /// made `block`'s range end where `at`'s begins.
     pub fn insert_before(&mut self, at: BlockId, mut block: Block) -> BlockId {
@@ -267,7 +532,7 @@ mod tests {
             device: DeviceId(0),
             raw: 1,
         };
-        Block::segment(addr, size, stream, 1)
+        Block::whole_segment(addr, size, stream, 1)
     }
 
     /// The ids in list order from `first`, checking each back link on the way.
@@ -324,5 +589,81 @@ mod tests {
         assert!(!f.mapped && f.segment == r.segment && f.stream == r.stream);
         let second = arena.split_front(mid, 0x80);
         assert_eq!(walk(&arena, front), [front, second, mid]);
+    }
+
+    #[test]
+    fn split_back_and_carve_keep_the_segment_and_its_links() {
+        let mut arena = BlockArena::default();
+        let id = arena.insert(Block::reserved_range(
+            0x1000,
+            0x800,
+            block(0, 1).stream(),
+            3,
+        ));
+        let rest = arena.split_back(id, 0x200);
+        assert_eq!(walk(&arena, id), [id, rest]);
+        let r = arena.get(rest);
+        assert_eq!(
+            (r.addr(), r.size(), r.segment(), r.pool()),
+            (0x1200, 0x600, 0x1000, 3)
+        );
+        assert!(!r.mapped() && r.expandable() && r.state() == BlockState::Free);
+        assert_eq!(arena.get(id).size(), 0x200);
+        // Both sides, one side, none.
+        let (before, after) = arena.carve(rest, 0x1300, 0x100);
+        let (before, after) = (before.expect("a part before"), after.expect("a part after"));
+        assert_eq!(walk(&arena, id), [id, before, rest, after]);
+        let sizes: Vec<_> = [before, rest, after]
+            .iter()
+            .map(|b| (arena.get(*b).addr(), arena.get(*b).size()))
+            .collect();
+        assert_eq!(sizes, [(0x1200, 0x100), (0x1300, 0x100), (0x1400, 0x400)]);
+        assert!(!arena.get(after).mapped() && arena.get(after).segment() == 0x1000);
+        assert_eq!(arena.carve(after, 0x1400, 0x200).0, None);
+        assert_eq!(arena.carve(before, 0x1200, 0x100), (None, None));
+        assert_eq!(walk(&arena, id).len(), 5);
+    }
+
+    #[test]
+    fn a_blocks_life_steps() {
+        let mut b = block(0x1000, 0x100);
+        let (own, other) = (
+            b.stream(),
+            StreamHandle {
+                raw: 9,
+                ..b.stream()
+            },
+        );
+        b.allocate(0xf0);
+        assert_eq!((b.state(), b.requested()), (BlockState::Allocated, 0xf0));
+        assert!(!b.record_use(own), "the block's own stream is no use");
+        assert!(b.record_use(other));
+        assert!(!b.record_use(other), "noted once");
+        assert_eq!(b.stream_uses(), [other]);
+        b.begin_free();
+        assert_eq!(b.state(), BlockState::Pending);
+        assert_eq!(b.take_uses(), [other]);
+        assert!(b.stream_uses().is_empty());
+        b.add_event();
+        b.add_event();
+        assert!(!b.complete_event());
+        assert!(b.complete_event(), "the last event");
+        b.cache(7);
+        assert_eq!(
+            (b.state(), b.requested(), b.gc_base()),
+            (BlockState::Free, 0, 7)
+        );
+        b.record_use(other);
+        b.forget_uses(|s| *s == other);
+        assert!(b.stream_uses().is_empty());
+        b.move_to_stream(other);
+        assert_eq!(b.stream(), other);
+        b.mark_unmapped(true);
+        assert_eq!((b.mapped(), b.state()), (false, BlockState::Unmapping));
+        b.end_page_work();
+        b.begin_mapping();
+        assert_eq!(b.state(), BlockState::Mapping);
+        b.mark_mapped();
+        assert_eq!((b.mapped(), b.state()), (true, BlockState::Free));
     }
 }

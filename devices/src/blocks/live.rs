@@ -81,8 +81,8 @@ mod tests {
             raw: 1,
         };
         let (a, b) = (
-            arena.insert(Block::segment(0x1000, 512, s, 0)),
-            arena.insert(Block::segment(0x2000, 512, s, 0)),
+            arena.insert(Block::whole_segment(0x1000, 512, s, 0)),
+            arena.insert(Block::whole_segment(0x2000, 512, s, 0)),
         );
         let mut live = LiveBlocks::default();
         assert!(!live.mark_exported(0x1000), "not live yet");

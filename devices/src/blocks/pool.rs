@@ -51,24 +51,25 @@ impl BlockPool {
     /// now. Every change of a filed block's stream, size or address is an unfile before and a
     /// file after, so the keys are computed here only.
     pub fn file_free(&mut self, b: &Block, id: BlockId) {
-        self.free.insert(key(b.stream.raw, b.size, b.addr), id);
+        self.free
+            .insert(key(b.stream().raw, b.size(), b.addr()), id);
     }
 
     /// Takes free mapped block `b` out of the pool; its id if it was filed.
     pub fn unfile_free(&mut self, b: &Block) -> Option<BlockId> {
-        self.free.remove(&key(b.stream.raw, b.size, b.addr))
+        self.free.remove(&key(b.stream().raw, b.size(), b.addr()))
     }
 
     /// Files unmapped block `b` (id `id`) under its key ([`unmapped_key`]).
     pub fn file_unmapped(&mut self, b: &Block, id: BlockId) {
         self.unmapped
-            .insert(unmapped_key(b.stream.raw, b.addr, b.size), id);
+            .insert(unmapped_key(b.stream().raw, b.addr(), b.size()), id);
     }
 
     /// Takes unmapped block `b` out of the pool; its id if it was filed.
     pub fn unfile_unmapped(&mut self, b: &Block) -> Option<BlockId> {
         self.unmapped
-            .remove(&unmapped_key(b.stream.raw, b.addr, b.size))
+            .remove(&unmapped_key(b.stream().raw, b.addr(), b.size()))
     }
 
     /// Takes the free mapped block filed under `k` out of the pool; its id if there was one.
@@ -101,11 +102,11 @@ impl BlockPool {
     /// Whether block `b` (id `id`) is filed here under its key as it is now: in the free
     /// tree if it is mapped, else in the unmapped one.
     pub fn holds(&self, b: &Block, id: BlockId) -> bool {
-        let filed = if b.mapped {
-            self.free.get(&key(b.stream.raw, b.size, b.addr))
+        let filed = if b.mapped() {
+            self.free.get(&key(b.stream().raw, b.size(), b.addr()))
         } else {
             self.unmapped
-                .get(&unmapped_key(b.stream.raw, b.addr, b.size))
+                .get(&unmapped_key(b.stream().raw, b.addr(), b.size()))
         };
         filed == Some(&id)
     }
@@ -157,9 +158,11 @@ mod tests {
             device: DeviceId(0),
             raw,
         };
-        let mut b = Block::segment(addr, size, stream, 1);
-        b.mapped = mapped;
-        b
+        if mapped {
+            Block::whole_segment(addr, size, stream, 1)
+        } else {
+            Block::reserved_range(addr, size, stream, 1)
+        }
     }
 
     #[test]
@@ -175,11 +178,9 @@ mod tests {
         assert!(pool.holds(&free, 3));
         assert!(pool.holds(&unmapped, 4));
         assert!(!pool.holds(&free, 4), "another id under the key");
-        let mut grown = free.clone();
-        grown.size += 0x200;
+        let grown = block(7, 0x1000, 0x600, true);
         assert!(!pool.holds(&grown, 3), "the size changed without a refile");
-        let mut now_unmapped = free.clone();
-        now_unmapped.mapped = false;
+        let now_unmapped = block(7, 0x1000, 0x400, false);
         assert!(!pool.holds(&now_unmapped, 3), "looked up in the other tree");
         assert_eq!(pool.len(), 2);
         assert_eq!(pool.free_ids().collect::<Vec<_>>(), [3]);

@@ -117,14 +117,14 @@ impl DeviceCore {
         let mut bytes = 0u64;
         while let Some(id) = at {
             let b = self.blocks.get(id);
-            if b.state != BlockState::Free {
+            if b.state() != BlockState::Free {
                 break;
             }
-            if !b.mapped {
-                let (need, avail) = ((size - bytes).min(b.size), b.size);
+            if !b.mapped() {
+                let (need, avail) = ((size - bytes).min(b.size()), b.size());
                 return Ok(self.plan_pages(id, need, avail, true, !params.exact_growth));
             }
-            bytes += b.size;
+            bytes += b.size();
             if bytes >= size {
                 break;
             }
@@ -147,7 +147,7 @@ impl DeviceCore {
     ) -> Option<GrowthPlan> {
         let (seg, pool, addr) = {
             let b = self.blocks.get(id);
-            (b.segment, b.pool, b.addr)
+            (b.segment(), b.pool(), b.addr())
         };
         let page = self.segment_page_size(pool);
         let (want, len) = self.growth_len(seg, pool, addr, need, avail, ahead);
@@ -158,8 +158,7 @@ impl DeviceCore {
             return None;
         }
         self.split_unmapped_front(id, len);
-        let b = self.blocks.get_mut(id);
-        b.state = BlockState::Mapping;
+        self.blocks.get_mut(id).begin_mapping();
         self.budget.claim(len);
         self.claim_for_pool(pool, len, true);
         self.expandable.begin_work(seg);
@@ -183,7 +182,7 @@ impl DeviceCore {
             && self.blocks.contains(plan.block)
             && {
                 let b = self.blocks.get(plan.block);
-                b.state == BlockState::Mapping && b.addr == plan.addr && b.size == plan.len
+                b.state() == BlockState::Mapping && b.addr() == plan.addr && b.size() == plan.len
             }
     }
 
@@ -241,7 +240,7 @@ impl DeviceCore {
     /// Cuts planned block `id` to its front `len` bytes; the rest becomes a free unmapped
     /// block again, filed with its unmapped neighbours.
     fn unplan_back(&mut self, id: BlockId, len: u64) {
-        let rest = self.split_back(id, len);
+        let rest = self.blocks.split_back(id, len);
         self.file_unmapped(rest);
     }
 
@@ -252,7 +251,7 @@ impl DeviceCore {
         let planned = self.planned(&plan);
         let reservation = self.end_growth(&plan);
         if planned {
-            self.blocks.get_mut(plan.block).state = BlockState::Free;
+            self.blocks.get_mut(plan.block).end_page_work();
             self.file_unmapped(plan.block);
         }
         reservation

@@ -165,10 +165,9 @@ impl DeviceCore {
         );
         self.segments
             .insert(base.0, SegmentMeta { size, pool, stream });
-        let mut block = Block::segment(base.0, size, stream, pool);
-        block.mapped = false;
-        block.expandable = true;
-        let id = self.blocks.insert(block);
+        let id = self
+            .blocks
+            .insert(Block::reserved_range(base.0, size, stream, pool));
         self.pools[pool].file_unmapped(self.blocks.get(id), id);
         tracing::debug!(
             device = self.device.0,
@@ -181,7 +180,7 @@ impl DeviceCore {
     }
 
     fn allocatable(&self, id: Option<BlockId>) -> bool {
-        id.is_some_and(|id| self.blocks.get(id).state == BlockState::Free)
+        id.is_some_and(|id| self.blocks.get(id).state() == BlockState::Free)
     }
 
     /// First block (lowest address) of `stream` in `pool` from which free and unmapped blocks
@@ -209,7 +208,7 @@ impl DeviceCore {
             let (mut bytes, mut b) = (0u64, Some(c));
             while bytes < size && self.allocatable(b) {
                 let blk = self.blocks.get(b.unwrap_or(c));
-                bytes += blk.size;
+                bytes += blk.size();
                 b = blk.next();
             }
             if bytes >= size {
@@ -223,56 +222,41 @@ impl DeviceCore {
     /// bytes (whole pages); the rest stays an unmapped block in the set.
     pub(crate) fn split_unmapped_front(&mut self, id: BlockId, len: u64) {
         let b = self.blocks.get(id).clone();
-        debug_assert!(!b.mapped && len <= b.size);
-        let pool = b.pool;
+        debug_assert!(!b.mapped() && len <= b.size());
+        let pool = b.pool();
         self.pools[pool].unfile_unmapped(&b);
-        if len < b.size {
-            let rest_id = self.split_back(id, len);
+        if len < b.size() {
+            let rest_id = self.blocks.split_back(id, len);
             self.pools[pool].file_unmapped(self.blocks.get(rest_id), rest_id);
         }
-    }
-
-    /// Cuts free block `id` of an expandable segment (in no set) to its front `len` bytes;
-    /// returns the rest, a new free block of the same kind (mapped or not) linked after it, in
-    /// no set.
-    pub(crate) fn split_back(&mut self, id: BlockId, len: u64) -> BlockId {
-        let b = self.blocks.get(id).clone();
-        let mut rest = Block::segment(b.addr + len, b.size - len, b.stream, b.pool);
-        rest.segment = b.segment;
-        rest.mapped = b.mapped;
-        rest.expandable = b.expandable;
-        let rest_id = self.blocks.insert_after(id, rest);
-        self.blocks.get_mut(id).size = len;
-        rest_id
     }
 
     /// Books block `id` (out of every set, its pages just mapped) as a free mapped block:
     /// merged with free neighbours, in its pool, counted as reserved.
     pub(crate) fn book_mapped(&mut self, id: BlockId) {
         let b = self.blocks.get(id).clone();
-        let (start, len, pool) = (b.addr, b.size, b.pool);
+        let (start, len, pool) = (b.addr(), b.size(), b.pool());
         debug_assert!(self
             .expandable
-            .get(b.segment)
+            .get(b.segment())
             .is_some_and(|es| es.pages_are(start, len, true)));
         let blk = self.blocks.get_mut(id);
-        blk.mapped = true;
-        blk.state = BlockState::Free;
+        blk.mark_mapped();
         let (prev, next) = (blk.prev(), blk.next());
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
         let gc_base = self.pools[pool].get_free_block_calls;
         let blk = self.blocks.get_mut(id);
-        blk.gc_base = gc_base;
+        blk.set_gc_base(gc_base);
         self.pools[pool].file_free(blk, id);
-        self.book_pages(pool, b.stream.raw, start, len, Booking::Mapped);
+        self.book_pages(pool, b.stream().raw, start, len, Booking::Mapped);
     }
 
     /// Unmaps the whole pages of free block `id` (PyTorch's `unmap_block`).
     pub(crate) fn unmap_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.blocks.get(id).clone();
-        let (start, len) = self.es_unmap(b.segment, b.addr, b.size)?;
+        let (start, len) = self.es_unmap(b.segment(), b.addr(), b.size())?;
         if len == 0 {
             return Ok(());
         }
@@ -289,45 +273,27 @@ impl DeviceCore {
         let b = self.blocks.get(id).clone();
         debug_assert!(self
             .expandable
-            .get(b.segment)
+            .get(b.segment())
             .is_some_and(|es| es.pages_are(start, len, false)));
         debug_assert!(
-            start >= b.addr && start + len <= b.end(),
+            start >= b.addr() && start + len <= b.end(),
             "unmapped only inside the block"
         );
-        let pool = b.pool;
+        let pool = b.pool();
         self.pools[pool].unfile_free(&b);
         let gc_base = self.pools[pool].get_free_block_calls;
-        let split_off = |core: &mut DeviceCore, addr: u64, size: u64, before: bool| {
-            let mut nb = Block::segment(addr, size, b.stream, pool);
-            nb.segment = b.segment;
-            nb.expandable = true;
-            nb.gc_base = gc_base;
-            let nid = if before {
-                core.blocks.insert_before(id, nb)
-            } else {
-                core.blocks.insert_after(id, nb)
-            };
-            core.pools[pool].file_free(core.blocks.get(nid), nid);
-        };
-        let before = start - b.addr;
-        if before > 0 {
-            split_off(self, b.addr, before, true);
+        // The parts before and after stay free mapped blocks of the segment.
+        let (before, after) = self.blocks.carve(id, start, len);
+        for piece in [before, after].into_iter().flatten() {
+            let blk = self.blocks.get_mut(piece);
+            blk.set_gc_base(gc_base);
+            self.pools[pool].file_free(blk, piece);
         }
-        let after = b.size - before - len;
-        if after > 0 {
-            split_off(self, start + len, after, false);
-        }
-        let blk = self.blocks.get_mut(id);
-        blk.addr = start;
-        blk.size = len;
-        blk.mapped = false;
-        if in_flight {
-            blk.state = BlockState::Unmapping;
-        } else {
+        self.blocks.get_mut(id).mark_unmapped(in_flight);
+        if !in_flight {
             self.file_unmapped(id);
         }
-        self.book_pages(pool, b.stream.raw, start, len, Booking::Released);
+        self.book_pages(pool, b.stream().raw, start, len, Booking::Released);
     }
 
     /// Counts `len` bytes of pages of block pool `pool` from `start` as mapped, released, or
@@ -357,7 +323,7 @@ impl DeviceCore {
     /// neighbours.
     pub(crate) fn file_unmapped(&mut self, id: BlockId) {
         let blk = self.blocks.get(id);
-        let (prev, next, pool) = (blk.prev(), blk.next(), blk.pool);
+        let (prev, next, pool) = (blk.prev(), blk.next(), blk.pool());
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
@@ -378,14 +344,14 @@ impl DeviceCore {
         let size = es.size();
         let head = self.pools.iter().enumerate().find_map(|(p, pool)| {
             pool.unmapped_ids()
-                .find(|&id| self.blocks.get(id).segment == seg)
+                .find(|&id| self.blocks.get(id).segment() == seg)
                 .map(|id| (p, id))
         });
         let Some((pool, id)) = head else {
             return Ok(());
         };
         let b = self.blocks.get(id);
-        if b.size != size {
+        if b.size() != size {
             return Ok(()); // blocks of the segment are still in use
         }
         self.backend.va_free(self.device, DevicePtr(seg), size)?;

@@ -61,10 +61,10 @@ impl DeviceCore {
         self.pools[pool]
             .free_ids()
             .map(|id| self.blocks.get(id))
-            .filter(|b| b.expandable)
+            .filter(|b| b.expandable())
             .filter_map(|b| {
-                let es = self.expandable.get(b.segment)?;
-                let (first, last) = es.pages_inside(b.addr, b.end())?;
+                let es = self.expandable.get(b.segment())?;
+                let (first, last) = es.pages_inside(b.addr(), b.end())?;
                 Some((last - first) as u64 * es.page)
             })
             .sum()
@@ -76,12 +76,12 @@ impl DeviceCore {
         // The free sets hold mapped blocks only (unmapped ones have sets of their own).
         let ids: Vec<BlockId> = self.pools[pool]
             .free_ids()
-            .filter(|&id| self.blocks.get(id).expandable)
+            .filter(|&id| self.blocks.get(id).expandable())
             .collect();
         let mut out = Vec::new();
         for id in ids {
             let b = self.blocks.get(id);
-            let (seg, stream, addr, end) = (b.segment, b.stream, b.addr, b.end());
+            let (seg, stream, addr, end) = (b.segment(), b.stream(), b.addr(), b.end());
             let Some(es) = self.expandable.get_mut(seg) else {
                 continue;
             };
@@ -116,10 +116,10 @@ impl DeviceCore {
         let id = release.block;
         let live = !self.shut_down
             && self.blocks.contains(id)
-            && self.blocks.get(id).state == BlockState::Unmapping
-            && self.blocks.get(id).addr == release.mapped.start;
+            && self.blocks.get(id).state() == BlockState::Unmapping
+            && self.blocks.get(id).addr() == release.mapped.start;
         if live {
-            self.blocks.get_mut(id).state = BlockState::Free;
+            self.blocks.get_mut(id).end_page_work();
             self.file_unmapped(id);
             if !self.expandable.is_busy(release.seg) {
                 self.release_expandable_segment_if_empty(release.seg)?;

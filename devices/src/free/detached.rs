@@ -103,7 +103,7 @@ impl DeviceCore {
             .free_ids()
             .filter(|&id| {
                 let b = self.blocks.get(id);
-                !b.is_split() && !b.expandable
+                !b.is_split() && !b.expandable()
             })
             .collect();
         whole.into_iter().map(|id| self.detach_block(id)).collect()
@@ -112,7 +112,7 @@ impl DeviceCore {
     /// `release_block` without the driver call.
     pub(crate) fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
         let b = self.blocks.get(id);
-        let (addr, size, stream, pool) = (b.addr, b.size, b.stream, b.pool);
+        let (addr, size, stream, pool) = (b.addr(), b.size(), b.stream(), b.pool());
         self.record_in(TraceAction::SegmentFree, addr, size, stream.raw, Some(pool));
         tracing::debug!(device = self.device.0, addr, size, "segment_free");
         self.pools[pool].unfile_free(self.blocks.get(id));

@@ -24,11 +24,11 @@ impl DeviceCore {
             self.captures.defer(id);
             return;
         }
-        let uses = std::mem::take(&mut self.blocks.get_mut(id).stream_uses);
+        let uses = self.blocks.get_mut(id).take_uses();
         for stream in uses {
             match self.record_event(stream) {
                 Ok(event) => {
-                    self.blocks.get_mut(id).event_count += 1;
+                    self.blocks.get_mut(id).add_event();
                     self.pending.push(stream, event, id);
                 }
                 Err(e) => {
@@ -39,7 +39,7 @@ impl DeviceCore {
                 }
             }
         }
-        if self.blocks.get(id).event_count == 0 {
+        if self.blocks.get(id).event_count() == 0 {
             self.return_block(id);
         }
     }
@@ -48,7 +48,7 @@ impl DeviceCore {
     /// lender, and the loan ends (`streams/loans.rs`). The hit path's frees have no uses and
     /// call `free_block` itself, so loans cost them nothing.
     fn return_block(&mut self, id: BlockId) {
-        let addr = self.blocks.get(id).addr;
+        let addr = self.blocks.get(id).addr();
         self.free_block(id);
         self.restream_if_lent(TraceAction::FreeCompleted, addr);
         self.loans.end(addr);
@@ -122,9 +122,7 @@ impl DeviceCore {
     /// One event of block `id` completed; frees the block when it was the last. Returns 1 if
     /// the block went back to its pool.
     fn event_done(&mut self, id: BlockId) -> usize {
-        let b = self.blocks.get_mut(id);
-        b.event_count -= 1;
-        if b.event_count == 0 {
+        if self.blocks.get_mut(id).complete_event() {
             self.return_block(id);
             1
         } else {

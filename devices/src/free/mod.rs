@@ -10,7 +10,6 @@ pub(crate) mod release;
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::blocks::block::BlockState;
 use crate::core::{Allocation, DeviceCore};
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
@@ -46,10 +45,14 @@ impl DeviceCore {
             return Err(AllocError::UnknownPointer(ptr));
         };
         let block = self.blocks.get_mut(id);
-        block.state = BlockState::Pending;
-        let (size, requested, stream, pool) =
-            (block.size, block.requested, block.stream, block.pool);
-        let has_uses = !block.stream_uses.is_empty();
+        block.begin_free();
+        let (size, requested, stream, pool) = (
+            block.size(),
+            block.requested(),
+            block.stream(),
+            block.pool(),
+        );
+        let has_uses = !block.stream_uses().is_empty();
         let small = self.pools[pool].is_small;
         self.book_freed(pool, small, size);
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
@@ -83,9 +86,7 @@ impl DeviceCore {
         let Some(id) = self.active.get(ptr.0) else {
             return Err(AllocError::UnknownPointer(ptr));
         };
-        let block = self.blocks.get_mut(id);
-        if stream != block.stream && !block.stream_uses.contains(&stream) {
-            block.stream_uses.push(stream);
+        if self.blocks.get_mut(id).record_use(stream) {
             self.note_capture_use(id, stream);
         }
         Ok(())
@@ -97,12 +98,12 @@ impl DeviceCore {
             let b = self.blocks.get(id);
             Allocation {
                 ptr,
-                size: b.requested,
-                block_size: b.size,
-                stream: self.user_stream(ptr.0, b.stream),
-                small_pool: self.pools[b.pool].is_small,
-                oversize: b.size >= self.config.max_split_size,
-                pool: self.owner_of(b.pool),
+                size: b.requested(),
+                block_size: b.size(),
+                stream: self.user_stream(ptr.0, b.stream()),
+                small_pool: self.pools[b.pool()].is_small,
+                oversize: b.size() >= self.config.max_split_size,
+                pool: self.owner_of(b.pool()),
             }
         })
     }

@@ -14,7 +14,7 @@ impl DeviceCore {
     pub(crate) fn free_block(&mut self, id: BlockId) {
         let b = self.blocks.get(id);
         let (addr, requested, stream, pool, original_size) =
-            (b.addr, b.requested, b.stream, b.pool, b.size);
+            (b.addr(), b.requested(), b.stream(), b.pool(), b.size());
         let (prev, next) = (b.prev(), b.next());
         self.record(TraceAction::FreeCompleted, addr, requested, stream.raw);
         let mut inactive_blocks: i64 = 0;
@@ -28,11 +28,9 @@ impl DeviceCore {
         }
         let gc_base = self.pools[pool].get_free_block_calls;
         let b = self.blocks.get_mut(id);
-        b.state = BlockState::Free;
-        b.requested = 0;
-        b.gc_base = gc_base;
+        b.cache(gc_base);
         // A freed block was allocated, so it is mapped.
-        let (is_split, size, expandable) = (b.is_split(), b.size, b.expandable);
+        let (is_split, size, expandable) = (b.is_split(), b.size(), b.expandable());
         self.pools[pool].file_free(b, id);
         if is_split {
             inactive_blocks += 1;
@@ -51,32 +49,33 @@ impl DeviceCore {
     pub(crate) fn try_merge_blocks(&mut self, dst: BlockId, src: BlockId) -> u64 {
         let s = self.blocks.get(src);
         let d = self.blocks.get(dst);
-        if s.state != BlockState::Free || !s.stream_uses.is_empty() || s.mapped != d.mapped {
+        if s.state() != BlockState::Free || !s.stream_uses().is_empty() || s.mapped() != d.mapped()
+        {
             return 0;
         }
         let Some(src_block) = self.blocks.absorb(dst, src) else {
             return 0;
         };
-        let pool = &mut self.pools[src_block.pool];
-        if src_block.mapped {
+        let pool = &mut self.pools[src_block.pool()];
+        if src_block.mapped() {
             pool.unfile_free(&src_block);
         } else {
             pool.unfile_unmapped(&src_block);
         }
-        src_block.size
+        src_block.size()
     }
 
     /// True for a free block that is a whole ordinary (not expandable) segment.
     fn is_whole_segment(&self, id: BlockId) -> bool {
         let b = self.blocks.get(id);
-        !b.is_split() && !b.expandable
+        !b.is_split() && !b.expandable()
     }
 
     /// Returns a whole free segment to the backend (PyTorch's `release_block`).
     pub(crate) fn release_block(&mut self, id: BlockId) -> Result<(), AllocError> {
         let b = self.blocks.get(id);
-        debug_assert!(!b.is_split() && b.state == BlockState::Free);
-        let (addr, size) = (b.addr, b.size);
+        debug_assert!(!b.is_split() && b.state() == BlockState::Free);
+        let (addr, size) = (b.addr(), b.size());
         let _span = tracing::debug_span!("device_free", device = self.device.0, size).entered();
         self.backend.free(self.device, DevicePtr(addr))?;
         // The bookkeeping is the detached path's (`detached.rs`), after the driver call.
@@ -91,7 +90,7 @@ impl DeviceCore {
         let (mut whole, mut to_unmap) = (Vec::new(), Vec::new());
         for id in self.pools[pool].free_ids() {
             let b = self.blocks.get(id);
-            if b.expandable {
+            if b.expandable() {
                 to_unmap.push(id);
             } else if !b.is_split() {
                 whole.push(id);
@@ -104,10 +103,10 @@ impl DeviceCore {
         for id in to_unmap {
             // Unmapping merges neighbours: skip blocks merged away by an earlier unmap.
             if self.blocks.contains(id)
-                && self.blocks.get(id).state == BlockState::Free
-                && self.blocks.get(id).mapped
+                && self.blocks.get(id).state() == BlockState::Free
+                && self.blocks.get(id).mapped()
             {
-                segments.push(self.blocks.get(id).segment);
+                segments.push(self.blocks.get(id).segment());
                 self.unmap_block(id)?;
             }
         }
@@ -216,7 +215,7 @@ impl DeviceCore {
         }
         let target = self.budget.reserved() - threshold;
         let calls = self.pools[LARGE_POOL].get_free_block_calls;
-        let age = |id: BlockId| calls - self.blocks.get(id).gc_base;
+        let age = |id: BlockId| calls - self.blocks.get(id).gc_base();
         let mut freeable: Vec<BlockId> = self.pools[LARGE_POOL]
             .free_ids()
             .filter(|&id| self.is_whole_segment(id))
@@ -233,7 +232,7 @@ impl DeviceCore {
             }
             for id in old {
                 total_age -= age(id);
-                reclaimed += self.blocks.get(id).size;
+                reclaimed += self.blocks.get(id).size();
                 victims.push(id);
             }
             freeable = young;

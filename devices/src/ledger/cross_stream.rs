@@ -57,7 +57,7 @@ impl CrossStreamLog {
     /// Checks the free of `block` (see the module docs); called only with the key on. True
     /// when it reported the free (the caller counts it in the stats).
     pub(crate) fn check_free(&mut self, backend: &dyn Backend, block: &Block) -> bool {
-        let (ptr, size, stream) = (DevicePtr(block.addr), block.size, block.stream);
+        let (ptr, size, stream) = (DevicePtr(block.addr()), block.size(), block.stream());
         let others = match backend.unordered_users(stream, ptr, size) {
             Ok(Some(users)) => users,
             Ok(None) => {
@@ -78,7 +78,7 @@ impl CrossStreamLog {
         };
         let others: Vec<StreamHandle> = others
             .into_iter()
-            .filter(|s| *s != stream && !block.stream_uses.contains(s))
+            .filter(|s| *s != stream && !block.stream_uses().contains(s))
             .collect();
         if others.is_empty() {
             return false;

@@ -86,12 +86,12 @@ impl DeviceCore {
     pub fn snapshot(&self) -> DeviceSnapshot {
         let mut by_segment: BTreeMap<u64, Vec<BlockId>> = BTreeMap::new();
         for (id, b) in self.blocks.iter() {
-            by_segment.entry(b.segment).or_default().push(id);
+            by_segment.entry(b.segment()).or_default().push(id);
         }
         let mut segments = Vec::with_capacity(self.segments.len());
         for (&base, meta) in self.segments.iter() {
             let mut ids = by_segment.remove(&base).unwrap_or_default();
-            ids.sort_by_key(|&id| self.blocks.get(id).addr);
+            ids.sort_by_key(|&id| self.blocks.get(id).addr());
             let asleep = self
                 .expandable
                 .get(base)
@@ -101,10 +101,10 @@ impl DeviceCore {
                 .map(|&id| {
                     let b = self.blocks.get(id);
                     BlockInfo {
-                        address: b.addr,
-                        size: b.size,
-                        requested_size: b.requested,
-                        state: match b.state {
+                        address: b.addr(),
+                        size: b.size(),
+                        requested_size: b.requested(),
+                        state: match b.state() {
                             BlockState::Allocated => BlockStateName::ActiveAllocated,
                             BlockState::Pending => BlockStateName::ActivePendingFree,
                             BlockState::Free | BlockState::Mapping | BlockState::Unmapping => {
@@ -112,9 +112,9 @@ impl DeviceCore {
                             }
                         },
                         // A sleeping pool's blocks keep their books but have no memory.
-                        mapped: b.mapped && !asleep,
-                        frames: if b.state == BlockState::Allocated {
-                            self.history.frames_of(b.addr).cloned()
+                        mapped: b.mapped() && !asleep,
+                        frames: if b.state() == BlockState::Allocated {
+                            self.history.frames_of(b.addr()).cloned()
                         } else {
                             None
                         },
@@ -227,7 +227,7 @@ impl DeviceCore {
             let head = self
                 .blocks
                 .iter()
-                .find(|(_, b)| b.addr == base && b.segment == base)
+                .find(|(_, b)| b.addr() == base && b.segment() == base)
                 .map(|(id, _)| id)
                 .ok_or_else(|| format!("segment {base:#x} has no head block"))?;
             let mut cursor = base;
@@ -235,85 +235,90 @@ impl DeviceCore {
             let mut next = Some(head);
             while let Some(id) = next {
                 let b = self.blocks.get(id);
-                if b.addr != cursor || b.prev() != prev || b.segment != base || b.pool != meta.pool
+                if b.addr() != cursor
+                    || b.prev() != prev
+                    || b.segment() != base
+                    || b.pool() != meta.pool
                 {
                     return Err(format!(
                         "block {id} at {:#x} breaks segment {base:#x}'s chain",
-                        b.addr
+                        b.addr()
                     ));
                 }
-                if b.size == 0 {
-                    return Err(format!("empty block at {:#x}", b.addr));
+                if b.size() == 0 {
+                    return Err(format!("empty block at {:#x}", b.addr()));
                 }
-                if b.expandable != es.is_some() {
+                if b.expandable() != es.is_some() {
                     return Err(format!(
                         "block at {:#x} disagrees with its segment on expandability",
-                        b.addr
+                        b.addr()
                     ));
                 }
                 if let Some(es) = es {
                     // Mapped blocks lie on mapped pages; unmapped blocks are whole unmapped pages.
-                    if !es.booked_pages_are(b.addr, b.size, b.mapped) {
+                    if !es.booked_pages_are(b.addr(), b.size(), b.mapped()) {
                         return Err(format!(
                             "block at {:#x} (mapped: {}) crosses pages of the other kind",
-                            b.addr, b.mapped
+                            b.addr(),
+                            b.mapped()
                         ));
                     }
-                    if !b.mapped && ((b.addr - base) % es.page != 0 || b.size % es.page != 0) {
+                    if !b.mapped() && ((b.addr() - base) % es.page != 0 || b.size() % es.page != 0)
+                    {
                         return Err(format!(
                             "unmapped block at {:#x} is not page aligned",
-                            b.addr
+                            b.addr()
                         ));
                     }
-                    if !b.mapped
+                    if !b.mapped()
                         && !matches!(
-                            b.state,
+                            b.state(),
                             BlockState::Free | BlockState::Mapping | BlockState::Unmapping
                         )
                     {
-                        return Err(format!("unmapped block at {:#x} is in use", b.addr));
+                        return Err(format!("unmapped block at {:#x} is in use", b.addr()));
                     }
                 }
-                match b.state {
+                match b.state() {
                     BlockState::Mapping | BlockState::Unmapping => {
-                        if b.mapped || !b.expandable {
+                        if b.mapped() || !b.expandable() {
                             return Err(format!(
                                 "block at {:#x} being mapped is mapped or not expandable",
-                                b.addr
+                                b.addr()
                             ));
                         }
                     }
                     BlockState::Free => {
                         free_seen += 1;
-                        if !self.pools[b.pool].holds(b, id) {
+                        if !self.pools[b.pool()].holds(b, id) {
                             return Err(format!(
                                 "free block at {:#x} missing from its pool",
-                                b.addr
+                                b.addr()
                             ));
                         }
-                        if b.event_count != 0 {
-                            return Err(format!("free block at {:#x} has events", b.addr));
+                        if b.event_count() != 0 {
+                            return Err(format!("free block at {:#x} has events", b.addr()));
                         }
                     }
                     BlockState::Allocated => {
-                        if self.active.get(b.addr) != Some(id) {
+                        if self.active.get(b.addr()) != Some(id) {
                             return Err(format!(
                                 "allocated block at {:#x} not in the active map",
-                                b.addr
+                                b.addr()
                             ));
                         }
-                        add(&mut allocated, small, b.size);
+                        add(&mut allocated, small, b.size());
                         add(&mut allocations, small, 1);
-                        add(&mut active, small, b.size);
-                        add(&mut requested, small, b.requested);
+                        add(&mut active, small, b.size());
+                        add(&mut requested, small, b.requested());
                     }
                     BlockState::Pending => {
                         pending_blocks += 1;
-                        if b.event_count == 0 {
-                            return Err(format!("pending block at {:#x} has no events", b.addr));
+                        if b.event_count() == 0 {
+                            return Err(format!("pending block at {:#x} has no events", b.addr()));
                         }
-                        add(&mut active, small, b.size);
-                        add(&mut requested, small, b.requested);
+                        add(&mut active, small, b.size());
+                        add(&mut requested, small, b.requested());
                     }
                 }
                 cursor = b.end();

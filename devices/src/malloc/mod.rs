@@ -12,7 +12,7 @@ pub(crate) mod segment_request;
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::blocks::block::{Block, BlockId, BlockState};
+use crate::blocks::block::{Block, BlockId};
 use crate::config::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::core::{AllocParams, Allocation, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
@@ -192,7 +192,7 @@ impl DeviceCore {
                 walk = pool.free_range((std::ops::Bound::Excluded(k), std::ops::Bound::Unbounded));
             }
         }
-        if self.blocks.get(id).expandable {
+        if self.blocks.get(id).expandable() {
             // Best fit by the size a block can grow to (its size plus the pages after it that
             // are not mapped), so address space stays free for growth. Pages being mapped or
             // unmapped off the core count as not mapped, up to the next mapped page: the
@@ -200,17 +200,17 @@ impl DeviceCore {
             // of the history maps them where the history shows them). Without pages in
             // flight this is PyTorch's rule: its unmapped neighbours are one block.
             let grow = |id: BlockId| {
-                let mut size = self.blocks.get(id).size;
+                let mut size = self.blocks.get(id).size();
                 let mut next = self.blocks.get(id).next();
-                while let Some(n) = next.map(|n| self.blocks.get(n)).filter(|n| !n.mapped) {
-                    size += n.size;
+                while let Some(n) = next.map(|n| self.blocks.get(n)).filter(|n| !n.mapped()) {
+                    size += n.size();
                     next = n.next();
                 }
                 size
             };
             let mut best = grow(id);
             for (nk, nid) in walk {
-                if !self.blocks.get(id).expandable || nk.0 != stream {
+                if !self.blocks.get(id).expandable() || nk.0 != stream {
                     break;
                 }
                 let candidate = grow(*nid);
@@ -223,7 +223,7 @@ impl DeviceCore {
         if !params.any_fit && self.passes_over(id, params) {
             return self.take_tail(params);
         }
-        if !self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable) {
+        if !self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable()) {
             return false;
         }
         self.pools[params.pool].take_free(&k);
@@ -270,8 +270,8 @@ impl DeviceCore {
 
     /// PyTorch's `should_split`.
     fn should_split(&self, block: &Block, size: u64) -> bool {
-        let remaining = block.size - size;
-        if self.pools[block.pool].is_small || self.config.expandable_segments {
+        let remaining = block.size() - size;
+        if self.pools[block.pool()].is_small || self.config.expandable_segments {
             remaining >= MIN_BLOCK_SIZE
         } else {
             size < self.config.max_split_size && remaining > SMALL_SIZE
@@ -282,17 +282,17 @@ impl DeviceCore {
     /// (PyTorch's `alloc_found_block`).
     fn alloc_found_block(&mut self, mut id: BlockId, size: u64, requested: u64) -> Allocation {
         let found = self.blocks.get(id).clone();
-        let small = self.pools[found.pool].is_small;
+        let small = self.pools[found.pool()].is_small;
         let already_split = found.is_split();
         if self.should_split(&found, size) {
             // The front `size` bytes become a new block; the remainder keeps the old id.
             let front_id = self.blocks.split_front(id, size);
-            let gc_base = self.pools[found.pool].get_free_block_calls;
+            let gc_base = self.pools[found.pool()].get_free_block_calls;
             let rest = self.blocks.get_mut(id);
-            rest.gc_base = gc_base;
-            let rest_size = rest.size;
-            self.pools[found.pool].file_free(rest, id);
-            if found.expandable {
+            rest.set_gc_base(gc_base);
+            let rest_size = rest.size();
+            self.pools[found.pool()].file_free(rest, id);
+            if found.expandable() {
                 // inactive_split is not tracked for expandable segments (as in PyTorch).
             } else if already_split {
                 self.book_inactive_split_shrank(small, 0, size);
@@ -300,13 +300,13 @@ impl DeviceCore {
                 self.book_inactive_split_grew(small, 1, rest_size);
             }
             id = front_id;
-        } else if already_split && !found.expandable {
-            self.book_inactive_split_shrank(small, 1, found.size);
+        } else if already_split && !found.expandable() {
+            self.book_inactive_split_shrank(small, 1, found.size());
         }
         let block = self.blocks.get_mut(id);
-        block.state = BlockState::Allocated;
-        block.requested = requested;
-        let (addr, bsize, stream, pool) = (block.addr, block.size, block.stream, block.pool);
+        block.allocate(requested);
+        let (addr, bsize, stream, pool) =
+            (block.addr(), block.size(), block.stream(), block.pool());
         self.active.insert(addr, id);
         let owner = self.owner_of(pool);
         let oversize = self.book_allocated(pool, small, bsize, requested);

@@ -32,9 +32,9 @@ impl DeviceCore {
     /// of an expandable segment whose split would leave a remainder in `(0, DEAD_REMAINDER)`.
     pub(crate) fn passes_over(&self, id: BlockId, params: &AllocParams) -> bool {
         let b = self.blocks.get(id);
-        let remainder = b.size - params.size;
+        let remainder = b.size() - params.size;
         self.config.policy.avoids_dead_remainders()
-            && b.expandable
+            && b.expandable()
             && !self.pools[params.pool].is_small
             && remainder > 0
             && remainder < DEAD_REMAINDER
@@ -58,9 +58,9 @@ impl DeviceCore {
             .map(|(_, id)| *id)
             .filter(|id| {
                 let b = blocks.get(*id);
-                b.mapped && b.next().is_some_and(|n| !blocks.get(n).mapped)
+                b.mapped() && b.next().is_some_and(|n| !blocks.get(n).mapped())
             })
-            .min_by_key(|id| blocks.get(*id).addr);
+            .min_by_key(|id| blocks.get(*id).addr());
         let Some(id) = tail else {
             return false;
         };

@@ -48,9 +48,12 @@ impl DeviceCore {
     /// Takes a freshly allocated segment of `params.alloc_size` bytes into the books.
     pub(crate) fn adopt_segment(&mut self, params: &mut AllocParams, ptr: DevicePtr) {
         let size = params.alloc_size;
-        let id = self
-            .blocks
-            .insert(Block::segment(ptr.0, size, params.stream, params.pool));
+        let id = self.blocks.insert(Block::whole_segment(
+            ptr.0,
+            size,
+            params.stream,
+            params.pool,
+        ));
         self.book_segment(
             ptr.0,
             SegmentMeta {

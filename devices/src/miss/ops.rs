@@ -148,22 +148,22 @@ impl DeviceCore {
     fn growth_step(&mut self, params: &mut AllocParams, c: BlockId) -> Flow {
         let size = params.size;
         let b = self.blocks.get(c);
-        let (to_map, need) = if !b.mapped {
-            (c, b.size.min(size))
-        } else if b.size < size {
+        let (to_map, need) = if !b.mapped() {
+            (c, b.size().min(size))
+        } else if b.size() < size {
             let Some(next) = b.next() else {
                 return Flow::Fail(AllocError::InvalidSize {
                     size,
                     reason: "expandable segment exhausted (internal)",
                 });
             };
-            (next, (size - b.size).min(self.blocks.get(next).size))
+            (next, (size - b.size()).min(self.blocks.get(next).size()))
         } else {
             self.pools[params.pool].unfile_free(b);
             params.block = Some(c);
             return Flow::Found;
         };
-        let avail = self.blocks.get(to_map).size;
+        let avail = self.blocks.get(to_map).size();
         // The memory fraction counts the pages to map where growth is in 2 MiB pages (the
         // check in `alloc_block_step` counted PyTorch's segment size, which such a growth is
         // not).

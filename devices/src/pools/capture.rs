@@ -162,8 +162,7 @@ impl DeviceCore {
             let during_captures = self.captures.take_uses(id);
             self.blocks
                 .get_mut(id)
-                .stream_uses
-                .retain(|s| !during_captures.contains(s));
+                .forget_uses(|s| during_captures.contains(s));
             self.insert_events(id);
         }
     }
@@ -172,7 +171,7 @@ impl DeviceCore {
     /// not have announced): no event may be recorded there.
     pub(crate) fn uses_capturing(&self, id: BlockId) -> bool {
         self.backend.capture_may_be_underway()
-            && self.blocks.get(id).stream_uses.iter().any(|s| {
+            && self.blocks.get(id).stream_uses().iter().any(|s| {
                 self.backend
                     .stream_capture_status(*s)
                     .is_ok_and(|c| c.is_capturing())

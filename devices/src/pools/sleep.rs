@@ -204,7 +204,7 @@ impl DeviceCore {
         let exported = self
             .active
             .exported()
-            .filter(|&id| own.contains(&self.blocks.get(id).pool))
+            .filter(|&id| own.contains(&self.blocks.get(id).pool()))
             .count();
         if exported > 0 {
             return Err(AllocError::PoolExported {
@@ -231,16 +231,16 @@ impl DeviceCore {
             .map(|es| es.stream)
             .collect();
         let mut copies = Vec::new();
-        for (_, b) in self.blocks.iter().filter(|(_, b)| own.contains(&b.pool)) {
-            streams.extend(b.stream_uses.iter().copied());
-            if b.state == BlockState::Allocated && mode == SleepMode::Offload {
-                copies.push((DevicePtr(b.addr), b.requested));
+        for (_, b) in self.blocks.iter().filter(|(_, b)| own.contains(&b.pool())) {
+            streams.extend(b.stream_uses().iter().copied());
+            if b.state() == BlockState::Allocated && mode == SleepMode::Offload {
+                copies.push((DevicePtr(b.addr()), b.requested()));
             }
         }
         let blocks = &self.blocks;
         streams.extend(
             self.pending
-                .streams_of(|id| own.contains(&blocks.get(id).pool)),
+                .streams_of(|id| own.contains(&blocks.get(id).pool())),
         );
         streams.sort_by_key(|s| (s.device.0, s.raw));
         streams.dedup();

@@ -157,7 +157,7 @@ impl DeviceCore {
         }
         let found = self.pools[pool].free_ids().find(|&id| {
             let b = self.blocks.get(id);
-            b.segment == seg && b.mapped && b.addr <= addr && end <= b.addr + b.size
+            b.segment() == seg && b.mapped() && b.addr() <= addr && end <= b.addr() + b.size()
         });
         let Some(id) = found else {
             return Ok(false);
@@ -181,10 +181,10 @@ impl DeviceCore {
         };
         let found = self.pools[pool].unmapped_ids().find(|&id| {
             let b = self.blocks.get(id);
-            b.segment == seg
-                && b.state == BlockState::Free
-                && b.addr <= addr
-                && end <= b.addr + b.size
+            b.segment() == seg
+                && b.state() == BlockState::Free
+                && b.addr() <= addr
+                && end <= b.addr() + b.size()
         });
         let Some(id) = found else {
             return Ok(false);
@@ -197,12 +197,12 @@ impl DeviceCore {
         let b = self.blocks.get(id).clone();
         self.pools[pool].unfile_unmapped(&b);
         let mut range = id;
-        if b.addr < addr {
-            range = self.split_back(id, addr - b.addr);
+        if b.addr() < addr {
+            range = self.blocks.split_back(id, addr - b.addr());
             self.pools[pool].file_unmapped(self.blocks.get(id), id);
         }
-        if end < b.addr + b.size {
-            let rest = self.split_back(range, len);
+        if end < b.addr() + b.size() {
+            let rest = self.blocks.split_back(range, len);
             self.pools[pool].file_unmapped(self.blocks.get(rest), rest);
         }
         match self.es_map((seg, pool, addr), len, len) {
@@ -289,7 +289,7 @@ impl DeviceCore {
         }
         let granularity = self.backend.vmm_granularity(self.device)?;
         let id = self.reserve_expandable(stream, pool, size.div_ceil(page), granularity)?;
-        let placed = self.blocks.get(id).addr;
+        let placed = self.blocks.get(id).addr();
         let shift = |addr: u64| addr - base + placed;
         // One physical handle per page: where the live handles started and ended is not in
         // the snapshot, and a `segment_unmap` of the history (whole live handles) is then
@@ -323,26 +323,24 @@ impl DeviceCore {
     fn carve_allocated(&mut self, pool: usize, addr: u64, size: u64, requested: u64) {
         let Some(id) = self.pools[pool].free_ids().find(|&id| {
             let b = self.blocks.get(id);
-            b.mapped && b.addr <= addr && addr + size <= b.addr + b.size
+            b.mapped() && b.addr() <= addr && addr + size <= b.addr() + b.size()
         }) else {
             return;
         };
         let b = self.blocks.get(id).clone();
         self.pools[pool].unfile_free(&b);
         let mut range = id;
-        if b.addr < addr {
-            range = self.split_back(id, addr - b.addr);
+        if b.addr() < addr {
+            range = self.blocks.split_back(id, addr - b.addr());
             self.pools[pool].file_free(self.blocks.get(id), id);
         }
-        let end = b.addr + b.size;
+        let end = b.addr() + b.size();
         if addr + size < end {
-            let rest = self.split_back(range, size);
+            let rest = self.blocks.split_back(range, size);
             self.pools[pool].file_free(self.blocks.get(rest), rest);
         }
         let small = self.pools[pool].is_small;
-        let blk = self.blocks.get_mut(range);
-        blk.state = BlockState::Allocated;
-        blk.requested = requested;
+        self.blocks.get_mut(range).allocate(requested);
         self.active.insert(addr, range);
         self.book_allocated(pool, small, size, requested);
     }

@@ -4,7 +4,7 @@
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::blocks::block::{Block, BlockId, BlockState};
+use crate::blocks::block::{Block, BlockId};
 use crate::blocks::segment_table::SegmentMeta;
 use crate::core::{DeviceCore, MemPoolId, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
@@ -107,8 +107,7 @@ impl DeviceCore {
         let split = pieces.len() > 1;
         let mut prev: Option<BlockId> = None;
         for (addr, bsize, requested) in pieces {
-            let mut block = Block::segment(shift(addr), bsize, stream, pool);
-            block.segment = ptr.0;
+            let block = Block::in_segment(ptr.0, shift(addr), bsize, stream, pool);
             let id = match prev {
                 Some(p) => self.blocks.insert_after(p, block),
                 None => self.blocks.insert(block),
@@ -116,9 +115,7 @@ impl DeviceCore {
             prev = Some(id);
             match requested {
                 Some(req) => {
-                    let b = self.blocks.get_mut(id);
-                    b.state = BlockState::Allocated;
-                    b.requested = req;
+                    self.blocks.get_mut(id).allocate(req);
                     self.active.insert(shift(addr), id);
                     self.book_allocated(pool, small, bsize, req);
                 }

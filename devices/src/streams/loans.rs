@@ -51,7 +51,11 @@ impl DeviceCore {
     /// stream in the allocation and the history.
     pub(crate) fn lend(&mut self, mut a: Allocation, borrower: StreamHandle) -> Allocation {
         if let Some(id) = self.active.get(a.ptr.0) {
-            self.blocks.get_mut(id).stream_uses.push(borrower);
+            let new_use = self.blocks.get_mut(id).record_use(borrower);
+            debug_assert!(
+                new_use,
+                "a loan is of another stream's block, with no uses yet"
+            );
         }
         self.loans.begin(a.ptr.0, borrower);
         self.history
@@ -99,7 +103,7 @@ impl DeviceCore {
         let Some((k, id)) = self.best_loan(params) else {
             return Ok(false);
         };
-        let lender = self.blocks.get(id).stream;
+        let lender = self.blocks.get(id).stream();
         // A loan is an optimization: where the backend cannot order it, the request goes on
         // to new memory as it would without loans.
         if let Err(e) = self.order_after(lender, params.stream) {
@@ -159,7 +163,7 @@ impl DeviceCore {
                 if let Some((k, id)) = fit {
                     let better = best.is_none_or(|(b, _)| k.1 < b.1);
                     if better
-                        && self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable)
+                        && self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable())
                         && !self.capturing(StreamHandle {
                             device: params.stream.device,
                             raw: k.0,

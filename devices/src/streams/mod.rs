@@ -25,7 +25,7 @@ impl DeviceCore {
     pub fn streams_in_use(&self) -> BTreeSet<StreamHandle> {
         let mut out: BTreeSet<StreamHandle> = self.segments.values().map(|s| s.stream).collect();
         for (_, b) in self.blocks.iter() {
-            out.extend(b.stream_uses.iter().copied());
+            out.extend(b.stream_uses().iter().copied());
         }
         out
     }

@@ -115,7 +115,7 @@ impl DeviceCore {
                 device: stream.device,
                 raw: ORPHAN_STREAM,
             };
-            self.blocks.get_mut(id).stream = orphan;
+            self.blocks.get_mut(id).move_to_stream(orphan);
             self.pools[pool].file_free(self.blocks.get(id), id);
             if let Some(m) = self.segments.get_mut(base) {
                 m.stream = orphan;
@@ -137,13 +137,13 @@ impl DeviceCore {
             .pools
             .iter()
             .flat_map(|p| p.free_ids())
-            .filter(|id| self.blocks.get(*id).segment == seg)
+            .filter(|id| self.blocks.get(*id).segment() == seg)
             .collect();
         for id in free {
             // Unmapping merges neighbours: skip blocks merged away by an earlier unmap.
             if self.blocks.contains(id)
-                && self.blocks.get(id).state == BlockState::Free
-                && self.blocks.get(id).mapped
+                && self.blocks.get(id).state() == BlockState::Free
+                && self.blocks.get(id).mapped()
             {
                 self.unmap_block(id)?;
             }
@@ -160,13 +160,13 @@ impl DeviceCore {
         let Some((k, id)) = self.pools[params.pool].lower_bound(ORPHAN_STREAM, params.size) else {
             return false;
         };
-        let expandable = self.blocks.get(id).expandable;
+        let expandable = self.blocks.get(id).expandable();
         if k.0 != ORPHAN_STREAM || !self.size_rules_allow(k.1, params.size, expandable) {
             return false;
         }
         let (size, base) = (k.1, k.2);
         self.pools[params.pool].take_free(&k);
-        self.blocks.get_mut(id).stream = params.stream;
+        self.blocks.get_mut(id).move_to_stream(params.stream);
         if let Some(m) = self.segments.get_mut(base) {
             m.stream = params.stream;
         }
