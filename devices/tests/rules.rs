@@ -106,10 +106,16 @@ fn oversize_blocks_are_never_split_nor_given_to_small_requests() {
     let big = r.core.malloc(GIB, r.s0).unwrap();
     assert_eq!(r.core.stats().oversize_allocations.current, 1);
     assert_eq!(r.core.stats().oversize_segments.current, 1);
+    assert!(big.oversize && r.core.allocation(big.ptr).is_some_and(|a| a.oversize));
     r.core.free(big.ptr).unwrap();
     // A 100 MiB request must not take the cached 1 GiB block.
     let small = r.core.malloc(100 * MIB, r.s0).unwrap();
     assert_ne!(small.ptr, big.ptr);
+    assert!(!small.oversize && r.core.allocation(small.ptr).is_some_and(|a| !a.oversize));
+    // Exactly `max_split_size` is oversize.
+    let edge = r.core.malloc(512 * MIB, r.s0).unwrap();
+    assert!(r.core.allocation(edge.ptr).is_some_and(|a| a.oversize));
+    r.core.free(edge.ptr).unwrap();
     // 600 MiB >= max_split, but 1 GiB >= 600 MiB + 20 MiB: too much waste, new segment.
     let mid = r.core.malloc(600 * MIB, r.s0).unwrap();
     assert_ne!(mid.ptr, big.ptr);
