@@ -632,3 +632,71 @@ fn a_restored_oversize_block_counts_as_an_oversize_allocation() {
     assert_eq!(core.stats().oversize_allocations.peak, 1);
     core.check_invariants().unwrap();
 }
+
+/// A recorded map and unmap in the off-core owner's steps: planning the map and detaching the
+/// pages change the books only (no driver call), the caller makes the calls, and the commit
+/// or finish books them; meanwhile the planned pages serve no request and count against the
+/// memory-fraction cap as a growth's do.
+#[test]
+fn a_recorded_map_and_unmap_split_into_the_steps_an_off_core_owner_takes() {
+    let (backend, mut core, s) = rig(1 << 30, PAGES);
+    let a = core.malloc(20 * MIB, s).unwrap();
+    let base = a.ptr.0;
+    let maps = backend.counts().maps;
+    let plan = core
+        .plan_recorded_map(base + 20 * MIB, 40 * MIB)
+        .unwrap()
+        .expect("pages 1 and 2 are free and unmapped");
+    assert_eq!(plan.bytes(), 40 * MIB);
+    assert_eq!(backend.counts().maps, maps, "no driver call while planning");
+    assert_eq!(core.growing_bytes(), 40 * MIB, "in flight until committed");
+    assert_eq!(core.reserved_bytes(), 20 * MIB);
+    assert!(
+        core.plan_recorded_map(base + 40 * MIB, 20 * MIB)
+            .unwrap()
+            .is_none(),
+        "pages being mapped are planned once"
+    );
+    let mapped = gpualloc_devices::map_growth(backend.as_ref(), &plan).unwrap();
+    core.commit_growth(plan, mapped).unwrap();
+    assert_eq!(
+        backend.counts().maps,
+        maps + 2,
+        "one handle per 20 MiB page"
+    );
+    assert_eq!((core.growing_bytes(), core.reserved_bytes()), (0, 60 * MIB));
+    core.check_invariants().unwrap();
+    assert_eq!(free_mib(&core.snapshot(), base), vec![(20, 40)]);
+    // The unmap of page 2: detached, then released off the core, then finished.
+    let unmaps = backend.counts().unmaps;
+    let release = core
+        .detach_recorded_pages(base + 40 * MIB, 20 * MIB)
+        .unwrap()
+        .expect("a whole handle of a free block");
+    assert_eq!(release.bytes(), 20 * MIB);
+    assert_eq!(
+        core.reserved_bytes(),
+        40 * MIB,
+        "booked as released at once"
+    );
+    assert_eq!(
+        backend.counts().unmaps,
+        unmaps,
+        "no driver call while detaching"
+    );
+    assert!(
+        core.detach_recorded_pages(base + 40 * MIB, 20 * MIB)
+            .unwrap()
+            .is_none(),
+        "pages being unmapped are detached once"
+    );
+    gpualloc_devices::release_pages(backend.as_ref(), std::slice::from_ref(&release)).unwrap();
+    assert_eq!(backend.counts().unmaps, unmaps + 1);
+    assert_eq!(core.finish_page_release(release).unwrap(), None);
+    core.check_invariants().unwrap();
+    assert_eq!(free_mib(&core.snapshot(), base), vec![(20, 20)]);
+    // The pages can be mapped again where the history maps them next.
+    assert!(core.map_recorded_pages(base + 40 * MIB, 20 * MIB).unwrap());
+    assert_eq!(free_mib(&core.snapshot(), base), vec![(20, 40)]);
+    core.check_invariants().unwrap();
+}

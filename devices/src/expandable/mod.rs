@@ -16,7 +16,7 @@ use crate::blocks::block::{Block, BlockId, BlockState};
 use crate::blocks::segment_table::SegmentMeta;
 use crate::core::DeviceCore;
 use crate::error::AllocError;
-use crate::expandable::segment::{map_pages, Booking, ExpandableSegment};
+use crate::expandable::segment::{Booking, ExpandableSegment};
 use crate::ledger::trace::TraceAction;
 
 impl DeviceCore {
@@ -42,43 +42,6 @@ impl DeviceCore {
         }
         self.expandable.add_peer(peer);
         Ok(())
-    }
-
-    /// Maps pages of segment `seg` of `pool` from `addr`: `ahead` bytes, or only `want` when
-    /// the device cannot give more (`map_ahead.rs`); returns the mapped range. On failure
-    /// every page this call created is released again.
-    pub(crate) fn es_map(
-        &mut self,
-        (seg, pool, addr): (u64, usize, u64),
-        want: u64,
-        ahead: u64,
-    ) -> Result<(u64, u64), BackendError> {
-        let device = self.device;
-        let backend = self.backend.clone();
-        let per_handle = self.pages_per_handle(pool);
-        let (es, peers) = self
-            .expandable
-            .get_mut_with_peers(seg)
-            .ok_or_else(|| BackendError::invalid("no such segment"))?;
-        let first = es.page_left(addr);
-        let start = es.page_addr(first);
-        let map = |len: u64| {
-            map_pages(
-                backend.as_ref(),
-                device,
-                peers,
-                start,
-                (len / es.page) as usize,
-                es.page,
-                per_handle,
-            )
-        };
-        let mapped = match map(ahead) {
-            Err(e) if e.is_oom() && ahead > want => map(want)?,
-            r => r?,
-        };
-        es.install(first, &mapped);
-        Ok((start, mapped.bytes()))
     }
 
     /// Unmaps the runs of pages lying wholly inside `[addr, addr + len)`, after the segment's

@@ -32,15 +32,6 @@ impl ExpandableSegments {
         self.by_base.get_mut(&base)
     }
 
-    /// The segment at `base` and the peers, for mapping its pages.
-    pub(crate) fn get_mut_with_peers(
-        &mut self,
-        base: u64,
-    ) -> Option<(&mut ExpandableSegment, &[DeviceId])> {
-        let es = self.by_base.get_mut(&base)?;
-        Some((es, &self.peers))
-    }
-
     pub(crate) fn contains(&self, base: u64) -> bool {
         self.by_base.contains_key(&base)
     }

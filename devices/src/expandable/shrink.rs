@@ -81,28 +81,41 @@ impl DeviceCore {
         let mut out = Vec::new();
         for id in ids {
             let b = self.blocks.get(id);
-            let (seg, stream, addr, end) = (b.segment(), b.stream(), b.addr(), b.end());
-            let Some(es) = self.expandable.get_mut(seg) else {
+            let (seg, addr, end) = (b.segment(), b.addr(), b.end());
+            let Some(es) = self.expandable.get(seg) else {
                 continue;
             };
             let Some((first, last)) = es.pages_inside(addr, end) else {
                 continue;
             };
-            // Only runs wholly inside the block: a physical handle is released whole.
-            let mapped = es.take_runs_inside(first, last);
-            if mapped.pieces.is_empty() {
-                continue;
-            }
-            self.book_unmapped(id, mapped.start, mapped.bytes(), true);
-            self.expandable.begin_work(seg);
-            out.push(PageRelease {
-                block: id,
-                seg,
-                stream,
-                mapped,
-            });
+            out.extend(self.detach_runs(id, first, last));
         }
         out
+    }
+
+    /// Takes the runs of pages `[first, last)` of free mapped block `id`'s expandable segment
+    /// that lie wholly inside that range (a physical handle is released whole) out of the
+    /// books, as pages to release off the core; `None` when no run is inside.
+    pub(crate) fn detach_runs(
+        &mut self,
+        id: BlockId,
+        first: usize,
+        last: usize,
+    ) -> Option<PageRelease> {
+        let b = self.blocks.get(id);
+        let (seg, stream) = (b.segment(), b.stream());
+        let mapped = self.expandable.get_mut(seg)?.take_runs_inside(first, last);
+        if mapped.pieces.is_empty() {
+            return None;
+        }
+        self.book_unmapped(id, mapped.start, mapped.bytes(), true);
+        self.expandable.begin_work(seg);
+        Some(PageRelease {
+            block: id,
+            seg,
+            stream,
+            mapped,
+        })
     }
 
     /// Step 3: the released pages join the unmapped set; a reservation with nothing mapped

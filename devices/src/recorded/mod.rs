@@ -24,6 +24,12 @@
 //!   kept. [`DeviceCore::unmap_recorded_pages`] does the same for the pages of expandable
 //!   segments a `segment_unmap` names.
 //!
+//! A recorded map or unmap takes the steps a growth or a page release of the miss chain takes
+//! (`expandable/growth.rs`, `expandable/shrink.rs`): [`DeviceCore::plan_recorded_map`] and
+//! [`DeviceCore::detach_recorded_pages`] change the books only, and the driver calls are made
+//! by the caller between them and the commit ([`DeviceCore::map_recorded_pages`] and
+//! [`DeviceCore::unmap_recorded_pages`] make them in place).
+//!
 //! And where recording began after the allocator had started, the expandable segments it held
 //! then: [`DeviceCore::restore_expandable`] reserves one with its mapped runs and live blocks,
 //! so the pages the history maps later grow the same segment, as they did live.
@@ -36,6 +42,8 @@ use crate::blocks::block::BlockState;
 use crate::blocks::pool::key;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
+use crate::expandable::growth::{map_growth, release_reservation, GrowthPlan};
+use crate::expandable::shrink::{release_pages, PageRelease};
 use crate::malloc::segment_request::SegmentRequest;
 use crate::recorded::restore::{RestorePool, RestoredBlock};
 
@@ -137,13 +145,37 @@ impl DeviceCore {
     /// finished its work (as every unmap), and frees the reservation if nothing in it is
     /// mapped any more. `Ok(false)`, changing nothing, unless the range is whole pages inside
     /// one free mapped block (of a pool that is awake) that physical handles cover exactly: a
-    /// handle reaching out of the range cannot be released in part.
+    /// handle reaching out of the range cannot be released in part. The in-place driver of
+    /// [`DeviceCore::detach_recorded_pages`]: the release's own three steps (`shrink.rs`),
+    /// the driver calls made here.
     pub fn unmap_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+        let Some(release) = self.detach_recorded_pages(addr, len)? else {
             return Ok(false);
         };
+        let backend = self.backend.clone();
+        let released = release_pages(backend.as_ref(), std::slice::from_ref(&release));
+        if let Some(reservation) = self.finish_page_release(release)? {
+            release_reservation(backend.as_ref(), self.device, reservation);
+        }
+        released?;
+        Ok(true)
+    }
+
+    /// Step 1 of a recorded `segment_unmap` for an owner that unmaps off the core, as it
+    /// releases free pages: takes the pages `[addr, addr + len)` out of the books
+    /// (`shrink.rs`: release them with [`release_pages`](crate::release_pages), then
+    /// [`DeviceCore::finish_page_release`]). `Ok(None)`, changing nothing, in the cases
+    /// [`DeviceCore::unmap_recorded_pages`] lists.
+    pub fn detach_recorded_pages(
+        &mut self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Option<PageRelease>, AllocError> {
+        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+            return Ok(None);
+        };
         let Some(es) = self.expandable.get(seg) else {
-            return Ok(false);
+            return Ok(None);
         };
         let (first, last) = (es.page_left(addr), es.page_left(end));
         let covered: usize = es
@@ -153,20 +185,20 @@ impl DeviceCore {
             .map(|(_, _, n)| n)
             .sum();
         if covered != last - first {
-            return Ok(false);
+            return Ok(None);
         }
         let found = self.pools[pool].free_ids().find(|&id| {
             let b = self.blocks.get(id);
-            b.segment() == seg && b.mapped() && b.addr() <= addr && end <= b.addr() + b.size()
+            b.segment() == seg && b.mapped() && b.addr() <= addr && end <= b.end()
         });
         let Some(id) = found else {
-            return Ok(false);
+            return Ok(None);
         };
-        let (start, unmapped) = self.es_unmap(seg, addr, len)?;
-        debug_assert_eq!((start, unmapped), (addr, len));
-        self.book_unmapped(id, start, unmapped, false);
-        self.release_expandable_segment_if_empty(seg)?;
-        Ok(true)
+        let release = self.detach_runs(id, first, last);
+        debug_assert!(release
+            .as_ref()
+            .is_some_and(|r| r.bytes() == len && self.blocks.get(id).addr() == addr));
+        Ok(release)
     }
 
     /// Maps the pages `[addr, addr + len)` of an expandable segment as one free block, merged
@@ -174,45 +206,27 @@ impl DeviceCore {
     /// (one `segment_map` in the history). `Ok(false)`, changing nothing, when the range is
     /// not whole pages inside one free unmapped block (of a pool that is awake), when mapping it would pass
     /// `per_process_memory_fraction` or a pool's quota, or when the device has no memory for
-    /// it.
+    /// it. The in-place driver of [`DeviceCore::plan_recorded_map`]: the map is the growth's
+    /// own three steps, the driver call made here.
     pub fn map_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+        let Some(plan) = self.plan_recorded_map(addr, len)? else {
             return Ok(false);
         };
-        let found = self.pools[pool].unmapped_ids().find(|&id| {
-            let b = self.blocks.get(id);
-            b.segment() == seg
-                && b.state() == BlockState::Free
-                && b.addr() <= addr
-                && end <= b.addr() + b.size()
-        });
-        let Some(id) = found else {
-            return Ok(false);
-        };
-        let over_fraction = !self.budget.fits(len);
-        if over_fraction || self.pool_room(pool).is_some_and(|room| len > room) {
-            return Ok(false);
-        }
-        // Cut the block to the range: the parts before and after stay unmapped blocks.
-        let b = self.blocks.get(id).clone();
-        self.pools[pool].unfile_unmapped(&b);
-        let mut range = id;
-        if b.addr() < addr {
-            range = self.blocks.split_back(id, addr - b.addr());
-            self.pools[pool].file_unmapped(self.blocks.get(id), id);
-        }
-        if end < b.addr() + b.size() {
-            let rest = self.blocks.split_back(range, len);
-            self.pools[pool].file_unmapped(self.blocks.get(rest), rest);
-        }
-        match self.es_map((seg, pool, addr), len, len) {
-            Ok(_) => {
-                self.book_mapped(range);
-                Ok(true)
-            }
+        let backend = self.backend.clone();
+        match map_growth(backend.as_ref(), &plan) {
+            Ok(mapped) => match self.commit_growth(plan, mapped) {
+                Ok(()) => Ok(true),
+                Err(refused) => {
+                    // Only a shutdown refuses a commit made right after its plan.
+                    refused.release(backend.as_ref());
+                    Err(AllocError::Shutdown)
+                }
+            },
             Err(e) => {
-                // `es_map` released what it created: the range is unmapped again, as before.
-                self.file_unmapped(range);
+                // `map_growth` released what it created: the range is unmapped again.
+                if let Some(reservation) = self.abort_growth(plan) {
+                    release_reservation(backend.as_ref(), self.device, reservation);
+                }
                 if e.is_oom() {
                     Ok(false)
                 } else {
@@ -220,6 +234,47 @@ impl DeviceCore {
                 }
             }
         }
+    }
+
+    /// Step 1 of a recorded `segment_map` for an owner that maps off the core, as it grows
+    /// segments: takes the pages `[addr, addr + len)` out of the unmapped set as a planned
+    /// growth (`growth.rs`: map them with [`map_growth`](crate::map_growth), then
+    /// [`DeviceCore::commit_growth`] or [`DeviceCore::abort_growth`]). `Ok(None)`, changing
+    /// nothing, in the cases [`DeviceCore::map_recorded_pages`] lists, but the device's lack
+    /// of memory, which the map finds.
+    pub fn plan_recorded_map(
+        &mut self,
+        addr: u64,
+        len: u64,
+    ) -> Result<Option<GrowthPlan>, AllocError> {
+        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+            return Ok(None);
+        };
+        let found = self.pools[pool].unmapped_ids().find(|&id| {
+            let b = self.blocks.get(id);
+            b.segment() == seg
+                && b.state() == BlockState::Free
+                && b.addr() <= addr
+                && end <= b.end()
+        });
+        let Some(id) = found else {
+            return Ok(None);
+        };
+        let over_fraction = !self.budget.fits(len);
+        if over_fraction || self.pool_room(pool).is_some_and(|room| len > room) {
+            return Ok(None);
+        }
+        // The part before the range stays an unmapped block; the plan cuts off the part after.
+        let mut range = id;
+        if self.blocks.get(id).addr() < addr {
+            let b = self.blocks.get(id).clone();
+            self.pools[pool].unfile_unmapped(&b);
+            range = self.blocks.split_back(id, addr - b.addr());
+            self.pools[pool].file_unmapped(self.blocks.get(id), id);
+            self.pools[pool].file_unmapped(self.blocks.get(range), range);
+        }
+        let avail = self.blocks.get(range).size();
+        Ok(self.plan_pages(range, len, avail, false, false))
     }
 
     /// Restores an expandable segment of a recorded state: reserves `size` bytes (rounded up
