@@ -66,13 +66,33 @@ impl DeviceCore {
 
     /// Records a trace entry (when history is on) and announces a segment change to the
     /// segment sink (when one is set, `observer.rs`).
+    #[inline]
     pub(crate) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: u64) {
         self.record_in(action, addr, size, stream, None);
     }
 
     /// [`DeviceCore::record`] of an entry about a block or segment of pool index `pool`: a
     /// private pool's entries carry its id.
+    #[inline]
     pub(crate) fn record_in(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: u64,
+        pool: Option<usize>,
+    ) {
+        // The hit path's case, inline: no history and no segment sink.
+        if self.history.is_quiet() && !self.observer.is_set() {
+            return;
+        }
+        self.record_heard(action, addr, size, stream, pool);
+    }
+
+    /// [`DeviceCore::record_in`] with a history or a segment sink to tell.
+    #[cold]
+    #[inline(never)]
+    fn record_heard(
         &mut self,
         action: TraceAction,
         addr: u64,

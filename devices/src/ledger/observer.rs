@@ -97,6 +97,7 @@ impl SegmentObserver {
     }
 
     /// A sink is installed (the core builds no event otherwise).
+    #[inline]
     pub fn is_set(&self) -> bool {
         self.sink.is_some()
     }
