@@ -206,6 +206,12 @@ fn a_recorded_range_stays_under_the_memory_fraction_and_a_pools_quota() {
     let kv = core.create_named_pool("kv", common::quota(60 * MIB));
     let a = core.malloc_in(kv, 20 * MIB, s).unwrap();
     let base = a.ptr.0;
+    // Past the quota: refused before anything is cut (the unmapped pages from 20 MiB stay one
+    // block, so a range across 40 MiB maps next).
+    assert_eq!(
+        core.map_recorded_pages(base + 40 * MIB, 60 * MIB),
+        Ok(false)
+    );
     assert!(core.map_recorded_pages(base + 20 * MIB, 40 * MIB).unwrap());
     assert_eq!(
         core.map_recorded_pages(base + 60 * MIB, 20 * MIB),
