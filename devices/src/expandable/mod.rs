@@ -209,10 +209,7 @@ impl DeviceCore {
         for n in [prev, next].into_iter().flatten() {
             self.try_merge_blocks(id, n);
         }
-        let gc_base = self.pools[pool].get_free_block_calls;
-        let blk = self.blocks.get_mut(id);
-        blk.set_gc_base(gc_base);
-        self.pools[pool].file_free(blk, id);
+        self.pools[pool].file_free(self.blocks.get(id), id);
         self.book_pages(pool, b.stream().raw, start, len, Booking::Mapped);
     }
 
@@ -244,13 +241,10 @@ impl DeviceCore {
         );
         let pool = b.pool();
         self.pools[pool].unfile_free(&b);
-        let gc_base = self.pools[pool].get_free_block_calls;
         // The parts before and after stay free mapped blocks of the segment.
         let (before, after) = self.blocks.carve(id, start, len);
         for piece in [before, after].into_iter().flatten() {
-            let blk = self.blocks.get_mut(piece);
-            blk.set_gc_base(gc_base);
-            self.pools[pool].file_free(blk, piece);
+            self.pools[pool].file_free(self.blocks.get(piece), piece);
         }
         self.blocks.get_mut(id).mark_unmapped(in_flight);
         if !in_flight {

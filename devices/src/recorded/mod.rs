@@ -38,7 +38,7 @@ pub(crate) mod restore;
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::blocks::block::BlockState;
+use crate::blocks::block::{BlockId, BlockState};
 use crate::blocks::pool::key;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
@@ -48,6 +48,7 @@ use crate::malloc::segment_request::SegmentRequest;
 use crate::recorded::restore::{RestorePool, RestoredBlock};
 
 /// A recorded map or unmap's range inside an expandable segment (`recorded_range`).
+#[derive(Clone, Copy)]
 struct RecordedRange {
     seg: u64,
     pool: usize,
@@ -140,6 +141,25 @@ impl DeviceCore {
             .map(|pool| RecordedRange { seg, pool, end }))
     }
 
+    /// The free block of `rec`'s pool and segment, mapped or not as `mapped` says, that holds
+    /// `[addr, rec.end)`.
+    fn recorded_holder(&self, rec: RecordedRange, addr: u64, mapped: bool) -> Option<BlockId> {
+        let holds = |&id: &BlockId| {
+            let b = self.blocks.get(id);
+            b.segment() == rec.seg
+                && b.state() == BlockState::Free
+                && b.mapped() == mapped
+                && b.addr() <= addr
+                && rec.end <= b.end()
+        };
+        let pool = &self.pools[rec.pool];
+        if mapped {
+            pool.free_ids().find(holds)
+        } else {
+            pool.unmapped_ids().find(holds)
+        }
+    }
+
     /// Unmaps the pages `[addr, addr + len)` of an expandable segment, as a `segment_unmap` of
     /// the history shows them unmapped (see the module docs), after the segment's stream
     /// finished its work (as every unmap), and frees the reservation if nothing in it is
@@ -171,9 +191,10 @@ impl DeviceCore {
         addr: u64,
         len: u64,
     ) -> Result<Option<PageRelease>, AllocError> {
-        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+        let Some(rec) = self.recorded_range(addr, len)? else {
             return Ok(None);
         };
+        let RecordedRange { seg, end, .. } = rec;
         let Some(es) = self.expandable.get(seg) else {
             return Ok(None);
         };
@@ -187,11 +208,7 @@ impl DeviceCore {
         if covered != last - first {
             return Ok(None);
         }
-        let found = self.pools[pool].free_ids().find(|&id| {
-            let b = self.blocks.get(id);
-            b.segment() == seg && b.mapped() && b.addr() <= addr && end <= b.end()
-        });
-        let Some(id) = found else {
+        let Some(id) = self.recorded_holder(rec, addr, true) else {
             return Ok(None);
         };
         let release = self.detach_runs(id, first, last);
@@ -247,17 +264,11 @@ impl DeviceCore {
         addr: u64,
         len: u64,
     ) -> Result<Option<GrowthPlan>, AllocError> {
-        let Some(RecordedRange { seg, pool, end }) = self.recorded_range(addr, len)? else {
+        let Some(rec) = self.recorded_range(addr, len)? else {
             return Ok(None);
         };
-        let found = self.pools[pool].unmapped_ids().find(|&id| {
-            let b = self.blocks.get(id);
-            b.segment() == seg
-                && b.state() == BlockState::Free
-                && b.addr() <= addr
-                && end <= b.end()
-        });
-        let Some(id) = found else {
+        let pool = rec.pool;
+        let Some(id) = self.recorded_holder(rec, addr, false) else {
             return Ok(None);
         };
         let over_fraction = !self.budget.fits(len);
