@@ -8,7 +8,7 @@ use gpualloc_devices::{AllocError, AllocatorConfig, CrossStreamFree, DeviceSnaps
 use gpualloc_runtime::{Backend, DeviceId, Stream};
 use tokio::task::JoinHandle;
 
-use crate::actor::DeviceActor;
+use crate::actor::{Attempt, DeviceActor};
 use crate::buffer::DeviceBuffer;
 use crate::builder::AllocatorBuilder;
 use crate::error::Error;
@@ -140,6 +140,7 @@ impl Allocator {
         Ok(actor)
     }
 
+    #[inline]
     pub(crate) fn check(&self) -> Result<(), Error> {
         self.inner.process.check()?;
         if self.inner.shut_down.load(Ordering::Acquire) {
@@ -171,7 +172,25 @@ impl Allocator {
         if let Some(buf) = actor.revive(size, stream, None) {
             return Ok(buf);
         }
-        let r = actor.malloc_past_thread_cache(size, stream, None).await;
+        // Then the gate's hit, also without a future of its own: this future holds nothing
+        // but the box of the rest, so a hit neither builds nor drops a larger one.
+        let first = match actor.try_malloc(size, stream, None) {
+            Attempt::Hit(buf) if !actor.wants_frames() => return Ok(buf),
+            first => first,
+        };
+        Box::pin(self.malloc_rest(actor, first, size, stream)).await
+    }
+
+    /// [`Allocator::malloc`] after its first attempt at the gate: the rest of the device's
+    /// malloc, then the follow-up its result needs.
+    async fn malloc_rest(
+        &self,
+        actor: &Arc<DeviceActor>,
+        first: Attempt,
+        size: u64,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer, Error> {
+        let r = actor.malloc_from(first, size, stream, None).await;
         if self.malloc_follow_up(actor, &r) {
             return Box::pin(self.follow_up(actor, stream, size, r)).await;
         }

@@ -137,6 +137,7 @@ fn backtrace_frames(bt: &std::backtrace::Backtrace, out: &mut Vec<Frame>) {
 
 impl DeviceActor {
     /// True when mallocs must capture frames now (one relaxed load).
+    #[inline]
     pub(crate) fn wants_frames(&self) -> bool {
         self.signals.history.load(Ordering::Relaxed) >= HISTORY_SPANS
     }

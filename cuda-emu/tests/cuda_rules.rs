@@ -822,6 +822,17 @@ fn child_entry() {
                     assert_eq!(backend.stream_create(d), Err(err.clone()));
                     assert_eq!(backend.malloc(d, 4096), Err(err.clone()));
                     assert_eq!(backend.device_lost(d), Some(err.clone()));
+                    // The hit paths' watch says so with a load, and so does asking.
+                    match backend.lost_watch(d) {
+                        gpualloc_runtime::LostWatch::Flag(flag) => {
+                            assert!(flag.load(std::sync::atomic::Ordering::Acquire))
+                        }
+                        other => panic!("the CUDA backend offers a flag, got {other:?}"),
+                    }
+                    assert!(gpualloc_runtime::LostWatch::Ask.is_lost(&*backend, d));
+                    assert!(!backend
+                        .lost_watch(DeviceId(healthy))
+                        .is_lost(&*backend, DeviceId(healthy)));
                     // The allocator hands out none of its memory, cached blocks included.
                     drop(buf);
                     for size in [1 << 20, 512] {

@@ -224,6 +224,7 @@ impl DeviceCore {
     }
 
     /// Number of frees still waiting on stream events.
+    #[inline]
     pub fn pending_frees(&self) -> usize {
         self.pending.len()
     }

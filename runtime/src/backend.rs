@@ -16,6 +16,8 @@
 //!   memory, map it at a granularity-aligned offset, then set access before use.
 
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 use crate::error::Result;
@@ -23,6 +25,31 @@ use crate::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,
 };
+
+/// How a hot path learns that a device was lost ([`Backend::lost_watch`]).
+#[derive(Debug, Clone)]
+pub enum LostWatch {
+    /// The backend never loses a device: nothing to check.
+    Never,
+    /// Reads true (`Acquire`) once the device is lost, after [`Backend::device_lost`] says so;
+    /// never false again.
+    Flag(Arc<AtomicBool>),
+    /// Call [`Backend::device_lost`] at every check.
+    Ask,
+}
+
+impl LostWatch {
+    /// Whether `device` of `backend` is lost, by this watch (`backend` is asked only for
+    /// [`LostWatch::Ask`]).
+    #[inline]
+    pub fn is_lost(&self, backend: &dyn Backend, device: DeviceId) -> bool {
+        match self {
+            LostWatch::Never => false,
+            LostWatch::Flag(flag) => flag.load(Ordering::Acquire),
+            LostWatch::Ask => backend.device_lost(device).is_some(),
+        }
+    }
+}
 
 /// A GPU runtime, as the allocators see it. See the module docs for the semantics.
 pub trait Backend: Send + Sync + 'static {
@@ -61,6 +88,16 @@ pub trait Backend: Send + Sync + 'static {
     fn device_lost(&self, device: DeviceId) -> Option<crate::error::BackendError> {
         let _ = device;
         None
+    }
+    /// How a caller that checks `device` on every request (the allocator's cache hits) learns
+    /// that it was lost without a call per check: [`LostWatch::Never`] (its devices cannot be
+    /// lost), a [`LostWatch::Flag`] that reads true once [`Backend::device_lost`] is `Some`,
+    /// or [`LostWatch::Ask`]: call `device_lost` each time. The default, `Ask`, is right for
+    /// any backend; a backend that overrides `device_lost` offers a flag to be cheaper, and
+    /// one that never loses a device says `Never`.
+    fn lost_watch(&self, device: DeviceId) -> LostWatch {
+        let _ = device;
+        LostWatch::Ask
     }
     /// The hooks this backend runs around every [`Backend::unmap`] and [`Backend::free`]
     /// ([`crate::release_hooks`]): how a registration cache outside the allocator (NCCL's

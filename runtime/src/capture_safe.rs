@@ -93,6 +93,9 @@ impl Backend for CaptureSafe {
     fn device_lost(&self, device: DeviceId) -> Option<crate::error::BackendError> {
         self.inner.device_lost(device)
     }
+    fn lost_watch(&self, device: DeviceId) -> crate::backend::LostWatch {
+        self.inner.lost_watch(device)
+    }
     fn release_hooks(&self) -> Option<&ReleaseHooks> {
         self.inner.release_hooks()
     }

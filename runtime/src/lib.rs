@@ -25,7 +25,7 @@ pub mod stream;
 pub mod sync;
 pub mod types;
 
-pub use backend::Backend;
+pub use backend::{Backend, LostWatch};
 pub use capture::{CaptureError, CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 pub use capture_safe::CaptureSafe;
 pub use completion::{Completion, CompletionCell};

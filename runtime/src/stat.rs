@@ -16,6 +16,7 @@ pub struct Stat {
 
 impl Stat {
     /// Adds `n`.
+    #[inline]
     pub fn increase(&mut self, n: u64) {
         self.current += n;
         self.allocated += n;
@@ -23,6 +24,7 @@ impl Stat {
     }
 
     /// Removes `n` (saturating: a bookkeeping bug must not panic the allocator).
+    #[inline]
     pub fn decrease(&mut self, n: u64) {
         debug_assert!(n <= self.current, "stat underflow");
         self.current = self.current.saturating_sub(n);
@@ -39,6 +41,7 @@ impl Stat {
 
     /// Counts `n` added and removed again, with `current` (and so `peak`) as it was: what an
     /// increase followed at once by an equal decrease leaves behind.
+    #[inline]
     pub fn round_trip(&mut self, n: u64) {
         self.allocated += n;
         self.freed += n;

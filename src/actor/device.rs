@@ -20,10 +20,10 @@ use gpualloc_devices::{
     AllocError, Allocation, CachedOutcome, CrossStreamFree, DeviceCore, DeviceSnapshot,
     DeviceStats, MemPoolId, SegmentRequest,
 };
-use gpualloc_runtime::{Backend, DeviceId, Stream, StreamHandle};
+use gpualloc_runtime::{Backend, DeviceId, LostWatch, Stream, StreamHandle};
 
 use crate::actor::state::{DeviceMsg, DeviceState, Signals};
-use crate::actor::thread_cache::{Park, ParkedFree, Recording, Revived, ThreadCache};
+use crate::actor::thread_cache::{Park, ParkedFree, Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
 use crate::fork::ProcessGuard;
@@ -61,6 +61,8 @@ pub struct DeviceActor {
     /// against it), and where calls that cannot touch a capture go directly (the hit path's
     /// lost-device check: a layer less than `backend`).
     pub(crate) user_backend: Arc<dyn Backend>,
+    /// How the hit paths learn that this device was lost (`Backend::lost_watch`).
+    lost: LostWatch,
     pub(crate) mailbox: Mailbox<DeviceState>,
     pub(crate) signals: Arc<Signals>,
     pub(crate) process: ProcessGuard,
@@ -114,6 +116,7 @@ impl DeviceActor {
         Arc::new(DeviceActor {
             device: core.device(),
             backend: core.backend().clone(),
+            lost: user_backend.lost_watch(core.device()),
             user_backend,
             mailbox: Mailbox::new(DeviceState::new(core, signals.clone())),
             signals,
@@ -280,7 +283,7 @@ impl DeviceActor {
     }
 
     /// [`DeviceActor::malloc`] after its first attempt.
-    async fn malloc_from(
+    pub(crate) async fn malloc_from(
         self: &Arc<Self>,
         first: Attempt,
         size: u64,
@@ -374,16 +377,41 @@ impl DeviceActor {
         }
         // A lost device (a sticky error: its context does no more work) hands out nothing,
         // cached blocks included: their memory may be what the faulting kernel corrupted, and
-        // no work on it could run anyway. (An atomic load on the CUDA backend.)
-        if self.user_backend.device_lost(self.device).is_some() {
+        // no work on it could run anyway. (A load of the backend's flag, or nothing on a
+        // backend that never loses a device: `LostWatch`.)
+        if self.lost.is_lost(&*self.user_backend, self.device) {
             return None;
         }
         // While recording, a revive writes its `alloc` entry into the thread's slot
-        // (`history.rs`).
+        // (`history.rs`): out of line, so the quiet path carries none of it.
         let level = self.signals.history.load(Ordering::Relaxed);
+        if level != HISTORY_OFF {
+            return self.revive_recorded(cache, size, stream, level);
+        }
+        let revived = cache.revive(self, size, stream.handle(), None);
+        self.hand_out(revived, stream)
+    }
+
+    /// [`DeviceActor::revive`] while the history is recorded at `level`.
+    #[cold]
+    #[inline(never)]
+    fn revive_recorded(
+        self: &Arc<Self>,
+        cache: &ThreadCache<DeviceActor>,
+        size: u64,
+        stream: &Stream,
+        level: u8,
+    ) -> Option<DeviceBuffer> {
         let make = || recording(level, true);
-        let record: Option<&dyn Fn() -> Recording> = (level != HISTORY_OFF).then_some(&make);
-        match cache.revive(self, size, stream.handle(), record) {
+        let revived = cache.revive(self, size, stream.handle(), Some(&make));
+        self.hand_out(revived, stream)
+    }
+
+    /// What a revive found, as a buffer for `stream`: a block taken after the thread cache
+    /// closed goes back to the core.
+    #[inline]
+    fn hand_out(&self, revived: Revived<DeviceActor>, stream: &Stream) -> Option<DeviceBuffer> {
+        match revived {
             Revived::Hit(a, lane) => Some(DeviceBuffer::revived(a, lane, stream.clone())),
             Revived::Free(ptr) => {
                 let recorded = false; // its entries went with the slot's log
@@ -397,14 +425,16 @@ impl DeviceActor {
 
     /// The part of a malloc that never waits, after [`DeviceActor::revive`]: a lost device's
     /// error, or the cache lookup under the gate when it is free within a few spins.
-    fn try_malloc(
+    pub(crate) fn try_malloc(
         self: &Arc<Self>,
         size: u64,
         stream: &Stream,
         pool: Option<MemPoolId>,
     ) -> Attempt {
-        if let Some(lost) = self.user_backend.device_lost(self.device) {
-            return Attempt::Failed(lost.into());
+        if self.lost.is_lost(&*self.user_backend, self.device) {
+            if let Some(lost) = self.user_backend.device_lost(self.device) {
+                return Attempt::Failed(lost.into());
+            }
         }
         let handle = stream.handle();
         // Fast path: nothing is cloned or allocated while the gate is held, and the gate is

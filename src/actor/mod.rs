@@ -24,6 +24,7 @@ mod task;
 mod thread_cache;
 mod wait;
 
+pub(crate) use device::Attempt;
 pub use device::DeviceActor;
 pub(crate) use state::{DeviceMsg, DeviceState, Signals};
 pub(crate) use task::{spawn_actor_task, ActorParts};

@@ -341,6 +341,7 @@ pub(crate) struct BlockArena {
 }
 
 impl BlockArena {
+    #[inline]
     pub fn insert(&mut self, block: Block) -> BlockId {
         if let Some(id) = self.vacant.pop() {
             self.slots[id as usize] = Some(block);
@@ -351,6 +352,7 @@ impl BlockArena {
         }
     }
 
+    #[inline]
     pub fn contains(&self, id: BlockId) -> bool {
         self.slots.get(id as usize).is_some_and(Option::is_some)
     }
@@ -365,10 +367,12 @@ impl BlockArena {
 
     /// The block `id`. Ids come only from this arena and are removed exactly once, so a
     /// missing id is a bug in the core: it panics in debug builds via the index.
+    #[inline]
     pub fn get(&self, id: BlockId) -> &Block {
         self.slots[id as usize].as_ref().expect("live block id")
     }
 
+    #[inline]
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id as usize].as_mut().expect("live block id")
     }

@@ -6,6 +6,10 @@ impl Backend for AccountingBackend {
     fn name(&self) -> &'static str {
         "accounting"
     }
+    /// No device of this backend is ever lost (`device_lost` stays `None`).
+    fn lost_watch(&self, _device: DeviceId) -> gpualloc_runtime::LostWatch {
+        gpualloc_runtime::LostWatch::Never
+    }
 
     fn device_count(&self) -> Result<u32> {
         Ok(lock(&self.state).devices.len() as u32)

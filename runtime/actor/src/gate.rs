@@ -41,6 +41,7 @@ impl Gate {
     }
 
     /// Takes the gate if nobody holds it.
+    #[inline]
     pub fn try_acquire(&self) -> Option<Acquired> {
         let prev = self.state.fetch_or(LOCKED, Ordering::SeqCst);
         if prev & LOCKED != 0 {
@@ -65,12 +66,14 @@ impl Gate {
     }
 
     /// Holder only: clears `PENDING`; true if it was set (drain the queue now).
+    #[inline]
     pub fn take_pending(&self) -> bool {
         self.state.fetch_and(!PENDING, Ordering::SeqCst) & PENDING != 0
     }
 
     /// Holder only: releases the gate if nothing is pending. False means messages arrived:
     /// take them with [`Gate::take_pending`], drain, and try again.
+    #[inline]
     pub fn try_release(&self) -> bool {
         self.state
             .compare_exchange(LOCKED, 0, Ordering::SeqCst, Ordering::SeqCst)
@@ -87,11 +90,13 @@ impl Gate {
     }
 
     /// True while someone holds the gate (a hint: it may change at once).
+    #[inline]
     pub fn is_locked(&self) -> bool {
         self.state.load(Ordering::SeqCst) & LOCKED != 0
     }
 
     /// True while messages are announced and not yet taken (a hint).
+    #[inline]
     pub fn is_pending(&self) -> bool {
         self.state.load(Ordering::SeqCst) & PENDING != 0
     }

@@ -79,6 +79,7 @@ impl<S: SlotState> ThreadSlots<S> {
 
     /// Owner side: runs `f` on slot `index % count` and marks it if `f` left it non-empty.
     /// Threads beyond the slot count share slots (correct, only slower).
+    #[inline]
     pub fn update<R>(&self, index: usize, f: impl FnOnce(&mut S) -> R) -> R {
         let i = index & self.mask;
         let (r, non_empty) = {
@@ -132,6 +133,7 @@ impl<S: SlotState> ThreadSlots<S> {
     /// True if slot `index % count` is marked (a hint: unmarked means its owner left it empty,
     /// or a collection is taking what it held). One load, no lock: an owner can skip a
     /// lookup in a slot that cannot hold anything.
+    #[inline]
     pub fn is_marked(&self, index: usize) -> bool {
         self.dirty.load(Ordering::SeqCst) & (1u64 << (index & self.mask)) != 0
     }
@@ -143,6 +145,7 @@ impl<S: SlotState> ThreadSlots<S> {
     }
 
     /// True once [`ThreadSlots::close`] ran.
+    #[inline]
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::SeqCst)
     }
@@ -155,6 +158,7 @@ impl<S: SlotState> ThreadSlots<S> {
 /// a slot. What a slot held when its thread exited stays there for the next collection.
 /// `None` while the thread is being torn down.
 #[cfg(not(loom))]
+#[inline]
 pub fn thread_index() -> Option<usize> {
     use std::sync::Mutex as StdMutex;
 

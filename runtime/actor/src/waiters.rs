@@ -68,11 +68,13 @@ impl Waiters {
     }
 
     /// Number of waiting requests (a hint; cheap enough for every free).
+    #[inline]
     pub fn len(&self) -> usize {
         self.len.load(Ordering::SeqCst)
     }
 
     /// True when nobody waits.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -103,6 +105,7 @@ impl Waiters {
     }
 
     /// Memory came back: wake the head of the queue, if any.
+    #[inline]
     pub fn wake_head(&self) {
         if self.is_empty() {
             return;

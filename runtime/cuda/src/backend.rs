@@ -247,6 +247,13 @@ impl Backend for CudaBackend {
     fn device_lost(&self, device: DeviceId) -> Option<BackendError> {
         self.health.lost(device)
     }
+    fn lost_watch(&self, device: DeviceId) -> gpualloc_runtime::LostWatch {
+        match self.health.lost_flag(device) {
+            Some(flag) => gpualloc_runtime::LostWatch::Flag(flag),
+            // No such device: `device_lost` answers (`None`), as for any backend.
+            None => gpualloc_runtime::LostWatch::Ask,
+        }
+    }
     fn device_count(&self) -> Result<u32> {
         Ok(self.contexts.count())
     }

@@ -66,6 +66,9 @@ pub(crate) fn is_sticky(code: i32) -> bool {
 /// The lost-device state, the pending host functions and the watchdog of one backend.
 pub(crate) struct Health {
     lost: Vec<OnceLock<BackendError>>,
+    /// Per device: set once its `lost` slot is, for hot paths that check with a load
+    /// (`Backend::lost_watch`).
+    lost_flags: Vec<Arc<AtomicBool>>,
     pub(crate) pending: Arc<Pending>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     started: AtomicBool,
@@ -83,6 +86,9 @@ impl Health {
     pub(crate) fn new(count: u32) -> Arc<Health> {
         Arc::new(Health {
             lost: (0..count).map(|_| OnceLock::new()).collect(),
+            lost_flags: (0..count)
+                .map(|_| Arc::new(AtomicBool::new(false)))
+                .collect(),
             pending: Pending::new(count),
             watchdog: Mutex::new(None),
             started: AtomicBool::new(false),
@@ -96,6 +102,11 @@ impl Health {
     /// The device-lost error of `device`, if it is lost.
     pub(crate) fn lost(&self, device: DeviceId) -> Option<BackendError> {
         self.lost.get(device.0 as usize)?.get().cloned()
+    }
+
+    /// The flag that reads true once `device` is lost (`None`: no such device).
+    pub(crate) fn lost_flag(&self, device: DeviceId) -> Option<Arc<AtomicBool>> {
+        self.lost_flags.get(device.0 as usize).cloned()
     }
 
     /// `Err(DeviceLost)` when `device` is lost.
@@ -121,6 +132,10 @@ impl Health {
                 }
             })
             .clone();
+        // After the slot is set: whoever sees the flag finds the error there.
+        if let Some(flag) = self.lost_flags.get(device.0 as usize) {
+            flag.store(true, Ordering::Release);
+        }
         let failed = self.pending.fail_device(device, &err);
         if failed > 0 {
             tracing::warn!(
@@ -314,6 +329,11 @@ mod tests {
         assert_eq!(h.seen(DeviceId(1), oom.clone()), oom);
         assert_eq!(h.seen(DeviceId(1), Ok(5)), Ok(5));
         assert!(h.check(DeviceId(1)).is_ok());
+        // The hot paths' flags (`Backend::lost_watch`): down until the loss, none past the
+        // last device.
+        let flags = [0, 1].map(|d| h.lost_flag(DeviceId(d)).unwrap());
+        assert!(!flags[0].load(Ordering::Acquire) && !flags[1].load(Ordering::Acquire));
+        assert!(h.lost_flag(DeviceId(2)).is_none());
         let sticky: Result<()> = Err(BackendError::Driver {
             code: 700,
             name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
@@ -327,6 +347,14 @@ mod tests {
         assert_eq!(*results.lock().unwrap(), vec![Err(err.clone())]);
         assert_eq!(h.check(DeviceId(1)), Err(err.clone()));
         assert!(h.check(DeviceId(0)).is_ok());
+        assert!(
+            flags[1].load(Ordering::Acquire),
+            "the lost device's flag is up"
+        );
+        assert!(
+            !flags[0].load(Ordering::Acquire),
+            "the other device's is not"
+        );
         // The first cause stays.
         assert_eq!(h.mark_lost(DeviceId(1), "later".into()), err);
         assert_eq!(

@@ -23,6 +23,10 @@ impl Backend for SimBackend {
         self.counters.bump(Op::Name);
         "sim"
     }
+    /// No device of this backend is ever lost (`device_lost` stays `None`).
+    fn lost_watch(&self, _device: DeviceId) -> gpualloc_runtime::LostWatch {
+        gpualloc_runtime::LostWatch::Never
+    }
 
     fn device_count(&self) -> Result<u32> {
         self.enter(Op::DeviceCount)?;
