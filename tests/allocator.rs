@@ -34,6 +34,16 @@ async fn hit_after_free_reuses_the_block_and_stats_add_up() {
     drop(a);
     let b = alloc.malloc(3000, &s).await.unwrap();
     assert_eq!(b.ptr(), p, "a hit reuses the cached block");
+    assert!(!b.is_empty());
+    // What a person sees in a log: the address, the length and the device.
+    let shown = format!("{b:?}");
+    for part in [
+        format!("{:?}", b.ptr()),
+        "len: 3000".into(),
+        "DeviceId(0)".into(),
+    ] {
+        assert!(shown.contains(&part), "{shown} lacks {part}");
+    }
     // The default config under the `gpualloc` policy runs expandable segments where the
     // backend has virtual memory: one page mapped, no device malloc.
     assert_eq!(
