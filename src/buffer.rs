@@ -200,13 +200,18 @@ impl Drop for DeviceBuffer {
 
 #[cfg(test)]
 mod tests {
-    use super::DeviceBuffer;
-
     /// A hit moves the buffer several times on its way out of `malloc` (BENCHMARKS.md, "The hit
-    /// pairs below `a3f18be`'s instructions"): a field added here costs every hit.
+    /// pairs below `a3f18be`'s instructions"): a field added here costs every hit. 64 bytes, and
+    /// the `cuda` feature's cudarc stream cell on top (the workspace's builds have it on).
     #[test]
-    #[cfg(not(feature = "cuda"))]
-    fn a_buffer_stays_64_bytes() {
-        assert_eq!(std::mem::size_of::<DeviceBuffer>(), 64);
+    fn a_buffer_stays_64_bytes_besides_the_cudarc_cell() {
+        #[cfg(feature = "cuda")]
+        let cell = std::mem::size_of::<
+            std::sync::OnceLock<Option<std::sync::Arc<cudarc::driver::CudaStream>>>,
+        >();
+        #[cfg(not(feature = "cuda"))]
+        let cell = 0;
+        let size = std::mem::size_of::<super::DeviceBuffer>();
+        assert!(size <= 64 + cell, "{size} bytes");
     }
 }
