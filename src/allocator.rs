@@ -175,7 +175,7 @@ impl Allocator {
         // Then the gate's hit, also without a future of its own: this future holds nothing
         // but the box of the rest, so a hit neither builds nor drops a larger one.
         let first = match actor.try_malloc(size, stream, None) {
-            Attempt::Hit(buf) if !actor.wants_frames() => return Ok(buf),
+            Attempt::Hit(buf) if !Self::buffer_follow_up(actor, &buf) => return Ok(buf),
             first => first,
         };
         Box::pin(self.malloc_rest(actor, first, size, stream)).await

@@ -63,11 +63,17 @@ impl Allocator {
         result: &Result<DeviceBuffer, Error>,
     ) -> bool {
         match result {
-            // A revived buffer's frames went into its slot's entry (`history_frames.rs`).
-            Ok(buffer) => actor.wants_frames() && !buffer.is_revived(),
+            Ok(buffer) => Self::buffer_follow_up(actor, buffer),
             // Counted (`follow_up`), then observed.
             Err(e) => e.is_oom(),
         }
+    }
+
+    /// [`Allocator::malloc_follow_up`] of a `malloc` that got `buffer`: frames to attach. A
+    /// revived buffer's frames went into its slot's entry (`history_frames.rs`).
+    #[inline]
+    pub(crate) fn buffer_follow_up(actor: &DeviceActor, buffer: &DeviceBuffer) -> bool {
+        actor.wants_frames() && !buffer.is_revived()
     }
 
     /// What a `malloc` does after [`Allocator::malloc_follow_up`] said so (callers box it, so

@@ -824,10 +824,10 @@ fn child_entry() {
                     assert_eq!(backend.device_lost(d), Some(err.clone()));
                     // The hit paths' watch says so with a load, and so does asking.
                     match backend.lost_watch(d) {
-                        gpualloc_runtime::LostWatch::Flag(flag) => {
-                            assert!(flag.load(std::sync::atomic::Ordering::Acquire))
+                        gpualloc_runtime::LostWatch::Cell(cell) => {
+                            assert_eq!(cell.get(), Some(&err))
                         }
-                        other => panic!("the CUDA backend offers a flag, got {other:?}"),
+                        other => panic!("the CUDA backend shares its cell, got {other:?}"),
                     }
                     assert!(gpualloc_runtime::LostWatch::Ask.is_lost(&*backend, d));
                     assert!(!backend

@@ -1,7 +1,7 @@
 //! The [`Backend`] trait: everything the allocators ask of a GPU runtime.
 //!
 //! It is object safe (`Arc<dyn Backend>`), `Send + Sync`, and speaks in plain handles
-//! ([`crate::types`]). Every operation returns a typed [`BackendError`](crate::BackendError);
+//! ([`crate::types`]). Every operation returns a typed [`BackendError`];
 //! none panics on bad input. Three implementations exist: `SimBackend` (crate `gpualloc-sim`),
 //! the simulated GPU every test runs; `AccountingBackend` (crate `gpualloc-accounting`),
 //! addresses and byte counts only; and `CudaBackend` (crate `gpualloc-cuda`).
@@ -16,11 +16,10 @@
 //!   memory, map it at a granularity-aligned offset, then set access before use.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
-use crate::error::Result;
+use crate::error::{BackendError, Result};
 use crate::types::{
     DeviceId, DevicePtr, EventHandle, HostFn, HostRegisterFlags, IpcMemHandle, MemInfo, PhysHandle,
     StreamHandle,
@@ -31,9 +30,9 @@ use crate::types::{
 pub enum LostWatch {
     /// The backend never loses a device: nothing to check.
     Never,
-    /// Reads true (`Acquire`) once the device is lost, after [`Backend::device_lost`] says so;
-    /// never false again.
-    Flag(Arc<AtomicBool>),
+    /// The backend's own record of the loss, shared: empty until the device is lost, then the
+    /// error [`Backend::device_lost`] returns, for good. Checking it is one load.
+    Cell(Arc<OnceLock<BackendError>>),
     /// Call [`Backend::device_lost`] at every check.
     Ask,
 }
@@ -45,7 +44,7 @@ impl LostWatch {
     pub fn is_lost(&self, backend: &dyn Backend, device: DeviceId) -> bool {
         match self {
             LostWatch::Never => false,
-            LostWatch::Flag(flag) => flag.load(Ordering::Acquire),
+            LostWatch::Cell(cell) => cell.get().is_some(),
             LostWatch::Ask => backend.device_lost(device).is_some(),
         }
     }
@@ -91,9 +90,9 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// How a caller that checks `device` on every request (the allocator's cache hits) learns
     /// that it was lost without a call per check: [`LostWatch::Never`] (its devices cannot be
-    /// lost), a [`LostWatch::Flag`] that reads true once [`Backend::device_lost`] is `Some`,
-    /// or [`LostWatch::Ask`]: call `device_lost` each time. The default, `Ask`, is right for
-    /// any backend; a backend that overrides `device_lost` offers a flag to be cheaper, and
+    /// lost), a [`LostWatch::Cell`] holding what [`Backend::device_lost`] returns, or
+    /// [`LostWatch::Ask`]: call `device_lost` each time. The default, `Ask`, is right for any
+    /// backend; a backend that overrides `device_lost` shares its cell to be cheaper, and
     /// one that never loses a device says `Never`.
     fn lost_watch(&self, device: DeviceId) -> LostWatch {
         let _ = device;

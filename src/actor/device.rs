@@ -377,8 +377,8 @@ impl DeviceActor {
         }
         // A lost device (a sticky error: its context does no more work) hands out nothing,
         // cached blocks included: their memory may be what the faulting kernel corrupted, and
-        // no work on it could run anyway. (A load of the backend's flag, or nothing on a
-        // backend that never loses a device: `LostWatch`.)
+        // no work on it could run anyway. (One load of the backend's lost-device cell, or
+        // nothing on a backend that never loses a device: `LostWatch`.)
         if self.lost.is_lost(&*self.user_backend, self.device) {
             return None;
         }

@@ -248,8 +248,8 @@ impl Backend for CudaBackend {
         self.health.lost(device)
     }
     fn lost_watch(&self, device: DeviceId) -> gpualloc_runtime::LostWatch {
-        match self.health.lost_flag(device) {
-            Some(flag) => gpualloc_runtime::LostWatch::Flag(flag),
+        match self.health.lost_cell(device) {
+            Some(cell) => gpualloc_runtime::LostWatch::Cell(cell),
             // No such device: `device_lost` answers (`None`), as for any backend.
             None => gpualloc_runtime::LostWatch::Ask,
         }

@@ -65,10 +65,9 @@ pub(crate) fn is_sticky(code: i32) -> bool {
 
 /// The lost-device state, the pending host functions and the watchdog of one backend.
 pub(crate) struct Health {
-    lost: Vec<OnceLock<BackendError>>,
-    /// Per device: set once its `lost` slot is, for hot paths that check with a load
+    /// Per device: its error once lost. Shared, so hot paths can watch it with a load
     /// (`Backend::lost_watch`).
-    lost_flags: Vec<Arc<AtomicBool>>,
+    lost: Vec<Arc<OnceLock<BackendError>>>,
     pub(crate) pending: Arc<Pending>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     started: AtomicBool,
@@ -85,10 +84,7 @@ impl Health {
     /// Healthy state for `count` devices; no thread yet.
     pub(crate) fn new(count: u32) -> Arc<Health> {
         Arc::new(Health {
-            lost: (0..count).map(|_| OnceLock::new()).collect(),
-            lost_flags: (0..count)
-                .map(|_| Arc::new(AtomicBool::new(false)))
-                .collect(),
+            lost: (0..count).map(|_| Arc::new(OnceLock::new())).collect(),
             pending: Pending::new(count),
             watchdog: Mutex::new(None),
             started: AtomicBool::new(false),
@@ -104,9 +100,9 @@ impl Health {
         self.lost.get(device.0 as usize)?.get().cloned()
     }
 
-    /// The flag that reads true once `device` is lost (`None`: no such device).
-    pub(crate) fn lost_flag(&self, device: DeviceId) -> Option<Arc<AtomicBool>> {
-        self.lost_flags.get(device.0 as usize).cloned()
+    /// The cell that holds `device`'s error once it is lost (`None`: no such device).
+    pub(crate) fn lost_cell(&self, device: DeviceId) -> Option<Arc<OnceLock<BackendError>>> {
+        self.lost.get(device.0 as usize).cloned()
     }
 
     /// `Err(DeviceLost)` when `device` is lost.
@@ -132,10 +128,6 @@ impl Health {
                 }
             })
             .clone();
-        // After the slot is set: whoever sees the flag finds the error there.
-        if let Some(flag) = self.lost_flags.get(device.0 as usize) {
-            flag.store(true, Ordering::Release);
-        }
         let failed = self.pending.fail_device(device, &err);
         if failed > 0 {
             tracing::warn!(
@@ -329,11 +321,11 @@ mod tests {
         assert_eq!(h.seen(DeviceId(1), oom.clone()), oom);
         assert_eq!(h.seen(DeviceId(1), Ok(5)), Ok(5));
         assert!(h.check(DeviceId(1)).is_ok());
-        // The hot paths' flags (`Backend::lost_watch`): down until the loss, none past the
-        // last device.
-        let flags = [0, 1].map(|d| h.lost_flag(DeviceId(d)).unwrap());
-        assert!(!flags[0].load(Ordering::Acquire) && !flags[1].load(Ordering::Acquire));
-        assert!(h.lost_flag(DeviceId(2)).is_none());
+        // The cells the hot paths watch (`Backend::lost_watch`): empty until the loss, none
+        // past the last device.
+        let cells = [0, 1].map(|d| h.lost_cell(DeviceId(d)).unwrap());
+        assert!(cells[0].get().is_none() && cells[1].get().is_none());
+        assert!(h.lost_cell(DeviceId(2)).is_none());
         let sticky: Result<()> = Err(BackendError::Driver {
             code: 700,
             name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
@@ -347,14 +339,12 @@ mod tests {
         assert_eq!(*results.lock().unwrap(), vec![Err(err.clone())]);
         assert_eq!(h.check(DeviceId(1)), Err(err.clone()));
         assert!(h.check(DeviceId(0)).is_ok());
-        assert!(
-            flags[1].load(Ordering::Acquire),
-            "the lost device's flag is up"
+        assert_eq!(
+            cells[1].get(),
+            Some(&err),
+            "the lost device's cell holds its error"
         );
-        assert!(
-            !flags[0].load(Ordering::Acquire),
-            "the other device's is not"
-        );
+        assert!(cells[0].get().is_none(), "the other device's is empty");
         // The first cause stays.
         assert_eq!(h.mark_lost(DeviceId(1), "later".into()), err);
         assert_eq!(
