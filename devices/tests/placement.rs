@@ -410,3 +410,68 @@ fn an_any_fit_allocation_of_a_block_not_passed_over_is_not_marked() {
     assert_eq!(passed_over_marks(&core), [false, false]);
     core.free(last_step.ptr).unwrap();
 }
+
+/// A growth that fills an unmapped gap for a request that passed over a block: its pages
+/// hold the request whoever drives the miss. The segment: `a` [0, 5) MiB, a free 1 MiB tail
+/// [5, 6), a 4 MiB gap [6, 10) left by `empty_cache`, `c` [10, 16), a 3.75 MiB hole
+/// [16, 19.75), `d` [19.75, 21.75) and a 2.25 MiB tail [21.75, 24). A 3.5 MiB request would
+/// leave 256 KiB of the hole, so it passes over it; neither tail holds it; the segment grows
+/// the 1 MiB tail into the gap, which the 4 MiB it maps fill. In place the request takes those
+/// pages. Off the core (the device actor; and the replay, which maps the pages at the
+/// history's `segment_map` and then serves the request) it looked in the cache again, where
+/// the grown block was no tail any more (a live block follows it): it passed over the hole
+/// again, missed, and grew the segment a second time, at its end.
+#[test]
+fn pages_that_fill_a_gap_hold_the_request_that_grew_them() {
+    let layout = |core: &mut DeviceCore, s: StreamHandle| {
+        let a = core.malloc(5 * MIB, s).unwrap();
+        let b = core.malloc(5 * MIB, s).unwrap();
+        let c = core.malloc(6 * MIB, s).unwrap();
+        let hole = core.malloc(3840 * KIB, s).unwrap();
+        let d = core.malloc(2 * MIB, s).unwrap();
+        let base = a.ptr.0;
+        assert_eq!(
+            [b.ptr.0, c.ptr.0, hole.ptr.0, d.ptr.0].map(|p| p - base),
+            [5 * MIB, 10 * MIB, 16 * MIB, 19 * MIB + 768 * KIB]
+        );
+        core.free(hole.ptr).unwrap();
+        core.free(b.ptr).unwrap();
+        core.empty_cache().unwrap();
+        assert_eq!(
+            core.reserved_bytes(),
+            20 * MIB,
+            "b's 4 MiB of pages released"
+        );
+        assert_eq!(
+            large_free_blocks(core),
+            [MIB, 3840 * KIB, 2 * MIB + 256 * KIB]
+        );
+        base
+    };
+    // In place.
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    let base = layout(&mut core, s);
+    let r = core.malloc(3584 * KIB, s).unwrap();
+    assert_eq!(r.ptr.0 - base, 5 * MIB);
+    assert_eq!(core.reserved_bytes(), 24 * MIB);
+    core.check_invariants().unwrap();
+    // Off the core: the same pages, the same block.
+    let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);
+    let base = layout(&mut core, s);
+    let CachedOutcome::Miss(req) = core.try_cached(3584 * KIB, s).unwrap() else {
+        panic!("3.5 MiB passes over the hole and fits no tail");
+    };
+    let Growth::Map(plan) = core.plan_growth(&req).unwrap() else {
+        panic!("expected a growth");
+    };
+    assert_eq!(plan.bytes(), 4 * MIB, "the gap, filled");
+    let mapped = map_growth(core.backend().as_ref(), &plan).unwrap();
+    core.commit_growth(plan, mapped).map_err(|_| ()).unwrap();
+    let r = match core.try_cached(3584 * KIB, s).unwrap() {
+        CachedOutcome::Hit(r) => r,
+        CachedOutcome::Miss(_) => panic!("the pages just mapped hold the request"),
+    };
+    assert_eq!(r.ptr.0 - base, 5 * MIB);
+    assert_eq!(core.reserved_bytes(), 24 * MIB);
+    core.check_invariants().unwrap();
+}

@@ -63,6 +63,9 @@ pub(crate) struct Block {
     mapped: bool,
     /// Part of an expandable segment.
     expandable: bool,
+    /// Mapped by a growth, and no request has taken from it since: a tail for the placement
+    /// rule (`placement.rs`) even where the growth filled the gap behind it.
+    fresh: bool,
 }
 
 impl Block {
@@ -94,6 +97,7 @@ impl Block {
             gc_base: 0,
             mapped: true,
             expandable: false,
+            fresh: false,
         }
     }
 
@@ -114,6 +118,19 @@ impl Block {
             expandable: self.expandable,
             ..Block::in_segment(self.segment, addr, size, self.stream, self.pool)
         }
+    }
+
+    /// Whether the block's pages were mapped by a growth that no request has taken from yet.
+    #[inline]
+    pub fn fresh(&self) -> bool {
+        self.fresh
+    }
+
+    /// A request takes from the block (the rest of it stays free): its pages are not fresh
+    /// any more.
+    #[inline]
+    pub fn end_fresh(&mut self) {
+        self.fresh = false;
     }
 
     /// Start address.
@@ -200,6 +217,7 @@ impl Block {
         );
         self.state = BlockState::Allocated;
         self.requested = requested;
+        self.fresh = false;
     }
 
     /// The user freed the block: it waits for its streams' events before it is cached.
@@ -295,9 +313,11 @@ impl Block {
         self.state = BlockState::Free;
     }
 
-    /// The block's pages are mapped now: a free mapped block.
+    /// The block's pages are mapped now: a free mapped block, fresh until a request takes
+    /// from it.
     pub fn mark_mapped(&mut self) {
         self.mapped = true;
+        self.fresh = true;
         self.state = BlockState::Free;
     }
 
@@ -408,6 +428,7 @@ impl BlockArena {
             gc_base: 0,
             mapped: found.mapped,
             expandable: found.expandable,
+            fresh: false,
         };
         let prev = found.prev;
         let front_id = self.insert(front);

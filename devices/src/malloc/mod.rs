@@ -281,6 +281,7 @@ impl DeviceCore {
     /// Hands out the found block, splitting off the remainder when the rules allow
     /// (PyTorch's `alloc_found_block`).
     fn alloc_found_block(&mut self, mut id: BlockId, size: u64, requested: u64) -> Allocation {
+        self.blocks.get_mut(id).end_fresh();
         let found = self.blocks.get(id).clone();
         let small = self.pools[found.pool()].is_small;
         let already_split = found.is_split();

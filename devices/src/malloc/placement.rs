@@ -48,7 +48,11 @@ impl DeviceCore {
     /// being mapped or unmapped off the core right now. Its remainder joins those pages once
     /// they are mapped, so it is never dead; and the choice does not depend on whether an
     /// owner's map in flight has landed yet, so a replay of the history, which maps the pages
-    /// where the history shows them (`recorded/`), makes the same choice.
+    /// where the history shows them (`recorded/`), makes the same choice. A fresh block (pages
+    /// a growth mapped, not taken from since) is a tail too: a growth that filled the gap
+    /// before a live block leaves no unmapped page behind its block, and the request that
+    /// grew it looks in the cache again when an owner maps off the core (or a replay maps at
+    /// the history's `segment_map`); in place it takes those pages directly.
     pub(crate) fn take_tail(&mut self, params: &mut AllocParams) -> bool {
         let stream = params.stream.raw;
         let blocks = &self.blocks;
@@ -58,7 +62,7 @@ impl DeviceCore {
             .map(|(_, id)| *id)
             .filter(|id| {
                 let b = blocks.get(*id);
-                b.mapped() && b.next().is_some_and(|n| !blocks.get(n).mapped())
+                b.mapped() && (b.fresh() || b.next().is_some_and(|n| !blocks.get(n).mapped()))
             })
             .min_by_key(|id| blocks.get(*id).addr());
         let Some(id) = tail else {

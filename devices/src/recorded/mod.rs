@@ -370,6 +370,19 @@ impl DeviceCore {
         for b in live {
             self.carve_allocated(pool, shift(b.addr), b.size, b.requested);
         }
+        // Pages mapped before recording began are not fresh (`Block::fresh`): whether a
+        // request took from them since is not in the snapshot, and the live allocator had
+        // served requests from them before it (only a growth's own pages are fresh).
+        let restored: Vec<BlockId> = self.pools[pool]
+            .free_ids()
+            .filter(|&id| {
+                let b = self.blocks.get(id);
+                b.segment() == placed && b.fresh()
+            })
+            .collect();
+        for id in restored {
+            self.blocks.get_mut(id).end_fresh();
+        }
         Ok(DevicePtr(placed))
     }
 
