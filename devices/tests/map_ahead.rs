@@ -1,8 +1,10 @@
 //! The `gpualloc` policy's pages for the large pool of expandable segments (`map_ahead.rs`):
-//! 2 MiB pages, one physical handle per growth of up to 20 MiB, growth ahead of the request by
-//! 1/8 of what is mapped (PyTorch's 20 MiB steps once that reaches 20 MiB), handles released
-//! only whole, and the pages ahead dropped where the device or the memory-fraction cap has no
-//! room for them. Concrete addresses, reserved bytes and driver calls.
+//! 2 MiB pages; the pages wholly inside the request in physical handles of up to 20 MiB and
+//! each page after them (the one the request ends in, the pages ahead) a handle of its own;
+//! growth ahead of the request by 1/8 of what is mapped (PyTorch's 20 MiB steps once that
+//! reaches 20 MiB), handles released only whole, and the pages ahead dropped where the device
+//! or the memory-fraction cap has no room for them. Concrete addresses, reserved bytes and
+//! driver calls.
 
 mod common;
 
@@ -13,6 +15,7 @@ use gpualloc_devices::{
 };
 use gpualloc_runtime::{Backend, DeviceId, StreamHandle};
 
+const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const ALL: usize = StatType::All as usize;
 
@@ -27,30 +30,36 @@ fn miss(core: &mut DeviceCore, size: u64, s: StreamHandle) -> SegmentRequest {
 }
 
 #[test]
-fn growth_maps_2_mib_pages_ahead_with_one_handle_per_20_mib() {
+fn growth_maps_2_mib_pages_ahead_in_handles_that_end_where_the_request_ends() {
     let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
     let maps = || backend.counts().maps;
-    // Nothing mapped yet: exactly the request, in 2 MiB pages.
+    // Nothing mapped yet: exactly the request, in 2 MiB pages: [0, 4) MiB wholly inside it
+    // as one handle, the page it ends in as another.
     let a = core.malloc(5 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (6 * MIB, 1));
-    // 29 MiB more needed: 30 MiB (more than 1/8 of 6 MiB ahead), two handles: 20 + 10 MiB.
+    assert_eq!((core.reserved_bytes(), maps()), (6 * MIB, 2));
+    // 29 MiB more needed: 30 MiB (more than 1/8 of 6 MiB ahead): the 28 MiB wholly inside
+    // the request as handles of 20 and 8 MiB, the page it ends in as a third.
     let b = core.malloc(30 * MIB, s).unwrap();
     assert_eq!(b.ptr.0, a.ptr.0 + 5 * MIB, "the segment grew in place");
-    assert_eq!((core.reserved_bytes(), maps()), (36 * MIB, 3));
+    assert_eq!((core.reserved_bytes(), maps()), (36 * MIB, 5));
     // 1 MiB more needed: 36 / 8 = 4.5 MiB ahead, rounded to pages: 6 MiB, but never past
-    // the 20 MiB boundary PyTorch's page would end at: 4 MiB, to 40 MiB, one handle.
+    // the 20 MiB boundary PyTorch's page would end at: 4 MiB, to 40 MiB. No page is wholly
+    // inside the request: two handles of a page.
     let c = core.malloc(2 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (40 * MIB, 4));
-    // 147 MiB more needed: 148 MiB, seven handles of 20 MiB and one of 8.
+    assert_eq!((core.reserved_bytes(), maps()), (40 * MIB, 7));
+    // 147 MiB more needed (148 MiB of pages): the 146 MiB wholly inside the request as seven
+    // handles of 20 MiB and one of 6, the page it ends in as a ninth.
     let d = core.malloc(150 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (188 * MIB, 12));
+    assert_eq!((core.reserved_bytes(), maps()), (188 * MIB, 16));
     // 1/8 of 188 MiB is over 20 MiB: from now on the segment grows as with PyTorch's pages, to
-    // the next multiple of 20 MiB from its base: 2 MiB needed, 12 MiB mapped (to 200 MiB).
+    // the next multiple of 20 MiB from its base: 2 MiB needed, 12 MiB mapped (to 200 MiB):
+    // one page wholly inside the request, then five of their own.
     let e = core.malloc(3 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (200 * MIB, 13));
-    // 15 MiB more needed: one 20 MiB handle, to 220 MiB.
+    assert_eq!((core.reserved_bytes(), maps()), (200 * MIB, 22));
+    // 15 MiB more needed: the 14 MiB wholly inside the request as one handle, then three
+    // pages of their own, to 220 MiB.
     let f = core.malloc(25 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (220 * MIB, 14));
+    assert_eq!((core.reserved_bytes(), maps()), (220 * MIB, 26));
     assert_eq!(backend.counts().mallocs, 0, "no cuMemAlloc-style segment");
     core.check_invariants().unwrap();
     for p in [a.ptr, b.ptr, c.ptr, d.ptr, e.ptr, f.ptr] {
@@ -59,8 +68,81 @@ fn growth_maps_2_mib_pages_ahead_with_one_handle_per_20_mib() {
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), 0);
     assert_eq!(backend.used(DeviceId(0)), 0);
-    assert_eq!(backend.counts().unmaps, 14, "one unmap per handle");
+    assert_eq!(backend.counts().unmaps, 26, "one unmap per handle");
     core.check_invariants().unwrap();
+}
+
+/// Why a growth's handles end where its request ends: free pages between live blocks are
+/// whole handles, so a release (`empty_cache`, the page move before a growth) can unmap
+/// them. With one handle per growth, as before, each of these releases freed nothing.
+#[test]
+fn free_pages_between_live_blocks_are_whole_handles() {
+    // The pages ahead: a 2 MiB request after 64 MiB maps 8 MiB, a handle per page; a 4 MiB
+    // block placed in them and freed between two live ones gives back its two pages.
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let a = core.malloc(64 * MIB, s).unwrap();
+    let k = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().maps),
+        (72 * MIB, 8)
+    );
+    let t = core.malloc(4 * MIB, s).unwrap();
+    let k2 = core.malloc(2 * MIB, s).unwrap();
+    assert_eq!(
+        [k.ptr.0, t.ptr.0, k2.ptr.0].map(|p| p - a.ptr.0),
+        [64 * MIB, 66 * MIB, 70 * MIB]
+    );
+    core.free(t.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().unmaps),
+        (68 * MIB, 2)
+    );
+    core.check_invariants().unwrap();
+    // The request's last page: 5 MiB maps [0, 4) as one handle and [4, 6) as another; a
+    // block beside it keeps that page, and freeing the 5 MiB gives back [0, 4).
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let x = core.malloc(5 * MIB, s).unwrap();
+    let y = core.malloc(1536 * KIB, s).unwrap();
+    assert_eq!(y.ptr.0, x.ptr.0 + 5 * MIB);
+    assert_eq!(core.reserved_bytes(), 8 * MIB);
+    core.free(x.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().unmaps),
+        (4 * MIB, 1)
+    );
+    core.check_invariants().unwrap();
+    core.free(y.ptr).unwrap();
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+}
+
+/// The history's `segment_map` records how the growth split its handles, so a replay maps
+/// the same ones (`TraceEntry::grouped_pages`): the first 2 pages of a 5 MiB request's 6 MiB
+/// share a handle, the third is its own; a map that groups every page (PyTorch's one page per
+/// handle) records nothing.
+#[test]
+fn the_history_records_where_a_growths_shared_handles_end() {
+    use gpualloc_devices::{Policy, TraceAction};
+    for (policy, expected) in [(Policy::Gpualloc, Some(2)), (Policy::Pytorch, None)] {
+        let config = AllocatorConfig::parse("expandable_segments:True")
+            .unwrap()
+            .with_policy(policy);
+        let backend = Arc::new(gpualloc_accounting::AccountingBackend::new(1, 1 << 30));
+        let s = backend.stream_create(DeviceId(0)).unwrap();
+        let mut core = DeviceCore::new(backend.clone(), DeviceId(0), config).unwrap();
+        core.record_history(Some(100));
+        let a = core.malloc(5 * MIB, s).unwrap();
+        let maps: Vec<_> = core
+            .snapshot()
+            .trace
+            .iter()
+            .filter(|e| e.action == TraceAction::SegmentMap)
+            .map(|e| (e.addr, e.grouped_pages))
+            .collect();
+        assert_eq!(maps, [(a.ptr.0, expected)], "{policy}");
+    }
 }
 
 /// The pages ahead stop at the 20 MiB boundary PyTorch's page would end at, so a growth never
@@ -143,7 +225,13 @@ fn grow_with_room(capacity: u64, off_core: bool) -> u64 {
         assert_eq!(plan.bytes(), 8 * MIB, "planned with the pages ahead");
         let dynb: Arc<dyn Backend> = backend.clone();
         let mapped = map_growth(dynb.as_ref(), &plan).unwrap();
-        assert_eq!(mapped.handles(), 1);
+        // The request fills its one page: it and each page ahead are a handle of their own
+        // (the request's page alone where the device had no room for the pages ahead).
+        let pages = if capacity > 72 * MIB { 4 } else { 1 };
+        assert_eq!(
+            (mapped.bytes(), mapped.handles()),
+            (pages * 2 * MIB, pages as usize)
+        );
         core.commit_growth(plan, mapped).unwrap();
         match core.try_cached(2 * MIB, s).unwrap() {
             CachedOutcome::Hit(b) => b,

@@ -12,6 +12,7 @@ use gpualloc_devices::{
 };
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
 
+const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 
 fn rig(
@@ -351,8 +352,9 @@ fn a_quiet_request_is_counted_once_by_its_owner() {
 /// The OOM message suggests `expandable_segments:True` against fragmentation only where the
 /// segments are not expandable already: with them on (the `gpualloc` policy's default where
 /// the backend has virtual memory) the advice cannot help. The same fragmented state under
-/// both settings: ten 9 MiB blocks on a 100 MiB device, every other one freed, then 30 MiB
-/// asked for.
+/// both settings: sixty-five 1.5 MiB blocks on a 100 MiB device (five 20 MiB segments of 13
+/// blocks without expandable segments), every other one freed, then 30 MiB asked for. (No
+/// free 1.5 MiB hole holds a whole 2 MiB page, so expandable segments cannot unmap any.)
 #[test]
 fn the_fragmentation_hint_names_expandable_segments_only_where_they_are_off() {
     for (conf, hinted) in [
@@ -360,15 +362,20 @@ fn the_fragmentation_hint_names_expandable_segments_only_where_they_are_off() {
         ("expandable_segments:True", false),
     ] {
         let (_backend, mut core, s, _) = rig(100 * MIB, conf, false);
-        let blocks: Vec<_> = (0..10).map(|_| core.malloc(9 * MIB, s).unwrap()).collect();
+        let blocks: Vec<_> = (0..65)
+            .map(|_| core.malloc(1536 * KIB, s).unwrap())
+            .collect();
         for b in blocks.iter().step_by(2) {
             core.free(b.ptr).unwrap();
         }
         let Err(AllocError::OutOfMemory(report)) = core.malloc(30 * MIB, s) else {
             panic!("{conf}: expected an out-of-memory error");
         };
-        // Fragmented either way: 45 MiB free in the cache between live blocks.
-        assert_eq!(report.allocated, 45 * MIB, "{conf}");
+        // Fragmented either way: 32 blocks live, 33 free between them. (In a 20 MiB segment
+        // the 13th block takes the last 2 MiB whole, PyTorch's split rule leaving no remainder
+        // of 1 MiB or less: two of them are live.)
+        let allocated = if hinted { 49 * MIB } else { 48 * MIB };
+        assert_eq!(report.allocated, allocated, "{conf}");
         assert!(
             report.reserved_unallocated() >= 40 * MIB,
             "{conf}: {report:?}"
@@ -381,6 +388,35 @@ fn the_fragmentation_hint_names_expandable_segments_only_where_they_are_off() {
             "{conf}: {text}"
         );
     }
+}
+
+/// Expandable segments serve a request from the whole pages of freed blocks scattered
+/// between live ones: the out-of-memory chain's release unmaps them (a growth's handles end
+/// where its request ends, so each freed block's whole pages are whole handles) and the
+/// segment maps them again where the request needs them. Ten 9 MiB blocks on a 100 MiB
+/// device, every other one freed, then 30 MiB: with one handle per growth, as before, this
+/// was out of memory (45 MiB free, no handle wholly inside a free block).
+#[test]
+fn expandable_segments_serve_a_request_from_pages_freed_between_live_blocks() {
+    let (backend, mut core, s, _) = rig(100 * MIB, "expandable_segments:True", false);
+    let blocks: Vec<_> = (0..10).map(|_| core.malloc(9 * MIB, s).unwrap()).collect();
+    for b in blocks.iter().step_by(2) {
+        core.free(b.ptr).unwrap();
+    }
+    let reserved = core.reserved_bytes();
+    let unmaps = backend.counts().unmaps;
+    assert_eq!((reserved, unmaps), (94 * MIB, 0));
+    // 45 MiB live and 49 MiB free: too little room on the device for 30 MiB more. The chain
+    // gives back 44 MiB of whole pages (7 handles: the 1 MiB left is parts of pages beside
+    // live blocks) and maps the 30 MiB at the end of the segment.
+    let big = core.malloc(30 * MIB, s).unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().unmaps),
+        (80 * MIB, 7)
+    );
+    assert_eq!(big.ptr.0 - blocks[0].ptr.0, 114 * MIB);
+    assert_eq!(core.stats().num_ooms, 0);
+    core.check_invariants().unwrap();
 }
 
 /// `empty_cache` waits for every pending free first (PyTorch's `synchronize_and_free_events`

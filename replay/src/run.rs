@@ -640,7 +640,7 @@ pub fn replay_core(
                 // freed meanwhile compete with them, as they did live. (Without expandable
                 // segments in the config nothing is mapped.)
                 r.core
-                    .map_recorded_pages(e.addr, e.size)
+                    .map_recorded_growth(e.addr, e.size, e.grouped_pages)
                     .map_err(|source| ReplayError::Alloc { index: i, source })?;
             }
             Action::SegmentMap => {}

@@ -339,6 +339,7 @@ mod off_the_core {
                 frames: None,
                 pool: 0,
                 passed_over: false,
+                grouped_pages: None,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)
         };

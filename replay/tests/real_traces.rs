@@ -12,8 +12,8 @@
 //!   it packs them itself (largest first); on llama-lora-finetune that layout costs one more
 //!   20 MiB segment than PyTorch's real one (6,192 MiB against 6,172 MiB, +0.32%). The warm
 //!   replay, which starts from the real layout, equals PyTorch exactly (test above);
-//! - the two policies under seven configs: where they differ, and where `gpualloc` reserves
-//!   more (`MORE_THAN_PYTORCH`).
+//! - the two policies under seven configs: where they differ (`gpualloc` never reserves
+//!   more).
 
 mod common;
 
@@ -219,9 +219,19 @@ const CONFIGS: [&str; 7] = [
 /// traces, only with expandable segments (which the `gpualloc` policy runs unless the config
 /// says `expandable_segments:False`; `max_split_size` there, the placement rule for dead
 /// remainders, and the large pool's 2 MiB pages), and there the `gpualloc` policy reserves at
-/// most PyTorch's at its peak, but for the cases of `MORE_THAN_PYTORCH` (with their reasons). Growths are the core's `segment_map`s (for PyTorch's ordinary
-/// segments, its segment mallocs); driver maps are the backend's `map` calls (one per
-/// physical handle).
+/// most PyTorch's at its peak, on every trace and config. Growths are the core's
+/// `segment_map`s (for PyTorch's ordinary segments, its segment mallocs); driver maps are the
+/// backend's `map` calls (one per physical handle).
+///
+/// Two exceptions were listed here before and are gone: llama7b-offload-10streams with
+/// garbage collection and a fraction cap (garbage collection, PyTorch's rule, reclaims nothing
+/// from expandable segments: +1.16 GB before loans, +0.87 GB after; the release before a
+/// growth after the job's own `empty_cache` took it under PyTorch's, 19,950 against 20,018
+/// MiB), and qwen3-gcn-3gpu device 2 with `max_split_size_mb:128` (the default expandable
+/// segments against PyTorch's ordinary ones under the oversize rule: +190 MiB before the page
+/// move before a growth, +30 MiB after it; under it, 20,618 against 20,680 MiB, since a
+/// growth's handles end where its request ends and the move can unmap the free pages that
+/// shared a handle with live blocks).
 #[test]
 fn policies_differ_only_where_a_deviation_applies() {
     use gpualloc_devices::{AllocatorConfig, Policy};
@@ -252,14 +262,11 @@ fn policies_differ_only_where_a_deviation_applies() {
                     "{} [{conf}]: the policies differ where no deviation applies",
                     trace.name
                 );
-                if ours.0 > torch.0 {
-                    let excess = (trace.name.as_str(), conf, ours.0 - torch.0);
-                    assert!(
-                        MORE_THAN_PYTORCH.contains(&excess),
-                        "{}: {torch:?} vs {ours:?}",
-                        trace.name
-                    );
-                }
+                assert!(
+                    ours.0 <= torch.0,
+                    "{} [{conf}]: {torch:?} vs {ours:?}",
+                    trace.name
+                );
                 differing.push((trace.name.clone(), conf, torch, ours));
             }
         }
@@ -286,82 +293,64 @@ fn policies_differ_only_where_a_deviation_applies() {
     assert_eq!(
         figures,
         [
-            "cnn-counterfactual-small.pickle []: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 18",
-            "cnn-counterfactual-small.pickle [expandable_segments:True]: 108 / 108 MiB, growths 9 / 18, driver maps 9 / 18",
-            "cnn-counterfactual-small.pickle [max_split_size_mb:128]: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 18",
-            "cnn-counterfactual-small.pickle [max_split_size_mb:128,expandable_segments:True]: 108 / 108 MiB, growths 9 / 18, driver maps 9 / 18",
-            "cnn-counterfactual-small.pickle [roundup_power2_divisions:4]: 138 / 122 MiB, growths 11 / 18, driver maps 0 / 18",
-            "cnn-counterfactual-small.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 18",
-            "llama-lora-finetune.pickle []: 6192 / 5642 MiB, growths 230 / 248, driver maps 0 / 379",
-            "llama-lora-finetune.pickle [expandable_segments:True]: 5642 / 5642 MiB, growths 207 / 248, driver maps 328 / 379",
-            "llama-lora-finetune.pickle [max_split_size_mb:128]: 6192 / 5642 MiB, growths 230 / 248, driver maps 0 / 379",
-            "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5642 MiB, growths 209 / 248, driver maps 340 / 379",
-            "llama-lora-finetune.pickle [roundup_power2_divisions:4]: 6034 / 5986 MiB, growths 213 / 252, driver maps 0 / 404",
-            "llama-lora-finetune.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 6024 / 5642 MiB, growths 230 / 248, driver maps 0 / 379",
-            "llama7b-offload-10streams.pickle []: 21476 / 19938 MiB, growths 728 / 769, driver maps 0 / 10697",
+            "cnn-counterfactual-small.pickle []: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 39",
+            "cnn-counterfactual-small.pickle [expandable_segments:True]: 108 / 108 MiB, growths 9 / 18, driver maps 9 / 39",
+            "cnn-counterfactual-small.pickle [max_split_size_mb:128]: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 39",
+            "cnn-counterfactual-small.pickle [max_split_size_mb:128,expandable_segments:True]: 108 / 108 MiB, growths 9 / 18, driver maps 9 / 39",
+            "cnn-counterfactual-small.pickle [roundup_power2_divisions:4]: 138 / 122 MiB, growths 11 / 18, driver maps 0 / 29",
+            "cnn-counterfactual-small.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 128 / 108 MiB, growths 10 / 18, driver maps 0 / 39",
+            "llama-lora-finetune.pickle []: 6192 / 5640 MiB, growths 230 / 258, driver maps 0 / 1297",
+            "llama-lora-finetune.pickle [expandable_segments:True]: 5642 / 5640 MiB, growths 207 / 258, driver maps 328 / 1297",
+            "llama-lora-finetune.pickle [max_split_size_mb:128]: 6192 / 5640 MiB, growths 230 / 258, driver maps 0 / 1297",
+            "llama-lora-finetune.pickle [max_split_size_mb:128,expandable_segments:True]: 5882 / 5640 MiB, growths 209 / 258, driver maps 340 / 1297",
+            "llama-lora-finetune.pickle [roundup_power2_divisions:4]: 6034 / 5994 MiB, growths 213 / 262, driver maps 0 / 1115",
+            "llama-lora-finetune.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 6024 / 5640 MiB, growths 230 / 258, driver maps 0 / 1297",
+            "llama7b-offload-10streams.pickle []: 21476 / 19870 MiB, growths 728 / 713, driver maps 0 / 11335",
             "llama7b-offload-10streams.pickle [expandable_segments:False]: 21476 / 21220 MiB, growths 728 / 564, driver maps 0 / 0",
-            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 19938 MiB, growths 752 / 769, driver maps 8042 / 10697",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 19938 MiB, growths 913 / 769, driver maps 0 / 10697",
-            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 19938 MiB, growths 902 / 769, driver maps 11828 / 10697",
-            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 21038 MiB, growths 729 / 720, driver maps 0 / 9613",
-            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 19938 MiB, growths 806 / 769, driver maps 0 / 10697",
-            "qwen2-7b-layerwise-calib-fp16.pickle []: 5926 / 4222 MiB, growths 479 / 620, driver maps 0 / 9363",
-            "qwen2-7b-layerwise-calib-fp16.pickle [expandable_segments:True]: 4404 / 4222 MiB, growths 449 / 620, driver maps 5811 / 9363",
-            "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128]: 6080 / 4222 MiB, growths 591 / 620, driver maps 0 / 9363",
-            "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128,expandable_segments:True]: 17304 / 4222 MiB, growths 1456 / 620, driver maps 17760 / 9363",
-            "qwen2-7b-layerwise-calib-fp16.pickle [roundup_power2_divisions:4]: 7098 / 5122 MiB, growths 507 / 587, driver maps 0 / 10979",
-            "qwen2-7b-layerwise-calib-fp16.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 5142 / 4222 MiB, growths 479 / 620, driver maps 0 / 9363",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] []: 8824 / 8132 MiB, growths 204 / 221, driver maps 0 / 523",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [expandable_segments:True]: 8146 / 8132 MiB, growths 175 / 221, driver maps 410 / 523",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [max_split_size_mb:128]: 9412 / 8132 MiB, growths 231 / 221, driver maps 0 / 523",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [max_split_size_mb:128,expandable_segments:True]: 10726 / 8132 MiB, growths 225 / 221, driver maps 539 / 523",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [roundup_power2_divisions:4]: 9016 / 8372 MiB, growths 205 / 189, driver maps 0 / 487",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 8212 / 8132 MiB, growths 204 / 221, driver maps 0 / 523",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] []: 85370 / 80302 MiB, growths 40 / 48, driver maps 0 / 4661",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [expandable_segments:True]: 80302 / 80302 MiB, growths 40 / 48, driver maps 4205 / 4661",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [max_split_size_mb:128]: 81364 / 80302 MiB, growths 59 / 48, driver maps 0 / 4661",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [max_split_size_mb:128,expandable_segments:True]: 103202 / 80302 MiB, growths 61 / 48, driver maps 5414 / 4661",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [roundup_power2_divisions:4]: 86306 / 81182 MiB, growths 39 / 49, driver maps 0 / 4714",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 85370 / 80302 MiB, growths 40 / 48, driver maps 0 / 4661",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] []: 21406 / 20710 MiB, growths 78 / 110, driver maps 0 / 1308",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [expandable_segments:True]: 20870 / 20710 MiB, growths 78 / 110, driver maps 1048 / 1308",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [max_split_size_mb:128]: 20680 / 20710 MiB, growths 100 / 110, driver maps 0 / 1308",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [max_split_size_mb:128,expandable_segments:True]: 28250 / 20710 MiB, growths 118 / 110, driver maps 1417 / 1308",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [roundup_power2_divisions:4]: 24920 / 24442 MiB, growths 68 / 110, driver maps 0 / 1539",
-            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 21386 / 20710 MiB, growths 80 / 110, driver maps 0 / 1308",
-            "transformer-lm-forward-bf16.pickle []: 822 / 762 MiB, growths 43 / 44, driver maps 0 / 47",
-            "transformer-lm-forward-bf16.pickle [expandable_segments:True]: 786 / 762 MiB, growths 41 / 44, driver maps 42 / 47",
-            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128]: 822 / 762 MiB, growths 43 / 44, driver maps 0 / 47",
-            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128,expandable_segments:True]: 786 / 762 MiB, growths 41 / 44, driver maps 42 / 47",
-            "transformer-lm-forward-bf16.pickle [roundup_power2_divisions:4]: 866 / 852 MiB, growths 64 / 47, driver maps 0 / 50",
-            "transformer-lm-forward-bf16.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 822 / 762 MiB, growths 43 / 44, driver maps 0 / 47",
-            "transformer-lm-train.pickle []: 13436 / 13296 MiB, growths 240 / 258, driver maps 0 / 696",
-            "transformer-lm-train.pickle [expandable_segments:True]: 13296 / 13296 MiB, growths 248 / 258, driver maps 672 / 696",
-            "transformer-lm-train.pickle [max_split_size_mb:128]: 13730 / 13296 MiB, growths 245 / 258, driver maps 0 / 696",
-            "transformer-lm-train.pickle [max_split_size_mb:128,expandable_segments:True]: 13576 / 13296 MiB, growths 251 / 258, driver maps 686 / 696",
-            "transformer-lm-train.pickle [roundup_power2_divisions:4]: 13468 / 13436 MiB, growths 277 / 252, driver maps 0 / 679",
-            "transformer-lm-train.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 13412 / 13296 MiB, growths 239 / 258, driver maps 0 / 696",
+            "llama7b-offload-10streams.pickle [expandable_segments:True]: 21124 / 19870 MiB, growths 752 / 713, driver maps 8042 / 11335",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128]: 23492 / 19870 MiB, growths 913 / 713, driver maps 0 / 11335",
+            "llama7b-offload-10streams.pickle [max_split_size_mb:128,expandable_segments:True]: 35272 / 19870 MiB, growths 902 / 713, driver maps 11828 / 11335",
+            "llama7b-offload-10streams.pickle [roundup_power2_divisions:4]: 22728 / 20978 MiB, growths 729 / 708, driver maps 0 / 11028",
+            "llama7b-offload-10streams.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 20018 / 19870 MiB, growths 806 / 713, driver maps 0 / 11335",
+            "qwen2-7b-layerwise-calib-fp16.pickle []: 5926 / 4202 MiB, growths 479 / 620, driver maps 0 / 11890",
+            "qwen2-7b-layerwise-calib-fp16.pickle [expandable_segments:True]: 4404 / 4202 MiB, growths 449 / 620, driver maps 5811 / 11890",
+            "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128]: 6080 / 4202 MiB, growths 591 / 620, driver maps 0 / 11890",
+            "qwen2-7b-layerwise-calib-fp16.pickle [max_split_size_mb:128,expandable_segments:True]: 17304 / 4202 MiB, growths 1456 / 620, driver maps 17760 / 11890",
+            "qwen2-7b-layerwise-calib-fp16.pickle [roundup_power2_divisions:4]: 7098 / 5116 MiB, growths 507 / 587, driver maps 0 / 13410",
+            "qwen2-7b-layerwise-calib-fp16.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 5142 / 4202 MiB, growths 479 / 620, driver maps 0 / 11890",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] []: 8824 / 8088 MiB, growths 204 / 240, driver maps 0 / 1455",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [expandable_segments:True]: 8146 / 8088 MiB, growths 175 / 240, driver maps 410 / 1455",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [max_split_size_mb:128]: 9412 / 8088 MiB, growths 231 / 240, driver maps 0 / 1455",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [max_split_size_mb:128,expandable_segments:True]: 10726 / 8088 MiB, growths 225 / 240, driver maps 539 / 1455",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [roundup_power2_divisions:4]: 9016 / 8382 MiB, growths 205 / 225, driver maps 0 / 1373",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 0] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 8212 / 8088 MiB, growths 204 / 240, driver maps 0 / 1455",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] []: 85370 / 80246 MiB, growths 40 / 48, driver maps 0 / 4877",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [expandable_segments:True]: 80302 / 80246 MiB, growths 40 / 48, driver maps 4205 / 4877",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [max_split_size_mb:128]: 81364 / 80246 MiB, growths 59 / 48, driver maps 0 / 4877",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [max_split_size_mb:128,expandable_segments:True]: 103202 / 80246 MiB, growths 61 / 48, driver maps 5414 / 4877",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [roundup_power2_divisions:4]: 86306 / 81154 MiB, growths 39 / 49, driver maps 0 / 4922",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 1] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 85370 / 80246 MiB, growths 40 / 48, driver maps 0 / 4877",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] []: 21406 / 20618 MiB, growths 78 / 110, driver maps 0 / 1758",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [expandable_segments:True]: 20870 / 20618 MiB, growths 78 / 110, driver maps 1048 / 1758",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [max_split_size_mb:128]: 20680 / 20618 MiB, growths 100 / 110, driver maps 0 / 1758",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [max_split_size_mb:128,expandable_segments:True]: 28250 / 20618 MiB, growths 118 / 110, driver maps 1417 / 1758",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [roundup_power2_divisions:4]: 24920 / 24386 MiB, growths 68 / 110, driver maps 0 / 1892",
+            "qwen3-gcn-3gpu-expandable-oom.pickle[device 2] [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 21386 / 20618 MiB, growths 80 / 110, driver maps 0 / 1758",
+            "transformer-lm-forward-bf16.pickle []: 822 / 756 MiB, growths 43 / 44, driver maps 0 / 326",
+            "transformer-lm-forward-bf16.pickle [expandable_segments:True]: 786 / 756 MiB, growths 41 / 44, driver maps 42 / 326",
+            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128]: 822 / 756 MiB, growths 43 / 44, driver maps 0 / 326",
+            "transformer-lm-forward-bf16.pickle [max_split_size_mb:128,expandable_segments:True]: 786 / 756 MiB, growths 41 / 44, driver maps 42 / 326",
+            "transformer-lm-forward-bf16.pickle [roundup_power2_divisions:4]: 866 / 846 MiB, growths 64 / 47, driver maps 0 / 357",
+            "transformer-lm-forward-bf16.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 822 / 756 MiB, growths 43 / 44, driver maps 0 / 326",
+            "transformer-lm-train.pickle []: 13436 / 13296 MiB, growths 240 / 258, driver maps 0 / 2129",
+            "transformer-lm-train.pickle [expandable_segments:True]: 13296 / 13296 MiB, growths 248 / 258, driver maps 672 / 2129",
+            "transformer-lm-train.pickle [max_split_size_mb:128]: 13730 / 13296 MiB, growths 245 / 258, driver maps 0 / 2129",
+            "transformer-lm-train.pickle [max_split_size_mb:128,expandable_segments:True]: 13576 / 13296 MiB, growths 251 / 258, driver maps 686 / 2129",
+            "transformer-lm-train.pickle [roundup_power2_divisions:4]: 13468 / 13436 MiB, growths 277 / 252, driver maps 0 / 1861",
+            "transformer-lm-train.pickle [garbage_collection_threshold:0.8,per_process_memory_fraction:0.9]: 13412 / 13296 MiB, growths 239 / 258, driver maps 0 / 2129",
         ]
     );
 }
-
-/// Where the `gpualloc` policy reserves more than PyTorch's at its peak, measured on the
-/// seven shared traces (the README's policy paragraph says so too): (trace, config, bytes
-/// more). Every other (trace, config) reserves at most PyTorch's.
-/// (llama7b-offload-10streams with garbage collection and a fraction cap was here: garbage
-/// collection, PyTorch's rule, reclaims nothing from expandable segments, 1.16 GB more before
-/// loans, 0.87 GB after; the release before a growth after the job's own `empty_cache` took
-/// it under PyTorch's: 19,950 against 20,018 MiB.)
-/// - qwen3-gcn-3gpu device 2, `max_split_size_mb:128`: the default expandable segments
-///   against PyTorch's ordinary segments under the oversize rule, which keeps that run's
-///   1.3 and 5.3 GB blocks in segments of their own (cause measured as the segment kinds
-///   only, not block by block). 190 MiB more before the page move before a growth, 30 MiB
-///   after it.
-const MORE_THAN_PYTORCH: [(&str, &str, u64); 1] = [(
-    "qwen3-gcn-3gpu-expandable-oom.pickle[device 2]",
-    "max_split_size_mb:128",
-    30 << 20,
-)];
 
 /// How many streams the trace allocates on.
 fn streams_of(trace: &Trace) -> usize {

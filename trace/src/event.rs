@@ -131,6 +131,10 @@ pub struct TraceEntry {
     /// could not grow then (`gpualloc_devices::TraceEntry::passed_over`): written as
     /// `gpualloc_passed_over: True`, only where set.
     pub passed_over: bool,
+    /// gpualloc's `segment_map` whose first `n` pages share physical handles and whose
+    /// later pages are a handle each (`gpualloc_devices::TraceEntry::grouped_pages`):
+    /// written as `gpualloc_grouped_pages: n`, only where set. `None`: every page grouped.
+    pub grouped_pages: Option<u64>,
 }
 
 impl TraceEntry {
@@ -146,6 +150,7 @@ impl TraceEntry {
             frames: Vec::new(),
             pool_id: None,
             passed_over: false,
+            grouped_pages: None,
         }
     }
 }

@@ -147,22 +147,44 @@ pub const DEVIATIONS: &[Deviation] = &[
         rule: "large-pool pages of expandable segments",
         pytorch: "20 MiB pages (`large_segment_size`), one physical handle each; a growth maps the \
                    pages the request needs",
-        gpualloc: "2 MiB pages, one physical handle per growth of up to 20 MiB; a growth maps 1/8 \
+        gpualloc: "2 MiB pages, in physical handles as the next row says; a growth maps 1/8 \
                     of what the segment has mapped ahead of the request, never past the next 20 MiB \
                     boundary from the segment's base (where PyTorch's page would end), and once 1/8 \
                     reaches 20 MiB grows to that boundary as PyTorch does; the pages ahead are \
                     dropped where the device or `per_process_memory_fraction` has no room, and the \
                     fraction counts the pages mapped, not a 20 MiB segment \
                     (`devices/src/malloc/map_ahead.rs`)",
-        why: "on a small model a 20 MiB page is most of the memory reserved and unused; one handle \
-               per growth keeps the driver calls of 20 MiB pages, and the 20 MiB boundary keeps \
-               large segments as PyTorch lays them out",
+        why: "on a small model a 20 MiB page is most of the memory reserved and unused; the 20 MiB \
+               boundary keeps large segments as PyTorch lays them out",
         evidence: "`expandable_segments:True`, peak reserved: a generated MiniLM-like inference \
                     (`replay/tests/small_model.rs`) 92 MiB (PyTorch) vs 84 MiB, fragmentation 14.05% \
                     vs 5.86%; the seven shared traces at PyTorch's peak or below but \
                     llama7b-offload-10streams (+4 MiB before loans between streams), driver map calls 18 against 9 on \
                     cnn-counterfactual-small, +0.05% to +9.5% on the others \
-                    (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`)",
+                    (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`; figures from before \
+                    the handles of the next row)",
+    },
+    Deviation {
+        rule: "physical handles of a growth of the large pool's expandable segments",
+        pytorch: "one handle per 20 MiB page",
+        gpualloc: "the pages wholly inside the request share handles of up to 20 MiB; each page \
+                    after them (the page the request ends in, the pages ahead) is a handle of its \
+                    own; a history's `segment_map` records the split (`gpualloc_grouped_pages`) so \
+                    a replay maps the same handles (`devices/src/malloc/map_ahead.rs`)",
+        why: "a handle is released only whole, so one reaching past its request kept the free pages \
+               between live blocks mapped: no release or page move could give them back",
+        evidence: "default config, peak reserved (fragmentation): transformer-lm-forward-bf16 \
+                    762 -> 756 MiB (2.40% -> 1.63%), qwen2-7b-layerwise-calib 4,222 -> 4,202 MiB \
+                    (1.71% -> 1.25%), llama7b-offload-10streams 19,938 -> 19,870 MiB (0.50% -> \
+                    0.16%), qwen3-gcn devices 0/1/2 0.83/0.17/0.70% -> 0.29/0.10/0.25%, \
+                    llama-lora-finetune 0.67% -> 0.64%, the others unchanged; qwen3-gcn device 2 \
+                    with `max_split_size_mb:128` 20,710 -> 20,618 MiB, under PyTorch's 20,680 (it \
+                    was the one case above PyTorch). Driver map calls: transformer-lm-forward 47 \
+                    -> 326 (PyTorch with expandable segments 42), cnn-counterfactual 18 -> 39 (9), \
+                    llama-lora 379 -> 1,297 (328), transformer-lm-train 696 -> 2,129 (672), qwen2 \
+                    9,363 -> 11,890 (5,811), llama7b 10,697 -> 11,335 (8,042) \
+                    (`replay/tests/real_traces.rs`, `devices/tests/map_ahead.rs`, \
+                    `devices/tests/oom_chain.rs`)",
     },
     Deviation {
         rule: "another stream's free blocks (loans)",

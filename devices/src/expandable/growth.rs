@@ -27,7 +27,7 @@ use gpualloc_runtime::{Backend, BackendError, DeviceId, DevicePtr};
 use crate::blocks::block::{BlockId, BlockState};
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
-use crate::expandable::segment::{map_pages, unmap_pages, MappedPages};
+use crate::expandable::segment::{map_pages, unmap_pages, Handles, MappedPages};
 use crate::malloc::segment_request::SegmentRequest;
 
 /// Pages of one expandable segment to map off the core. See the module docs.
@@ -41,8 +41,8 @@ pub struct GrowthPlan {
     /// The part of `len` the request needs (the rest is mapped ahead, `map_ahead.rs`).
     want: u64,
     page: u64,
-    /// Pages per physical handle.
-    per_handle: usize,
+    /// How the pages are grouped into physical handles.
+    handles: Handles,
     device: DeviceId,
     /// Devices given access too (`DeviceCore::add_peer`).
     peers: Vec<DeviceId>,
@@ -57,6 +57,13 @@ impl GrowthPlan {
     /// The block the pages become once committed.
     pub(crate) fn block(&self) -> BlockId {
         self.block
+    }
+
+    /// The plan with only its first `grouped` pages grouped into shared handles, each page
+    /// after them a handle of its own (a recorded map's layout).
+    pub(crate) fn grouping_first(mut self, grouped: usize) -> GrowthPlan {
+        self.handles.grouped = grouped;
+        self
     }
 }
 
@@ -169,7 +176,7 @@ impl DeviceCore {
             len,
             want,
             page,
-            per_handle: self.pages_per_handle(pool),
+            handles: self.handles_for(pool, need),
             device: self.device,
             peers: self.expandable.peers().to_vec(),
         })
@@ -234,6 +241,10 @@ impl DeviceCore {
             }
         }
         self.book_mapped(plan.block);
+        let pages = (len / plan.page) as usize;
+        if plan.handles.grouped < pages {
+            self.mark_grouped_pages(plan.addr, plan.handles.grouped as u64);
+        }
         Ok(())
     }
 
@@ -276,7 +287,7 @@ pub fn map_growth(backend: &dyn Backend, plan: &GrowthPlan) -> Result<MappedPage
             plan.addr,
             (len / plan.page) as usize,
             plan.page,
-            plan.per_handle,
+            plan.handles,
         )
     };
     match map(plan.len) {

@@ -6,9 +6,9 @@
 //! - The range reserved is 9/8 of the device's memory, rounded to pages; a page is 2 MiB for
 //!   the small pool, and for the large pool `large_segment_size` (20 MiB) under PyTorch's
 //!   policy, 2 MiB under gpualloc's (`map_ahead.rs`). Physical memory comes in runs: one
-//!   handle mapped over one or more pages (PyTorch: one page each; gpualloc: a growth of up
-//!   to 20 MiB), unmapped and released only whole, since CUDA can neither unmap nor release
-//!   part of a handle.
+//!   handle mapped over one or more pages (PyTorch: one page each; gpualloc: the pages
+//!   wholly inside the request, up to 20 MiB, then a page each), unmapped and released only
+//!   whole, since CUDA can neither unmap nor release part of a handle.
 //! - Unmapped ranges are blocks too (`mapped == false`), kept per pool ordered by (stream,
 //!   address). An allocation looks for a run of free and unmapped blocks that together fit
 //!   (`find_expandable_block`), maps what is missing and merges it into one free block.
@@ -234,8 +234,36 @@ impl MappedPages {
     }
 }
 
-/// Creates and maps `pages` pages of `page` bytes from `start` on, at most `per_handle` pages
-/// to one physical handle (one `cuMemCreate` and one `cuMemMap` each), then gives the device
+/// How the pages of one map are grouped into physical handles: the first `grouped` pages at
+/// most `per_handle` to a handle, each page after them a handle of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handles {
+    pub per_handle: usize,
+    pub grouped: usize,
+}
+
+impl Handles {
+    /// Every page in handles of at most `per_handle` pages.
+    pub fn of(per_handle: usize) -> Handles {
+        Handles {
+            per_handle,
+            grouped: usize::MAX,
+        }
+    }
+
+    /// Pages in the handle that starts `at` pages into a map of `pages` pages.
+    pub fn at(self, at: usize, pages: usize) -> usize {
+        let n = if at < self.grouped {
+            self.per_handle.max(1).min(self.grouped - at)
+        } else {
+            1
+        };
+        n.min(pages - at)
+    }
+}
+
+/// Creates and maps `pages` pages of `page` bytes from `start` on, in physical handles as
+/// `handles` groups them (one `cuMemCreate` and one `cuMemMap` each), then gives the device
 /// and its `peers` access to them: the slow driver calls of growing an expandable segment,
 /// with no state of the core (so an owner can run them off it). On failure every handle this
 /// call created is unmapped and released again.
@@ -246,7 +274,7 @@ pub(crate) fn map_pages(
     start: u64,
     pages: usize,
     page: u64,
-    per_handle: usize,
+    handles: Handles,
 ) -> Result<MappedPages, BackendError> {
     let mut done = MappedPages {
         start,
@@ -256,7 +284,7 @@ pub(crate) fn map_pages(
     let mut failure = None;
     let mut at = 0usize;
     while at < pages {
-        let n = per_handle.max(1).min(pages - at);
+        let n = handles.at(at, pages);
         let bytes = n as u64 * page;
         let ptr = DevicePtr(start + at as u64 * page);
         let step =

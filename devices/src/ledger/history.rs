@@ -100,6 +100,7 @@ impl History {
                     frames: None,
                     pool,
                     passed_over: false,
+                    grouped_pages: None,
                 };
                 ring.push(seq, entry);
             }
@@ -116,6 +117,18 @@ impl History {
                 ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
             {
                 e.passed_over = true;
+            }
+        }
+    }
+
+    /// Marks the `segment_map` entry just recorded for `addr` as grouping only its first
+    /// `grouped` pages into shared physical handles.
+    pub fn mark_grouped_pages(&mut self, addr: u64, grouped: u64) {
+        if let Some(ring) = &mut self.ring {
+            if let Some(e) =
+                ring.newest_mut(1, |e| e.action == TraceAction::SegmentMap && e.addr == addr)
+            {
+                e.grouped_pages = Some(grouped);
             }
         }
     }

@@ -114,4 +114,10 @@ impl DeviceCore {
     pub(crate) fn mark_passed_over(&mut self, addr: u64) {
         self.history.mark_passed_over(addr);
     }
+
+    /// Marks the `segment_map` entry just recorded for `addr` as grouping only its first
+    /// `grouped` pages into shared physical handles.
+    pub(crate) fn mark_grouped_pages(&mut self, addr: u64, grouped: u64) {
+        self.history.mark_grouped_pages(addr, grouped);
+    }
 }

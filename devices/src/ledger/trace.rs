@@ -87,6 +87,12 @@ pub struct TraceEntry {
     /// request. The history shows the request after those pages landed; a replay serves it
     /// the same way. (gpualloc's own: PyTorch has no such rule.)
     pub passed_over: bool,
+    /// A `segment_map` whose pages are not all grouped into physical handles of up to
+    /// `large_segment_size`: its first `n` pages are, and each page after them is a handle
+    /// of its own (`map_ahead.rs`: a growth's handles end where its request ends). `None`:
+    /// every page grouped, as PyTorch's maps (one page each there) and every other entry.
+    /// A replay maps the pages as they were, so it releases the same ones later.
+    pub grouped_pages: Option<u64>,
 }
 
 /// Bounded history; the oldest entries fall off.
@@ -201,6 +207,7 @@ mod tests {
                     frames: None,
                     pool: 0,
                     passed_over: false,
+                    grouped_pages: None,
                     action: TraceAction::Alloc,
                     addr: i,
                     size: 1,
@@ -222,6 +229,7 @@ mod tests {
             frames: None,
             pool: 0,
             passed_over: false,
+            grouped_pages: None,
             action: TraceAction::Alloc,
             addr,
             size: 1,

@@ -7,11 +7,18 @@
 //! model the 20 MiB page is most of the waste: up to 20 MiB mapped and unused at the peak.
 //!
 //! gpualloc (the default): the large pool's pages are 2 MiB too, so a growth maps at most
-//! 2 MiB more than the request needs; and to keep the driver calls of PyTorch's page size:
-//! - one physical handle covers a whole growth of up to `large_segment_size` (10 pages of
-//!   2 MiB): one `cuMemCreate` and one `cuMemMap` for the growth instead of one per page. A
-//!   handle is unmapped and released only whole (CUDA cannot release part of one), so memory
-//!   is released in runs of at most `large_segment_size` bytes, as with PyTorch's pages;
+//! 2 MiB more than the request needs; and
+//! - a growth's physical handles in the default pools end where its request ends: the pages
+//!   wholly inside the request share handles of up to `large_segment_size` (10 pages of
+//!   2 MiB: one `cuMemCreate` and one `cuMemMap` for up to 20 MiB of the request instead of
+//!   one per page), and each page after them (the page the request ends in, shared with the
+//!   next block, and the pages ahead, where later blocks go) is a handle of its own. A handle
+//!   is unmapped and released only whole (CUDA cannot release part of one), so a handle that
+//!   reached past its request kept free pages between live blocks mapped: a release, or the
+//!   page move before a growth (`miss/chain.rs`), could not give them back. Now the whole
+//!   pages of every freed block are whole handles. The cost is driver calls: up to ten more
+//!   per growth, in the first pass only (a repeated step maps nothing). A private pool's
+//!   growth stays one handle of up to `large_segment_size` (see `handles_for`);
 //! - a growth of the large pool maps ahead: at least 1/8 of what the segment has mapped, at
 //!   most `large_segment_size`, so a segment that keeps growing grows as often as with
 //!   20 MiB pages; but never past the next multiple of `large_segment_size` from the
@@ -26,7 +33,8 @@
 //! the policy's [`DEVIATIONS`](crate::config::policy::DEVIATIONS) entry.
 
 use crate::config::sizes::SMALL_BUFFER;
-use crate::core::DeviceCore;
+use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::expandable::segment::Handles;
 
 /// The large pool's page under the `gpualloc` policy.
 pub const LARGE_POOL_PAGE: u64 = SMALL_BUFFER;
@@ -49,14 +57,27 @@ impl DeviceCore {
         }
     }
 
-    /// Pages of `pool` one physical handle may cover.
-    pub(crate) fn pages_per_handle(&self, pool: usize) -> usize {
+    /// How a growth of `pool` for a request needing `need` bytes past the mapped pages
+    /// groups its pages into physical handles (see the module docs).
+    pub(crate) fn handles_for(&self, pool: usize, need: u64) -> Handles {
         if self.unsplit_of(pool).is_some() {
-            usize::MAX // one handle for a block's whole range
-        } else if self.config.policy.fine_large_pages() {
-            (self.config.large_segment_size / self.segment_page_size(pool)).max(1) as usize
-        } else {
-            1
+            return Handles::of(usize::MAX); // one handle for a block's whole range
+        }
+        if !self.config.policy.fine_large_pages() {
+            return Handles::of(1);
+        }
+        let page = self.segment_page_size(pool);
+        let per_handle = (self.config.large_segment_size / page).max(1) as usize;
+        if pool != LARGE_POOL && pool != SMALL_POOL {
+            // A private pool's memory is released only by its owner, whole (the page move
+            // takes the default pools' pages only), and a registrar (NCCL) registers its
+            // ranges: a growth in several handles would be deregistered and registered again
+            // piece by piece as its handles are unmapped.
+            return Handles::of(per_handle);
+        }
+        Handles {
+            per_handle,
+            grouped: (need / page) as usize,
         }
     }
 

@@ -54,7 +54,7 @@ use crate::blocks::block::BlockState;
 use crate::core::{DeviceCore, MemPoolId};
 use crate::error::AllocError;
 use crate::expandable::growth::release_reservation;
-use crate::expandable::segment::{map_pages, unmap_pages, Booking, MappedPages};
+use crate::expandable::segment::{map_pages, unmap_pages, Booking, Handles, MappedPages};
 use crate::ledger::observer::SegmentAction;
 use crate::pools::pool_state::PoolState;
 
@@ -515,7 +515,15 @@ pub fn map_wake(backend: &dyn Backend, plan: &WakePlan) -> Result<WokenPages, Ba
     for s in &plan.runs {
         for &(first, n) in &s.layout {
             let start = s.base + first as u64 * s.page;
-            match map_pages(backend, plan.device, &plan.peers, start, n, s.page, n) {
+            match map_pages(
+                backend,
+                plan.device,
+                &plan.peers,
+                start,
+                n,
+                s.page,
+                Handles::of(n),
+            ) {
                 Ok(m) => woken.pages.push((s.seg, first, m)),
                 Err(e) => {
                     woken.release(backend);

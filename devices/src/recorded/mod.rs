@@ -226,7 +226,19 @@ impl DeviceCore {
     /// it. The in-place driver of [`DeviceCore::plan_recorded_map`]: the map is the growth's
     /// own three steps, the driver call made here.
     pub fn map_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        let Some(plan) = self.plan_recorded_map(addr, len)? else {
+        self.map_recorded_growth(addr, len, None)
+    }
+
+    /// [`DeviceCore::map_recorded_pages`] for a `segment_map` that grouped only its first
+    /// `grouped` pages into shared physical handles (`TraceEntry::grouped_pages`; `None`: all
+    /// of them), mapped the same way, so that a later release unmaps the same pages.
+    pub fn map_recorded_growth(
+        &mut self,
+        addr: u64,
+        len: u64,
+        grouped: Option<u64>,
+    ) -> Result<bool, AllocError> {
+        let Some(plan) = self.plan_recorded_growth(addr, len, grouped)? else {
             return Ok(false);
         };
         let backend = self.backend.clone();
@@ -264,6 +276,17 @@ impl DeviceCore {
         addr: u64,
         len: u64,
     ) -> Result<Option<GrowthPlan>, AllocError> {
+        self.plan_recorded_growth(addr, len, None)
+    }
+
+    /// [`DeviceCore::plan_recorded_map`] with the handles of
+    /// [`DeviceCore::map_recorded_growth`].
+    pub fn plan_recorded_growth(
+        &mut self,
+        addr: u64,
+        len: u64,
+        grouped: Option<u64>,
+    ) -> Result<Option<GrowthPlan>, AllocError> {
         let Some(rec) = self.recorded_range(addr, len)? else {
             return Ok(None);
         };
@@ -285,7 +308,11 @@ impl DeviceCore {
             self.pools[pool].file_unmapped(self.blocks.get(range), range);
         }
         let avail = self.blocks.get(range).size();
-        Ok(self.plan_pages(range, len, avail, false, false))
+        let plan = self.plan_pages(range, len, avail, false, false);
+        Ok(plan.map(|p| match grouped {
+            Some(n) => p.grouping_first(usize::try_from(n).unwrap_or(usize::MAX)),
+            None => p,
+        }))
     }
 
     /// Restores an expandable segment of a recorded state: reserves `size` bytes (rounded up

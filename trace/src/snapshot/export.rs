@@ -146,6 +146,12 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
     if e.passed_over {
         items.push(("gpualloc_passed_over", Value::Bool(true)));
     }
+    if let Some(n) = e.grouped_pages {
+        items.push((
+            "gpualloc_grouped_pages",
+            int("device_traces.gpualloc_grouped_pages", n)?,
+        ));
+    }
     if let Some((a, b)) = e.pool_id {
         items.push((
             "segment_pool_id",
