@@ -145,6 +145,44 @@ fn the_history_records_where_a_growths_shared_handles_end() {
     }
 }
 
+/// With handles that end where requests end (and the page move before a growth, both on under
+/// the default policy), a forward pass's step of kept activations among temporaries, repeated
+/// after two warm-up steps, makes no backend call and reserves nothing more: the handles
+/// matter only when the segment grows or memory is released.
+#[test]
+fn a_repeated_step_after_warm_up_maps_and_unmaps_nothing() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let weights = core.malloc(30 * MIB, s).unwrap();
+    let step = |core: &mut DeviceCore| {
+        let mut kept = Vec::new();
+        for layer in 0..8u64 {
+            kept.push(core.malloc(4608 * KIB, s).unwrap());
+            let t1 = core.malloc(3 * MIB, s).unwrap();
+            kept.push(core.malloc(4608 * KIB, s).unwrap());
+            let t2 = core.malloc(1536 * KIB + layer * 64 * KIB, s).unwrap();
+            core.free(t1.ptr).unwrap();
+            kept.push(core.malloc(1152 * KIB, s).unwrap());
+            core.free(t2.ptr).unwrap();
+        }
+        let logits = core.malloc(15 * MIB, s).unwrap();
+        core.free(logits.ptr).unwrap();
+        for k in kept {
+            core.free(k.ptr).unwrap();
+        }
+    };
+    step(&mut core);
+    step(&mut core);
+    let (warm, reserved) = (backend.counts(), core.reserved_bytes());
+    assert!(warm.maps > 0 && warm.mallocs == 0);
+    for _ in 0..5 {
+        step(&mut core);
+    }
+    assert_eq!(backend.counts(), warm, "no backend call in a repeated step");
+    assert_eq!(core.reserved_bytes(), reserved);
+    core.free(weights.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
 /// The pages ahead stop at the 20 MiB boundary PyTorch's page would end at, so a growth never
 /// maps more than PyTorch's (cnn-counterfactual-small with expandable segments reserved
 /// 110 MiB against PyTorch's 108 MiB before: its 90 MiB segment grew by 12 MiB, to 102).
