@@ -120,12 +120,16 @@ fn free_pages_between_live_blocks_are_whole_handles() {
 
 /// The history's `segment_map` records how the growth split its handles, so a replay maps
 /// the same ones (`TraceEntry::grouped_pages`): the first 2 pages of a 5 MiB request's 6 MiB
-/// share a handle, the third is its own; a map that groups every page (PyTorch's one page per
-/// handle) records nothing.
+/// share a handle, the third is its own; a map that groups every page (a 4 MiB request's two
+/// pages; PyTorch's one page per handle) records nothing.
 #[test]
 fn the_history_records_where_a_growths_shared_handles_end() {
     use gpualloc_devices::{Policy, TraceAction};
-    for (policy, expected) in [(Policy::Gpualloc, Some(2)), (Policy::Pytorch, None)] {
+    for (policy, size, expected) in [
+        (Policy::Gpualloc, 5 * MIB, Some(2)),
+        (Policy::Gpualloc, 4 * MIB, None),
+        (Policy::Pytorch, 5 * MIB, None),
+    ] {
         let config = AllocatorConfig::parse("expandable_segments:True")
             .unwrap()
             .with_policy(policy);
@@ -133,7 +137,7 @@ fn the_history_records_where_a_growths_shared_handles_end() {
         let s = backend.stream_create(DeviceId(0)).unwrap();
         let mut core = DeviceCore::new(backend.clone(), DeviceId(0), config).unwrap();
         core.record_history(Some(100));
-        let a = core.malloc(5 * MIB, s).unwrap();
+        let a = core.malloc(size, s).unwrap();
         let maps: Vec<_> = core
             .snapshot()
             .trace
@@ -141,7 +145,7 @@ fn the_history_records_where_a_growths_shared_handles_end() {
             .filter(|e| e.action == TraceAction::SegmentMap)
             .map(|e| (e.addr, e.grouped_pages))
             .collect();
-        assert_eq!(maps, [(a.ptr.0, expected)], "{policy}");
+        assert_eq!(maps, [(a.ptr.0, expected)], "{policy} {size}");
     }
 }
 
@@ -180,6 +184,25 @@ fn a_repeated_step_after_warm_up_maps_and_unmaps_nothing() {
     assert_eq!(backend.counts(), warm, "no backend call in a repeated step");
     assert_eq!(core.reserved_bytes(), reserved);
     core.free(weights.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+/// A private pool's growth stays one handle (its memory is released whole by its owner, and
+/// a registrar registers its ranges): 5 MiB in a named pool maps one handle where the default
+/// pool maps two.
+#[test]
+fn a_private_pools_growth_is_one_handle() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let pool = core.create_named_pool("weights", gpualloc_devices::PoolOptions::default());
+    let a = core.malloc_in(pool, 5 * MIB, s).unwrap();
+    assert_eq!((core.reserved_bytes(), backend.counts().maps), (6 * MIB, 1));
+    let b = core.malloc(5 * MIB, s).unwrap();
+    assert_eq!(
+        (core.reserved_bytes(), backend.counts().maps),
+        (12 * MIB, 3)
+    );
+    core.free(a.ptr).unwrap();
+    core.free(b.ptr).unwrap();
     core.check_invariants().unwrap();
 }
 

@@ -454,6 +454,12 @@ fn pages_that_fill_a_gap_hold_the_request_that_grew_them() {
     // The chain released the cache before growing (the first growths after the user's
     // `empty_cache` do): the hole's whole page [16, 18) went, then the gap's 4 MiB came.
     assert_eq!(core.reserved_bytes(), 20 * MIB);
+    // What the request left of those pages, [8.5, 10) before `c`, is no tail: the pages are
+    // not fresh once a request took from them, so 1.25 MiB, which would leave 256 KiB of it,
+    // passes over it and goes where the segment grows: the page [16, 18) the release
+    // unmapped, before the rest of the hole.
+    let later = core.malloc(1280 * KIB, s).unwrap();
+    assert_eq!(later.ptr.0 - base, 16 * MIB);
     core.check_invariants().unwrap();
     // Off the core, the growth step alone: the same pages, the same block.
     let (mut core, s) = rig(1 << 30, "expandable_segments:True", Policy::Gpualloc);

@@ -706,3 +706,34 @@ fn a_recorded_map_and_unmap_split_into_the_steps_an_off_core_owner_takes() {
     assert_eq!(free_mib(&core.snapshot(), base), vec![(20, 40)]);
     core.check_invariants().unwrap();
 }
+
+/// Pages restored from a recorded state are not fresh (`Block::fresh`): whether a request
+/// took from them before recording began is not in the snapshot, and the live allocator had
+/// served requests from them. So a restored free run at the end of the reserved range, with
+/// no unmapped page after it, is no tail for the placement rule: a request that would leave a
+/// dead remainder in it passes over it and grows the segment into the gap before it.
+/// (Restored as fresh, [8, 12) took the request.)
+#[test]
+fn a_restored_free_run_is_no_tail() {
+    let (backend, mut core, s) = rig(1 << 30, FINE);
+    let base = 0x7100_0000_0000;
+    backend.place_next(DeviceId(0), base);
+    let live = [RestoredBlock {
+        addr: base,
+        size: 4 * MIB,
+        requested: 4 * MIB,
+    }];
+    core.restore_expandable(
+        base,
+        12 * MIB,
+        s,
+        RestorePool::default_pool(false),
+        &[(base, 4 * MIB), (base + 8 * MIB, 4 * MIB)],
+        &live,
+    )
+    .unwrap();
+    // 3.75 MiB would leave 256 KiB of the free [8, 12).
+    let a = core.malloc(3840 << 10, s).unwrap();
+    assert_eq!(a.ptr.0, base + 4 * MIB);
+    core.check_invariants().unwrap();
+}

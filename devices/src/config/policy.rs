@@ -167,9 +167,10 @@ pub const DEVIATIONS: &[Deviation] = &[
     Deviation {
         rule: "physical handles of a growth of the large pool's expandable segments",
         pytorch: "one handle per 20 MiB page",
-        gpualloc: "the pages wholly inside the request share handles of up to 20 MiB; each page \
-                    after them (the page the request ends in, the pages ahead) is a handle of its \
-                    own; a history's `segment_map` records the split (`gpualloc_grouped_pages`) so \
+        gpualloc: "in the default pools, the pages wholly inside the request share handles of up \
+                    to 20 MiB and each page after them (the page the request ends in, the pages \
+                    ahead) is a handle of its own (a private pool's growth stays one handle); a \
+                    history's `segment_map` records the split (`gpualloc_grouped_pages`) so \
                     a replay maps the same handles (`devices/src/malloc/map_ahead.rs`)",
         why: "a handle is released only whole, so one reaching past its request kept the free pages \
                between live blocks mapped: no release or page move could give them back",

@@ -345,6 +345,39 @@ pub(crate) fn unmap_pages(backend: &dyn Backend, mapped: &MappedPages) {
 mod tests {
     use super::*;
 
+    /// The handles of a map, as sizes in pages: grouped pages `per_handle` at a time, then
+    /// one page each; never past the map's end.
+    #[test]
+    fn handles_group_their_first_pages_then_take_one_page_each() {
+        let sizes = |h: Handles, pages: usize| {
+            let (mut at, mut out) = (0, Vec::new());
+            while at < pages {
+                let n = h.at(at, pages);
+                out.push(n);
+                at += n;
+            }
+            out
+        };
+        assert_eq!(sizes(Handles::of(10), 13), [10, 3]);
+        assert_eq!(sizes(Handles::of(10), 3), [3]);
+        assert_eq!(sizes(Handles::of(1), 3), [1, 1, 1]);
+        let split = Handles {
+            per_handle: 10,
+            grouped: 14,
+        };
+        assert_eq!(sizes(split, 17), [10, 4, 1, 1, 1]);
+        assert_eq!(
+            sizes(split, 12),
+            [10, 2],
+            "a map shorter than its grouped pages"
+        );
+        let none = Handles {
+            per_handle: 10,
+            grouped: 0,
+        };
+        assert_eq!(sizes(none, 3), [1, 1, 1]);
+    }
+
     #[test]
     fn stretches_join_adjacent_runs_and_pages_are_checked_by_run() {
         let h = PhysHandle {
