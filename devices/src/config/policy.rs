@@ -167,7 +167,7 @@ pub const DEVIATIONS: &[Deviation] = &[
     Deviation {
         rule: "physical handles of a growth of the large pool's expandable segments",
         pytorch: "one handle per 20 MiB page",
-        gpualloc: "in the default pools, the pages wholly inside the request share handles of up \
+        gpualloc: "in the default large pool, the pages wholly inside the request share handles of up \
                     to 20 MiB and each page after them (the page the request ends in, the pages \
                     ahead) is a handle of its own (a private pool's growth stays one handle); a \
                     history's `segment_map` records the split (`gpualloc_grouped_pages`) so \

@@ -8,7 +8,7 @@
 //!
 //! gpualloc (the default): the large pool's pages are 2 MiB too, so a growth maps at most
 //! 2 MiB more than the request needs; and
-//! - a growth's physical handles in the default pools end where its request ends: the pages
+//! - a growth's physical handles in the default large pool end where its request ends: the pages
 //!   wholly inside the request share handles of up to `large_segment_size` (10 pages of
 //!   2 MiB: one `cuMemCreate` and one `cuMemMap` for up to 20 MiB of the request instead of
 //!   one per page), and each page after them (the page the request ends in, shared with the
@@ -33,7 +33,7 @@
 //! the policy's [`DEVIATIONS`](crate::config::policy::DEVIATIONS) entry.
 
 use crate::config::sizes::SMALL_BUFFER;
-use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::core::{DeviceCore, LARGE_POOL};
 use crate::expandable::segment::Handles;
 
 /// The large pool's page under the `gpualloc` policy.
@@ -68,11 +68,12 @@ impl DeviceCore {
         }
         let page = self.segment_page_size(pool);
         let per_handle = (self.config.large_segment_size / page).max(1) as usize;
-        if pool != LARGE_POOL && pool != SMALL_POOL {
-            // A private pool's memory is released only by its owner, whole (the page move
-            // takes the default pools' pages only), and a registrar (NCCL) registers its
-            // ranges: a growth in several handles would be deregistered and registered again
-            // piece by piece as its handles are unmapped.
+        if pool != LARGE_POOL {
+            // A small-pool growth is one 2 MiB page: nothing to split (and so nothing for the
+            // history to record). A private pool's memory is released only by its owner,
+            // whole (the page move takes the default pools' pages only), and a registrar
+            // (NCCL) registers its ranges: a growth in several handles would be deregistered
+            // and registered again piece by piece as its handles are unmapped.
             return Handles::of(per_handle);
         }
         Handles {

@@ -281,7 +281,6 @@ impl DeviceCore {
     /// Hands out the found block, splitting off the remainder when the rules allow
     /// (PyTorch's `alloc_found_block`).
     fn alloc_found_block(&mut self, mut id: BlockId, size: u64, requested: u64) -> Allocation {
-        self.blocks.get_mut(id).end_fresh();
         let found = self.blocks.get(id).clone();
         let small = self.pools[found.pool()].is_small;
         let already_split = found.is_split();
@@ -291,6 +290,8 @@ impl DeviceCore {
             let gc_base = self.pools[found.pool()].get_free_block_calls;
             let rest = self.blocks.get_mut(id);
             rest.set_gc_base(gc_base);
+            // A request took from it (the front, now allocated, is never fresh).
+            rest.end_fresh();
             let rest_size = rest.size();
             self.pools[found.pool()].file_free(rest, id);
             if found.expandable() {
