@@ -21,6 +21,14 @@
 //!   makes the off-core miss look in the cache again, where a replay can find a block the
 //!   live request did not (measured: a serve history's 445 of 450 addresses against 450).
 //!
+//! - **A loan** (`TraceEntry::borrowed`): the live request's chain lent it another stream's
+//!   free block. Applied directly too (`DeviceCore::malloc_borrowed`, of the block the
+//!   history names, then an ordinary malloc if that block is not free): the live chain ran
+//!   at its own time, before frees the history shows ahead of the `alloc`, where a replay's
+//!   lookup would take the request's own block. For the same reason a replay of a history
+//!   recorded under a policy that lends lends nowhere else (`DeviceCore::lend_as_recorded`):
+//!   its chain would find a block freed meanwhile before the segment the history shows.
+//!
 //! The segment events between (`segment_map`, `segment_free`, `segment_unmap`) are still
 //! applied where the history shows them (`gpualloc_devices` `recorded/`), not answered to a
 //! miss: see ARCHITECTURE.md for what a full third driver needs.

@@ -282,6 +282,24 @@ impl Replayer {
         }
     }
 
+    /// A malloc the history shows served by a loan of another stream's free block at `addr`
+    /// (`TraceEntry::borrowed`): the same loan (`DeviceCore::malloc_borrowed`), or, where that
+    /// block is not free here, an ordinary malloc (`recorded_miss.rs` says why this link is
+    /// applied directly).
+    fn malloc_borrowed(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+        addr: u64,
+    ) -> Result<Allocation, AllocError> {
+        let request = self.core.segment_request_in(pool, size, stream)?;
+        match self.core.malloc_borrowed(request, addr) {
+            Ok(a) => Ok(a),
+            Err(_) => self.malloc_in(pool, size, stream),
+        }
+    }
+
     /// Makes reservation `res` at its base, with the start segments `inside` it (its mapped
     /// runs, none when the history maps its first page at event `index`) and their live
     /// blocks; returns how many live blocks it placed.
@@ -442,6 +460,8 @@ impl Replayer {
             self.malloc_new_segment(pool, e.size, stream)
         } else if options.warm && e.passed_over {
             self.malloc_passed_over(pool, e.size, stream)
+        } else if options.warm && e.borrowed {
+            self.malloc_borrowed(pool, e.size, stream, e.addr)
         } else {
             self.malloc_in(pool, e.size, stream)
         };
@@ -559,6 +579,16 @@ pub fn replay_core(
         .map_err(|source| ReplayError::Alloc { index: 0, source })?;
     if let Some(hook) = options.core_hook {
         hook(&mut core);
+    }
+    // A history recorded under a policy that lends marks its loans (`gpualloc_borrowed`):
+    // a warm replay lends there and nowhere else.
+    if options.warm
+        && trace
+            .recorded_config
+            .as_ref()
+            .is_some_and(|c| c.policy.lends_across_streams())
+    {
+        core.lend_as_recorded(true);
     }
     let mut r = Replayer {
         backend,

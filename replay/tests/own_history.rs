@@ -339,6 +339,7 @@ mod off_the_core {
                 frames: None,
                 pool: 0,
                 passed_over: false,
+                borrowed: false,
                 grouped_pages: None,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)
@@ -660,6 +661,92 @@ mod off_the_core {
         let (matched, compared) = replay(&trace, &options).unwrap().address_match.unwrap();
         assert!(matched < compared, "{matched}/{compared}");
         for p in [b.ptr, took.ptr, c.ptr] {
+            core.free(p).unwrap();
+        }
+    }
+    /// A request whose miss ran off the core after a block of its own stream was freed: the
+    /// chain starts after the lookup, so the request borrowed another stream's free block
+    /// (`streams/loans.rs`) though its own block was free by then. The history shows its
+    /// `alloc` after that free, where a replay's lookup would take its own block; the entry
+    /// says it was a loan (`gpualloc_borrowed`), and the replay makes the same loan. (Before
+    /// the mark, a `serve` history replayed at 23-99.8% of addresses per device.)
+    #[test]
+    fn a_request_served_by_a_loan_replays_the_same_loan() {
+        let conf = "";
+        let (backend, mut core, s) = rig(conf);
+        let lender = backend
+            .stream_create(gpualloc::runtime::DeviceId(0))
+            .unwrap();
+        core.record_history(Some(100));
+        // The borrower's 4 MiB block, live; the lender's free 8 MiB block.
+        let a = core.malloc(4 * MIB, s).unwrap();
+        let b = core.malloc(8 * MIB, lender).unwrap();
+        core.free(b.ptr).unwrap();
+        // The request misses while `a` is live; `a` is freed before its miss runs.
+        let request = miss(&mut core, 4 * MIB, s);
+        core.free(a.ptr).unwrap();
+        let mut m = Miss::off_core(request);
+        let MissStep::Done(y) = core.advance_miss(&mut m, None) else {
+            panic!("expected a loan");
+        };
+        assert_eq!(y.ptr, b.ptr, "live: the lender's block");
+        assert_eq!(y.stream, s);
+        let borrowed: Vec<bool> = core
+            .snapshot()
+            .trace
+            .iter()
+            .filter(|e| e.action == gpualloc_devices::TraceAction::Alloc)
+            .map(|e| e.borrowed)
+            .collect();
+        assert_eq!(borrowed, [false, false, true]);
+        assert_ne!(a.ptr, b.ptr);
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let mut trace = dumped(&core, &config);
+        let options = warm(config);
+        assert_eq!(
+            replay(&trace, &options).unwrap().address_match,
+            Some((3, 3))
+        );
+        // Without the mark the replay's lookup takes the borrower's own block.
+        for e in &mut trace.events {
+            e.borrowed = false;
+        }
+        assert_eq!(
+            replay(&trace, &options).unwrap().address_match,
+            Some((2, 3))
+        );
+        core.free(y.ptr).unwrap();
+    }
+    /// A request whose miss got a segment off the core while another stream's block was
+    /// freed: live, its chain had found no loan, so it took the new segment. The replay's
+    /// chain runs at the history's `alloc`, where that block is free: it lends only where the
+    /// history shows a loan, so the new segment serves the request there too.
+    #[test]
+    fn a_request_served_by_a_new_segment_is_not_lent_in_the_replay() {
+        let conf = "expandable_segments:False";
+        let (backend, mut core, s) = rig(conf);
+        let lender = backend
+            .stream_create(gpualloc::runtime::DeviceId(0))
+            .unwrap();
+        core.record_history(Some(100));
+        // The borrower's 20 MiB segment, full; the lender's, full.
+        let a = core.malloc(8 * MIB, s).unwrap();
+        let rest = core.malloc(12 * MIB, s).unwrap();
+        let b = core.malloc(20 * MIB, lender).unwrap();
+        // The miss asks for a segment; the lender's block is freed meanwhile.
+        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
+        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+            panic!("expected a segment malloc");
+        };
+        core.free(b.ptr).unwrap();
+        let done = io.perform(backend.as_ref());
+        let MissStep::Done(y) = core.advance_miss(&mut m, Some(done)) else {
+            panic!("expected the new segment's block");
+        };
+        assert_ne!(y.ptr, b.ptr, "live: the new segment");
+        assert_eq!(core.reserved_bytes(), 60 * MIB);
+        assert_eq!(replayed(&core, conf), (4, 4));
+        for p in [a.ptr, rest.ptr, y.ptr] {
             core.free(p).unwrap();
         }
     }

@@ -204,6 +204,7 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         // The thread cache holds blocks of the default pools only.
         pool: 0,
         passed_over: false,
+        borrowed: false,
         grouped_pages: None,
     };
     (seq, entry)

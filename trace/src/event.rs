@@ -131,6 +131,10 @@ pub struct TraceEntry {
     /// could not grow then (`gpualloc_devices::TraceEntry::passed_over`): written as
     /// `gpualloc_passed_over: True`, only where set.
     pub passed_over: bool,
+    /// gpualloc's `alloc` served by a loan, a free block of another stream lent to the
+    /// entry's stream (`gpualloc_devices::TraceEntry::borrowed`): written as
+    /// `gpualloc_borrowed: True`, only where set.
+    pub borrowed: bool,
     /// gpualloc's `segment_map` whose first `n` pages share physical handles and whose
     /// later pages are a handle each (`gpualloc_devices::TraceEntry::grouped_pages`):
     /// written as `gpualloc_grouped_pages: n`, only where set. `None`: every page grouped.
@@ -150,6 +154,7 @@ impl TraceEntry {
             frames: Vec::new(),
             pool_id: None,
             passed_over: false,
+            borrowed: false,
             grouped_pages: None,
         }
     }

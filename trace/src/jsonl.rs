@@ -262,6 +262,7 @@ fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
         frames,
         pool_id: None,
         passed_over: false,
+        borrowed: false,
         grouped_pages: None,
     })
 }

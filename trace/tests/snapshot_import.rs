@@ -416,8 +416,9 @@ fn a_maps_grouped_pages_read_and_write_back() {
 }
 
 /// gpualloc's events in a private pool carry its `segment_pool_id`, and an `alloc` served by
-/// a passed-over block `gpualloc_passed_over` (keys of its own, which PyTorch's readers
-/// ignore): read, written back, and absent where the event has none.
+/// a passed-over block `gpualloc_passed_over`, one served by a loan `gpualloc_borrowed`
+/// (keys of its own, which PyTorch's readers ignore): read, written back, and absent where
+/// the event has none.
 #[test]
 fn an_events_pool_id_reads_and_writes_back() {
     let mut v = modern();
@@ -428,6 +429,7 @@ fn an_events_pool_id_reads_and_writes_back() {
             Value::Tuple(vec![Value::Int(0), Value::Int(3)]),
         ));
         items.push((s("gpualloc_passed_over"), Value::Bool(true)));
+        items.push((s("gpualloc_borrowed"), Value::Bool(true)));
     }
     set(&mut v, &["device_traces", "0", "1"], Some(alloc));
     let snap = load(&v).unwrap();
@@ -436,6 +438,8 @@ fn an_events_pool_id_reads_and_writes_back() {
     assert_eq!(trace[0].pool_id, None);
     assert!(trace[1].passed_over);
     assert!(!trace[0].passed_over);
+    assert!(trace[1].borrowed);
+    assert!(!trace[0].borrowed);
     let again = Snapshot::from_pickle(&snap.to_pickle().unwrap()).unwrap();
     assert_eq!(again, snap);
     // A pool id that is not a pair is named.

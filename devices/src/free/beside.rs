@@ -77,6 +77,7 @@ mod tests {
             frames: None,
             pool: 0,
             passed_over: false,
+            borrowed: false,
             grouped_pages: None,
         }
     }

@@ -100,6 +100,7 @@ impl History {
                     frames: None,
                     pool,
                     passed_over: false,
+                    borrowed: false,
                     grouped_pages: None,
                 };
                 ring.push(seq, entry);
@@ -117,6 +118,17 @@ impl History {
                 ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
             {
                 e.passed_over = true;
+            }
+        }
+    }
+
+    /// Marks the `alloc` entry just recorded for `addr` as served by a loan.
+    pub fn mark_borrowed(&mut self, addr: u64) {
+        if let Some(ring) = &mut self.ring {
+            if let Some(e) =
+                ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
+            {
+                e.borrowed = true;
             }
         }
     }

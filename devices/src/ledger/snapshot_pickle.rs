@@ -198,6 +198,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                         t.pool_id = Some((0, e.pool as i64));
                     }
                     t.passed_over = e.passed_over;
+                    t.borrowed = e.borrowed;
                     t.grouped_pages = e.grouped_pages;
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);

@@ -87,6 +87,11 @@ pub struct TraceEntry {
     /// request. The history shows the request after those pages landed; a replay serves it
     /// the same way. (gpualloc's own: PyTorch has no such rule.)
     pub passed_over: bool,
+    /// An `alloc` served by a loan: a free block of another stream, lent to the entry's
+    /// stream (`streams/loans.rs`). The live request's lookup may have come before blocks
+    /// the history shows ahead of it (its own stream's pages being mapped for another
+    /// request); a replay serves it by the same loan. (gpualloc's own: PyTorch has no loans.)
+    pub borrowed: bool,
     /// A `segment_map` whose pages are not all grouped into physical handles of up to
     /// `large_segment_size`: its first `n` pages are, and each page after them is a handle
     /// of its own (`map_ahead.rs`: a growth's handles end where its request ends). `None`:
@@ -207,6 +212,7 @@ mod tests {
                     frames: None,
                     pool: 0,
                     passed_over: false,
+                    borrowed: false,
                     grouped_pages: None,
                     action: TraceAction::Alloc,
                     addr: i,
@@ -229,6 +235,7 @@ mod tests {
             frames: None,
             pool: 0,
             passed_over: false,
+            borrowed: false,
             grouped_pages: None,
             action: TraceAction::Alloc,
             addr,

@@ -10,6 +10,9 @@ use gpualloc_runtime::StreamHandle;
 #[derive(Debug, Default)]
 pub(crate) struct Loans {
     borrowers: HashMap<u64, StreamHandle>,
+    /// A replay that follows a history: the miss chain lends nothing, only
+    /// `DeviceCore::malloc_borrowed` does, where the history shows a loan.
+    pub(crate) as_recorded: bool,
 }
 
 impl Loans {

@@ -43,6 +43,7 @@ use crate::blocks::pool::FreeKey;
 use crate::core::{AllocParams, Allocation, DeviceCore};
 use crate::error::AllocError;
 use crate::ledger::trace::TraceAction;
+use crate::malloc::segment_request::SegmentRequest;
 use crate::streams::orphans::ORPHAN_STREAM;
 
 impl DeviceCore {
@@ -60,6 +61,7 @@ impl DeviceCore {
         self.loans.begin(a.ptr.0, borrower);
         self.history
             .restream(TraceAction::Alloc, a.ptr.0, borrower.raw);
+        self.history.mark_borrowed(a.ptr.0);
         a.stream = borrower;
         a
     }
@@ -90,14 +92,7 @@ impl DeviceCore {
     /// still the lender's until the miss's end lends it ([`DeviceCore::lend`]). False when
     /// none was lent.
     pub(crate) fn borrow_free(&mut self, params: &mut AllocParams) -> Result<bool, AllocError> {
-        if !self.config.policy.lends_across_streams()
-            || self.owner_of(params.pool).is_some()
-            || self.pools[params.pool].is_small
-            || !self.captures.is_quiet()
-        {
-            return Ok(false);
-        }
-        if self.capturing(params.stream) {
+        if self.loans.as_recorded || !self.may_borrow(params) {
             return Ok(false);
         }
         let Some((k, id)) = self.best_loan(params) else {
@@ -121,6 +116,73 @@ impl DeviceCore {
             "free block lent to another stream"
         );
         Ok(true)
+    }
+
+    /// Whether the policy, the request's pool and the captures under way let `params` borrow.
+    fn may_borrow(&self, params: &AllocParams) -> bool {
+        self.config.policy.lends_across_streams()
+            && self.owner_of(params.pool).is_none()
+            && !self.pools[params.pool].is_small
+            && self.captures.is_quiet()
+            && !self.capturing(params.stream)
+    }
+
+    /// For a replay that follows a history (`TraceEntry::borrowed`): serves `request` as the
+    /// live allocator did, by a loan of the free block of another stream of its pool that
+    /// starts at `addr`, ordered and lent as the miss chain's loan link lends. The
+    /// live request's own lookup came before blocks the history shows freed or mapped ahead
+    /// of its `alloc` (its stream's pages were being mapped, or its tail was another
+    /// request's), so a replay's lookup at the entry could take its own stream's block
+    /// instead. `Err` gives the request back where no such block is free, it is too small or
+    /// the size rules refuse it, or the policy, the pool or a capture rules a loan out: the
+    /// caller then serves it as an ordinary request.
+    pub fn malloc_borrowed(
+        &mut self,
+        mut request: SegmentRequest,
+        addr: u64,
+    ) -> Result<Allocation, SegmentRequest> {
+        // As a lookup does first: loans whose borrower's work is done are back with their
+        // lenders (an error here is the ordinary request's to report).
+        if self.process_events().is_err() {
+            return Err(request);
+        }
+        let params = &request.params;
+        if !self.may_borrow(params) {
+            return Err(request);
+        }
+        let pool = &self.pools[params.pool];
+        let found = pool
+            .free_range(..)
+            .find(|(k, _)| k.2 == addr)
+            .map(|(k, id)| (*k, *id));
+        let Some((k, id)) = found else {
+            return Err(request);
+        };
+        let lender = self.blocks.get(id).stream();
+        if k.0 == params.stream.raw
+            || k.0 == ORPHAN_STREAM
+            || k.1 < params.size
+            || !self.size_rules_allow(k.1, params.size, self.blocks.get(id).expandable())
+            || self.capturing(lender)
+            || self.order_after(lender, params.stream).is_err()
+        {
+            return Err(request);
+        }
+        self.pools[request.params.pool].take_free(&k);
+        request.params.block = Some(id);
+        match self.finish(&request.params, request.size) {
+            Ok(a) => Ok(self.lend(a, request.params.stream)),
+            Err(_) => Err(request),
+        }
+    }
+
+    /// For a replay that follows a history recorded under a policy that lends: the miss
+    /// chain lends nothing, and a request is served by a loan only through
+    /// [`DeviceCore::malloc_borrowed`], where the history shows one. A live request's chain
+    /// ran at its own time, so a replay's chain at the history's `alloc` can find a loan the
+    /// live one did not (a block freed meanwhile) before the segment the history shows.
+    pub fn lend_as_recorded(&mut self, on: bool) {
+        self.loans.as_recorded = on;
     }
 
     /// Makes `borrower`'s later work wait for the work `lender` queued so far: an event

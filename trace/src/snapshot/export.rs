@@ -146,6 +146,9 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
     if e.passed_over {
         items.push(("gpualloc_passed_over", Value::Bool(true)));
     }
+    if e.borrowed {
+        items.push(("gpualloc_borrowed", Value::Bool(true)));
+    }
     if let Some(n) = e.grouped_pages {
         items.push((
             "gpualloc_grouped_pages",

@@ -262,6 +262,10 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         Some(v) => doc.bool(v, &path.key("gpualloc_passed_over"))?,
         None => false,
     };
+    let borrowed = match doc.field(items, "gpualloc_borrowed") {
+        Some(v) => doc.bool(v, &path.key("gpualloc_borrowed"))?,
+        None => false,
+    };
     let grouped_pages = match doc.field(items, "gpualloc_grouped_pages") {
         Some(v) => Some(doc.u64(v, &path.key("gpualloc_grouped_pages"))?),
         None => None,
@@ -276,6 +280,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         frames,
         pool_id,
         passed_over,
+        borrowed,
         grouped_pages,
     })
 }
