@@ -750,4 +750,54 @@ mod off_the_core {
             core.free(p).unwrap();
         }
     }
+    /// A free recorded while a request's segment was obtained off the core lands between the
+    /// `segment_alloc` and the request's `alloc` (another task's free, beside the core): the
+    /// request still adopted its new segment, and the replay serves it so.
+    #[test]
+    fn a_free_between_a_new_segment_and_its_alloc_does_not_hide_it() {
+        use gpualloc_trace::Action;
+        let conf = "expandable_segments:False";
+        let (backend, mut core, s) = rig(conf);
+        core.record_history(Some(1000));
+        let a = core.malloc(8 * MIB, s).unwrap();
+        let rest = core.malloc(12 * MIB, s).unwrap();
+        let z = core.malloc(4096, s).unwrap();
+        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
+        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+            panic!("expected a segment malloc");
+        };
+        core.free(a.ptr).unwrap();
+        let done = io.perform(backend.as_ref());
+        let MissStep::Done(b) = core.advance_miss(&mut m, Some(done)) else {
+            panic!("expected the new segment's block");
+        };
+        assert_ne!(b.ptr, a.ptr, "live, the new segment serves the request");
+        core.free(z.ptr).unwrap();
+        let config = AllocatorConfig::parse(conf).unwrap();
+        let mut trace = dumped(&core, &config);
+        // z's free, moved to between the segment_alloc and b's alloc.
+        let at = |t: &Trace, action: Action, addr: u64| {
+            t.events
+                .iter()
+                .position(|e| e.action == action && e.addr == addr)
+                .unwrap()
+        };
+        let requested = trace
+            .events
+            .remove(at(&trace, Action::FreeRequested, z.ptr.0));
+        let completed = trace
+            .events
+            .remove(at(&trace, Action::FreeCompleted, z.ptr.0));
+        let alloc_b = at(&trace, Action::Alloc, b.ptr.0);
+        assert_eq!(trace.events[alloc_b - 1].action, Action::SegmentAlloc);
+        trace.events.insert(alloc_b, completed);
+        trace.events.insert(alloc_b, requested);
+        assert_eq!(
+            replay(&trace, &warm(config)).unwrap().address_match,
+            Some((4, 4))
+        );
+        for p in [rest.ptr, b.ptr] {
+            core.free(p).unwrap();
+        }
+    }
 }
