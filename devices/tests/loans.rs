@@ -414,3 +414,65 @@ fn a_private_pools_blocks_are_not_lent() {
     core.free(a.ptr).unwrap();
     assert_ne!(core.malloc_in(pool, 4 * MIB, s1).unwrap().ptr, a.ptr);
 }
+
+/// The replay's loan (`DeviceCore::malloc_borrowed`): the block the history names, lent
+/// and ordered as the chain lends (an event recorded on the lender, waited for by the
+/// borrower); refused, giving the request back, where that block is the request's own
+/// stream's, not free, oversize for it, or its lender captures. With
+/// `lend_as_recorded` the chain lends nothing, and only this loan is made.
+#[test]
+fn the_replays_loan_is_of_the_named_block_and_refused_where_the_chain_would_not_lend() {
+    let (sim, mut core, s0, s1) = sim_rig("expandable_segments:False");
+    core.lend_as_recorded(true);
+    let (s2, s3) = (
+        sim.stream_create(D0).unwrap(),
+        sim.stream_create(D0).unwrap(),
+    );
+    // s0's 20 MiB segment, free.
+    let a = core.malloc(4 * MIB, s0).unwrap();
+    core.free(a.ptr).unwrap();
+    // The chain lends nothing now: s1's request gets new memory.
+    let mallocs = sim.counts().get(Op::Malloc);
+    let n = core.malloc(4 * MIB, s1).unwrap();
+    assert_ne!(n.ptr, a.ptr);
+    assert_eq!(sim.counts().get(Op::Malloc), mallocs + 1);
+    // Refused: its own stream's block, an address no free block starts at.
+    let own = core.segment_request_in(None, 4 * MIB, s0).unwrap();
+    let given_back = core.malloc_borrowed(own, a.ptr.0).unwrap_err();
+    assert!(core.malloc_borrowed(given_back, a.ptr.0 + 512).is_err());
+    // The named block, lent to s2 and ordered after s0's work.
+    let before = sim.counts();
+    let request = core.segment_request_in(None, 4 * MIB, s2).unwrap();
+    let Ok(y) = core.malloc_borrowed(request, a.ptr.0) else {
+        panic!("the named block is lent");
+    };
+    assert_eq!((y.ptr, y.stream), (a.ptr, s2));
+    let after = sim.counts();
+    assert_eq!(after.get(Op::EventRecord) - before.get(Op::EventRecord), 1);
+    assert_eq!(
+        after.get(Op::StreamWaitEvent) - before.get(Op::StreamWaitEvent),
+        1
+    );
+    assert_eq!(after.get(Op::Malloc), before.get(Op::Malloc));
+    // A lender that captures (the user's own capture) lends nothing.
+    let b = core.malloc(4 * MIB, s3).unwrap();
+    core.free(b.ptr).unwrap();
+    sim.stream_begin_capture(s3, CaptureMode::Relaxed).unwrap();
+    let request = core.segment_request_in(None, 4 * MIB, s1).unwrap();
+    assert!(core.malloc_borrowed(request, b.ptr.0).is_err());
+    let g = sim.stream_end_capture(s3).unwrap();
+    sim.graph_destroy(g).unwrap();
+    for x in [n, y] {
+        core.free(x.ptr).unwrap();
+    }
+    core.check_invariants().unwrap();
+
+    // The size rules: an oversize block of an ordinary segment is not lent to a small request.
+    let conf = "max_split_size_mb:64,expandable_segments:False";
+    let (_backend, mut core, s0, s1) = accounting_rig(conf, false);
+    let big = core.malloc(100 * MIB, s0).unwrap();
+    core.free(big.ptr).unwrap();
+    let request = core.segment_request_in(None, 4 * MIB, s1).unwrap();
+    assert!(core.malloc_borrowed(request, big.ptr.0).is_err());
+    core.check_invariants().unwrap();
+}

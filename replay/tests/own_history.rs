@@ -800,4 +800,101 @@ mod off_the_core {
             core.free(p).unwrap();
         }
     }
+    /// A history of a loan: the borrower's live 4 MiB block `a`, the lender's free 8 MiB
+    /// block `b`, and `y` (`y_size` bytes) lent `b` by a miss that ran after `a` was freed
+    /// (as in `a_request_served_by_a_loan_replays_the_same_loan`). The core, its history's
+    /// trace, and `a`, `b`, `y`.
+    fn loan_history(y_size: u64) -> (DeviceCore, Trace, [u64; 3]) {
+        let (backend, mut core, s) = rig("");
+        let lender = backend
+            .stream_create(gpualloc::runtime::DeviceId(0))
+            .unwrap();
+        core.record_history(Some(100));
+        let a = core.malloc(4 * MIB, s).unwrap();
+        let b = core.malloc(8 * MIB, lender).unwrap();
+        core.free(b.ptr).unwrap();
+        let request = miss(&mut core, y_size, s);
+        core.free(a.ptr).unwrap();
+        let mut m = Miss::off_core(request);
+        let MissStep::Done(y) = core.advance_miss(&mut m, None) else {
+            panic!("expected a loan");
+        };
+        assert_eq!(y.ptr, b.ptr, "live: the lender's block");
+        let trace = dumped(&core, &AllocatorConfig::default());
+        (core, trace, [a.ptr.0, b.ptr.0, y.ptr.0])
+    }
+
+    /// A loan of a block of exactly the request's size replays as the same loan.
+    #[test]
+    fn a_loan_of_a_block_of_the_requests_size_replays_the_same() {
+        let (_core, trace, _) = loan_history(8 * MIB);
+        let report = replay(&trace, &warm(AllocatorConfig::default())).unwrap();
+        assert_eq!(report.address_match, Some((3, 3)));
+        assert_eq!(report.peak_reserved, 12 * MIB);
+    }
+
+    /// A mark the replay cannot follow (a hand-edited history: the block it names is the
+    /// request's own stream's, or too small) is not a loan there: the request is served as an
+    /// ordinary one, and nothing is lent to the stream that owns the block.
+    #[test]
+    fn a_loan_mark_that_names_no_other_streams_free_block_serves_an_ordinary_request() {
+        use gpualloc_trace::Action;
+        let (_core, trace, [a, _, y]) = loan_history(4 * MIB);
+        // The mark moved to `a`'s alloc, whose block at its address is its own stream's.
+        let mut own = trace.clone();
+        for e in &mut own.events {
+            e.borrowed = e.action == Action::Alloc && e.addr == a;
+        }
+        let report = replay(&own, &warm(AllocatorConfig::default())).unwrap();
+        // `a` at its address (its own new memory), `y` not lent: `a`'s block, freed by then.
+        assert_eq!(report.address_match, Some((2, 3)));
+        // `y` grown to 10 MiB: the 8 MiB block it names is too small for it.
+        let mut bigger = trace.clone();
+        let y_alloc = bigger
+            .events
+            .iter()
+            .rposition(|e| e.action == Action::Alloc && e.addr == y)
+            .unwrap();
+        bigger.events[y_alloc].size = 10 * MIB;
+        let report = replay(&bigger, &warm(AllocatorConfig::default())).unwrap();
+        assert_eq!(report.address_match, Some((2, 3)));
+    }
+
+    /// A cold replay of a history recorded under a policy that lends answers what the policy
+    /// would do: it lends where its own chain finds a loan (only a warm replay follows the
+    /// history's marks alone).
+    #[test]
+    fn a_cold_replay_of_a_lending_history_lends_by_its_own_rules() {
+        let (_core, trace, [a, _, _]) = loan_history(4 * MIB);
+        let cold = ReplayOptions {
+            warm: false,
+            ..warm(AllocatorConfig::default())
+        };
+        // Strip the mark: a cold replay ignores it, and a loan it makes is its own.
+        let mut unmarked = trace.clone();
+        for e in &mut unmarked.events {
+            e.borrowed = false;
+        }
+        // Sequentially `a`'s block is free at `y`: no loan is needed, 12 MiB.
+        assert_eq!(replay(&unmarked, &cold).unwrap().peak_reserved, 12 * MIB);
+        // With `a` still live at `y` (its free moved to the end), `y` borrows `b`'s block.
+        let is_a_free = |e: &gpualloc_trace::TraceEntry| {
+            e.addr == a
+                && matches!(
+                    e.action,
+                    gpualloc_trace::Action::FreeRequested | gpualloc_trace::Action::FreeCompleted
+                )
+        };
+        let mut live_a = unmarked.clone();
+        let a_free: Vec<_> = live_a
+            .events
+            .iter()
+            .filter(|e| is_a_free(e))
+            .cloned()
+            .collect();
+        assert_eq!(a_free.len(), 2);
+        live_a.events.retain(|e| !is_a_free(e));
+        live_a.events.extend(a_free);
+        assert_eq!(replay(&live_a, &cold).unwrap().peak_reserved, 12 * MIB);
+    }
 }
