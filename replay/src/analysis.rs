@@ -558,8 +558,11 @@ pub fn start_blocks(
 }
 
 /// Index of each `free_requested` whose `free_completed` comes later but not at once (the
-/// block waited for other streams). A `free_requested` with no `free_completed` at all (a
-/// format that records only one free event) is an immediate free.
+/// block waited for other streams), or, in a trace that records `free_completed`s, never:
+/// the free was still pending when the snapshot was taken (a lent block whose borrower's
+/// work was not done, a block used on a stream that had not reached the free). In a trace
+/// with no `free_completed` at all (a format that records only one free event) every free
+/// is immediate.
 pub fn deferred_frees(trace: &Trace) -> HashSet<usize> {
     let mut requested: AddrMap<usize> = AddrMap::default();
     let mut deferred = HashSet::new();
@@ -580,6 +583,9 @@ pub fn deferred_frees(trace: &Trace) -> HashSet<usize> {
             }
             _ => {}
         }
+    }
+    if trace.count(Action::FreeCompleted) > 0 {
+        deferred.extend(requested.into_values());
     }
     deferred
 }
@@ -632,6 +638,41 @@ mod tests {
         assert_eq!(start, vec![(0, 2), (8 * MIB, 2), (12 * MIB, 4)]);
         let s = start_segments(&trace).unwrap();
         assert!(s.iter().all(|s| s.stream == 7 && !s.small));
+    }
+
+    /// A free that completes at once is immediate, one that completes later is deferred,
+    /// and one that never completes is deferred to the end where the trace records
+    /// completions (pending when the snapshot was taken), immediate where it records none.
+    #[test]
+    fn a_free_never_completed_is_pending_to_the_end() {
+        let base = 0x7000_0000_0000;
+        let e = |action, addr| TraceEntry::new(action, addr, MIB, 7);
+        let events = vec![
+            e(Action::Alloc, base),
+            e(Action::Alloc, base + MIB),
+            e(Action::Alloc, base + 2 * MIB),
+            e(Action::FreeRequested, base),
+            e(Action::FreeCompleted, base),
+            e(Action::FreeRequested, base + MIB),
+            e(Action::FreeRequested, base + 2 * MIB),
+            e(Action::FreeCompleted, base + MIB),
+        ];
+        let mut trace = Trace {
+            name: "t".into(),
+            device: 0,
+            events,
+            final_segments: None,
+            recorded_config: None,
+            pools: Vec::new(),
+        };
+        let deferred = |t: &Trace| {
+            let mut d: Vec<usize> = deferred_frees(t).into_iter().collect();
+            d.sort_unstable();
+            d
+        };
+        assert_eq!(deferred(&trace), [5, 6]);
+        trace.events.retain(|e| e.action != Action::FreeCompleted);
+        assert_eq!(deferred(&trace), Vec::<usize>::new());
     }
 
     /// A block freed in the trace whose free had not completed when the snapshot was taken

@@ -707,6 +707,13 @@ pub fn replay_core(
                 } else if r.addrs.contains_key(&e.addr) {
                     // A log without free_requested (RMM): the free happens here.
                     r.free(e.addr, false);
+                } else if r.core.lends() {
+                    // A lent block's return (its borrower's work done at its free) lands
+                    // here, where the history shows it back: before a `segment_unmap` or a
+                    // loan that follows needs it free.
+                    r.core
+                        .process_events()
+                        .map_err(|source| ReplayError::Alloc { index: i, source })?;
                 }
             }
             Action::SegmentFree if options.warm => {

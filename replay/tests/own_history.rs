@@ -155,6 +155,7 @@ mod off_the_core {
         map_growth, CachedOutcome, DeviceCore, Growth, Miss, MissIo, MissStep, SegmentRequest,
     };
     use gpualloc_replay::input::{from_bytes, Trace};
+    use gpualloc_replay::run::replay_core;
     use gpualloc_replay::{replay, ReplayOptions, ReplayReport};
 
     use super::MIB;
@@ -896,5 +897,78 @@ mod off_the_core {
         live_a.events.retain(|e| !is_a_free(e));
         live_a.events.extend(a_free);
         assert_eq!(replay(&live_a, &cold).unwrap().peak_reserved, 12 * MIB);
+    }
+    /// A core over an accounting backend whose events complete only when told, with two
+    /// streams, recording.
+    fn manual_rig() -> (
+        Arc<AccountingBackend>,
+        DeviceCore,
+        StreamHandle,
+        StreamHandle,
+    ) {
+        let backend = Arc::new(AccountingBackend::manual_events(1, CAPACITY));
+        let dynb: Arc<dyn Backend> = backend.clone();
+        let s = dynb.stream_create(DeviceId(0)).unwrap();
+        let lender = dynb.stream_create(DeviceId(0)).unwrap();
+        let core =
+            DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default().resolved(true)).unwrap();
+        (backend, core, s, lender)
+    }
+
+    /// A lent block whose borrower's work is not done when the history ends: its free never
+    /// completes, and the lender's next request gets new memory. The replay keeps it pending
+    /// too (a free with no `free_completed` in a history that records them).
+    #[test]
+    fn a_lent_block_whose_free_never_completed_stays_pending_in_the_replay() {
+        let (backend, mut core, s, lender) = manual_rig();
+        core.record_history(Some(100));
+        let a = core.malloc(8 * MIB, lender).unwrap();
+        core.free(a.ptr).unwrap();
+        let y = core.malloc(8 * MIB, s).unwrap();
+        assert_eq!((y.ptr, y.stream), (a.ptr, s), "live: a loan");
+        core.free(y.ptr).unwrap();
+        // The lender's request while the borrower's work is not done: new memory.
+        let b = core.malloc(8 * MIB, lender).unwrap();
+        assert_ne!(b.ptr, a.ptr);
+        assert_eq!(core.reserved_bytes(), 16 * MIB);
+        let report = replay_warm(&core, AllocatorConfig::default());
+        assert_eq!(report.address_match, Some((3, 3)));
+        assert_eq!(report.peak_reserved, 16 * MIB);
+        backend.complete_stream(s);
+        core.free(b.ptr).unwrap();
+    }
+
+    /// A lent block given back at once (its `free_completed` right after its free), then its
+    /// pages unmapped by `empty_cache`: the replay has it back at its `free_completed`, so
+    /// the `segment_unmap` finds its pages free and unmaps them as the live allocator did.
+    #[test]
+    fn a_lent_blocks_return_lands_before_the_unmap_that_follows_it() {
+        let (backend, mut core, s, lender) = manual_rig();
+        core.record_history(Some(100));
+        let a = core.malloc(8 * MIB, lender).unwrap();
+        core.free(a.ptr).unwrap();
+        let y = core.malloc(8 * MIB, s).unwrap();
+        assert_eq!((y.ptr, y.stream), (a.ptr, s), "live: a loan");
+        core.free(y.ptr).unwrap();
+        backend.complete_stream(s);
+        core.empty_cache().unwrap();
+        assert_eq!(core.reserved_bytes(), 0);
+        let trace = dumped(&core, &AllocatorConfig::default());
+        let actions: Vec<&str> = trace.events.iter().map(|e| e.action.as_str()).collect();
+        assert_eq!(
+            actions,
+            [
+                "segment_map",
+                "alloc",
+                "free_requested",
+                "free_completed",
+                "alloc",
+                "free_requested",
+                "free_completed",
+                "segment_unmap"
+            ]
+        );
+        let (_, replayed) = replay_core(&trace, &warm(AllocatorConfig::default())).unwrap();
+        assert_eq!(replayed.reserved_bytes(), 0);
     }
 }
