@@ -198,6 +198,28 @@ mod off_the_core {
         request
     }
 
+    /// A request of `size` bytes on `s` that misses, asks for a new ordinary segment off the
+    /// core, and has `freed` freed while the segment is obtained: the new segment's block,
+    /// the live request's.
+    fn new_segment_while_freeing(
+        backend: &AccountingBackend,
+        core: &mut DeviceCore,
+        size: u64,
+        s: StreamHandle,
+        freed: gpualloc::runtime::DevicePtr,
+    ) -> gpualloc_devices::Allocation {
+        let mut m = Miss::off_core(miss(core, size, s));
+        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
+            panic!("expected a segment malloc");
+        };
+        core.free(freed).unwrap();
+        let done = io.perform(backend);
+        let MissStep::Done(b) = core.advance_miss(&mut m, Some(done)) else {
+            panic!("expected the new segment's block");
+        };
+        b
+    }
+
     /// A warm replay under `config` on a device of the rig's capacity.
     fn warm(config: AllocatorConfig) -> ReplayOptions {
         ReplayOptions {
@@ -217,15 +239,7 @@ mod off_the_core {
         let a = core.malloc(8 * MIB, s).unwrap();
         let rest = core.malloc(12 * MIB, s).unwrap();
         // The miss off the core: its segment malloc is asked for, then `a` is freed.
-        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
-        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
-            panic!("expected a segment malloc");
-        };
-        core.free(a.ptr).unwrap();
-        let done = io.perform(backend.as_ref());
-        let MissStep::Done(b) = core.advance_miss(&mut m, Some(done)) else {
-            panic!("expected the new segment's block");
-        };
+        let b = new_segment_while_freeing(&backend, &mut core, 6 * MIB, s, a.ptr);
         assert_ne!(b.ptr, a.ptr, "live, the new segment serves the request");
         assert_eq!(core.reserved_bytes(), 40 * MIB);
         let later = core.malloc(8 * MIB, s).unwrap();
@@ -735,15 +749,7 @@ mod off_the_core {
         let rest = core.malloc(12 * MIB, s).unwrap();
         let b = core.malloc(20 * MIB, lender).unwrap();
         // The miss asks for a segment; the lender's block is freed meanwhile.
-        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
-        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
-            panic!("expected a segment malloc");
-        };
-        core.free(b.ptr).unwrap();
-        let done = io.perform(backend.as_ref());
-        let MissStep::Done(y) = core.advance_miss(&mut m, Some(done)) else {
-            panic!("expected the new segment's block");
-        };
+        let y = new_segment_while_freeing(&backend, &mut core, 6 * MIB, s, b.ptr);
         assert_ne!(y.ptr, b.ptr, "live: the new segment");
         assert_eq!(core.reserved_bytes(), 60 * MIB);
         assert_eq!(replayed(&core, conf), (4, 4));
@@ -751,6 +757,7 @@ mod off_the_core {
             core.free(p).unwrap();
         }
     }
+
     /// A free recorded while a request's segment was obtained off the core lands between the
     /// `segment_alloc` and the request's `alloc` (another task's free, beside the core): the
     /// request still adopted its new segment, and the replay serves it so.
@@ -763,15 +770,7 @@ mod off_the_core {
         let a = core.malloc(8 * MIB, s).unwrap();
         let rest = core.malloc(12 * MIB, s).unwrap();
         let z = core.malloc(4096, s).unwrap();
-        let mut m = Miss::off_core(miss(&mut core, 6 * MIB, s));
-        let MissStep::Io(io @ MissIo::AllocSegment { .. }) = core.advance_miss(&mut m, None) else {
-            panic!("expected a segment malloc");
-        };
-        core.free(a.ptr).unwrap();
-        let done = io.perform(backend.as_ref());
-        let MissStep::Done(b) = core.advance_miss(&mut m, Some(done)) else {
-            panic!("expected the new segment's block");
-        };
+        let b = new_segment_while_freeing(&backend, &mut core, 6 * MIB, s, a.ptr);
         assert_ne!(b.ptr, a.ptr, "live, the new segment serves the request");
         core.free(z.ptr).unwrap();
         let config = AllocatorConfig::parse(conf).unwrap();
