@@ -807,3 +807,41 @@ pub fn replay_core(
     }
     Ok((report, r.core))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpualloc_trace::TraceEntry;
+
+    /// An `alloc` is served by the ordinary segment allocated before it (frees between aside)
+    /// only where it lies inside that segment.
+    #[test]
+    fn an_alloc_is_served_by_the_new_segment_only_inside_it() {
+        const MIB: u64 = 1 << 20;
+        let base = 0x7000_0000_0000;
+        let trace_with = |alloc_at: u64| Trace {
+            name: "t".into(),
+            device: 0,
+            events: vec![
+                TraceEntry::new(Action::SegmentAlloc, base, 20 * MIB, 7),
+                TraceEntry::new(Action::FreeRequested, base - 4 * MIB, MIB, 7),
+                TraceEntry::new(Action::FreeCompleted, base - 4 * MIB, MIB, 7),
+                TraceEntry::new(Action::Alloc, alloc_at, MIB, 7),
+            ],
+            final_segments: None,
+            recorded_config: None,
+            pools: Vec::new(),
+        };
+        let served = |at: u64| served_by_new_segment(&trace_with(at), 3);
+        assert!(served(base));
+        assert!(served(base + 19 * MIB));
+        assert!(!served(base + 20 * MIB), "the segment's end is outside it");
+        assert!(!served(base + 21 * MIB));
+        assert!(!served(base - 2 * MIB));
+        // Another alloc between: not the new segment's request.
+        let mut t = trace_with(base);
+        t.events
+            .insert(3, TraceEntry::new(Action::Alloc, base - 4 * MIB, MIB, 7));
+        assert!(!served_by_new_segment(&t, 4));
+    }
+}
