@@ -41,6 +41,29 @@ pub struct Mismatch {
     pub rule: String,
 }
 
+/// How one side of a [`Mismatch`] served the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Served {
+    /// A segment allocated for it.
+    NewSegment,
+    /// A cached block of its own stream.
+    Cached,
+    /// Another stream's free block, lent (a history of the `gpualloc` policy marks it:
+    /// `gpualloc_borrowed`).
+    Loan,
+}
+
+impl Served {
+    /// What the side did, in words.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Served::NewSegment => "allocated a new segment",
+            Served::Cached => "reused a cached block (best fit)",
+            Served::Loan => "took another stream's free block (a loan)",
+        }
+    }
+}
+
 impl Mismatch {
     /// Describes a mismatch from what each side did.
     pub fn describe(
@@ -48,22 +71,15 @@ impl Mismatch {
         size: u64,
         ours: u64,
         torch: u64,
-        our_new: bool,
-        torch_new: bool,
+        our_side: Served,
+        torch_side: Served,
         block: u64,
     ) -> Self {
-        let side = |new: bool| {
-            if new {
-                "allocated a new segment"
-            } else {
-                "reused a cached block (best fit)"
-            }
-        };
         let rule = format!(
             "ours {} (block of {}), PyTorch {}",
-            side(our_new),
+            our_side.as_str(),
             format_size(block),
-            side(torch_new)
+            torch_side.as_str()
         );
         Mismatch {
             index,

@@ -55,7 +55,7 @@ use crate::analysis::{
 };
 use crate::input::Trace;
 use crate::recorded_miss::malloc_with_new_segment;
-use crate::report::{Mismatch, ReplayReport, Sample};
+use crate::report::{Mismatch, ReplayReport, Sample, Served};
 
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -489,14 +489,25 @@ impl Replayer {
                     if a.ptr.0 == e.addr {
                         compared.0 += 1;
                     } else if report.first_mismatch.is_none() {
-                        let torch_new = i > 0 && trace.events[i - 1].action == Action::SegmentAlloc;
+                        let torch_side = if served_by_new_segment(trace, i) {
+                            Served::NewSegment
+                        } else if e.borrowed {
+                            Served::Loan
+                        } else {
+                            Served::Cached
+                        };
+                        let our_side = if new_segment {
+                            Served::NewSegment
+                        } else {
+                            Served::Cached
+                        };
                         report.first_mismatch = Some(Mismatch::describe(
                             i,
                             e.size,
                             a.ptr.0,
                             e.addr,
-                            new_segment,
-                            torch_new,
+                            our_side,
+                            torch_side,
                             a.block_size,
                         ));
                     }

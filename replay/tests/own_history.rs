@@ -858,6 +858,15 @@ mod off_the_core {
         bigger.events[y_alloc].size = 10 * MIB;
         let report = replay(&bigger, &warm(AllocatorConfig::default())).unwrap();
         assert_eq!(report.address_match, Some((2, 3)));
+        let mismatch = report.first_mismatch.unwrap();
+        assert_eq!(mismatch.index, y_alloc);
+        assert!(
+            mismatch
+                .rule
+                .ends_with("PyTorch took another stream's free block (a loan)"),
+            "{}",
+            mismatch.rule
+        );
     }
 
     /// A cold replay of a history recorded under a policy that lends answers what the policy
