@@ -88,9 +88,9 @@ pub struct TraceEntry {
     /// the same way. (gpualloc's own: PyTorch has no such rule.)
     pub passed_over: bool,
     /// An `alloc` served by a loan: a free block of another stream, lent to the entry's
-    /// stream (`streams/loans.rs`). The live request's lookup may have come before blocks
-    /// the history shows ahead of it (its own stream's pages being mapped for another
-    /// request); a replay serves it by the same loan. (gpualloc's own: PyTorch has no loans.)
+    /// stream (`streams/loans.rs`). The live request's lookup may have come before frees
+    /// the history shows ahead of it (its own block's, pending then); a replay serves it by
+    /// the same loan. (gpualloc's own: PyTorch has no loans.)
     pub borrowed: bool,
     /// A `segment_map` whose pages are not all grouped into physical handles of up to
     /// `large_segment_size`: its first `n` pages are, and each page after them is a handle

@@ -130,9 +130,9 @@ impl DeviceCore {
     /// For a replay that follows a history (`TraceEntry::borrowed`): serves `request` as the
     /// live allocator did, by a loan of the free block of another stream of its pool that
     /// starts at `addr`, ordered and lent as the miss chain's loan link lends. The
-    /// live request's own lookup came before blocks the history shows freed or mapped ahead
-    /// of its `alloc` (its stream's pages were being mapped, or its tail was another
-    /// request's), so a replay's lookup at the entry could take its own stream's block
+    /// live request's own lookup came before frees the history shows ahead of its `alloc`
+    /// (its own block's free was still pending at the lookup and completed before its miss
+    /// chain ran), so a replay's lookup at the entry could take its own stream's block
     /// instead. `Err` gives the request back where no such block is free, it is too small or
     /// the size rules refuse it, or the policy, the pool or a capture rules a loan out: the
     /// caller then serves it as an ordinary request.
@@ -172,7 +172,12 @@ impl DeviceCore {
         request.params.block = Some(id);
         match self.finish(&request.params, request.size) {
             Ok(a) => Ok(self.lend(a, request.params.stream)),
-            Err(_) => Err(request),
+            Err(_) => {
+                // `finish` fails only without a block; the block goes back all the same.
+                self.pools[request.params.pool].file_free(self.blocks.get(id), id);
+                request.params.block = None;
+                Err(request)
+            }
         }
     }
 
