@@ -687,25 +687,7 @@ mod off_the_core {
     /// the mark, a `serve` history replayed at 23-99.8% of addresses per device.)
     #[test]
     fn a_request_served_by_a_loan_replays_the_same_loan() {
-        let conf = "";
-        let (backend, mut core, s) = rig(conf);
-        let lender = backend
-            .stream_create(gpualloc::runtime::DeviceId(0))
-            .unwrap();
-        core.record_history(Some(100));
-        // The borrower's 4 MiB block, live; the lender's free 8 MiB block.
-        let a = core.malloc(4 * MIB, s).unwrap();
-        let b = core.malloc(8 * MIB, lender).unwrap();
-        core.free(b.ptr).unwrap();
-        // The request misses while `a` is live; `a` is freed before its miss runs.
-        let request = miss(&mut core, 4 * MIB, s);
-        core.free(a.ptr).unwrap();
-        let mut m = Miss::off_core(request);
-        let MissStep::Done(y) = core.advance_miss(&mut m, None) else {
-            panic!("expected a loan");
-        };
-        assert_eq!(y.ptr, b.ptr, "live: the lender's block");
-        assert_eq!(y.stream, s);
+        let (core, mut trace, [a, b, _]) = loan_history(4 * MIB);
         let borrowed: Vec<bool> = core
             .snapshot()
             .trace
@@ -714,10 +696,8 @@ mod off_the_core {
             .map(|e| e.borrowed)
             .collect();
         assert_eq!(borrowed, [false, false, true]);
-        assert_ne!(a.ptr, b.ptr);
-        let config = AllocatorConfig::parse(conf).unwrap();
-        let mut trace = dumped(&core, &config);
-        let options = warm(config);
+        assert_ne!(a, b);
+        let options = warm(AllocatorConfig::default());
         assert_eq!(
             replay(&trace, &options).unwrap().address_match,
             Some((3, 3))
@@ -730,8 +710,8 @@ mod off_the_core {
             replay(&trace, &options).unwrap().address_match,
             Some((2, 3))
         );
-        core.free(y.ptr).unwrap();
     }
+
     /// A request whose miss got a segment off the core while another stream's block was
     /// freed: live, its chain had found no loan, so it took the new segment. The replay's
     /// chain runs at the history's `alloc`, where that block is free: it lends only where the
@@ -800,10 +780,10 @@ mod off_the_core {
             core.free(p).unwrap();
         }
     }
+
     /// A history of a loan: the borrower's live 4 MiB block `a`, the lender's free 8 MiB
-    /// block `b`, and `y` (`y_size` bytes) lent `b` by a miss that ran after `a` was freed
-    /// (as in `a_request_served_by_a_loan_replays_the_same_loan`). The core, its history's
-    /// trace, and `a`, `b`, `y`.
+    /// block `b`, and `y` (`y_size` bytes) on the borrower's stream, lent `b` by a miss that
+    /// ran after `a` was freed. The core, its history's trace, and `a`, `b`, `y`.
     fn loan_history(y_size: u64) -> (DeviceCore, Trace, [u64; 3]) {
         let (backend, mut core, s) = rig("");
         let lender = backend
@@ -819,7 +799,11 @@ mod off_the_core {
         let MissStep::Done(y) = core.advance_miss(&mut m, None) else {
             panic!("expected a loan");
         };
-        assert_eq!(y.ptr, b.ptr, "live: the lender's block");
+        assert_eq!(
+            (y.ptr, y.stream),
+            (b.ptr, s),
+            "live: the lender's block, lent"
+        );
         let trace = dumped(&core, &AllocatorConfig::default());
         (core, trace, [a.ptr.0, b.ptr.0, y.ptr.0])
     }
