@@ -718,10 +718,11 @@ pub fn replay_core(
                 } else if r.addrs.contains_key(&e.addr) {
                     // A log without free_requested (RMM): the free happens here.
                     r.free(e.addr, false);
-                } else if r.core.lends() {
-                    // A lent block's return (its borrower's work done at its free) lands
-                    // here, where the history shows it back: before a `segment_unmap` or a
-                    // loan that follows needs it free.
+                } else {
+                    // A free whose events the replay completed at its `free_requested` (a lent
+                    // block's return: its borrower's work is done there) lands here, where the
+                    // history shows it back, before a `segment_unmap` or a loan that follows
+                    // needs it free. Nothing pending: one test.
                     r.core
                         .process_events()
                         .map_err(|source| ReplayError::Alloc { index: i, source })?;

@@ -181,11 +181,6 @@ impl DeviceCore {
         }
     }
 
-    /// True while an allocation is lent to another stream than its block's.
-    pub fn lends(&self) -> bool {
-        !self.loans.is_empty()
-    }
-
     /// For a replay that follows a history recorded under a policy that lends: the miss
     /// chain lends nothing, and a request is served by a loan only through
     /// [`DeviceCore::malloc_borrowed`], where the history shows one. A live request's chain
