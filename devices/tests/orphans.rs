@@ -262,3 +262,44 @@ fn a_retiring_stream_holds_one_event_and_gives_it_back() {
         "every event destroyed at shutdown"
     );
 }
+
+/// The core queries a retiring stream until its work is done (`orphan_retired`), so it names
+/// the stream (`streams_in_use`) until then, even once the stream has no segment left. Its
+/// pages can go in between: an owner that releases them off the core synchronizes the stream
+/// first, and the stream may retire after that synchronize, before the release finishes. An
+/// owner that let go of the stream there (the device actor did) destroyed a stream the next
+/// pass then queried.
+#[test]
+fn a_retiring_stream_is_named_until_its_work_is_done_even_without_segments() {
+    let backend = Arc::new(AccountingBackend::manual_events(1, 1 << 30));
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let old = dynb.stream_create(DeviceId(0)).unwrap();
+    let config = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let mut core = DeviceCore::new(dynb.clone(), DeviceId(0), config).unwrap();
+    let a = core.malloc(64 * MIB, old).unwrap();
+    core.free(a.ptr).unwrap();
+    // The owner's release: pages out of the books, the stream synchronized off the core.
+    let releases = core.detach_free_pages().unwrap();
+    assert!(!releases.is_empty());
+    gpualloc_devices::release_pages(dynb.as_ref(), &releases).unwrap();
+    // Meanwhile its users drop the stream, whose work (this backend: never idle until
+    // completed) is not done: it retires with an event.
+    core.retire_stream(old).unwrap();
+    for r in releases {
+        assert_eq!(core.finish_page_release(r).unwrap(), None);
+    }
+    assert!(core.snapshot().segments.is_empty(), "its segment is gone");
+    assert!(
+        core.streams_in_use().contains(&old),
+        "still retiring: the next pass queries it"
+    );
+    core.orphan_retired().unwrap();
+    assert!(core.streams_in_use().contains(&old), "its work is not done");
+    backend.complete_stream(old);
+    core.orphan_retired().unwrap();
+    assert!(
+        !core.streams_in_use().contains(&old),
+        "retired: nothing names it any more"
+    );
+    core.check_invariants().unwrap();
+}

@@ -19,11 +19,14 @@ use gpualloc_runtime::StreamHandle;
 use crate::core::DeviceCore;
 
 impl DeviceCore {
-    /// The streams of every segment (ordinary or expandable) and every stream a live block was
-    /// recorded on (`record_stream`), which its free will record an event on. O(segments +
-    /// blocks): for the owner's slow paths, not per request.
+    /// The streams of every segment (ordinary or expandable), every stream a live block was
+    /// recorded on (`record_stream`), which its free will record an event on, and every
+    /// retiring stream, which [`DeviceCore::orphan_retired`] queries until its work is done
+    /// (its segments may be gone before that). O(segments + blocks): for the owner's slow
+    /// paths, not per request.
     pub fn streams_in_use(&self) -> BTreeSet<StreamHandle> {
         let mut out: BTreeSet<StreamHandle> = self.segments.values().map(|s| s.stream).collect();
+        out.extend(self.retiring.streams());
         for (_, b) in self.blocks.iter() {
             out.extend(b.stream_uses().iter().copied());
         }

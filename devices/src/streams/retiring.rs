@@ -22,6 +22,11 @@ impl RetiringStreams {
         self.list.push((stream, event));
     }
 
+    /// The retiring streams.
+    pub(crate) fn streams(&self) -> impl Iterator<Item = StreamHandle> + '_ {
+        self.list.iter().map(|(s, _)| *s)
+    }
+
     /// How many streams are retiring.
     pub(crate) fn len(&self) -> usize {
         self.list.len()
