@@ -190,3 +190,62 @@ async fn a_pinned_free_recorded_on_a_dropped_stream_comes_back() {
     alloc.shutdown().await.unwrap();
     assert_eq!(sim.live_streams(), 0, "no stream outlives its users");
 }
+
+/// A miss keeps its stream alive, but the core names the stream only once a segment of it
+/// exists. A miss on a stream with no segment that first releases memory off the gate (here
+/// the page move before a growth past the most ever held: another stream's free pages are
+/// unmapped) leaves its stream named by nothing meanwhile, and a pass that lets go of
+/// unnamed streams (the one after another task's `empty_cache`) let go of it. The miss's new
+/// segment then cached blocks of a stream nobody kept; once the user dropped the stream,
+/// releasing those blocks synchronized a destroyed stream (`empty_cache` failed with an
+/// invalid handle; on a driver the handle may name another stream by then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_let_go_during_its_miss_is_kept_again_when_the_segment_lands() {
+    use gpualloc::runtime::sim::LatencyModel;
+    use std::time::Duration;
+    for conf in ["", "thread_cache:False", "expandable_segments:False"] {
+        let sim = common::sim_with(1 << 30, LatencyModel::zero());
+        let alloc = build(sim.clone(), conf);
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        drop(alloc.malloc(40 * MIB, &other).await.unwrap());
+        // Slow unmaps and device mallocs.
+        sim.set_latency(LatencyModel {
+            map: Duration::from_millis(150),
+            malloc: Duration::from_millis(150),
+            ..LatencyModel::zero()
+        });
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        // Past the most ever held, with 40 MiB of free pages elsewhere: they are unmapped
+        // first, then this stream's segment is made (with ordinary segments, the device malloc
+        // itself runs while nothing names the stream).
+        let miss = {
+            let (alloc, stream) = (alloc.clone(), stream.clone());
+            tokio::spawn(async move { alloc.malloc(50 * MIB, &stream).await })
+        };
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        while !miss.is_finished() {
+            alloc.empty_cache().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let buf = miss.await.unwrap().unwrap();
+        sim.set_latency(LatencyModel::zero());
+        drop(buf);
+        drop(stream);
+        // Its block is cached in its segment: the allocator keeps the stream.
+        assert_eq!(
+            sim.live_streams(),
+            2,
+            "[{conf}]: a stream the cache names was destroyed"
+        );
+        alloc.empty_cache().await.unwrap();
+        let stats = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(stats.reserved_bytes[0].current, 0, "[{conf}]");
+        assert_eq!(
+            sim.live_streams(),
+            1,
+            "[{conf}]: let go once nothing names it"
+        );
+        drop(other);
+        alloc.shutdown().await.unwrap();
+    }
+}

@@ -67,12 +67,19 @@ impl DeviceActor {
         let mut done = None;
         let mut released = false;
         let result = loop {
-            let step = self
-                .mailbox
-                .hold_blocking()
-                .state()
-                .core
-                .advance_miss(&mut miss, done.take());
+            let step = {
+                let mut held = self.mailbox.hold_blocking();
+                let st = held.state();
+                let step = st.core.advance_miss(&mut miss, done.take());
+                if !matches!(step, MissStep::Io(_)) {
+                    // Kept again: while the miss's driver calls ran off the gate, nothing in
+                    // the core may have named the stream (a release before its segment is
+                    // made, an ordinary segment's device malloc), and a pass may have let go
+                    // of it. The segment the miss got names it now (`streams.rs`).
+                    st.streams.keep(&stream);
+                }
+                step
+            };
             match step {
                 MissStep::Done(a) => break Ok(DeviceBuffer::new(a, self.clone(), stream)),
                 MissStep::Failed(e) => {
