@@ -7,7 +7,7 @@
 mod common;
 
 use common::{build, sim, MIB};
-use gpualloc::runtime::sim::Op;
+use gpualloc::runtime::sim::{Op, SimBackend};
 use gpualloc::{Allocator, DeviceId};
 
 const CONFIGS: &[&str] = &[
@@ -17,6 +17,15 @@ const CONFIGS: &[&str] = &[
     "expandable_segments:True,thread_cache:False",
     "garbage_collection_threshold:0.6",
 ];
+
+/// No call of the allocator's named a stream or an event it had let go of.
+fn no_unknown_handles(sim: &SimBackend, conf: &str) {
+    assert_eq!(
+        sim.unknown_handle_calls(),
+        0,
+        "[{conf}]: a backend call named a destroyed stream or event"
+    );
+}
 
 /// Caches large and small blocks of a stream, then drops the stream.
 async fn cache_blocks_of_a_dropped_stream(alloc: &Allocator) {
@@ -62,6 +71,7 @@ async fn every_path_works_after_a_stream_with_cached_blocks_is_dropped() {
             0,
             "{conf:?}: no stream outlives its users"
         );
+        no_unknown_handles(&sim, conf);
     }
 }
 
@@ -82,6 +92,7 @@ async fn the_oom_chain_releases_blocks_of_a_dropped_stream() {
         assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
         drop(other);
         assert_eq!(sim.live_streams(), 0, "{conf:?}");
+        no_unknown_handles(&sim, conf);
     }
 }
 
@@ -97,6 +108,7 @@ async fn shutdown_right_after_the_stream_is_dropped() {
             .unwrap_or_else(|e| panic!("{conf:?}: shutdown: {e}"));
         assert_eq!(sim.used_bytes(DeviceId(0)).unwrap(), 0, "{conf:?}");
         assert_eq!(sim.live_streams(), 0, "{conf:?}");
+        no_unknown_handles(&sim, conf);
     }
 }
 
@@ -131,6 +143,7 @@ async fn a_free_recorded_on_a_dropped_stream_waits_on_its_event() {
         alloc.shutdown().await.unwrap();
         drop(home);
         assert_eq!(sim.live_streams(), 0, "{conf:?}");
+        no_unknown_handles(&sim, conf);
     }
 }
 
@@ -162,6 +175,7 @@ async fn kept_streams_are_released_with_their_segments() {
             "{conf:?}: no cached block is left, so no stream is kept"
         );
         alloc.shutdown().await.unwrap();
+        no_unknown_handles(&sim, conf);
     }
 }
 
@@ -189,6 +203,7 @@ async fn a_pinned_free_recorded_on_a_dropped_stream_comes_back() {
     assert_eq!(st.cached_bytes, 64 << 10);
     alloc.shutdown().await.unwrap();
     assert_eq!(sim.live_streams(), 0, "no stream outlives its users");
+    no_unknown_handles(&sim, "");
 }
 
 /// A miss keeps its stream alive, but the core names the stream only once a segment of it
@@ -247,5 +262,6 @@ async fn a_stream_let_go_during_its_miss_is_kept_again_when_the_segment_lands() 
         );
         drop(other);
         alloc.shutdown().await.unwrap();
+        no_unknown_handles(&sim, conf);
     }
 }

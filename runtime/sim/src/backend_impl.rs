@@ -151,11 +151,7 @@ impl Backend for SimBackend {
             let mut streams = lock(&self.streams);
             match streams.get(&stream.raw) {
                 Some(s) if s.shared.device == stream.device => {}
-                _ => {
-                    return Err(BackendError::InvalidHandle(format!(
-                        "unknown stream {stream:?}"
-                    )))
-                }
+                _ => return Err(self.unknown_handle(format!("unknown stream {stream:?}"))),
             }
             streams.remove(&stream.raw)
         };
@@ -375,11 +371,7 @@ impl Backend for SimBackend {
         let mut events = lock(&self.events);
         match events.get(&event.raw) {
             Some(e) if e.device == event.device => {}
-            _ => {
-                return Err(BackendError::InvalidHandle(format!(
-                    "unknown event {event:?}"
-                )))
-            }
+            _ => return Err(self.unknown_handle(format!("unknown event {event:?}"))),
         }
         // Pending records keep their own reference and still complete.
         events.remove(&event.raw);

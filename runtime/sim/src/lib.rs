@@ -105,6 +105,8 @@ pub struct SimBackend {
     counters: counters::Counters,
     faults: faults::Faults,
     failures: Arc<AtomicU64>,
+    /// Calls that named a stream or an event the sim does not know (never made, or destroyed).
+    unknown_handles: AtomicU64,
     mem: Arc<Memory>,
     used: Mutex<Vec<u64>>,
     streams: Mutex<HashMap<u64, SimStream>>,
@@ -141,6 +143,7 @@ impl SimBackend {
             counters: counters::Counters::default(),
             faults: faults::Faults::default(),
             failures: Arc::new(AtomicU64::new(0)),
+            unknown_handles: AtomicU64::new(0),
             mem: Arc::new(Memory::default()),
             used: Mutex::new(vec![0; config.devices as usize]),
             streams: Mutex::new(HashMap::new()),
@@ -194,6 +197,20 @@ impl SimBackend {
     /// Stream work (kernels, copies) that has failed since creation.
     pub fn kernel_failures(&self) -> u64 {
         self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Calls since creation that named a stream or an event this sim does not know: never
+    /// created, or destroyed already (each fails with `InvalidHandle`). On a driver such a
+    /// call is an error too, or worse: a destroyed stream's handle may name a newer stream. A
+    /// caller that keeps its streams alive while it uses them makes none.
+    pub fn unknown_handle_calls(&self) -> u64 {
+        self.unknown_handles.load(Ordering::Relaxed)
+    }
+
+    /// Counts a call that named an unknown stream or event, and returns its error.
+    pub(crate) fn unknown_handle(&self, what: String) -> BackendError {
+        self.unknown_handles.fetch_add(1, Ordering::Relaxed);
+        BackendError::InvalidHandle(what)
     }
 
     /// Bytes of device memory in use on `device` (allocations and physical handles).
@@ -419,7 +436,7 @@ impl SimBackend {
         let streams = lock(&self.streams);
         match streams.get(&h.raw) {
             Some(s) if s.shared.device == h.device => Ok((s.shared.clone(), s.tx.clone())),
-            _ => Err(BackendError::InvalidHandle(format!("unknown stream {h:?}"))),
+            _ => Err(self.unknown_handle(format!("unknown stream {h:?}"))),
         }
     }
 
@@ -487,7 +504,7 @@ impl SimBackend {
         let events = lock(&self.events);
         match events.get(&h.raw) {
             Some(e) if e.device == h.device => Ok(e.clone()),
-            _ => Err(BackendError::InvalidHandle(format!("unknown event {h:?}"))),
+            _ => Err(self.unknown_handle(format!("unknown event {h:?}"))),
         }
     }
 

@@ -261,3 +261,30 @@ async fn an_event_recorded_in_a_capture_forks_and_joins_but_has_no_future() {
     s.completed().await.unwrap();
     other.completed().await.unwrap();
 }
+
+/// Calls that name a destroyed or never-made stream or event fail with `InvalidHandle` and are
+/// counted, so a test can tell that its allocator kept every stream it used alive.
+#[test]
+fn calls_on_unknown_streams_and_events_are_refused_and_counted() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let s = sim.stream_create(D0).unwrap();
+    let e = sim.event_create(D0).unwrap();
+    sim.event_record(e, s).unwrap();
+    sim.stream_synchronize(s).unwrap();
+    assert_eq!(sim.unknown_handle_calls(), 0);
+    sim.stream_destroy(s).unwrap();
+    sim.event_destroy(e).unwrap();
+    for result in [
+        sim.stream_synchronize(s),
+        sim.stream_query(s).map(|_| ()),
+        sim.stream_destroy(s),
+        sim.event_query(e).map(|_| ()),
+        sim.event_destroy(e),
+    ] {
+        assert!(
+            matches!(result, Err(BackendError::InvalidHandle(_))),
+            "{result:?}"
+        );
+    }
+    assert_eq!(sim.unknown_handle_calls(), 5);
+}
