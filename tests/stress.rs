@@ -1,0 +1,244 @@
+//! The public API under random use, as a service would misuse it: four tasks on two workers
+//! malloc (some waiting for memory, some dropped mid-flight by a timeout), free, use buffers
+//! on other streams (`record_stream`, ordered by an event), drop and replace streams while
+//! their buffers live, and empty the cache, on a device small enough to run out of memory
+//! often. Checked throughout and at the end, in every config:
+//! - no two live buffers overlap;
+//! - every buffer holds the byte a kernel of its stream wrote until it is freed (a check
+//!   kernel on its stream, or on the stream it was used on, fails otherwise);
+//! - after the tasks end: nothing allocated, nothing reserved after `empty_cache`, no kernel
+//!   failure, and no backend call that named a stream or event the allocator had let go of.
+//!
+//! `GPUALLOC_STRESS_OPS` (operations per task, default 1000) and `GPUALLOC_STRESS_SEEDS`
+//! (default 1) make it longer: `GPUALLOC_STRESS_OPS=3000 GPUALLOC_STRESS_SEEDS=3 cargo test
+//! --release --test stress` found the two stream-lifetime races `stream_lifetime.rs` pins.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{build, MIB};
+use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, MallocOptions, Stream};
+
+const CONFIGS: &[&str] = &[
+    "",
+    "thread_cache:False",
+    "expandable_segments:False",
+    "garbage_collection_threshold:0.6,per_process_memory_fraction:0.8",
+    "policy:pytorch",
+    "expandable_segments:True,policy:pytorch",
+    "max_split_size_mb:32",
+    "roundup_power2_divisions:4,thread_cache:False",
+];
+
+/// Bytes of a buffer its kernels write and check (the head of a large one).
+const CHECKED: u64 = 256 << 10;
+
+/// xorshift64: the same operations for a seed, whatever the platform.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+
+    /// Sizes from a byte to 48 MiB, most of them small.
+    fn size(&mut self) -> u64 {
+        match self.below(10) {
+            0..=4 => 1 + self.below(64 << 10),
+            5..=6 => 1 + self.below(MIB),
+            7..=8 => MIB + self.below(12 * MIB),
+            _ => 8 * MIB + self.below(40 * MIB),
+        }
+    }
+
+    fn micros(&mut self, max: u64) -> Duration {
+        Duration::from_micros(self.below(max))
+    }
+}
+
+/// The live buffers' ranges, shared by the tasks: start -> length.
+#[derive(Clone, Default)]
+struct Live(Arc<Mutex<BTreeMap<u64, u64>>>);
+
+impl Live {
+    fn claim(&self, buf: &DeviceBuffer) {
+        let (p, l) = (buf.ptr().0, buf.len());
+        if l == 0 {
+            return;
+        }
+        let mut ranges = self.0.lock().unwrap();
+        if let Some((&q, &ql)) = ranges.range(..p + l).next_back() {
+            assert!(
+                q + ql <= p,
+                "[{p:#x}, +{l}) overlaps the live [{q:#x}, +{ql})"
+            );
+        }
+        ranges.insert(p, l);
+    }
+
+    fn release(&self, buf: &DeviceBuffer) {
+        self.0.lock().unwrap().remove(&buf.ptr().0);
+    }
+}
+
+/// A kernel on `stream` that checks `buf`'s head holds `byte`.
+fn check(sim: &SimBackend, stream: &Stream, buf: &DeviceBuffer, byte: u8, d: Duration) {
+    let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
+    sim.launch_kernel(stream.handle(), d, move |m: &mut KernelMemory| {
+        assert!(
+            m.check(p, l, byte)?,
+            "[{:#x}, +{l}) was written while in use",
+            p.0
+        );
+        Ok(())
+    })
+    .unwrap();
+}
+
+struct Held {
+    buf: DeviceBuffer,
+    stream: Stream,
+    byte: u8,
+}
+
+async fn task(alloc: Allocator, sim: Arc<SimBackend>, live: Live, seed: u64, ops: usize) {
+    let mut rng = Rng(seed);
+    let mut streams: Vec<Stream> = (0..3)
+        .map(|_| alloc.new_stream(DeviceId(0)).unwrap())
+        .collect();
+    let mut held: Vec<Held> = Vec::new();
+    for i in 0..ops {
+        let pick = |rng: &mut Rng, n: usize| rng.below(n as u64) as usize;
+        match rng.below(20) {
+            0..=8 => {
+                let stream = streams[pick(&mut rng, streams.len())].clone();
+                let size = rng.size();
+                let result = if rng.below(4) == 0 {
+                    let wait = MallocOptions::wait_for(Duration::from_millis(rng.below(20)));
+                    let fut = alloc.malloc_with(size, &stream, wait);
+                    match tokio::time::timeout(rng.micros(3000), fut).await {
+                        Ok(r) => r,
+                        Err(_) => continue, // dropped mid-flight
+                    }
+                } else {
+                    alloc.malloc(size, &stream).await
+                };
+                let Ok(buf) = result else {
+                    continue; // out of memory: the device is small on purpose
+                };
+                live.claim(&buf);
+                let byte = 1 + rng.below(250) as u8;
+                let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
+                let d = rng.micros(300);
+                sim.launch_kernel(stream.handle(), d, move |m| m.fill(p, l, byte))
+                    .unwrap();
+                held.push(Held { buf, stream, byte });
+            }
+            9..=13 if !held.is_empty() => {
+                let Held { buf, stream, byte } = held.swap_remove(pick(&mut rng, held.len()));
+                check(&sim, &stream, &buf, byte, rng.micros(300));
+                live.release(&buf);
+                drop(buf);
+            }
+            14..=15 if !held.is_empty() => {
+                // Read on another stream after its fill, then freed: its block waits for it.
+                let Held { buf, stream, byte } = held.swap_remove(pick(&mut rng, held.len()));
+                let other = streams[pick(&mut rng, streams.len())].clone();
+                other.wait_event(&stream.record_event().unwrap()).unwrap();
+                check(&sim, &other, &buf, byte, rng.micros(1000));
+                alloc.record_stream(&buf, &other).unwrap();
+                live.release(&buf);
+                drop(buf);
+            }
+            16 => {
+                // The task's handle goes (its buffers keep theirs); a new stream replaces it.
+                streams.swap_remove(pick(&mut rng, streams.len()));
+                streams.push(alloc.new_stream(DeviceId(0)).unwrap());
+            }
+            17 if i % 50 == 0 => alloc.empty_cache().await.unwrap(),
+            _ => tokio::task::yield_now().await,
+        }
+    }
+    for Held { buf, stream, byte } in held.drain(..) {
+        check(&sim, &stream, &buf, byte, Duration::ZERO);
+        live.release(&buf);
+        drop(buf);
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+}
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[test]
+fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
+    let ops = env("GPUALLOC_STRESS_OPS", 1000) as usize;
+    let seeds = env("GPUALLOC_STRESS_SEEDS", 1);
+    for conf in CONFIGS {
+        for seed in 1..=seeds {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let sim = SimBackend::new(SimConfig {
+                capacity_per_device: 256 * MIB,
+                ..SimConfig::fast(1)
+            })
+            .unwrap();
+            rt.block_on(async {
+                let alloc = build(sim.clone(), conf);
+                let live = Live::default();
+                let tasks: Vec<_> = (0..4u64)
+                    .map(|t| {
+                        let seed = seed * 7919 + t * 104_729 + 1;
+                        tokio::spawn(task(alloc.clone(), sim.clone(), live.clone(), seed, ops))
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await
+                        .unwrap_or_else(|e| panic!("[{conf}] seed {seed}: {e}"));
+                }
+                // A miss whose future a timeout dropped finishes on the blocking pool, then
+                // returns its block: wait for those before counting.
+                let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+                for _ in 0..2000 {
+                    if actor.misses_in_flight() == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                assert_eq!(actor.misses_in_flight(), 0, "[{conf}] seed {seed}");
+                let st = alloc.stats(DeviceId(0)).await.unwrap();
+                assert_eq!(st.allocated_bytes[0].current, 0, "[{conf}] seed {seed}");
+                // Frees recorded on other streams wait for their events until `empty_cache`
+                // synchronizes them (they count as active till then, as in PyTorch).
+                alloc.empty_cache().await.unwrap();
+                let st = alloc.stats(DeviceId(0)).await.unwrap();
+                assert_eq!(st.active_bytes[0].current, 0, "[{conf}] seed {seed}");
+                assert_eq!(st.reserved_bytes[0].current, 0, "[{conf}] seed {seed}");
+                alloc.shutdown().await.unwrap();
+            });
+            assert_eq!(sim.kernel_failures(), 0, "[{conf}] seed {seed}");
+            assert_eq!(sim.live_allocations(), 0, "[{conf}] seed {seed}");
+            assert_eq!(
+                sim.unknown_handle_calls(),
+                0,
+                "[{conf}] seed {seed}: a backend call named a destroyed stream or event"
+            );
+        }
+    }
+}
