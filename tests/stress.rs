@@ -2,10 +2,13 @@
 //! malloc (some waiting for memory, some dropped mid-flight by a timeout), free, use buffers
 //! on other streams (`record_stream`, ordered by an event), drop and replace streams while
 //! their buffers live, and empty the cache, on a device small enough to run out of memory
-//! often. Checked throughout and at the end, in every config:
+//! often; in the second test each task also allocates from a named pool of its own (half of
+//! them under a quota) and puts it to sleep with its data offloaded and wakes it. Checked
+//! throughout and at the end, in every config:
 //! - no two live buffers overlap;
 //! - every buffer holds the byte a kernel of its stream wrote until it is freed (a check
-//!   kernel on its stream, or on the stream it was used on, fails otherwise);
+//!   kernel on its stream, or on the stream it was used on, fails otherwise), across a sleep
+//!   and a wake of its pool too;
 //! - after the tasks end: nothing allocated, nothing reserved after `empty_cache`, no kernel
 //!   failure, and no backend call that named a stream or event the allocator had let go of.
 //!
@@ -20,8 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{build, MIB};
+use gpualloc::devices::AllocError;
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
-use gpualloc::{Allocator, DeviceBuffer, DeviceId, MallocOptions, Stream};
+use gpualloc::{
+    Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Pool, PoolOptions, SleepMode, Stream,
+};
 
 const CONFIGS: &[&str] = &[
     "",
@@ -106,9 +112,22 @@ struct Held {
     buf: DeviceBuffer,
     stream: Stream,
     byte: u8,
+    /// From the task's pool.
+    pooled: bool,
 }
 
-async fn task(alloc: Allocator, sim: Arc<SimBackend>, live: Live, seed: u64, ops: usize) {
+/// One task's random operations. With `pool`, half its mallocs come from that pool (the
+/// task's own: nothing else uses it), and now and then the pool sleeps with its data offloaded
+/// and wakes, after which every buffer must still hold its byte; without expandable segments
+/// the sleep is refused with a typed error.
+async fn task(
+    alloc: Allocator,
+    sim: Arc<SimBackend>,
+    live: Live,
+    seed: u64,
+    ops: usize,
+    pool: Option<Pool>,
+) {
     let mut rng = Rng(seed);
     let mut streams: Vec<Stream> = (0..3)
         .map(|_| alloc.new_stream(DeviceId(0)).unwrap())
@@ -120,15 +139,28 @@ async fn task(alloc: Allocator, sim: Arc<SimBackend>, live: Live, seed: u64, ops
             0..=8 => {
                 let stream = streams[pick(&mut rng, streams.len())].clone();
                 let size = rng.size();
+                let from = pool.as_ref().filter(|_| rng.below(2) == 0);
                 let result = if rng.below(4) == 0 {
                     let wait = MallocOptions::wait_for(Duration::from_millis(rng.below(20)));
-                    let fut = alloc.malloc_with(size, &stream, wait);
-                    match tokio::time::timeout(rng.micros(3000), fut).await {
+                    let timeout = rng.micros(3000);
+                    let r = match from {
+                        Some(p) => {
+                            tokio::time::timeout(timeout, p.malloc_with(size, &stream, wait)).await
+                        }
+                        None => {
+                            tokio::time::timeout(timeout, alloc.malloc_with(size, &stream, wait))
+                                .await
+                        }
+                    };
+                    match r {
                         Ok(r) => r,
                         Err(_) => continue, // dropped mid-flight
                     }
                 } else {
-                    alloc.malloc(size, &stream).await
+                    match from {
+                        Some(p) => p.malloc(size, &stream).await,
+                        None => alloc.malloc(size, &stream).await,
+                    }
                 };
                 let Ok(buf) = result else {
                     continue; // out of memory: the device is small on purpose
@@ -139,17 +171,27 @@ async fn task(alloc: Allocator, sim: Arc<SimBackend>, live: Live, seed: u64, ops
                 let d = rng.micros(300);
                 sim.launch_kernel(stream.handle(), d, move |m| m.fill(p, l, byte))
                     .unwrap();
-                held.push(Held { buf, stream, byte });
+                let pooled = from.is_some();
+                held.push(Held {
+                    buf,
+                    stream,
+                    byte,
+                    pooled,
+                });
             }
             9..=13 if !held.is_empty() => {
-                let Held { buf, stream, byte } = held.swap_remove(pick(&mut rng, held.len()));
+                let Held {
+                    buf, stream, byte, ..
+                } = held.swap_remove(pick(&mut rng, held.len()));
                 check(&sim, &stream, &buf, byte, rng.micros(300));
                 live.release(&buf);
                 drop(buf);
             }
             14..=15 if !held.is_empty() => {
                 // Read on another stream after its fill, then freed: its block waits for it.
-                let Held { buf, stream, byte } = held.swap_remove(pick(&mut rng, held.len()));
+                let Held {
+                    buf, stream, byte, ..
+                } = held.swap_remove(pick(&mut rng, held.len()));
                 let other = streams[pick(&mut rng, streams.len())].clone();
                 other.wait_event(&stream.record_event().unwrap()).unwrap();
                 check(&sim, &other, &buf, byte, rng.micros(1000));
@@ -163,10 +205,49 @@ async fn task(alloc: Allocator, sim: Arc<SimBackend>, live: Live, seed: u64, ops
                 streams.push(alloc.new_stream(DeviceId(0)).unwrap());
             }
             17 if i % 50 == 0 => alloc.empty_cache().await.unwrap(),
+            18 if i % 2 == 0 && pool.is_some() => {
+                let p = pool.as_ref().unwrap();
+                match p.sleep(SleepMode::Offload).await {
+                    Ok(()) => {
+                        // The memory was taken meanwhile (by the other tasks, or by this
+                        // one's own buffers of the default pools): the pool stays asleep,
+                        // with its copy, until a wake finds room. As a user would, free this
+                        // task's other buffers, then wait for the others' frees.
+                        let mut tries = 0;
+                        while let Err(e) = p.wake().await {
+                            assert!(
+                                matches!(e, Error::Alloc(AllocError::WakeOutOfMemory { .. })),
+                                "wake: {e}"
+                            );
+                            let (mine, others): (Vec<Held>, Vec<Held>) =
+                                held.drain(..).partition(|h| h.pooled);
+                            held = mine;
+                            for h in others {
+                                check(&sim, &h.stream, &h.buf, h.byte, Duration::ZERO);
+                                live.release(&h.buf);
+                            }
+                            tries += 1;
+                            assert!(tries < 10_000, "no room to wake in 10 s: {e}");
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                        // The offload brought every byte back: check them all now.
+                        for h in &held {
+                            check(&sim, &h.stream, &h.buf, h.byte, Duration::ZERO);
+                        }
+                    }
+                    Err(e) => assert!(
+                        matches!(e, Error::Alloc(AllocError::NotSupported(_))),
+                        "sleep: {e}"
+                    ),
+                }
+            }
             _ => tokio::task::yield_now().await,
         }
     }
-    for Held { buf, stream, byte } in held.drain(..) {
+    for Held {
+        buf, stream, byte, ..
+    } in held.drain(..)
+    {
         check(&sim, &stream, &buf, byte, Duration::ZERO);
         live.release(&buf);
         drop(buf);
@@ -183,11 +264,12 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-#[test]
-fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
+/// Runs four tasks of random operations on a fresh sim in each config and seed, then checks
+/// that nothing is left behind. With `pools`, each task also has a named pool of its own.
+fn run(configs: &[&str], pools: bool) {
     let ops = env("GPUALLOC_STRESS_OPS", 1000) as usize;
     let seeds = env("GPUALLOC_STRESS_SEEDS", 1);
-    for conf in CONFIGS {
+    for conf in configs {
         for seed in 1..=seeds {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -202,12 +284,23 @@ fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
             rt.block_on(async {
                 let alloc = build(sim.clone(), conf);
                 let live = Live::default();
-                let tasks: Vec<_> = (0..4u64)
-                    .map(|t| {
-                        let seed = seed * 7919 + t * 104_729 + 1;
-                        tokio::spawn(task(alloc.clone(), sim.clone(), live.clone(), seed, ops))
-                    })
-                    .collect();
+                let mut tasks = Vec::new();
+                for t in 0..4u64 {
+                    let pool = if pools {
+                        // Every other pool has a quota its requests run into.
+                        let quota = (t % 2 == 0).then_some(48 * MIB);
+                        let options = PoolOptions {
+                            quota,
+                            ..PoolOptions::default()
+                        };
+                        Some(alloc.pool(&format!("task{t}"), options).await.unwrap())
+                    } else {
+                        None
+                    };
+                    let seed = seed * 7919 + t * 104_729 + 1;
+                    let (alloc, sim, live) = (alloc.clone(), sim.clone(), live.clone());
+                    tasks.push(tokio::spawn(task(alloc, sim, live, seed, ops, pool)));
+                }
                 for t in tasks {
                     t.await
                         .unwrap_or_else(|e| panic!("[{conf}] seed {seed}: {e}"));
@@ -225,7 +318,8 @@ fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
                 let st = alloc.stats(DeviceId(0)).await.unwrap();
                 assert_eq!(st.allocated_bytes[0].current, 0, "[{conf}] seed {seed}");
                 // Frees recorded on other streams wait for their events until `empty_cache`
-                // synchronizes them (they count as active till then, as in PyTorch).
+                // synchronizes them (they count as active till then, as in PyTorch); the
+                // tasks' pools, dropped, give their segments back there too.
                 alloc.empty_cache().await.unwrap();
                 let st = alloc.stats(DeviceId(0)).await.unwrap();
                 assert_eq!(st.active_bytes[0].current, 0, "[{conf}] seed {seed}");
@@ -241,4 +335,25 @@ fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
             );
         }
     }
+}
+
+#[test]
+fn random_use_keeps_every_buffer_whole_and_leaves_nothing_behind() {
+    run(CONFIGS, false);
+}
+
+/// The same with a named pool per task (half of them with a quota), each put to sleep with
+/// its data offloaded and woken now and then.
+#[test]
+fn random_use_of_named_pools_with_sleep_and_wake_keeps_every_buffer_whole() {
+    run(
+        &[
+            "",
+            "thread_cache:False",
+            "expandable_segments:False",
+            "garbage_collection_threshold:0.6,per_process_memory_fraction:0.8",
+            "expandable_segments:True,policy:pytorch",
+        ],
+        true,
+    );
 }
