@@ -12,6 +12,10 @@
 //! - after the tasks end: nothing allocated, nothing reserved after `empty_cache`, no kernel
 //!   failure, and no backend call that named a stream or event the allocator had let go of.
 //!
+//! With `GPUALLOC_BACKEND=cuda` it runs on the CUDA backend's device 0 (CI: on the emulated
+//! driver), capped at 256 MiB by `per_process_memory_fraction`, and checks the bytes by
+//! memsets and stream-ordered copies to the host.
+//!
 //! `GPUALLOC_STRESS_OPS` (operations per task, default 1000) and `GPUALLOC_STRESS_SEEDS`
 //! (default 1) make it longer: `GPUALLOC_STRESS_OPS=3000 GPUALLOC_STRESS_SEEDS=3 cargo test
 //! --release --test stress` found the two stream-lifetime races `stream_lifetime.rs` pins.
@@ -25,8 +29,10 @@ use std::time::Duration;
 use common::{build, MIB};
 use gpualloc::devices::AllocError;
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
+use gpualloc::runtime::Backend;
 use gpualloc::{
-    Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, Pool, PoolOptions, SleepMode, Stream,
+    Allocator, BackendKind, DeviceBuffer, DeviceId, Error, MallocOptions, Pool, PoolOptions,
+    SleepMode, Stream,
 };
 
 const CONFIGS: &[&str] = &[
@@ -94,18 +100,50 @@ impl Live {
     }
 }
 
-/// A kernel on `stream` that checks `buf`'s head holds `byte`.
-fn check(sim: &SimBackend, stream: &Stream, buf: &DeviceBuffer, byte: u8, d: Duration) {
-    let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
-    sim.launch_kernel(stream.handle(), d, move |m: &mut KernelMemory| {
-        assert!(
-            m.check(p, l, byte)?,
-            "[{:#x}, +{l}) was written while in use",
-            p.0
-        );
-        Ok(())
-    })
-    .unwrap();
+/// What writes and checks the buffers: the sim's kernels (stream-ordered, the check fails the
+/// kernel), or a driver's memsets and stream-ordered copies to the host (the check waits).
+enum Gpu {
+    Sim(Arc<SimBackend>),
+    Driver(Arc<dyn Backend>),
+}
+
+impl Gpu {
+    /// Fills `buf`'s head with `byte` on `stream`, after `d` on the sim.
+    fn fill(&self, stream: &Stream, buf: &DeviceBuffer, byte: u8, d: Duration) {
+        let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
+        match self {
+            Gpu::Sim(sim) => sim
+                .launch_kernel(stream.handle(), d, move |m| m.fill(p, l, byte))
+                .unwrap(),
+            Gpu::Driver(b) => b.memset_async(stream.handle(), p, byte, l).unwrap(),
+        }
+    }
+
+    /// Checks on `stream` that `buf`'s head holds `byte`.
+    fn check(&self, stream: &Stream, buf: &DeviceBuffer, byte: u8, d: Duration) {
+        let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
+        match self {
+            Gpu::Sim(sim) => sim
+                .launch_kernel(stream.handle(), d, move |m: &mut KernelMemory| {
+                    assert!(
+                        m.check(p, l, byte)?,
+                        "[{:#x}, +{l}) was written while in use",
+                        p.0
+                    );
+                    Ok(())
+                })
+                .unwrap(),
+            Gpu::Driver(b) => {
+                let mut host = vec![0u8; l as usize];
+                b.copy_from_device(stream.handle(), &mut host, p).unwrap();
+                assert!(
+                    host.iter().all(|&x| x == byte),
+                    "[{:#x}, +{l}) was written while in use",
+                    p.0
+                );
+            }
+        }
+    }
 }
 
 struct Held {
@@ -122,7 +160,7 @@ struct Held {
 /// the sleep is refused with a typed error.
 async fn task(
     alloc: Allocator,
-    sim: Arc<SimBackend>,
+    gpu: Arc<Gpu>,
     live: Live,
     seed: u64,
     ops: usize,
@@ -167,10 +205,7 @@ async fn task(
                 };
                 live.claim(&buf);
                 let byte = 1 + rng.below(250) as u8;
-                let (p, l) = (buf.ptr(), buf.len().min(CHECKED));
-                let d = rng.micros(300);
-                sim.launch_kernel(stream.handle(), d, move |m| m.fill(p, l, byte))
-                    .unwrap();
+                gpu.fill(&stream, &buf, byte, rng.micros(300));
                 let pooled = from.is_some();
                 held.push(Held {
                     buf,
@@ -183,7 +218,7 @@ async fn task(
                 let Held {
                     buf, stream, byte, ..
                 } = held.swap_remove(pick(&mut rng, held.len()));
-                check(&sim, &stream, &buf, byte, rng.micros(300));
+                gpu.check(&stream, &buf, byte, rng.micros(300));
                 live.release(&buf);
                 drop(buf);
             }
@@ -194,7 +229,7 @@ async fn task(
                 } = held.swap_remove(pick(&mut rng, held.len()));
                 let other = streams[pick(&mut rng, streams.len())].clone();
                 other.wait_event(&stream.record_event().unwrap()).unwrap();
-                check(&sim, &other, &buf, byte, rng.micros(1000));
+                gpu.check(&other, &buf, byte, rng.micros(1000));
                 alloc.record_stream(&buf, &other).unwrap();
                 live.release(&buf);
                 drop(buf);
@@ -223,7 +258,7 @@ async fn task(
                                 held.drain(..).partition(|h| h.pooled);
                             held = mine;
                             for h in others {
-                                check(&sim, &h.stream, &h.buf, h.byte, Duration::ZERO);
+                                gpu.check(&h.stream, &h.buf, h.byte, Duration::ZERO);
                                 live.release(&h.buf);
                             }
                             tries += 1;
@@ -232,7 +267,7 @@ async fn task(
                         }
                         // The offload brought every byte back: check them all now.
                         for h in &held {
-                            check(&sim, &h.stream, &h.buf, h.byte, Duration::ZERO);
+                            gpu.check(&h.stream, &h.buf, h.byte, Duration::ZERO);
                         }
                     }
                     Err(e) => assert!(
@@ -248,7 +283,7 @@ async fn task(
         buf, stream, byte, ..
     } in held.drain(..)
     {
-        check(&sim, &stream, &buf, byte, Duration::ZERO);
+        gpu.check(&stream, &buf, byte, Duration::ZERO);
         live.release(&buf);
         drop(buf);
     }
@@ -264,7 +299,43 @@ fn env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Runs four tasks of random operations on a fresh sim in each config and seed, then checks
+/// The device the tasks share: a fresh 256 MiB sim, or with `GPUALLOC_BACKEND=cuda` the CUDA
+/// backend's device 0 with `per_process_memory_fraction` capping it at 256 MiB (a
+/// fraction in `conf` is taken of that).
+fn device(conf: &str) -> (Arc<Gpu>, Allocator) {
+    const CAPACITY: u64 = 256 * MIB;
+    match BackendKind::from_env().expect("GPUALLOC_BACKEND") {
+        BackendKind::Cuda => {
+            let backend = gpualloc::cuda_backend().expect("the CUDA backend");
+            let total = backend.mem_info(DeviceId(0)).unwrap().total;
+            let share = CAPACITY as f64 / total as f64;
+            let key = "per_process_memory_fraction:";
+            let conf = match conf.find(key) {
+                Some(at) => {
+                    let rest = &conf[at + key.len()..];
+                    let end = rest.find(',').unwrap_or(rest.len());
+                    let f: f64 = rest[..end].parse().unwrap();
+                    format!("{}{key}{}{}", &conf[..at], f * share, &rest[end..])
+                }
+                None if conf.is_empty() => format!("{key}{share}"),
+                None => format!("{conf},{key}{share}"),
+            };
+            let alloc = build(backend.clone(), &conf);
+            (Arc::new(Gpu::Driver(backend)), alloc)
+        }
+        _ => {
+            let sim = SimBackend::new(SimConfig {
+                capacity_per_device: CAPACITY,
+                ..SimConfig::fast(1)
+            })
+            .unwrap();
+            let alloc = build(sim.clone(), conf);
+            (Arc::new(Gpu::Sim(sim)), alloc)
+        }
+    }
+}
+
+/// Runs four tasks of random operations on a fresh device in each config and seed, then checks
 /// that nothing is left behind. With `pools`, each task also has a named pool of its own.
 fn run(configs: &[&str], pools: bool) {
     let ops = env("GPUALLOC_STRESS_OPS", 1000) as usize;
@@ -276,13 +347,11 @@ fn run(configs: &[&str], pools: bool) {
                 .enable_all()
                 .build()
                 .unwrap();
-            let sim = SimBackend::new(SimConfig {
-                capacity_per_device: 256 * MIB,
-                ..SimConfig::fast(1)
-            })
-            .unwrap();
+            let (gpu, alloc) = {
+                let _runtime = rt.enter();
+                device(conf)
+            };
             rt.block_on(async {
-                let alloc = build(sim.clone(), conf);
                 let live = Live::default();
                 let mut tasks = Vec::new();
                 for t in 0..4u64 {
@@ -298,8 +367,8 @@ fn run(configs: &[&str], pools: bool) {
                         None
                     };
                     let seed = seed * 7919 + t * 104_729 + 1;
-                    let (alloc, sim, live) = (alloc.clone(), sim.clone(), live.clone());
-                    tasks.push(tokio::spawn(task(alloc, sim, live, seed, ops, pool)));
+                    let (alloc, gpu, live) = (alloc.clone(), gpu.clone(), live.clone());
+                    tasks.push(tokio::spawn(task(alloc, gpu, live, seed, ops, pool)));
                 }
                 for t in tasks {
                     t.await
@@ -326,13 +395,15 @@ fn run(configs: &[&str], pools: bool) {
                 assert_eq!(st.reserved_bytes[0].current, 0, "[{conf}] seed {seed}");
                 alloc.shutdown().await.unwrap();
             });
-            assert_eq!(sim.kernel_failures(), 0, "[{conf}] seed {seed}");
-            assert_eq!(sim.live_allocations(), 0, "[{conf}] seed {seed}");
-            assert_eq!(
-                sim.unknown_handle_calls(),
-                0,
-                "[{conf}] seed {seed}: a backend call named a destroyed stream or event"
-            );
+            if let Gpu::Sim(sim) = &*gpu {
+                assert_eq!(sim.kernel_failures(), 0, "[{conf}] seed {seed}");
+                assert_eq!(sim.live_allocations(), 0, "[{conf}] seed {seed}");
+                assert_eq!(
+                    sim.unknown_handle_calls(),
+                    0,
+                    "[{conf}] seed {seed}: a backend call named a destroyed stream or event"
+                );
+            }
         }
     }
 }
