@@ -40,6 +40,11 @@ impl PendingFrees {
             .collect()
     }
 
+    /// The streams some free waits on.
+    pub fn streams(&self) -> impl Iterator<Item = StreamHandle> + '_ {
+        self.queues.keys().copied()
+    }
+
     /// The blocks waiting (a block waiting on several streams once per stream).
     pub fn blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.queues.values().flatten().map(|(_, id)| *id)
