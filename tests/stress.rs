@@ -1,12 +1,14 @@
 //! The public API under random use, as a service would misuse it: four tasks on two workers
 //! malloc (some waiting for memory, some dropped mid-flight by a timeout), free, use buffers
-//! on other streams (`record_stream`, ordered by an event), drop and replace streams while
+//! on other streams (`record_stream`, ordered by an event), copy them to and from pinned host
+//! buffers (the copies awaited, or dropped unawaited), drop and replace streams while
 //! their buffers live, and empty the cache, on a device small enough to run out of memory
 //! often; in the second test each task also allocates from a named pool of its own (half of
 //! them under a quota) and puts it to sleep with its data offloaded and wakes it. Checked
 //! throughout and at the end, in every config:
 //! - no two live buffers overlap;
-//! - every buffer holds the byte a kernel of its stream wrote until it is freed (a check
+//! - every buffer holds the byte a kernel of its stream (or a pinned copy from the host) wrote
+//!   until it is freed, and a pinned copy to the host holds it too (a check
 //!   kernel on its stream, or on the stream it was used on, fails otherwise), across a sleep
 //!   and a wake of its pool too;
 //! - after the tasks end: nothing allocated, nothing reserved after `empty_cache`, no kernel
@@ -240,6 +242,37 @@ async fn task(
                 streams.push(alloc.new_stream(DeviceId(0)).unwrap());
             }
             17 if i % 50 == 0 => alloc.empty_cache().await.unwrap(),
+            19 => {
+                // A pinned copy of a buffer of at most 4 MiB, to the host or from it, awaited
+                // or dropped unawaited (its pinned block must not be reused before the stream
+                // passed the copy).
+                let Some(k) = (0..held.len()).find(|&k| held[k].buf.len() <= 4 * MIB) else {
+                    continue;
+                };
+                let host = alloc.host();
+                let len = held[k].buf.len();
+                let Ok(mut pinned) = host.malloc(len).await else {
+                    continue;
+                };
+                let h = &mut held[k];
+                let copy = if rng.below(2) == 0 {
+                    host.copy_d2h(&h.buf, pinned, &h.stream).unwrap()
+                } else {
+                    let byte = 1 + rng.below(250) as u8;
+                    pinned.fill(byte);
+                    h.byte = byte;
+                    host.copy_h2d(pinned, &h.buf, &h.stream).unwrap()
+                };
+                if rng.below(2) == 0 {
+                    let back = copy.finish().await.unwrap();
+                    let head = &back[..len.min(CHECKED) as usize];
+                    assert!(
+                        head.iter().all(|&x| x == h.byte),
+                        "a pinned copy of [{:#x}, +{len}) does not hold its bytes",
+                        h.buf.ptr().0
+                    );
+                }
+            }
             18 if i % 2 == 0 && pool.is_some() => {
                 let p = pool.as_ref().unwrap();
                 match p.sleep(SleepMode::Offload).await {
@@ -392,6 +425,18 @@ fn run(configs: &[&str], pools: bool) {
                 alloc.empty_cache().await.unwrap();
                 let st = alloc.stats(DeviceId(0)).await.unwrap();
                 assert_eq!(st.active_bytes[0].current, 0, "[{conf}] seed {seed}");
+                // Pinned buffers of copies dropped unawaited come back once their streams
+                // passed the copies (the tasks synchronized their streams).
+                let host = alloc.host();
+                let mut hs = host.stats().await.unwrap();
+                for _ in 0..2000 {
+                    if hs.allocation.current == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    hs = host.stats().await.unwrap();
+                }
+                assert_eq!(hs.allocation.current, 0, "[{conf}] seed {seed}: pinned");
                 assert_eq!(st.reserved_bytes[0].current, 0, "[{conf}] seed {seed}");
                 alloc.shutdown().await.unwrap();
             });
