@@ -8,12 +8,14 @@
 //! segment of that stream) and `record_stream`. A miss keeps its stream when it starts and
 //! again when it ends: its driver calls run off the gate, and until its segment exists
 //! (after a release that comes first, or an ordinary segment's device malloc) nothing in the
-//! core names the stream, so a pass meanwhile lets go of it. PyTorch keeps its streams forever; we let go
-//! of a stream as soon as the core no longer names it ([`DeviceCore::streams_in_use`]): after
-//! its segments went back (`empty_cache`, the out-of-memory chain, shutdown) and its recorded
-//! frees were made. The pass that finds them runs on the slow paths, and on a miss or in the
-//! reaper once the number kept has doubled since the last pass, so a server making a stream
-//! per request keeps at most twice the streams its cache needs.
+//! core names the stream, so a pass meanwhile lets go of it.
+//!
+//! PyTorch keeps its streams forever; we let go of a stream as soon as the core no longer
+//! names it ([`DeviceCore::streams_in_use`]): after its segments went back (`empty_cache`,
+//! the out-of-memory chain, shutdown), its recorded frees were made and its retirement ended.
+//! The pass that finds them runs on the slow paths, and on a miss or in the reaper once the
+//! number kept has doubled since the last pass, so a server making a stream per request
+//! keeps at most twice the streams its cache needs.
 //!
 //! Releasing a stream may block (the sim joins its worker thread), so pruned streams are
 //! handed back to the caller to drop after the gate is released.

@@ -5,8 +5,9 @@
 //! an expandable segment synchronizes its stream before unmapping pages (on release, in the
 //! out-of-memory chain, on shutdown), a block used on other streams records an event on
 //! each of them when it is freed, a pool's sleep records one on every stream a free of the
-//! pool still waits on, and a retiring stream is queried until its work is done. A stream no longer returned can be destroyed: events
-//! already recorded on it stay valid in the backend (as in CUDA).
+//! pool still waits on, and a retiring stream is queried until its work is done. A stream no
+//! longer returned can be destroyed: events already recorded on it stay valid in the backend
+//! (as in CUDA).
 
 pub(crate) mod loan_table;
 pub(crate) mod loans;
