@@ -890,21 +890,29 @@ mod off_the_core {
         live_a.events.extend(a_free);
         assert_eq!(replay(&live_a, &cold).unwrap().peak_reserved, 12 * MIB);
     }
-    /// A core over an accounting backend whose events complete only when told, with two
-    /// streams, recording.
-    fn manual_rig() -> (
+    /// A core over an accounting backend whose events complete only when told, recording its
+    /// history: the lender's 8 MiB block is freed and lent to `s`, whose free of it waits for
+    /// `s`'s work. Returns the block's address too.
+    fn manual_loan() -> (
         Arc<AccountingBackend>,
         DeviceCore,
         StreamHandle,
         StreamHandle,
+        u64,
     ) {
         let backend = Arc::new(AccountingBackend::manual_events(1, CAPACITY));
         let dynb: Arc<dyn Backend> = backend.clone();
         let s = dynb.stream_create(DeviceId(0)).unwrap();
         let lender = dynb.stream_create(DeviceId(0)).unwrap();
-        let core =
+        let mut core =
             DeviceCore::new(dynb, DeviceId(0), AllocatorConfig::default().resolved(true)).unwrap();
-        (backend, core, s, lender)
+        core.record_history(Some(100));
+        let a = core.malloc(8 * MIB, lender).unwrap();
+        core.free(a.ptr).unwrap();
+        let y = core.malloc(8 * MIB, s).unwrap();
+        assert_eq!((y.ptr, y.stream), (a.ptr, s), "live: a loan");
+        core.free(y.ptr).unwrap();
+        (backend, core, s, lender, a.ptr.0)
     }
 
     /// A lent block whose borrower's work is not done when the history ends: its free never
@@ -912,16 +920,10 @@ mod off_the_core {
     /// too (a free with no `free_completed` in a history that records them).
     #[test]
     fn a_lent_block_whose_free_never_completed_stays_pending_in_the_replay() {
-        let (backend, mut core, s, lender) = manual_rig();
-        core.record_history(Some(100));
-        let a = core.malloc(8 * MIB, lender).unwrap();
-        core.free(a.ptr).unwrap();
-        let y = core.malloc(8 * MIB, s).unwrap();
-        assert_eq!((y.ptr, y.stream), (a.ptr, s), "live: a loan");
-        core.free(y.ptr).unwrap();
+        let (backend, mut core, s, lender, a) = manual_loan();
         // The lender's request while the borrower's work is not done: new memory.
         let b = core.malloc(8 * MIB, lender).unwrap();
-        assert_ne!(b.ptr, a.ptr);
+        assert_ne!(b.ptr.0, a);
         assert_eq!(core.reserved_bytes(), 16 * MIB);
         let report = replay_warm(&core, AllocatorConfig::default());
         assert_eq!(report.address_match, Some((3, 3)));
@@ -935,13 +937,7 @@ mod off_the_core {
     /// the `segment_unmap` finds its pages free and unmaps them as the live allocator did.
     #[test]
     fn a_lent_blocks_return_lands_before_the_unmap_that_follows_it() {
-        let (backend, mut core, s, lender) = manual_rig();
-        core.record_history(Some(100));
-        let a = core.malloc(8 * MIB, lender).unwrap();
-        core.free(a.ptr).unwrap();
-        let y = core.malloc(8 * MIB, s).unwrap();
-        assert_eq!((y.ptr, y.stream), (a.ptr, s), "live: a loan");
-        core.free(y.ptr).unwrap();
+        let (backend, mut core, s, _lender, _) = manual_loan();
         backend.complete_stream(s);
         core.empty_cache().unwrap();
         assert_eq!(core.reserved_bytes(), 0);
