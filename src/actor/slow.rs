@@ -53,9 +53,6 @@ impl DeviceActor {
         .entered();
         {
             let mut held = self.mailbox.hold_blocking();
-            // A miss may leave a segment of this stream in the cache: keep the stream alive
-            // while the core names it (`streams.rs`).
-            held.state().streams.keep(&stream);
             // Segments of streams their users dropped serve this request before a new one is
             // made (`gpualloc_devices::orphans`).
             held.state().retire_dropped_streams();
@@ -72,10 +69,12 @@ impl DeviceActor {
                 let st = held.state();
                 let step = st.core.advance_miss(&mut miss, done.take());
                 if !matches!(step, MissStep::Io(_)) {
-                    // Kept again: while the miss's driver calls ran off the gate, nothing in
-                    // the core may have named the stream (a release before its segment is
-                    // made, an ordinary segment's device malloc), and a pass may have let go
-                    // of it. The segment the miss got names it now (`streams.rs`).
+                    // The miss may leave a segment of this stream in the cache: the stream is
+                    // kept while the core names it (`streams.rs`). Kept here, in the hold of
+                    // the last step, not when the miss began: until now the miss holds the
+                    // stream itself, and while its driver calls ran off the gate nothing in
+                    // the core may have named it (a release before its segment is made, an
+                    // ordinary segment's device malloc), so a pass may have let go of it.
                     st.streams.keep(&stream);
                 }
                 step

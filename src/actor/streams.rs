@@ -5,10 +5,10 @@
 //! (an expandable segment synchronizes its stream before unmapping pages; a free records an
 //! event on every stream the block was used on), so the actor holds a clone of every stream it
 //! hands to the core on a path that can leave something behind: a miss (which may create a
-//! segment of that stream) and `record_stream`. A miss keeps its stream when it starts and
-//! again when it ends: its driver calls run off the gate, and until its segment exists
-//! (after a release that comes first, or an ordinary segment's device malloc) nothing in the
-//! core names the stream, so a pass meanwhile lets go of it.
+//! segment of that stream) and `record_stream`. A miss keeps its stream when it ends, in the
+//! hold of its last step: until then it holds the stream itself, and while its driver calls
+//! run off the gate (a release before its segment is made, an ordinary segment's device
+//! malloc) nothing in the core may name the stream, so a pass meanwhile would let go of it.
 //!
 //! PyTorch keeps its streams forever; we let go of a stream as soon as the core no longer
 //! names it ([`DeviceCore::streams_in_use`]): after its segments went back (`empty_cache`,
