@@ -19,7 +19,11 @@
 //! - Neither holds the device's gate while it waits, copies or makes driver calls: other
 //!   pools (and the default pools) keep serving meanwhile.
 //! - While a pool is not awake its mallocs fail with `AllocError::PoolAsleep`, or with
-//!   [`MallocOptions::wait_for`](crate::MallocOptions::wait_for) wait for the wake. Its live
+//!   [`MallocOptions::wait_for`](crate::MallocOptions::wait_for) wait for the wake. A request
+//!   of the pool already past the cache when the sleep begins (a miss, its driver calls off
+//!   the device's gate) either gets its memory first (the sleep waits while the pool's pages
+//!   are being mapped, and the buffer sleeps with the rest) or ends as one made after the
+//!   sleep: it maps nothing into the sleeping pool. Its live
 //!   buffers stay valid handles (and can be dropped), but device work on their memory is the
 //!   caller's error from the sleep's call until the wake has resolved: work that runs while
 //!   the pages are unmapped fails (a sticky stream error on a GPU), and work queued then that

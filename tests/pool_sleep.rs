@@ -525,3 +525,138 @@ async fn a_backend_panicking_in_a_copy_rolls_a_sleep_or_a_wake_back() {
     let panic = |skip| gpualloc::runtime::sim::Fault::PanicNext { skip };
     a_fault_in_a_copy_rolls_back("", 4, panic, (1, 1), "panicked").await;
 }
+
+/// A pool's request whose miss is still mapping its new pages when the pool's sleep begins
+/// (another task's call): the sleep must not leave those pages mapped in the sleeping pool.
+/// Either the request fails (the pool is asleep) and its pages go back, or its buffer sleeps
+/// with the rest; the asleep pool holds no reserved memory, and its wake fits the device as
+/// before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_in_flight_when_its_pool_sleeps_leaves_no_pages_mapped_in_it() {
+    use gpualloc::runtime::sim::LatencyModel;
+    for (conf, cancel) in CONFIGS.iter().flat_map(|c| [(*c, false), (*c, true)]) {
+        let sim = common::sim_with(1 << 30, LatencyModel::zero());
+        let alloc = build(sim.clone(), conf);
+        let actor = alloc.device_actor(D0).unwrap().clone();
+        let s = alloc.new_stream(D0).unwrap();
+        let pool = alloc.pool("p", PoolOptions::default()).await.unwrap();
+        let kept = pool.malloc(4 * MIB, &s).await.unwrap();
+        write(&alloc, &s, &kept, 3);
+        // Slow maps: the next growth is in flight for a while.
+        sim.set_latency(LatencyModel {
+            map: Duration::from_millis(100),
+            ..LatencyModel::zero()
+        });
+        let request = {
+            let (pool, s) = (pool.clone(), s.clone());
+            tokio::spawn(async move { pool.malloc(8 * MIB, &s).await })
+        };
+        for _ in 0..2000 {
+            if actor.misses_in_flight() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(actor.misses_in_flight(), 1, "[{conf}]");
+        if cancel {
+            request.abort();
+        }
+        pool.sleep(SleepMode::Offload).await.unwrap();
+        // `None`: cancelled.
+        let landed = match request.await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                assert!(e.is_cancelled(), "[{conf}]");
+                None
+            }
+        };
+        for _ in 0..2000 {
+            if actor.misses_in_flight() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(actor.misses_in_flight(), 0, "[{conf}]");
+        sim.set_latency(LatencyModel::zero());
+        let usage = pool.usage(D0).await.unwrap();
+        assert_eq!(usage.state, PoolState::Asleep, "[{conf}]");
+        assert_eq!(
+            usage.reserved.all().current,
+            0,
+            "[{conf}] cancelled {cancel}: the asleep pool holds pages mapped by a miss that \
+             was in flight (request: {:?})",
+            landed.as_ref().map(|r| r.as_ref().map(|b| b.len()))
+        );
+        pool.wake().await.unwrap();
+        assert!(holds(&alloc, &s, &kept, 3), "[{conf}]");
+        if let Some(Ok(buf)) = landed {
+            write(&alloc, &s, &buf, 5);
+            assert!(holds(&alloc, &s, &buf, 5), "[{conf}]");
+        }
+        drop(kept);
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+/// A pool's request whose miss waits off the gate in the out-of-memory chain (here for the
+/// event of another stream's pending free) while another task puts the pool to sleep: when
+/// the miss goes on, the pool is asleep, and the miss must not map pages into it (they stayed
+/// mapped and counted in the sleeping pool, and its wake then needed that much more room).
+/// The request fails as a request of an asleep pool does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_miss_that_waited_in_the_oom_chain_does_not_grow_a_pool_that_fell_asleep() {
+    use gpualloc::runtime::sim::{KernelMemory, LatencyModel};
+    for conf in CONFIGS {
+        let sim = common::sim_with(100 * MIB, LatencyModel::zero());
+        let alloc = build(sim.clone(), conf);
+        let actor = alloc.device_actor(D0).unwrap().clone();
+        let (s, other) = (alloc.new_stream(D0).unwrap(), alloc.new_stream(D0).unwrap());
+        let pool = alloc.pool("p", PoolOptions::default()).await.unwrap();
+        let kept = pool.malloc(4 * MIB, &s).await.unwrap();
+        write(&alloc, &s, &kept, 7);
+        // 60 MiB of the default pool, used by a 400 ms kernel on another stream, then freed:
+        // its free waits for that kernel's event.
+        let big = alloc.malloc(60 * MIB, &s).await.unwrap();
+        other.wait_event(&s.record_event().unwrap()).unwrap();
+        sim.launch_kernel(
+            other.handle(),
+            Duration::from_millis(400),
+            |_: &mut KernelMemory| Ok(()),
+        )
+        .unwrap();
+        alloc.record_stream(&big, &other).unwrap();
+        drop(big);
+        // 50 MiB more does not fit beside it: the chain waits for the event, off the gate.
+        let request = {
+            let (pool, s) = (pool.clone(), s.clone());
+            tokio::spawn(async move { pool.malloc(50 * MIB, &s).await })
+        };
+        for _ in 0..2000 {
+            if actor.misses_in_flight() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(actor.misses_in_flight(), 1, "[{conf}]");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        pool.sleep(SleepMode::Offload).await.unwrap();
+        let landed = request.await.unwrap();
+        let usage = pool.usage(D0).await.unwrap();
+        assert_eq!(usage.state, PoolState::Asleep, "[{conf}]");
+        assert_eq!(
+            usage.reserved.all().current,
+            0,
+            "[{conf}]: pages mapped into the pool after it fell asleep (request: {:?})",
+            landed.as_ref().map(|b| b.len())
+        );
+        assert!(
+            matches!(landed, Err(Error::Alloc(AllocError::PoolAsleep { .. }))),
+            "[{conf}]: {:?}",
+            landed.map(|b| b.len())
+        );
+        pool.wake().await.unwrap();
+        assert!(holds(&alloc, &s, &kept, 7), "[{conf}]");
+        drop(kept);
+        alloc.shutdown().await.unwrap();
+    }
+}

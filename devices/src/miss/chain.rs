@@ -113,14 +113,28 @@ impl DeviceCore {
     pub fn advance_miss(&mut self, miss: &mut Miss, done: Option<IoDone>) -> MissStep {
         let mut flow = match (miss.op.take(), done) {
             (Some(op), Some(done)) => match self.resume_op(miss, op, done) {
-                // Off the core, others ran meanwhile: the request looks in the cache again
-                // before the next link.
-                Flow::Next if miss.off_core => match self.look_again(&mut miss.request.params) {
-                    Ok(true) => Flow::Found,
-                    Ok(false) => Flow::Next,
-                    Err(e) => Flow::Fail(e),
-                },
+                // Off the core, others ran meanwhile: the request's pool may have begun to
+                // sleep (its memory is going, and no growth may map pages into it: a growth
+                // of its own was not under way, or the sleep would have waited for it), and
+                // else the request looks in the cache again before the next link.
+                Flow::Next if miss.off_core => {
+                    let params = &mut miss.request.params;
+                    match self
+                        .check_awake(params.pool)
+                        .and_then(|()| self.look_again(params))
+                    {
+                        Ok(true) => Flow::Found,
+                        Ok(false) => Flow::Next,
+                        Err(e) => Flow::Fail(e),
+                    }
+                }
                 flow => flow,
+            },
+            // The owner may have let others at the core since the request's lookup: its pool
+            // may have begun to sleep.
+            (None, None) if miss.off_core => match self.check_awake(miss.request.params.pool) {
+                Ok(()) => Flow::Next,
+                Err(e) => Flow::Fail(e),
             },
             (None, None) => Flow::Next,
             // A step without the outcome it waits for, or an outcome nothing waits for.

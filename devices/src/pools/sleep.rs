@@ -16,7 +16,10 @@
 //!    streams of its pending frees), takes every run of physical memory out of the pool's
 //!    segments (booked as released at once, `segment_unmap` traced) and lists the live blocks
 //!    to copy out ([`SleepMode::Offload`]). From here the pool serves no allocation
-//!    ([`AllocError::PoolAsleep`]).
+//!    ([`AllocError::PoolAsleep`]), a miss of the pool whose driver calls ran off the core
+//!    included: it checks the pool again when it resumes (`miss/chain.rs`). Refused with
+//!    [`AllocError::PoolBusy`] while pages of the pool's segments are being mapped or
+//!    unmapped.
 //! 2. Off the core: [`wait_for_pool_streams`] (events, not a device-wide synchronize), the
 //!    owner's copies of [`SleepPlan::copies`] to host memory, then [`release_slept_pages`].
 //! 3. [`DeviceCore::finish_sleep`]: the pool is [`PoolState::Asleep`]. Or, when the wait or a

@@ -58,6 +58,22 @@ impl DeviceCore {
         }
     }
 
+    /// `PoolAsleep` when block pool `index` belongs to a named pool that is not awake: it
+    /// serves no request (`sleep.rs`). Checked when a request starts, and again by a miss
+    /// whose driver calls ran off the core, where the pool may have begun to sleep meanwhile.
+    pub(crate) fn check_awake(&self, index: usize) -> Result<(), AllocError> {
+        let Some(p) = self.owner_of(index).and_then(|id| self.private.get(id.0)) else {
+            return Ok(());
+        };
+        if p.usage.state != PoolState::Awake {
+            return Err(AllocError::PoolAsleep {
+                pool: p.usage.name.clone(),
+                state: p.usage.state,
+            });
+        }
+        Ok(())
+    }
+
     /// The rules a named pool sets for a request, in one lookup (the default pools pay one
     /// comparison): a pool that is not awake serves none (`sleep.rs`); a pool of unsplit
     /// blocks rounds its size up to the pool's granularity, in its large block pool, or fails
@@ -69,12 +85,7 @@ impl DeviceCore {
         let Some(p) = self.private.get(id.0) else {
             return Ok(());
         };
-        if p.usage.state != PoolState::Awake {
-            return Err(AllocError::PoolAsleep {
-                pool: p.usage.name.clone(),
-                state: p.usage.state,
-            });
-        }
+        self.check_awake(params.pool)?;
         let g = match p.unsplit {
             None => return Ok(()),
             Some(Err(why)) => return Err(AllocError::NotSupported(why)),
