@@ -138,7 +138,9 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Creates a stream on `device`.
     fn stream_create(&self, device: DeviceId) -> Result<StreamHandle>;
-    /// Destroys a stream once the work queued on it has finished.
+    /// Destroys a stream and returns at once (`cuStreamDestroy`): the work queued on it still
+    /// runs, events recorded on it complete, and device-wide synchronizations wait for it;
+    /// the handle is invalid from the call on.
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
     /// Blocks until all work queued on `stream` is done.
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;

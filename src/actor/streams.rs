@@ -17,8 +17,9 @@
 //! number kept has doubled since the last pass, so a server making a stream per request
 //! keeps at most twice the streams its cache needs.
 //!
-//! Releasing a stream may block (the sim joins its worker thread), so pruned streams are
-//! handed back to the caller to drop after the gate is released.
+//! Releasing a stream is a driver call (a backend may block in it, and the latency model
+//! charges the sim's), so pruned streams are handed back to the caller to drop after the
+//! gate is released.
 //!
 //! A kept stream whose clone here is the last one was dropped by its users (no buffer holds
 //! it either): a miss retires it in the core, so its free segments serve other streams once

@@ -156,8 +156,10 @@ impl Backend for SimBackend {
             streams.remove(&stream.raw)
         };
         self.captures.stream_destroyed(stream.raw);
+        // `cuStreamDestroy` returns at once: the work queued so far still runs, and
+        // device-wide synchronizations wait for it.
         if let Some(s) = s {
-            s.shutdown();
+            self.retire_stream(s);
         }
         latency::pay(self.latency().stream);
         Ok(())

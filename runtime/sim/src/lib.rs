@@ -6,7 +6,9 @@
 //! - Virtual memory is real: a reservation is `mmap(PROT_NONE)`, a physical handle is a
 //!   memfd, `map` is `MAP_FIXED` over the reservation, exported handles are `dup`ed memfds.
 //! - Streams are worker threads running in-order queues (kernels, copies, event records and
-//!   waits, host functions); events complete when their stream reaches them.
+//!   waits, host functions); events complete when their stream reaches them. Destroying a
+//!   stream returns at once, as `cuStreamDestroy` does: its queued work still runs, and
+//!   `device_synchronize` and `free` wait for it.
 //! - Stream capture records a stream's work into a graph instead, and a graph launch runs it
 //!   again, with the driver's refusals of calls that conflict with a capture (`capture.rs`).
 //! - A region table validates every access by kernels and copies, so a stale pointer is a
@@ -52,7 +54,7 @@ pub use latency::{sleeping_now, LatencyModel, SLEEP_QUANTUM};
 use gpualloc_runtime::error::{BackendError, Result};
 use gpualloc_runtime::types::{DeviceId, DevicePtr, EventHandle, StreamHandle};
 use memory::{Memory, RegionKind};
-use queue::{SimEvent, SimStream, StreamShared, Task};
+use queue::{RetiredStream, SimEvent, SimStream, StreamShared, Task};
 use vmm::VmmState;
 
 /// Configuration of a [`SimBackend`].
@@ -96,8 +98,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The simulated GPU. Create it with [`SimBackend::new`]; use it as an
-/// `Arc<dyn Backend>`. Dropping the last `Arc` drains and joins every stream, unmaps all
-/// memory and closes every fd it opened.
+/// `Arc<dyn Backend>`. Dropping the last `Arc` drains and joins every stream (destroyed ones
+/// too), unmaps all memory and closes every fd it opened.
 #[derive(Debug)]
 pub struct SimBackend {
     config: SimConfig,
@@ -110,6 +112,9 @@ pub struct SimBackend {
     mem: Arc<Memory>,
     used: Mutex<Vec<u64>>,
     streams: Mutex<HashMap<u64, SimStream>>,
+    /// Destroyed streams whose workers may still run queued work (`cuStreamDestroy` returns
+    /// at once); reaped once done.
+    retired: Mutex<Vec<RetiredStream>>,
     events: Mutex<HashMap<u64, Arc<SimEvent>>>,
     vmm: Mutex<VmmState>,
     captures: capture::Captures,
@@ -147,6 +152,7 @@ impl SimBackend {
             mem: Arc::new(Memory::default()),
             used: Mutex::new(vec![0; config.devices as usize]),
             streams: Mutex::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             events: Mutex::new(HashMap::new()),
             vmm: Mutex::new(VmmState::default()),
             captures: capture::Captures::default(),
@@ -508,12 +514,38 @@ impl SimBackend {
         }
     }
 
+    /// The device's streams, and those destroyed whose work may still be running (a driver's
+    /// device-wide synchronization waits for that work too).
     fn device_streams(&self, device: DeviceId) -> Vec<Arc<StreamShared>> {
-        lock(&self.streams)
+        let mut all: Vec<Arc<StreamShared>> = lock(&self.streams)
             .values()
             .filter(|s| s.shared.device == device)
             .map(|s| s.shared.clone())
-            .collect()
+            .collect();
+        all.extend(
+            lock(&self.retired)
+                .iter()
+                .filter(|s| s.shared.device == device)
+                .map(|s| s.shared.clone()),
+        );
+        all
+    }
+
+    /// Keeps destroyed stream `s` until its queued work is done, and joins the workers of
+    /// those done already.
+    fn retire_stream(&self, s: SimStream) {
+        let done: Vec<RetiredStream> = {
+            let mut retired = lock(&self.retired);
+            retired.push(s.retire());
+            let (done, running) = std::mem::take(&mut *retired)
+                .into_iter()
+                .partition(RetiredStream::finished);
+            *retired = running;
+            done
+        };
+        for s in done {
+            s.join();
+        }
     }
 
     /// Waits for all work on `device`'s streams, leaving sticky errors in place.
@@ -538,6 +570,10 @@ impl Drop for SimBackend {
         let streams: Vec<SimStream> = lock(&self.streams).drain().map(|(_, s)| s).collect();
         for s in streams {
             s.shutdown();
+        }
+        let retired = std::mem::take(&mut *lock(&self.retired));
+        for s in retired {
+            s.join();
         }
         lock(&self.events).clear();
         // Regions own their mappings and fds: dropping them unmaps and closes.

@@ -174,13 +174,36 @@ impl SimStream {
     /// Closes the queue, lets it drain and joins the worker (unless called from the worker
     /// itself, e.g. a host function dropping the last handle: then it detaches).
     pub(crate) fn shutdown(self) {
-        let SimStream {
-            shared: _,
-            tx,
-            thread,
-        } = self;
+        self.retire().join();
+    }
+
+    /// Closes the queue and returns at once, as `cuStreamDestroy` does: the worker runs what
+    /// was queued, then ends; the returned handle joins it.
+    pub(crate) fn retire(self) -> RetiredStream {
+        let SimStream { shared, tx, thread } = self;
         drop(tx);
-        if let Some(t) = thread {
+        RetiredStream { shared, thread }
+    }
+}
+
+/// A destroyed stream whose queued work may still be running: device-wide synchronizations
+/// (`device_synchronize`, `free`) still wait for it, as a driver's do.
+#[derive(Debug)]
+pub(crate) struct RetiredStream {
+    pub(crate) shared: Arc<StreamShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl RetiredStream {
+    /// True once its worker ran everything queued and ended.
+    pub(crate) fn finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits for the worker to run what was queued and end (unless called from the worker
+    /// itself: then it detaches).
+    pub(crate) fn join(self) {
+        if let Some(t) = self.thread {
             if t.thread().id() == std::thread::current().id() {
                 return;
             }

@@ -1,6 +1,6 @@
-//! Nothing leaks: dropping the sim (or a stream) with work in flight drains and joins the
-//! worker threads, unmaps all memory and closes every fd. One test per binary, so no other
-//! test's threads or fds disturb the counts.
+//! Nothing leaks: dropping the sim with work in flight (or a stream, which returns at once)
+//! drains and joins the worker threads, unmaps all memory and closes every fd. One test per
+//! binary, so no other test's threads or fds disturb the counts.
 #![cfg(not(loom))] // the sim runs real threads; loom builds run only the loom models
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -18,6 +18,18 @@ fn open_fds() -> usize {
 
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").unwrap().count()
+}
+
+/// Waits up to a second for the process to have `want` threads (a destroyed stream's worker
+/// ends once its queued work has run), then checks it has.
+fn wait_for_threads(want: usize) {
+    for _ in 0..1000 {
+        if threads() == want {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(threads(), want, "a destroyed stream's worker did not end");
 }
 
 /// Mappings of sim memfds (device memory, physical handles, opened IPC handles).
@@ -68,10 +80,12 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
             })
             .unwrap();
         }
-        // Destroying a stream drains it and joins its thread.
+        // Destroying a stream returns at once (`cuStreamDestroy`): its work still runs, the
+        // device's synchronize waits for it, and its thread ends after it.
         sim.stream_destroy(streams[0]).unwrap();
+        sim.device_synchronize(D0).unwrap();
         assert_eq!(ran.load(Ordering::SeqCst) & 1, 1);
-        assert_eq!(threads(), threads0 + 3);
+        wait_for_threads(threads0 + 3);
         // An RAII stream dropped with work in flight.
         let s = Stream::new(&backend, D0).unwrap();
         let r = ran.clone();
@@ -85,6 +99,7 @@ fn dropping_streams_and_the_sim_with_work_in_flight_leaks_nothing() {
             )
             .unwrap();
         drop(s);
+        sim.device_synchronize(D0).unwrap();
         assert_eq!(ran.load(Ordering::SeqCst) & (1 << 4), 1 << 4);
         // Memory of every kind, left allocated.
         let g = sim.vmm_granularity(D0).unwrap();

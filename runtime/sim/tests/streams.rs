@@ -139,6 +139,57 @@ fn device_synchronize_waits_for_every_stream_of_the_device_only() {
     sim.stream_destroy(s1).unwrap();
 }
 
+/// `cuStreamDestroy` returns at once with work queued: the work still runs (its event
+/// completes after it, its writes land), the handle is refused from the call on, and the
+/// device-wide synchronizations (`device_synchronize`, and `free`, which synchronizes the
+/// device as `cuMemFree` does) wait for it.
+#[test]
+fn destroying_a_stream_returns_at_once_and_device_syncs_wait_for_its_work() {
+    let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
+    let p = sim.malloc(D0, 4096).unwrap();
+    let other = sim.stream_create(D0).unwrap();
+    let s = sim.stream_create(D0).unwrap();
+    sim.launch_kernel(s, Duration::from_millis(300), move |m| m.fill(p, 4096, 7))
+        .unwrap();
+    let ev = sim.event_create(D0).unwrap();
+    sim.event_record(ev, s).unwrap();
+    let t = Instant::now();
+    sim.stream_destroy(s).unwrap();
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(150),
+        "the destroy waited {took:?}"
+    );
+    assert!(!sim.event_query(ev).unwrap(), "the work still runs");
+    assert!(sim.stream_query(s).is_err(), "the handle is gone");
+    sim.stream_wait_event(other, ev).unwrap();
+    let mut v = [0u8; 16];
+    sim.copy_from_device(other, &mut v, p).unwrap();
+    assert_eq!(v, [7; 16], "the destroyed stream's kernel ran");
+    assert!(t.elapsed() >= Duration::from_millis(250));
+
+    for free in [false, true] {
+        let s = sim.stream_create(D0).unwrap();
+        sim.launch_kernel(s, Duration::from_millis(300), move |m| m.fill(p, 4096, 9))
+            .unwrap();
+        let t = Instant::now();
+        sim.stream_destroy(s).unwrap();
+        if free {
+            sim.free(D0, p).unwrap();
+        } else {
+            sim.device_synchronize(D0).unwrap();
+        }
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(250),
+            "free {free}: did not wait for the destroyed stream's work ({took:?})"
+        );
+    }
+    assert_eq!(sim.kernel_failures(), 0, "no kernel ran on freed memory");
+    sim.event_destroy(ev).unwrap();
+    sim.stream_destroy(other).unwrap();
+}
+
 #[test]
 fn unordered_users_names_streams_with_pending_work_on_a_range_until_waited_for() {
     let sim = SimBackend::new(SimConfig::fast(1)).unwrap();
