@@ -284,3 +284,43 @@ async fn a_panic_while_releasing_the_cache_gives_the_claim_back() {
     );
     alloc.shutdown().await.unwrap();
 }
+
+/// A named pool's request cancelled during its miss, then the pool dropped and the cache
+/// emptied while the miss is still making its segment: the released pool holds no segment
+/// then, so `empty_cache` forgets it; the segment that lands afterwards is the pool's and must
+/// still go back at the next `empty_cache` (it stayed reserved until shutdown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_pools_cancelled_miss_lands_where_empty_cache_releases_it() {
+    use gpualloc::PoolOptions;
+    for conf in ["", "expandable_segments:False", "thread_cache:False"] {
+        let alloc = build(slow_sim(1 << 30, Duration::from_millis(200)), conf);
+        let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let pool = alloc.pool("p", PoolOptions::default()).await.unwrap();
+        let request = {
+            let (pool, s) = (pool.clone(), s.clone());
+            tokio::spawn(async move { pool.malloc(12 * MIB, &s).await })
+        };
+        assert_eq!(
+            wait_in_flight(&actor, 2000, |n| n == 1).await,
+            1,
+            "[{conf}]"
+        );
+        request.abort();
+        assert!(request.await.unwrap_err().is_cancelled(), "[{conf}]");
+        drop(pool);
+        alloc.empty_cache().await.unwrap();
+        assert_eq!(
+            wait_in_flight(&actor, 5000, |n| n == 0).await,
+            0,
+            "[{conf}]"
+        );
+        alloc.empty_cache().await.unwrap();
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(
+            st.reserved_bytes[0].current, 0,
+            "[{conf}]: the landed segment went back"
+        );
+        alloc.shutdown().await.unwrap();
+    }
+}
