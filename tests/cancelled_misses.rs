@@ -285,17 +285,19 @@ async fn a_panic_while_releasing_the_cache_gives_the_claim_back() {
     alloc.shutdown().await.unwrap();
 }
 
-/// A named pool's request cancelled during its miss, then the pool dropped and the cache
-/// emptied while the miss is still making its segment: the released pool holds no segment
-/// then, so `empty_cache` forgets it; the segment that lands afterwards is the pool's and must
-/// still go back at the next `empty_cache` (it stayed reserved until shutdown).
+/// A named pool's request cancelled during its miss, then the pool dropped while the miss is
+/// still making its segment. Meanwhile another request's out-of-memory chain releases the
+/// cache and forgets released pools that hold no segment: the dropped pool held none yet.
+/// The segment that lands afterwards is the pool's, and must still go back at the next
+/// `empty_cache` (it stayed reserved until shutdown: no release looked at a forgotten pool).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_pools_cancelled_miss_lands_where_empty_cache_releases_it() {
     use gpualloc::PoolOptions;
     for conf in ["", "expandable_segments:False", "thread_cache:False"] {
-        let alloc = build(slow_sim(1 << 30, Duration::from_millis(200)), conf);
+        let alloc = build(slow_sim(100 * MIB, Duration::from_millis(200)), conf);
         let actor = alloc.device_actor(DeviceId(0)).unwrap().clone();
         let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let held = alloc.malloc(60 * MIB, &s).await.unwrap();
         let pool = alloc.pool("p", PoolOptions::default()).await.unwrap();
         let request = {
             let (pool, s) = (pool.clone(), s.clone());
@@ -309,12 +311,16 @@ async fn a_dropped_pools_cancelled_miss_lands_where_empty_cache_releases_it() {
         request.abort();
         assert!(request.await.unwrap_err().is_cancelled(), "[{conf}]");
         drop(pool);
-        alloc.empty_cache().await.unwrap();
+        // Does not fit beside the 60 MiB and the 12 MiB in flight: its chain releases the
+        // cache (and forgets the released pools without segments) before it fails.
+        let denied = alloc.malloc(50 * MIB, &s).await;
+        assert!(denied.is_err(), "[{conf}]");
         assert_eq!(
             wait_in_flight(&actor, 5000, |n| n == 0).await,
             0,
             "[{conf}]"
         );
+        drop(held);
         alloc.empty_cache().await.unwrap();
         let st = alloc.stats(DeviceId(0)).await.unwrap();
         assert_eq!(

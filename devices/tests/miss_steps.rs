@@ -567,3 +567,47 @@ fn a_driver_error_other_than_out_of_memory_fails_the_miss_with_it() {
     assert!(matches!(end, MissStep::Failed(AllocError::Backend(ref e)) if *e == failure));
     assert_eq!((core.growing_bytes(), backend.used(DEV)), (0, 0));
 }
+
+/// A named pool's miss off the core waits for the last release's events; meanwhile its pool
+/// is released (a cancelled request: its user dropped the pool) and forgotten by a release
+/// (no segment left in it). The miss must not bring a segment into a pool no release looks
+/// at again: it fails as a request of an unknown pool. Before the check, it allocated 12 MiB
+/// there, which stayed reserved until shutdown.
+#[test]
+fn off_the_core_a_miss_of_a_pool_forgotten_meanwhile_brings_no_memory_into_it() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let other = backend.stream_create(DEV).unwrap();
+    let a = core.malloc(16 * MIB, s).unwrap();
+    core.record_stream(a.ptr, other).unwrap();
+    core.free(a.ptr).unwrap();
+    let pool = core.create_named_pool("p", Default::default());
+    let request = match core.try_cached_in(pool, 12 * MIB, s).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(_) => panic!("expected a miss"),
+    };
+    let mut m = Miss::off_core(request);
+    let mut refused = false;
+    let (steps, end) = drive(&mut core, &mut m, None, |core, io| match io {
+        MissIo::AllocSegment { .. } if !refused => {
+            refused = true;
+            io.fail(oom())
+        }
+        MissIo::SynchronizeEvents(_) => {
+            let synced = io.perform(backend.as_ref());
+            core.release_pool(pool).unwrap();
+            core.empty_cache().unwrap();
+            assert!(core.pool_usage(pool).is_none(), "the pool is forgotten");
+            synced
+        }
+        io => io.perform(backend.as_ref()),
+    });
+    assert_eq!(steps, ["alloc 12 MiB", "sync 1 events", "failed other"]);
+    assert!(
+        matches!(end, MissStep::Failed(AllocError::UnknownPool(id)) if id == pool.0),
+        "{:?}",
+        kind(&end)
+    );
+    assert_eq!(core.reserved_bytes(), 0);
+    assert_eq!(backend.used(DEV), 0);
+    core.check_invariants().unwrap();
+}

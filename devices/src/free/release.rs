@@ -176,13 +176,16 @@ impl DeviceCore {
         Ok(true)
     }
 
-    /// Forgets the private pools released by their users that hold no segment any more.
+    /// Forgets the private pools released by their users that hold no segment any more and
+    /// have none on its way (a cancelled request's segment malloc in flight lands in its pool,
+    /// where the next release finds it).
     pub(crate) fn forget_released_private_pools(&mut self) {
         let empty: Vec<u64> = self
             .private
             .iter()
             .filter(|(_, p)| {
                 p.released
+                    && p.claimed == 0
                     && !self
                         .segments
                         .values()

@@ -115,12 +115,13 @@ impl DeviceCore {
             (Some(op), Some(done)) => match self.resume_op(miss, op, done) {
                 // Off the core, others ran meanwhile: the request's pool may have begun to
                 // sleep (its memory is going, and no growth may map pages into it: a growth
-                // of its own was not under way, or the sleep would have waited for it), and
-                // else the request looks in the cache again before the next link.
+                // of its own was not under way, or the sleep would have waited for it) or
+                // been forgotten, and else the request looks in the cache again before the
+                // next link.
                 Flow::Next if miss.off_core => {
                     let params = &mut miss.request.params;
                     match self
-                        .check_awake(params.pool)
+                        .check_serves(params.pool)
                         .and_then(|()| self.look_again(params))
                     {
                         Ok(true) => Flow::Found,
@@ -131,8 +132,8 @@ impl DeviceCore {
                 flow => flow,
             },
             // The owner may have let others at the core since the request's lookup: its pool
-            // may have begun to sleep.
-            (None, None) if miss.off_core => match self.check_awake(miss.request.params.pool) {
+            // may have begun to sleep, or been forgotten.
+            (None, None) if miss.off_core => match self.check_serves(miss.request.params.pool) {
                 Ok(()) => Flow::Next,
                 Err(e) => Flow::Fail(e),
             },

@@ -19,6 +19,7 @@ use gpualloc_runtime::BackendError;
 use crate::core::{AllocParams, DeviceCore};
 use crate::error::AllocError;
 use crate::pools::pool_state::PoolState;
+use crate::pools::private::PrivatePool;
 
 impl DeviceCore {
     /// The granularity of the unsplit blocks of block pool `index`, if its pool keeps them.
@@ -58,20 +59,19 @@ impl DeviceCore {
         }
     }
 
-    /// `PoolAsleep` when block pool `index` belongs to a named pool that is not awake: it
-    /// serves no request (`sleep.rs`). Checked when a request starts, and again by a miss
-    /// whose driver calls ran off the core, where the pool may have begun to sleep meanwhile.
-    pub(crate) fn check_awake(&self, index: usize) -> Result<(), AllocError> {
-        let Some(p) = self.owner_of(index).and_then(|id| self.private.get(id.0)) else {
+    /// Whether block pool `index` still serves a miss whose driver calls ran off the core
+    /// (others used the core meanwhile): `PoolAsleep` when its named pool began to sleep
+    /// (`sleep.rs`); `UnknownPool` when its pool was released and forgotten, which happens
+    /// only to a cancelled request's miss (a live request holds its pool): the memory it
+    /// would bring in would be in a pool no release looks at again.
+    pub(crate) fn check_serves(&self, index: usize) -> Result<(), AllocError> {
+        let Some(id) = self.owner_of(index) else {
             return Ok(());
         };
-        if p.usage.state != PoolState::Awake {
-            return Err(AllocError::PoolAsleep {
-                pool: p.usage.name.clone(),
-                state: p.usage.state,
-            });
+        match self.private.get(id.0) {
+            Some(p) => awake(p),
+            None => Err(AllocError::UnknownPool(id.0)),
         }
-        Ok(())
     }
 
     /// The rules a named pool sets for a request, in one lookup (the default pools pay one
@@ -85,7 +85,7 @@ impl DeviceCore {
         let Some(p) = self.private.get(id.0) else {
             return Ok(());
         };
-        self.check_awake(params.pool)?;
+        awake(p)?;
         let g = match p.unsplit {
             None => return Ok(()),
             Some(Err(why)) => return Err(AllocError::NotSupported(why)),
@@ -103,4 +103,15 @@ impl DeviceCore {
         params.pool = p.large;
         Ok(())
     }
+}
+
+/// `PoolAsleep` unless pool `p` is awake.
+fn awake(p: &PrivatePool) -> Result<(), AllocError> {
+    if p.usage.state != PoolState::Awake {
+        return Err(AllocError::PoolAsleep {
+            pool: p.usage.name.clone(),
+            state: p.usage.state,
+        });
+    }
+    Ok(())
 }
