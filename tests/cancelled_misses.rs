@@ -7,9 +7,9 @@ use std::time::Duration;
 
 mod common;
 
-use common::{build, MIB};
+use common::{build, wait_in_flight, MIB};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend};
-use gpualloc::{Allocator, DeviceActor, DeviceId};
+use gpualloc::{Allocator, DeviceId};
 
 fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
     common::sim_with(
@@ -20,18 +20,6 @@ fn slow_sim(capacity: u64, malloc: Duration) -> Arc<SimBackend> {
             ..LatencyModel::zero()
         },
     )
-}
-
-/// Waits (up to `ms` milliseconds, polling each one) until `ok` holds of the actor's misses in
-/// flight; returns the count then, for the caller's assertion.
-async fn wait_in_flight(actor: &DeviceActor, ms: u32, ok: impl Fn(usize) -> bool) -> usize {
-    for _ in 0..ms {
-        if ok(actor.misses_in_flight()) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    actor.misses_in_flight()
 }
 
 /// The bytes an out-of-memory report says are in flight on device 0 (asked for with a

@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{build, sim, MIB};
+use common::{build, sim, wait_in_flight, MIB};
 use gpualloc::{
     AllocError, Allocator, DeviceBuffer, DeviceId, Error, MallocOptions, PoolOptions, PoolState,
     SleepMode, Stream,
@@ -551,13 +551,11 @@ async fn a_miss_in_flight_when_its_pool_sleeps_leaves_no_pages_mapped_in_it() {
             let (pool, s) = (pool.clone(), s.clone());
             tokio::spawn(async move { pool.malloc(8 * MIB, &s).await })
         };
-        for _ in 0..2000 {
-            if actor.misses_in_flight() == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert_eq!(actor.misses_in_flight(), 1, "[{conf}]");
+        assert_eq!(
+            wait_in_flight(&actor, 2000, |n| n == 1).await,
+            1,
+            "[{conf}]"
+        );
         if cancel {
             request.abort();
         }
@@ -570,13 +568,11 @@ async fn a_miss_in_flight_when_its_pool_sleeps_leaves_no_pages_mapped_in_it() {
                 None
             }
         };
-        for _ in 0..2000 {
-            if actor.misses_in_flight() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert_eq!(actor.misses_in_flight(), 0, "[{conf}]");
+        assert_eq!(
+            wait_in_flight(&actor, 2000, |n| n == 0).await,
+            0,
+            "[{conf}]"
+        );
         sim.set_latency(LatencyModel::zero());
         let usage = pool.usage(D0).await.unwrap();
         assert_eq!(usage.state, PoolState::Asleep, "[{conf}]");
@@ -631,13 +627,11 @@ async fn a_miss_that_waited_in_the_oom_chain_does_not_grow_a_pool_that_fell_asle
             let (pool, s) = (pool.clone(), s.clone());
             tokio::spawn(async move { pool.malloc(50 * MIB, &s).await })
         };
-        for _ in 0..2000 {
-            if actor.misses_in_flight() == 1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        assert_eq!(actor.misses_in_flight(), 1, "[{conf}]");
+        assert_eq!(
+            wait_in_flight(&actor, 2000, |n| n == 1).await,
+            1,
+            "[{conf}]"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
         pool.sleep(SleepMode::Offload).await.unwrap();
         let landed = request.await.unwrap();

@@ -8,9 +8,21 @@ use std::time::Duration;
 
 use gpualloc::devices::{TraceAction, TraceEntry};
 use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
-use gpualloc::{Allocator, Backend, DeviceId, DevicePtr, HistoryOptions, Stream};
+use gpualloc::{Allocator, Backend, DeviceActor, DeviceId, DevicePtr, HistoryOptions, Stream};
 
 pub const MIB: u64 = 1 << 20;
+
+/// Waits (up to `ms` milliseconds, polling each one) until `ok` holds of the actor's misses in
+/// flight; returns the count then, for the caller's assertion.
+pub async fn wait_in_flight(actor: &DeviceActor, ms: u32, ok: impl Fn(usize) -> bool) -> usize {
+    for _ in 0..ms {
+        if ok(actor.misses_in_flight()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    actor.misses_in_flight()
+}
 
 /// A one-device sim of `capacity` bytes with no latency.
 pub fn sim(capacity: u64) -> Arc<SimBackend> {
