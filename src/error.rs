@@ -55,6 +55,15 @@ pub enum Error {
     /// The stream was created on another backend than this allocator's.
     #[error("the stream belongs to another backend than this allocator's")]
     ForeignStream,
+    /// [`Graph::launch`](crate::Graph::launch) on a stream that is capturing: the launch
+    /// would be captured into the other graph, whose lifetime then keeps this graph's pool in
+    /// use, and the allocator does not track that. Launch it outside the capture.
+    #[error(
+        "a graph cannot be launched into a stream capture (the captured launch would use its \
+         pool's memory for as long as the other graph lives, which the allocator does not \
+         track); launch it outside the capture"
+    )]
+    LaunchIntoCapture,
     /// The allocator must be built inside a tokio runtime (its actor tasks run there), and
     /// waiting for memory needs the caller to run inside one (for its timer).
     #[error(

@@ -4,7 +4,8 @@
 //! A graph bakes in the device pointers its work was captured with. So every buffer
 //! allocated during a capture comes from a [`GraphPool`], whose memory no request outside it
 //! ever gets, and stays reserved while anything holds the pool: a [`GraphPool`] handle, a
-//! [`Capture`] under way, or a [`Graph`] captured into it. Several graphs captured one
+//! [`Capture`] under way, or a [`Graph`] captured into it, which holds it until it is dropped
+//! and its launches, on whichever streams, have run ([`Graph`]). Several graphs captured one
 //! after another into one pool share its memory (PyTorch's `pool=` sharing): a buffer one
 //! capture freed serves the next capture's request of the same size on the same stream, so
 //! graphs that run one at a time need the memory of the largest, not of all. When the last
@@ -57,11 +58,11 @@
 //! dropped. Capture through a graph pool to keep a graph's memory.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use gpualloc_devices::{free_detached, AllocError, MemPoolId};
 use gpualloc_runtime::capture::{CaptureMode, GraphExecHandle};
-use gpualloc_runtime::{DeviceId, Stream};
+use gpualloc_runtime::{DeviceId, EventHandle, Stream};
 
 use crate::actor::DeviceActor;
 use crate::{Allocator, Error, Pool};
@@ -312,6 +313,7 @@ impl Capture {
             device: self.stream.device(),
             pool,
             exec,
+            launches: Mutex::new(Vec::new()),
         })
     }
 }
@@ -333,20 +335,39 @@ impl Drop for Capture {
 }
 
 /// An instantiated graph captured into a [`GraphPool`] or a named [`Pool`]: it holds the
-/// pool (its pointers are baked in; a named pool cannot sleep meanwhile) until dropped.
-/// Launching it calls no allocator code.
+/// pool (its pointers are baked in; a named pool cannot sleep meanwhile) until dropped and
+/// until its launches have run.
+///
+/// **Launches.** A launch makes no allocator request. It records an event on its stream
+/// after the graph (one event per stream, recorded again at each launch there), because the
+/// pool's memory belongs to the capture's streams, and a release that waits for those alone
+/// (unmapping pages waits for the segment's stream) would free memory a launch on another
+/// stream still writes. Dropping the graph keeps its pool, and the streams it was launched
+/// on, until those events are complete (off the caller's thread): until then the pool is
+/// not released, not emptied, and a named pool's sleep waits. A launch into a stream that
+/// is capturing is refused ([`Error::LaunchIntoCapture`]).
 #[derive(Debug)]
 pub struct Graph {
     holder: Holder,
     device: DeviceId,
     pool: MemPoolId,
     exec: GraphExecHandle,
+    launches: Mutex<Vec<Launched>>,
+}
+
+/// A stream the graph was launched on, and the event recorded there after its last launch.
+#[derive(Debug)]
+struct Launched {
+    stream: Stream,
+    event: EventHandle,
 }
 
 impl Graph {
-    /// Enqueues the whole graph on `stream` (of the pool's device and allocator).
+    /// Enqueues the whole graph on `stream` (of the pool's device and allocator), and an
+    /// event after it (see [`Graph`]).
     pub fn launch(&self, stream: &Stream) -> Result<(), Error> {
-        let backend = self.holder.alloc().backend();
+        let alloc = self.holder.alloc();
+        let backend = alloc.backend();
         if !Arc::ptr_eq(stream.backend(), backend) {
             return Err(Error::ForeignStream);
         }
@@ -357,7 +378,31 @@ impl Graph {
             }
             .into());
         }
-        Ok(backend.graph_launch(self.exec, stream.handle())?)
+        // The allocator's backend: its calls never invalidate a capture of the user's.
+        let own = &alloc.device_actor(self.device)?.backend;
+        let h = stream.handle();
+        if own.capture_may_be_underway() && own.stream_capture_status(h)?.is_capturing() {
+            return Err(Error::LaunchIntoCapture);
+        }
+        let mut launches = self.launches.lock().unwrap_or_else(PoisonError::into_inner);
+        let event = match launches.iter().find(|l| l.stream == *stream) {
+            Some(l) => l.event,
+            None => {
+                let event = own.event_create(self.device)?;
+                launches.push(Launched {
+                    stream: stream.clone(),
+                    event,
+                });
+                event
+            }
+        };
+        backend.graph_launch(self.exec, h)?;
+        if let Err(e) = own.event_record(event, h) {
+            // A launch nothing can wait for: wait for it here instead.
+            tracing::warn!(error = %e, "recording an event after a graph launch; synchronizing");
+            own.stream_synchronize(h)?;
+        }
+        Ok(())
     }
 
     /// The id of the pool the graph was captured into, on its device.
@@ -378,8 +423,41 @@ impl Drop for Graph {
         if let Err(e) = alloc.backend().graph_exec_destroy(self.exec) {
             tracing::warn!(error = %e, "destroying a graph");
         }
-        if let Ok(actor) = alloc.device_actor(self.device) {
-            actor.graph_dropped_later(self.pool);
+        let launches = std::mem::take(
+            self.launches
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        let Ok(actor) = alloc.device_actor(self.device).cloned() else {
+            // No allocator left to keep the pool for.
+            for l in &launches {
+                let _ = alloc.backend().event_destroy(l.event);
+            }
+            return;
+        };
+        let running = launches
+            .iter()
+            .any(|l| !matches!(actor.backend.event_query(l.event), Ok(true)));
+        if !running {
+            for l in &launches {
+                let _ = actor.backend.event_destroy(l.event);
+            }
+            actor.graph_dropped_later(self.pool, false);
+            return;
         }
+        // The pool stays the graph's until its launches have run: this holder keeps it,
+        // and the core hears when they have.
+        actor.graph_dropped_later(self.pool, true);
+        let (holder, pool, runtime) = (self.holder.clone(), self.pool, actor.runtime.clone());
+        drop(runtime.spawn_blocking(move || {
+            for l in &launches {
+                if let Err(e) = actor.backend.event_synchronize(l.event) {
+                    tracing::warn!(error = %e, "waiting for a dropped graph's launches");
+                }
+                let _ = actor.backend.event_destroy(l.event);
+            }
+            actor.graph_launches_done_later(pool);
+            drop((launches, holder));
+        }));
     }
 }

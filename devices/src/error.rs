@@ -63,8 +63,9 @@ pub enum AllocError {
         state: PoolState,
     },
     /// A pool cannot sleep now: pages of its segments are being mapped or unmapped by a
-    /// request in flight. Retrying shortly succeeds.
-    #[error("memory pool {pool:?} has pages being mapped or unmapped; try again")]
+    /// request in flight, or launches of a dropped graph captured into it may still run.
+    /// Retrying shortly succeeds (`Pool::sleep` retries by itself).
+    #[error("memory pool {pool:?} has pages being mapped or unmapped, or graph launches running; try again")]
     PoolBusy {
         /// The pool's name.
         pool: String,

@@ -288,6 +288,70 @@ fn a_pool_a_graph_holds_cannot_sleep_until_the_graph_is_dropped() {
 }
 
 #[test]
+fn a_graphs_memory_stays_its_own_until_the_launches_of_the_dropped_graph_are_done() {
+    use gpualloc_devices::{PoolOptions, SleepMode};
+    for conf in ["expandable_segments:True", "expandable_segments:False"] {
+        let mut r = rig(conf);
+        let options = PoolOptions {
+            quota: Some(24 * MIB),
+            ..Default::default()
+        };
+        let pool = r.core.create_named_pool("decode", options);
+        let a = r.core.malloc_in(pool, 4 * MIB, r.s0).unwrap();
+        r.core.free(a.ptr).unwrap();
+        r.core.graph_captured(pool).unwrap();
+        r.core.graph_dropped_with_launches(pool);
+        let reserved = |r: &Rig| r.core.pool_usage(pool).unwrap().reserved[0].current;
+        let held = reserved(&r);
+        assert!(held >= 4 * MIB, "{conf}: {held}");
+        // The capture stream goes: its segment of the pool is neither orphaned nor emptied.
+        r.core.retire_stream(r.s0).unwrap();
+        assert_eq!(reserved(&r), held, "{conf}");
+        // A request past the quota does not release the graph's memory.
+        assert!(
+            matches!(
+                r.core.malloc_in(pool, 22 * MIB, r.s1),
+                Err(AllocError::PoolQuota { .. })
+            ),
+            "{conf}"
+        );
+        assert_eq!(reserved(&r), held, "{conf}");
+        // Nor does another stream's request of the pool adopt it.
+        match r.core.malloc_in(pool, 4 * MIB, r.s1) {
+            Ok(b) => {
+                assert_ne!(b.ptr, a.ptr, "{conf}");
+                r.core.free(b.ptr).unwrap();
+            }
+            Err(e) => assert!(matches!(e, AllocError::PoolQuota { .. }), "{conf}: {e}"),
+        }
+        if conf == "expandable_segments:True" {
+            assert_eq!(
+                r.core.begin_sleep(pool, SleepMode::Discard).map(|_| ()),
+                Err(AllocError::PoolBusy {
+                    pool: "decode".into()
+                }),
+                "{conf}"
+            );
+        }
+        r.core.graph_launches_done(pool);
+        // One call too many does not underflow.
+        r.core.graph_launches_done(pool);
+        r.core.graph_launches_done(pool);
+        // Done: the next orphan pass and the quota's release go ahead.
+        r.core.orphan_retired().unwrap();
+        let b = r.core.malloc_in(pool, 22 * MIB, r.s1).unwrap();
+        assert!(reserved(&r) <= 24 * MIB, "{conf}");
+        r.core.free(b.ptr).unwrap();
+        if conf == "expandable_segments:True" {
+            assert!(
+                r.core.begin_sleep(pool, SleepMode::Discard).is_ok(),
+                "{conf}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_released_graph_pool_gives_its_free_segments_back_at_once() {
     for conf in ["expandable_segments:False", "expandable_segments:True"] {
         let mut r = rig(conf);

@@ -577,11 +577,24 @@ impl DeviceActor {
             })));
     }
 
-    /// A graph captured into pool `pool` was dropped (`graph.rs`): queued.
-    pub(crate) fn graph_dropped_later(&self, pool: MemPoolId) {
+    /// A graph captured into pool `pool` was dropped (`graph.rs`), with launches of it that
+    /// may still run (`launches_running`) or none: queued.
+    pub(crate) fn graph_dropped_later(&self, pool: MemPoolId, launches_running: bool) {
         self.mailbox
             .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
-                st.core.graph_dropped(pool)
+                if launches_running {
+                    st.core.graph_dropped_with_launches(pool)
+                } else {
+                    st.core.graph_dropped(pool)
+                }
+            })));
+    }
+
+    /// The launches of a graph dropped with launches running have all run: queued.
+    pub(crate) fn graph_launches_done_later(&self, pool: MemPoolId) {
+        self.mailbox
+            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
+                st.core.graph_launches_done(pool)
             })));
     }
 

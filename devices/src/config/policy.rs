@@ -324,6 +324,22 @@ pub const DEVIATIONS: &[Deviation] = &[
         evidence: "pool, graph and buffers dropped in three orders leave nothing reserved after \
                     an `empty_cache` (`tests/graphs.rs`)",
     },
+    Deviation {
+        rule: "a graph's launches",
+        pytorch: "a replay records nothing; once the graph is reset its pool is released, and \
+                   its memory freed at the next release: `cudaFree` waits for the device, an \
+                   expandable segment's unmap for the segment's stream alone",
+        gpualloc: "each launch records an event on its stream; a dropped graph keeps its pool \
+                    until those events are complete, and meanwhile (as while it lives) the pool's \
+                    memory is not orphaned with a dropped stream, released at the pool's quota or \
+                    lent on out-of-memory, and a sleep waits; a launch into a capture is refused",
+        why: "the allocator sees no launch, and a graph launched on another stream than the \
+               capture's still writes the pool's memory while a release that waits for the \
+               segment's stream unmaps it",
+        evidence: "a graph of expandable segments launched on another stream, then graph and pool \
+                    dropped and `empty_cache`: 1 failed kernel (an unmapped write) before, 0 \
+                    after; one event record per launch (`tests/graph_launches.rs`)",
+    },
 ];
 
 /// [`DEVIATIONS`] as the README's Markdown table: a header and one row per departure.

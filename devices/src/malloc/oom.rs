@@ -85,6 +85,7 @@ impl DeviceCore {
         if matches!(self.pools[params.pool].owner, PoolOwner::Private(_)) {
             return false;
         }
+        // A graph's memory is not the pool's to lend (`pools/capture.rs`).
         let candidates: Vec<usize> = self
             .private
             .values()
@@ -96,6 +97,7 @@ impl DeviceCore {
                     p.large
                 }
             })
+            .filter(|&pool| !self.pool_in_graph_use(pool))
             .collect();
         let original = params.pool;
         for pool in candidates {

@@ -222,6 +222,8 @@ impl DeviceCore {
                     .collect();
                 self.free_segments(segments, Op::Free)
             }
+            // A graph's memory is not the pool's to release (`pools/capture.rs`).
+            ReleaseOwnPool if self.pool_in_graph_use(params.pool) => Flow::Next,
             ReleaseOwnPool => {
                 let pools = self.own_pools(params.pool).into_iter().flatten().collect();
                 self.release_step(ops::Release::own(pools))

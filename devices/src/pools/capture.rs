@@ -21,6 +21,16 @@
 //! A free with a use on a stream that captures *without* the core being told (a capture the
 //! owner did not announce) is held back the same way until that stream stops capturing:
 //! the core never records an event on a capturing stream.
+//!
+//! After the capture, the graph's work runs whenever it is launched, on any stream, and the
+//! core sees no launch. So while a capture into a private pool is under way, a graph of it
+//! lives, or a dropped graph's launches may still run (the owner says when they have:
+//! [`DeviceCore::graph_dropped_with_launches`], [`DeviceCore::graph_launches_done`]), the
+//! pool's memory stays the graph's ([`DeviceCore::pool_in_graph_use`]): a dropped stream's
+//! segments of it are not orphaned (nor their free pages unmapped), a request at the pool's
+//! quota does not release its cached memory, a `use_on_oom` pool does not lend it, and a sleep
+//! waits ([`AllocError::PoolBusy`] while launches run; [`AllocError::PoolInGraph`] while a
+//! graph lives).
 
 use gpualloc_runtime::StreamHandle;
 
@@ -112,11 +122,41 @@ impl DeviceCore {
         Ok(())
     }
 
-    /// A graph captured into `pool` was destroyed.
+    /// A graph captured into `pool` was destroyed, and no launch of it can still run.
     pub fn graph_dropped(&mut self, pool: MemPoolId) {
         if let Some(p) = self.private.get_mut(pool.0) {
             p.graphs = p.graphs.saturating_sub(1);
         }
+    }
+
+    /// A graph captured into `pool` was destroyed while launches of it may still run: the
+    /// pool's memory stays the graph's until [`DeviceCore::graph_launches_done`].
+    pub fn graph_dropped_with_launches(&mut self, pool: MemPoolId) {
+        if let Some(p) = self.private.get_mut(pool.0) {
+            p.graphs = p.graphs.saturating_sub(1);
+            p.launches += 1;
+        }
+    }
+
+    /// The launches of a graph announced by [`DeviceCore::graph_dropped_with_launches`] have
+    /// all run.
+    pub fn graph_launches_done(&mut self, pool: MemPoolId) {
+        if let Some(p) = self.private.get_mut(pool.0) {
+            p.launches = p.launches.saturating_sub(1);
+        }
+    }
+
+    /// True while the memory of block pool `index` is a graph's (module docs): its private
+    /// pool has a capture under way into it, a live graph, or launches of a dropped graph
+    /// that may still run. False for the default pools.
+    pub(crate) fn pool_in_graph_use(&self, index: usize) -> bool {
+        let Some(id) = self.owner_of(index) else {
+            return false;
+        };
+        self.private
+            .get(id.0)
+            .is_some_and(|p| p.graphs > 0 || p.launches > 0)
+            || self.captures.fills(id.0)
     }
 
     /// The capture announced as under way on `stream` (begun or joined there), if any.

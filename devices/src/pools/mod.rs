@@ -64,6 +64,7 @@ impl DeviceCore {
                 named: false,
                 claimed: 0,
                 graphs: 0,
+                launches: 0,
                 unsplit: None,
             },
         );

@@ -26,6 +26,8 @@ pub(crate) struct PrivatePool {
     pub unsplit: Option<Result<u64, &'static str>>,
     /// Live graphs captured into it (`capture.rs`): their pointers are baked in.
     pub graphs: usize,
+    /// Graphs of it dropped while their launches may still run (`capture.rs`).
+    pub launches: usize,
 }
 
 /// The device's private pools (see the module docs).
@@ -125,6 +127,7 @@ mod tests {
             named: false,
             claimed: 0,
             graphs: 0,
+            launches: 0,
             unsplit: None,
         }
     }

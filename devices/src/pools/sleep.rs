@@ -203,6 +203,12 @@ impl DeviceCore {
                 capturing,
             });
         }
+        // A dropped graph's launches may still use the pages: the owner retries.
+        if p.launches > 0 {
+            return Err(AllocError::PoolBusy {
+                pool: p.usage.name.clone(),
+            });
+        }
         let own = [p.small, p.large];
         let exported = self
             .active

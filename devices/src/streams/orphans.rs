@@ -100,6 +100,9 @@ impl DeviceCore {
             .segments
             .iter()
             .filter(|(_, m)| m.stream == stream && self.orphans_apply(m.pool))
+            // A graph's memory stays its capture stream's (`pools/capture.rs`): a later
+            // pass orphans it once the graph and its launches are gone.
+            .filter(|(_, m)| !self.pool_in_graph_use(m.pool))
             .map(|(base, m)| (*base, m.size, m.pool))
             .collect();
         for (base, size, pool) in segments {

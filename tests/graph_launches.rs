@@ -1,0 +1,301 @@
+//! A graph's memory stays where its work can reach it while the graph lives and while its
+//! launches run, on whichever stream they were launched: dropping the graph, its pool or its
+//! capture stream, putting a named pool to sleep, a request at the pool's quota and a
+//! `use_on_oom` loan never take it from under a launch.
+//!
+//! The allocator never sees a launch (it makes no allocator call), and the pool's segments
+//! belong to the capture's streams: a release that synchronizes those streams alone (an
+//! unmap) would free memory a launch on another stream still writes. On the sim such a write
+//! is a kernel failure (`kernel_failures`); on a GPU, an illegal address or a write into memory
+//! mapped again for someone else.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{build, sim, MIB};
+use gpualloc::runtime::sim::SimBackend;
+use gpualloc::{
+    AllocError, Allocator, Backend, CaptureMode, DeviceId, DevicePtr, Error, Graph, PoolOptions,
+    SleepMode, Stream,
+};
+
+const D0: DeviceId = DeviceId(0);
+
+const CONFIGS: [&str; 3] = [
+    "expandable_segments:True",
+    "expandable_segments:False,garbage_collection_threshold:0.6",
+    "thread_cache:False",
+];
+
+/// A kernel on `s` that takes `dur`, then writes `v` over `len` bytes at `p`.
+fn slow_fill(sim: &SimBackend, s: &Stream, p: DevicePtr, len: u64, v: u8, dur: Duration) {
+    sim.launch_kernel_touching(s.handle(), dur, &[(p, len)], move |m| {
+        m.write(p, &vec![v; len as usize])
+    })
+    .unwrap();
+}
+
+/// What holds the pool a graph was captured into, for the test to drop.
+enum Holder {
+    Graph(gpualloc::GraphPool),
+    Named(gpualloc::Pool),
+}
+
+impl Holder {
+    fn id(&self) -> gpualloc::MemPoolId {
+        match self {
+            Holder::Graph(g) => g.id(),
+            Holder::Named(p) => p.id(D0).unwrap(),
+        }
+    }
+}
+
+/// Captures on `s`, into a graph pool (`named`: false) or a named pool, a step that allocates
+/// `len` bytes, fills them with 7 in a kernel of `dur`, and frees them (the graph keeps the
+/// memory: its pointer is baked in). Returns the graph, the pool's holder and the pointer.
+async fn capture_fill(
+    sim: &SimBackend,
+    alloc: &Allocator,
+    named: Option<PoolOptions>,
+    s: &Stream,
+    len: u64,
+    dur: Duration,
+) -> (Graph, Holder, DevicePtr) {
+    let (holder, capture) = match named {
+        None => {
+            let pool = alloc.graph_pool(D0).await.unwrap();
+            let c = pool.begin_capture(s, CaptureMode::Relaxed).await.unwrap();
+            (Holder::Graph(pool), c)
+        }
+        Some(options) => {
+            let pool = alloc.pool("graphs", options).await.unwrap();
+            let c = pool.begin_capture(s, CaptureMode::Relaxed).await.unwrap();
+            (Holder::Named(pool), c)
+        }
+    };
+    let buf = alloc.malloc(len, s).await.unwrap();
+    let p = buf.ptr();
+    slow_fill(sim, s, p, len, 7, dur);
+    drop(buf);
+    let graph = capture.end().await.unwrap();
+    (graph, holder, p)
+}
+
+async fn reserved(alloc: &Allocator) -> u64 {
+    alloc.stats(D0).await.unwrap().reserved_bytes[0].current
+}
+
+/// The sim's device memory in use, once a pool's release in flight (off the caller's thread,
+/// booked before its driver calls) has had up to 2 s to finish.
+async fn sim_used(sim: &SimBackend) -> u64 {
+    for _ in 0..400 {
+        if sim.used_bytes(D0).unwrap() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sim.used_bytes(D0).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graph_and_pool_dropped_while_a_launch_runs_on_another_stream_keep_its_memory_until_it_ends(
+) {
+    for conf in CONFIGS {
+        for named in [None, Some(PoolOptions::default())] {
+            let case = format!("{conf}, named pool: {}", named.is_some());
+            let sim = sim(1 << 30);
+            let alloc = build(sim.clone(), conf);
+            let s = alloc.new_stream(D0).unwrap();
+            let b = alloc.new_stream(D0).unwrap();
+            let len = 4 * MIB;
+            let (graph, holder, _) =
+                capture_fill(&sim, &alloc, named, &s, len, Duration::from_millis(300)).await;
+            assert_eq!(graph.pool_id(), holder.id(), "{case}");
+            graph.launch(&b).unwrap();
+            drop(graph);
+            drop(holder);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            alloc.empty_cache().await.unwrap();
+            let during = reserved(&alloc).await;
+            // Still running after the read: the memory was the launch's when it was read.
+            if !sim.stream_idle(b.handle()).unwrap() {
+                assert!(
+                    during >= len,
+                    "{case}: {during} bytes reserved under the launch"
+                );
+            }
+            b.synchronize().unwrap();
+            assert_eq!(sim.kernel_failures(), 0, "{case}");
+            // Once the launch has run, the pool goes back to the device.
+            let mut left = u64::MAX;
+            for _ in 0..400 {
+                alloc.empty_cache().await.unwrap();
+                left = reserved(&alloc).await;
+                if left == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert_eq!(left, 0, "{case}");
+            alloc.shutdown().await.unwrap();
+            assert_eq!(sim_used(&sim).await, 0, "{case}");
+            assert_eq!(sim.live_graphs(), (0, 0), "{case}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_pool_put_to_sleep_just_after_its_graph_is_dropped_waits_for_the_graphs_launch() {
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let b = alloc.new_stream(D0).unwrap();
+    let (graph, holder, _) = capture_fill(
+        &sim,
+        &alloc,
+        Some(PoolOptions::default()),
+        &s,
+        4 * MIB,
+        Duration::from_millis(300),
+    )
+    .await;
+    let Holder::Named(pool) = holder else {
+        unreachable!()
+    };
+    graph.launch(&b).unwrap();
+    drop(graph);
+    pool.sleep(SleepMode::Discard).await.unwrap();
+    assert!(
+        sim.stream_idle(b.handle()).unwrap(),
+        "the sleep began before the launch had run"
+    );
+    assert_eq!(sim.kernel_failures(), 0);
+    pool.wake().await.unwrap();
+    alloc.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_capture_stream_of_a_live_graph_neither_unmaps_nor_lends_its_memory() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let b = alloc.new_stream(D0).unwrap();
+        let len = 4 * MIB;
+        let (graph, holder, p) = capture_fill(
+            &sim,
+            &alloc,
+            Some(PoolOptions::default()),
+            &s,
+            len,
+            Duration::ZERO,
+        )
+        .await;
+        let Holder::Named(pool) = holder else {
+            unreachable!()
+        };
+        let before = pool.usage(D0).await.unwrap().reserved[0].current;
+        // The capture stream goes: its free segments would serve other streams, or their
+        // free pages be unmapped.
+        drop(s);
+        assert_eq!(
+            pool.usage(D0).await.unwrap().reserved[0].current,
+            before,
+            "{conf}: the graph's memory was released"
+        );
+        let other = pool.malloc(len, &b).await.unwrap();
+        assert!(
+            other.ptr().0 + len <= p.0 || p.0 + len <= other.ptr().0,
+            "{conf}: a request on another stream got the graph's memory"
+        );
+        graph.launch(&b).unwrap();
+        b.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        let mut got = vec![0u8; 16];
+        sim.copy_from_device(b.handle(), &mut got, p).unwrap();
+        assert_eq!(got, vec![7; 16], "{conf}");
+        drop((other, graph, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_at_its_pools_quota_does_not_release_the_memory_of_a_graph_of_the_pool() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let len = 4 * MIB;
+        let options = PoolOptions {
+            quota: Some(24 * MIB),
+            ..Default::default()
+        };
+        let (graph, holder, p) =
+            capture_fill(&sim, &alloc, Some(options), &s, len, Duration::ZERO).await;
+        let Holder::Named(pool) = holder else {
+            unreachable!()
+        };
+        // A request past the quota would first release the pool's own free memory: the
+        // graph's is not the pool's to give. (On another stream: on the capture stream it
+        // may get the graph's free block, as a later capture into the pool would.)
+        let c = alloc.new_stream(D0).unwrap();
+        let big = pool.malloc(22 * MIB, &c).await;
+        assert!(
+            matches!(big, Err(Error::Alloc(AllocError::PoolQuota { .. }))),
+            "{conf}: {big:?}"
+        );
+        graph.launch(&s).unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        let mut got = vec![0u8; 16];
+        sim.copy_from_device(s.handle(), &mut got, p).unwrap();
+        assert_eq!(got, vec![7; 16], "{conf}");
+        drop((graph, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_use_on_oom_pool_does_not_lend_the_memory_of_a_live_graph() {
+    for conf in CONFIGS {
+        let sim = sim(64 * MIB);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let len = 20 * MIB;
+        let options = PoolOptions {
+            use_on_oom: true,
+            ..Default::default()
+        };
+        let (graph, holder, p) =
+            capture_fill(&sim, &alloc, Some(options), &s, len, Duration::ZERO).await;
+        // The device has no room for this but the graph's free block.
+        let fill = alloc.malloc(40 * MIB, &s).await.unwrap();
+        let loan = alloc.malloc(len, &s).await;
+        if let Ok(l) = &loan {
+            assert!(
+                l.ptr().0 + len <= p.0 || p.0 + len <= l.ptr().0,
+                "{conf}: a request outside the pool got the graph's memory"
+            );
+        }
+        drop((loan, fill, graph, holder));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launching_a_graph_into_a_capture_is_refused() {
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let (graph, holder, _) = capture_fill(&sim, &alloc, None, &s, MIB, Duration::ZERO).await;
+    let other = alloc.graph_pool(D0).await.unwrap();
+    let capture = other.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+    assert_eq!(graph.launch(&s), Err(Error::LaunchIntoCapture));
+    drop(capture);
+    graph.launch(&s).unwrap();
+    s.synchronize().unwrap();
+    drop((graph, holder, other));
+    alloc.shutdown().await.unwrap();
+    assert_eq!(sim_used(&sim).await, 0);
+}
