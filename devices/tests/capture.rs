@@ -288,7 +288,7 @@ fn a_pool_a_graph_holds_cannot_sleep_until_the_graph_is_dropped() {
 }
 
 #[test]
-fn a_graphs_memory_stays_its_own_until_the_launches_of_the_dropped_graph_are_done() {
+fn a_graphs_memory_stays_its_own_while_it_lives_and_until_its_launches_are_done() {
     use gpualloc_devices::{PoolOptions, SleepMode};
     for conf in ["expandable_segments:True", "expandable_segments:False"] {
         let mut r = rig(conf);
@@ -300,12 +300,16 @@ fn a_graphs_memory_stays_its_own_until_the_launches_of_the_dropped_graph_are_don
         let a = r.core.malloc_in(pool, 4 * MIB, r.s0).unwrap();
         r.core.free(a.ptr).unwrap();
         r.core.graph_captured(pool).unwrap();
-        r.core.graph_dropped_with_launches(pool);
         let reserved = |r: &Rig| r.core.pool_usage(pool).unwrap().reserved[0].current;
         let held = reserved(&r);
         assert!(held >= 4 * MIB, "{conf}: {held}");
-        // The capture stream goes: its segment of the pool is neither orphaned nor emptied.
+        // While the graph lives, the capture stream goes: its segment of the pool is neither
+        // orphaned nor emptied.
         r.core.retire_stream(r.s0).unwrap();
+        assert_eq!(reserved(&r), held, "{conf}");
+        // The graph is dropped with launches running: nor by the next orphan pass.
+        r.core.graph_dropped_with_launches(pool);
+        r.core.orphan_retired().unwrap();
         assert_eq!(reserved(&r), held, "{conf}");
         // A request past the quota does not release the graph's memory.
         assert!(
