@@ -14,7 +14,7 @@ mod common;
 use std::time::Duration;
 
 use common::{build, sim, MIB};
-use gpualloc::runtime::sim::SimBackend;
+use gpualloc::runtime::sim::{Op, SimBackend};
 use gpualloc::{
     AllocError, Allocator, Backend, CaptureMode, DeviceId, DevicePtr, Error, Graph, PoolOptions,
     SleepMode, Stream,
@@ -292,10 +292,53 @@ async fn launching_a_graph_into_a_capture_is_refused() {
     let other = alloc.graph_pool(D0).await.unwrap();
     let capture = other.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
     assert_eq!(graph.launch(&s), Err(Error::LaunchIntoCapture));
+    // A stream that does not capture takes launches meanwhile.
+    let b = alloc.new_stream(D0).unwrap();
+    graph.launch(&b).unwrap();
+    b.synchronize().unwrap();
     drop(capture);
     graph.launch(&s).unwrap();
     s.synchronize().unwrap();
     drop((graph, holder, other));
     alloc.shutdown().await.unwrap();
     assert_eq!(sim_used(&sim).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_launch_stream_has_one_event_and_the_longest_launch_keeps_the_pool() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let s = alloc.new_stream(D0).unwrap();
+        let (b, c) = (alloc.new_stream(D0).unwrap(), alloc.new_stream(D0).unwrap());
+        let len = 4 * MIB;
+        let (graph, holder, _) =
+            capture_fill(&sim, &alloc, None, &s, len, Duration::from_millis(100)).await;
+        // One event per stream, recorded again at each launch there.
+        sim.reset_counts();
+        for _ in 0..3 {
+            graph.launch(&b).unwrap();
+            graph.launch(&c).unwrap();
+        }
+        let calls = sim.counts();
+        assert_eq!(
+            (calls.get(Op::EventCreate), calls.get(Op::EventRecord)),
+            (2, 6),
+            "{conf}"
+        );
+        c.synchronize().unwrap();
+        // b's last launch ends well after c's: b's own event must keep the pool.
+        sim.launch_kernel(b.handle(), Duration::from_millis(300), |_| Ok(()))
+            .unwrap();
+        graph.launch(&b).unwrap();
+        graph.launch(&c).unwrap();
+        drop((graph, holder));
+        c.synchronize().unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        alloc.empty_cache().await.unwrap();
+        b.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim_used(&sim).await, 0, "{conf}");
+    }
 }
