@@ -26,6 +26,13 @@
 //! # drop(out); Ok(()) }
 //! ```
 //!
+//! A capture begins once the work queued on its stream has run (awaited, as PyTorch's
+//! `torch.cuda.graph` synchronizes the device before it): a block freed on the stream may
+//! serve the capture, and the graph, launched on any stream, must not write it while that
+//! work still uses it. (A stream that joins the capture later, through an event, is not
+//! waited for: a block freed on it with its work still queued should not serve the capture;
+//! wait for that stream before joining it.)
+//!
 //! While a capture is under way (PyTorch's rules, `gpualloc_devices`' `pools/capture.rs`):
 //! allocations on the capturing stream, and on streams that joined the capture through an
 //! event recorded in it, come from the capture's pool; the thread cache is bypassed (a
@@ -62,7 +69,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use gpualloc_devices::{free_detached, AllocError, MemPoolId};
 use gpualloc_runtime::capture::{CaptureMode, GraphExecHandle};
-use gpualloc_runtime::{DeviceId, EventHandle, Stream};
+use gpualloc_runtime::{DeviceId, EventHandle, Stream, StreamHandle};
 
 use crate::actor::DeviceActor;
 use crate::{Allocator, Error, Pool};
@@ -210,6 +217,16 @@ async fn begin(
     let actor = alloc.device_actor(stream.device())?.clone();
     let backend = alloc.backend().clone();
     let h = stream.handle();
+    // The capture begins once the stream's queued work has run (PyTorch's `torch.cuda.graph`
+    // synchronizes the device there): a block freed on the stream may serve the capture, and
+    // the graph, launched on any stream, must not write it while that work still uses it.
+    stream.completed().await?;
+    // No page release that would synchronize the stream starts from now, and none is in
+    // flight when the backend's capture begins (`DeviceCore::prepare_capture`).
+    let prepared = Prepared(Some((actor.clone(), h)));
+    while !actor.call(move |st| st.core.prepare_capture(h)).await? {
+        tokio::time::sleep(PREPARE_RETRY).await;
+    }
     // The thread cache is bypassed from before the capture starts.
     actor.signals.captures.fetch_add(1, Ordering::AcqRel);
     let announced = async {
@@ -236,16 +253,42 @@ async fn begin(
     }
     .await;
     match announced {
-        Ok(id) => Ok(Capture {
-            holder,
-            pool,
-            stream: stream.clone(),
-            id,
-            ended: false,
-        }),
+        Ok(id) => {
+            prepared.announced();
+            Ok(Capture {
+                holder,
+                pool,
+                stream: stream.clone(),
+                id,
+                ended: false,
+            })
+        }
         Err(e) => {
             actor.signals.captures.fetch_sub(1, Ordering::AcqRel);
             Err(e)
+        }
+    }
+}
+
+/// How long `begin` waits before asking the core again whether a page release of the stream
+/// is still in flight (a driver call or two).
+const PREPARE_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// A capture prepared on a stream (`DeviceCore::prepare_capture`): given up when dropped
+/// before the core heard of the capture's begin (a refused begin, or a dropped future).
+struct Prepared(Option<(Arc<DeviceActor>, StreamHandle)>);
+
+impl Prepared {
+    /// The core announced the capture, which ended the preparation.
+    fn announced(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        if let Some((actor, h)) = self.0.take() {
+            actor.post_core(move |core| core.unprepare_capture(h));
         }
     }
 }

@@ -342,3 +342,47 @@ async fn each_launch_stream_has_one_event_and_the_longest_launch_keeps_the_pool(
         assert_eq!(sim_used(&sim).await, 0, "{conf}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_is_safe_to_reuse() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+        let s = alloc.new_stream(D0).unwrap();
+        let b = alloc.new_stream(D0).unwrap();
+        let len = 4 * MIB;
+        // A buffer of the pool, written then read by a slow kernel on s, and freed: its block
+        // may serve the next request of the pool on s (stream order) ...
+        let used = pool.malloc(len, &s).await.unwrap();
+        let p = used.ptr();
+        slow_fill(&sim, &s, p, len, 5, Duration::ZERO);
+        sim.launch_kernel_touching(
+            s.handle(),
+            Duration::from_millis(300),
+            &[(p, len)],
+            move |m| {
+                assert!(m.check(p, len, 5)?, "overwritten before it was read");
+                Ok(())
+            },
+        )
+        .unwrap();
+        drop(used);
+        // ... which a capture on s is, but the graph runs wherever it is launched.
+        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+        let scratch = alloc.malloc(len, &s).await.unwrap();
+        assert_eq!(
+            scratch.ptr(),
+            p,
+            "{conf}: the capture reuses the freed block"
+        );
+        slow_fill(&sim, &s, p, len, 9, Duration::ZERO);
+        let graph = capture.end().await.unwrap();
+        graph.launch(&b).unwrap();
+        b.synchronize().unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        drop((graph, scratch, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}

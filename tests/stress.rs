@@ -2,8 +2,9 @@
 //! malloc (some waiting for memory, some dropped mid-flight by a timeout), free, use buffers
 //! on other streams (`record_stream`, ordered by an event), copy them to and from pinned host
 //! buffers (the copies awaited, or dropped unawaited), drop and replace streams while
-//! their buffers live, and empty the cache, on a device small enough to run out of memory
-//! often; in the second test each task also allocates from a named pool of its own (half of
+//! their buffers live, empty the cache, and capture graphs (into graph pools, or the task's
+//! named pool) that they launch on any of their streams and drop with their buffers in any
+//! order, on a device small enough to run out of memory often; in the second test each task also allocates from a named pool of its own (half of
 //! them under a quota) and puts it to sleep with its data offloaded and wakes it. Checked
 //! throughout and at the end, in every config:
 //! - no two live buffers overlap;
@@ -23,7 +24,11 @@
 //! (`""` is the default config): `GPUALLOC_STRESS_OPS=3000 GPUALLOC_STRESS_SEEDS=3 cargo test
 //! --release --test stress` found the two stream-lifetime races `stream_lifetime.rs` pins,
 //! and the named-pool run the race of a miss with its pool's sleep that `pool_sleep.rs` pins
-//! (`a_miss_that_waited_in_the_oom_chain_does_not_grow_a_pool_that_fell_asleep`).
+//! (`a_miss_that_waited_in_the_oom_chain_does_not_grow_a_pool_that_fell_asleep`); with
+//! graphs, three capture bugs that `devices/tests/capture.rs` and `graph_launches.rs` pin (a
+//! use on another task's stream dropped by a free held back for a capture, a page release
+//! synchronizing a stream that had begun capturing, a block freed on the capture stream
+//! reused by a graph launched elsewhere while the stream's work still read it).
 
 mod common;
 
@@ -36,8 +41,8 @@ use gpualloc::devices::AllocError;
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
 use gpualloc::runtime::Backend;
 use gpualloc::{
-    Allocator, BackendKind, DeviceBuffer, DeviceId, Error, MallocOptions, Pool, PoolOptions,
-    SleepMode, Stream,
+    Allocator, BackendKind, CaptureMode, DeviceBuffer, DeviceId, Error, Graph, GraphPool,
+    MallocOptions, Pool, PoolOptions, SleepMode, Stream,
 };
 
 const CONFIGS: &[&str] = &[
@@ -163,6 +168,44 @@ struct Held {
     pooled: bool,
 }
 
+/// A graph a task captured: a fill of `byte` into `scratch`, a buffer allocated in the
+/// capture and kept alive beside the graph (a buffer freed in a capture is the graph's
+/// scratch memory, and a later request of the same pool and stream may get it, as in
+/// PyTorch: that is the user's to order, not the allocator's).
+struct Captured {
+    graph: Graph,
+    scratch: DeviceBuffer,
+    byte: u8,
+    /// The streams it was launched on.
+    launched_on: Vec<Stream>,
+    /// Its graph pool, when not captured into the task's named pool.
+    pool: Option<GraphPool>,
+}
+
+impl Captured {
+    /// Drops the graph, its scratch buffer (used on every stream the graph was launched on)
+    /// and its pool in an order `order` picks; the allocator keeps the memory until the
+    /// launches have run.
+    fn drop_in_order(self, live: &Live, order: u64) {
+        let Captured {
+            graph,
+            scratch,
+            launched_on,
+            pool,
+            ..
+        } = self;
+        for s in &launched_on {
+            scratch.record_stream(s).unwrap();
+        }
+        live.release(&scratch);
+        match order % 3 {
+            0 => drop((graph, scratch, pool)),
+            1 => drop((scratch, pool, graph)),
+            _ => drop((pool, graph, scratch)),
+        }
+    }
+}
+
 /// One task's random operations. With `pool`, half its mallocs come from that pool (the
 /// task's own: nothing else uses it), and now and then the pool sleeps with its data offloaded
 /// and wakes, after which every buffer must still hold its byte; without expandable segments
@@ -180,6 +223,7 @@ async fn task(
         .map(|_| alloc.new_stream(DeviceId(0)).unwrap())
         .collect();
     let mut held: Vec<Held> = Vec::new();
+    let mut graphs: Vec<Captured> = Vec::new();
     for i in 0..ops {
         let pick = |rng: &mut Rng, n: usize| rng.below(n as u64) as usize;
         match rng.below(20) {
@@ -248,7 +292,57 @@ async fn task(
                 streams.swap_remove(pick(&mut rng, streams.len()));
                 streams.push(alloc.new_stream(DeviceId(0)).unwrap());
             }
-            17 if i % 50 == 0 => alloc.empty_cache().await.unwrap(),
+            // Refused while another task captures.
+            17 if i % 50 == 0 => match alloc.empty_cache().await {
+                Ok(()) | Err(Error::Alloc(AllocError::CaptureUnderway(_))) => {}
+                Err(e) => panic!("empty_cache: {e}"),
+            },
+            17 if graphs.len() < 2 && rng.below(3) == 0 => {
+                // A graph captured on one of the task's streams, into a graph pool of its own
+                // or the task's named pool.
+                let stream = streams[pick(&mut rng, streams.len())].clone();
+                let mode = CaptureMode::Relaxed;
+                let (capture, own) = match pool.as_ref().filter(|_| rng.below(2) == 0) {
+                    Some(p) => (p.begin_capture(&stream, mode).await.unwrap(), None),
+                    None => {
+                        let g = alloc.graph_pool(DeviceId(0)).await.unwrap();
+                        (g.begin_capture(&stream, mode).await.unwrap(), Some(g))
+                    }
+                };
+                let max = if rng.below(4) == 0 { 4 * MIB } else { MIB };
+                let size = 1 + rng.below(max);
+                let Ok(scratch) = alloc.malloc(size, &stream).await else {
+                    continue; // out of memory: the capture is dropped, its graph discarded
+                };
+                live.claim(&scratch);
+                let byte = 1 + rng.below(250) as u8;
+                gpu.fill(&stream, &scratch, byte, rng.micros(300));
+                let graph = capture.end().await.unwrap();
+                graphs.push(Captured {
+                    graph,
+                    scratch,
+                    byte,
+                    launched_on: Vec::new(),
+                    pool: own,
+                });
+            }
+            17 if !graphs.is_empty() && rng.below(2) == 0 => {
+                // Launched on any of the task's streams; checked there now and then.
+                let k = pick(&mut rng, graphs.len());
+                let stream = streams[pick(&mut rng, streams.len())].clone();
+                let g = &mut graphs[k];
+                g.graph.launch(&stream).unwrap();
+                if rng.below(2) == 0 {
+                    gpu.check(&stream, &g.scratch, g.byte, rng.micros(300));
+                }
+                if !g.launched_on.contains(&stream) {
+                    g.launched_on.push(stream);
+                }
+            }
+            17 if !graphs.is_empty() => {
+                let g = graphs.swap_remove(pick(&mut rng, graphs.len()));
+                g.drop_in_order(&live, rng.below(3));
+            }
             19 => {
                 // A pinned copy of a buffer of at most 4 MiB, to the host or from it, awaited
                 // or dropped unawaited (its pinned block must not be reused before the stream
@@ -331,7 +425,12 @@ async fn task(
                         }
                     }
                     Err(e) => assert!(
-                        matches!(e, Error::Alloc(AllocError::NotSupported(_))),
+                        matches!(
+                            e,
+                            Error::Alloc(
+                                AllocError::NotSupported(_) | AllocError::PoolInGraph { .. }
+                            )
+                        ),
                         "sleep: {e}"
                     ),
                 }
@@ -347,7 +446,12 @@ async fn task(
         live.release(&buf);
         drop(buf);
     }
-    for s in &streams {
+    let mut launched = Vec::new();
+    for (k, g) in graphs.drain(..).enumerate() {
+        launched.extend(g.launched_on.iter().cloned());
+        g.drop_in_order(&live, k as u64);
+    }
+    for s in streams.iter().chain(&launched) {
         s.synchronize().unwrap();
     }
 }
@@ -479,9 +583,17 @@ fn run(configs: &[&str], pools: bool) {
                 assert_eq!(st.allocated_bytes[0].current, 0, "[{conf}] seed {seed}");
                 // Frees recorded on other streams wait for their events until `empty_cache`
                 // synchronizes them (they count as active till then, as in PyTorch); the
-                // tasks' pools, dropped, give their segments back there too.
-                alloc.empty_cache().await.unwrap();
-                let st = alloc.stats(DeviceId(0)).await.unwrap();
+                // tasks' pools, dropped, give their segments back there too, and graph pools
+                // once their release (off the dropping thread) has run.
+                let mut st = alloc.stats(DeviceId(0)).await.unwrap();
+                for _ in 0..2000 {
+                    alloc.empty_cache().await.unwrap();
+                    st = alloc.stats(DeviceId(0)).await.unwrap();
+                    if st.reserved_bytes[0].current == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 assert_eq!(st.active_bytes[0].current, 0, "[{conf}] seed {seed}");
                 // Pinned buffers of copies dropped unawaited come back once their streams
                 // passed the copies (the tasks synchronized their streams).

@@ -99,6 +99,10 @@ fn a_captures_allocations_come_from_its_pool_and_others_do_not() {
 fn a_cross_stream_free_during_a_capture_waits_for_its_end_and_records_events_only_outside_it() {
     for conf in CONFIGS {
         let mut r = rig(conf);
+        let (s2, s3) = (
+            r.sim.stream_create(D0).unwrap(),
+            r.sim.stream_create(D0).unwrap(),
+        );
         let pool = r.core.create_pool(false);
         // A default-pool block used on s1 before the capture, freed during it.
         let old = r.core.malloc(3 * MIB, r.s0).unwrap();
@@ -108,13 +112,23 @@ fn a_cross_stream_free_during_a_capture_waits_for_its_end_and_records_events_onl
             .unwrap();
         let id = capture_id(&r.sim, r.s0);
         r.core.begin_capture(id, pool, r.s0).unwrap();
-        // A graph-pool block used on s1 during the capture, freed during it (another size:
-        // the test tells which of the two waits).
+        // s2 joins the capture.
+        let fork = r.sim.event_create(D0).unwrap();
+        r.sim.event_record(fork, r.s0).unwrap();
+        r.sim.stream_wait_event(s2, fork).unwrap();
+        // A graph-pool block used on s2 during the capture, freed during it: that use is the
+        // graph's (other sizes: the test tells which blocks wait).
         let inner = r.core.malloc(5 * MIB, r.s0).unwrap();
-        r.core.record_stream(inner.ptr, r.s1).unwrap();
+        r.core.record_stream(inner.ptr, s2).unwrap();
+        // A default-pool block used during the capture on s1, which is no part of it: eager
+        // work of another task, which the free must wait for as always.
+        let eager = r.core.malloc(7 * MIB, s3).unwrap();
+        assert_eq!(eager.pool, None, "{conf}");
+        r.core.record_stream(eager.ptr, r.s1).unwrap();
         r.sim.reset_counts();
         r.core.free(old.ptr).unwrap();
         r.core.free(inner.ptr).unwrap();
+        r.core.free(eager.ptr).unwrap();
         assert_eq!(r.core.process_events().unwrap(), 0);
         let counts = r.sim.counts();
         assert_eq!(
@@ -126,21 +140,31 @@ fn a_cross_stream_free_during_a_capture_waits_for_its_end_and_records_events_onl
             r.core.empty_cache(),
             Err(AllocError::CaptureUnderway("empty_cache"))
         );
-        // At its end: the old block waits for s1's work (one event), the graph's block does
-        // not (its use on s1 was the graph's).
+        // At its end: the old and the eager blocks wait for s1's work (an event each), the
+        // graph's block does not (its use on s2 was the graph's).
+        let join = r.sim.event_create(D0).unwrap();
+        r.sim.event_record(join, s2).unwrap();
+        r.sim.stream_wait_event(r.s0, join).unwrap();
         let g = r.sim.stream_end_capture(r.s0).unwrap();
         r.sim.graph_destroy(g).unwrap();
         let open = hold(&r.sim, r.s1);
         r.sim.reset_counts();
         r.core.end_capture(id).unwrap();
-        assert_eq!(r.sim.counts().get(Op::EventRecord), 1, "{conf}");
+        assert_eq!(r.sim.counts().get(Op::EventRecord), 2, "{conf}");
         r.core.process_events().unwrap();
         let stats = r.core.stats();
-        assert_eq!(stats.active_bytes[0].current, old.block_size, "{conf}");
+        assert_eq!(
+            stats.active_bytes[0].current,
+            old.block_size + eager.block_size,
+            "{conf}"
+        );
         drop(open);
         r.sim.stream_synchronize(r.s1).unwrap();
         r.core.process_events().unwrap();
         assert_eq!(r.core.stats().active_bytes[0].current, 0, "{conf}");
+        for e in [fork, join] {
+            r.sim.event_destroy(e).unwrap();
+        }
     }
 }
 
@@ -390,4 +414,61 @@ fn a_released_graph_pool_gives_its_free_segments_back_at_once() {
         );
         r.core.free(b.ptr).unwrap();
     }
+}
+
+#[test]
+fn no_page_of_a_stream_about_to_capture_is_released_and_its_capture_waits_for_one_in_flight() {
+    let mut r = rig("expandable_segments:True");
+    let reserved = |r: &Rig| r.core.stats().reserved_bytes[0].current;
+    let a = r.core.malloc(40 * MIB, r.s0).unwrap();
+    r.core.free(a.ptr).unwrap();
+    // A release of s0's free pages is in flight off the core (a miss's, or a cache release's).
+    let releases = r.core.detach_free_pages().unwrap();
+    assert!(!releases.is_empty());
+    assert!(
+        !r.core.prepare_capture(r.s0),
+        "the capture must wait: the release will synchronize s0"
+    );
+    assert!(
+        r.core.prepare_capture(r.s1),
+        "s1 has no page work in flight"
+    );
+    r.core.unprepare_capture(r.s1);
+    gpualloc_devices::release_pages(r.core.backend().as_ref(), &releases).unwrap();
+    for rel in releases {
+        r.core.finish_page_release(rel).unwrap();
+    }
+    assert!(r.core.prepare_capture(r.s0));
+    // Prepared: s0's free pages stay mapped, off the core and in place (an unmap would
+    // synchronize s0 once it captures).
+    let b = r.core.malloc(40 * MIB, r.s0).unwrap();
+    r.core.free(b.ptr).unwrap();
+    let held = reserved(&r);
+    assert!(held >= 40 * MIB, "{held}");
+    assert!(r.core.detach_free_pages().unwrap().is_empty());
+    r.core.empty_cache().unwrap();
+    assert_eq!(reserved(&r), held);
+    // Given up: they go.
+    r.core.unprepare_capture(r.s0);
+    r.core.empty_cache().unwrap();
+    assert_eq!(reserved(&r), 0);
+    // Announced captures end the preparation: begun on the backend, then announced.
+    assert!(r.core.prepare_capture(r.s0));
+    r.sim
+        .stream_begin_capture(r.s0, CaptureMode::Relaxed)
+        .unwrap();
+    let id = capture_id(&r.sim, r.s0);
+    let pool = r.core.create_pool(false);
+    r.core.begin_capture(id, pool, r.s0).unwrap();
+    r.core.end_capture(id).unwrap();
+    let g = r.sim.stream_end_capture(r.s0).unwrap();
+    r.sim.graph_destroy(g).unwrap();
+    let c = r.core.malloc(40 * MIB, r.s0).unwrap();
+    r.core.free(c.ptr).unwrap();
+    r.core.empty_cache().unwrap();
+    assert_eq!(
+        reserved(&r),
+        0,
+        "no preparation left after the announced capture"
+    );
 }

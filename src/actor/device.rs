@@ -590,6 +590,14 @@ impl DeviceActor {
             })));
     }
 
+    /// Runs `f` on the core, queued (for a caller that cannot await: a drop).
+    pub(crate) fn post_core(&self, f: impl FnOnce(&mut DeviceCore) + Send + 'static) {
+        self.mailbox
+            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
+                f(&mut st.core)
+            })));
+    }
+
     /// The launches of a graph dropped with launches running have all run: queued.
     pub(crate) fn graph_launches_done_later(&self, pool: MemPoolId) {
         self.mailbox

@@ -299,6 +299,37 @@ pub const DEVIATIONS: &[Deviation] = &[
                     it, the block back once the stream's work ran",
     },
     Deviation {
+        rule: "a use recorded during a capture on a stream outside it",
+        pytorch: "every use recorded while any capture is under way is taken for the graph's: \
+                   a free held back for the capture records no event for it, and the block may \
+                   be reused while that stream's work still runs",
+        gpualloc: "only a use on a stream that is part of a capture (begun, joined, or reported \
+                    capturing by the backend) is the graph's; a use on any other stream gets its \
+                    event when the held-back free is made",
+        why: "async tasks allocate and record uses on their own streams while another task \
+               captures; their work is eager, not the graph's",
+        evidence: "`devices/tests/capture.rs`: a block used on a stream outside the capture waits \
+                    for it (2 event records at the capture's end, 1 before); the stress test's \
+                    graph runs (`tests/stress.rs`) saw a buffer overwritten while in use before",
+    },
+    Deviation {
+        rule: "the stream of a capture before and during it",
+        pytorch: "`torch.cuda.graph` synchronizes the device before the capture; an expandable \
+                   segment's unmap synchronizes its stream whatever that stream does",
+        gpualloc: "the capture begins once its stream's queued work has run (awaited, not the \
+                    device), and from just before it begins (`prepare_capture`) until it ends, \
+                    no free page of the stream's expandable segments is unmapped, and no \
+                    release already detached is still in flight",
+        why: "a block freed on the stream may serve the capture while the stream's work still \
+               reads it, and the graph may be launched on another stream; synchronizing a \
+               capturing stream invalidates its capture",
+        evidence: "`tests/graph_launches.rs`: a block freed on the stream with a 300 ms read \
+                    queued, reused by the capture and launched on another stream, was overwritten \
+                    before the read (1 failed kernel) without the wait; `devices/tests/capture.rs`; \
+                    the stress test with captures: 1 invalidated capture in 11 runs of one config \
+                    before, 0 in 40 after",
+    },
+    Deviation {
         rule: "what the end of the last capture does",
         pytorch: "the frees a capture held back are made at the next `process_events` with no \
                    capture under way (`torch.cuda.graph` begins each capture with an \

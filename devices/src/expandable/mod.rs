@@ -53,6 +53,14 @@ impl DeviceCore {
         len: u64,
     ) -> Result<(u64, u64), AllocError> {
         let backend = self.backend.clone();
+        // An unmap waits for the segment's stream, which a capture forbids: the pages stay.
+        let capturing = self
+            .expandable
+            .get(seg)
+            .is_some_and(|es| self.stream_captures(es.stream));
+        if capturing {
+            return Ok((addr, 0));
+        }
         let es = self
             .expandable
             .get_mut(seg)

@@ -10,8 +10,9 @@
 //! request outside it ever gets. Until [`DeviceCore::end_capture`], as PyTorch does:
 //! - no event is queried (`process_events` waits: querying an event recorded in a capture
 //!   is refused by the driver), and a free of a block used on other streams is held back,
-//!   its events recorded once no capture is under way; streams it was used on during the
-//!   capture get no event then (their work is the graph's, ordered by it);
+//!   its events recorded once no capture is under way; streams that were part of a capture
+//!   when the use was recorded get no event then (their work is the graph's, ordered by
+//!   it), other streams do;
 //! - the miss chain does not synchronize to release every cached segment (synchronizing
 //!   would end the capture), and `empty_cache` is refused with
 //!   [`AllocError::CaptureUnderway`];
@@ -55,7 +56,30 @@ impl DeviceCore {
         // PyTorch's `beginAllocateToPool`: the stream's requests go to the pool.
         self.begin_allocate_to_pool(pool, stream)?;
         self.captures.begin(capture, pool.0, stream);
+        self.captures.unprepare(stream);
         Ok(())
+    }
+
+    /// The owner is about to begin a capture on `stream` (before the backend's begin):
+    /// from now on no page of the stream's expandable segments is detached for a release
+    /// (the release would synchronize the stream once it captures, which invalidates the
+    /// capture). True once no such page work is in flight off the core: the owner may then
+    /// begin; on false it asks again shortly. The stream stays prepared (once, however often
+    /// asked) until [`DeviceCore::begin_capture`] or [`DeviceCore::unprepare_capture`].
+    pub fn prepare_capture(&mut self, stream: StreamHandle) -> bool {
+        if !self.captures.preparing(stream) {
+            self.captures.prepare(stream);
+        }
+        !self.expandable.bases().into_iter().any(|s| {
+            self.expandable.is_busy(s)
+                && self.expandable.get(s).is_some_and(|es| es.stream == stream)
+        })
+    }
+
+    /// The capture prepared on `stream` will not begin (the backend refused, or its caller
+    /// went away).
+    pub fn unprepare_capture(&mut self, stream: StreamHandle) {
+        self.captures.unprepare(stream);
     }
 
     /// `stream` joined the announced capture `capture` (it waited on an event recorded in
@@ -188,11 +212,29 @@ impl DeviceCore {
         }
     }
 
-    /// Notes a use recorded on `stream` while a capture is under way.
+    /// Notes a use recorded on `stream` while a capture is under way, if `stream` is part of
+    /// a capture: that use is the graph's work, which the free does not wait for. A use on a
+    /// stream outside every capture is eager work (another task's, beside a capture) and gets
+    /// its event like any other; PyTorch drops every use recorded while a capture is under
+    /// way, and the block could then be reused while that stream's work still runs.
     pub(crate) fn note_capture_use(&mut self, id: BlockId, stream: StreamHandle) {
-        if !self.captures.is_quiet() {
+        if !self.captures.is_quiet() && self.stream_captures(stream) {
             self.captures.note_use(id, stream);
         }
+    }
+
+    /// True when `stream` is part of a capture: an announced one (begun or joined there), or
+    /// one the backend reports (joined through an event, or begun without the owner). Nothing
+    /// may synchronize such a stream (the driver invalidates the capture): the free pages of
+    /// its expandable segments stay mapped meanwhile (`expandable/`).
+    pub(crate) fn stream_captures(&self, stream: StreamHandle) -> bool {
+        self.captures.preparing(stream)
+            || self.captures.of_stream(stream).is_some()
+            || (self.backend.capture_may_be_underway()
+                && self
+                    .backend
+                    .stream_capture_status(stream)
+                    .is_ok_and(|c| c.is_capturing()))
     }
 
     /// Makes the frees captures held back, once none is under way: events on the streams

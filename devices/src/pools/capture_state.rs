@@ -29,6 +29,8 @@ pub(crate) struct Captures {
     /// graph's, ordered by it, so no event is recorded for it later (PyTorch's
     /// `block_to_cudagraph_stream_uses`).
     graph_uses: HashMap<BlockId, Vec<StreamHandle>>,
+    /// Streams about to begin a capture (once per caller: [`Captures::prepare`]).
+    preparing: Vec<StreamHandle>,
 }
 
 impl Captures {
@@ -46,6 +48,23 @@ impl Captures {
             pool,
             streams: vec![stream],
         });
+    }
+
+    /// `stream` is about to begin a capture: counted until [`Captures::unprepare`].
+    pub(crate) fn prepare(&mut self, stream: StreamHandle) {
+        self.preparing.push(stream);
+    }
+
+    /// One preparation of `stream` ends (its capture began, or it was given up).
+    pub(crate) fn unprepare(&mut self, stream: StreamHandle) {
+        if let Some(at) = self.preparing.iter().position(|s| *s == stream) {
+            self.preparing.swap_remove(at);
+        }
+    }
+
+    /// True while a capture is being begun on `stream`.
+    pub(crate) fn preparing(&self, stream: StreamHandle) -> bool {
+        self.preparing.contains(&stream)
     }
 
     /// The capture `id`, if under way.
