@@ -104,13 +104,9 @@ impl DeviceCore {
     ) -> Option<PageRelease> {
         let b = self.blocks.get(id);
         let (seg, stream) = (b.segment(), b.stream());
-        // The release waits for the segment's stream, which a capture forbids: the pages stay.
-        if self.stream_captures(stream)
-            || self
-                .expandable
-                .get(seg)
-                .is_some_and(|es| self.stream_captures(es.stream))
-        {
+        // The release waits for this stream (`release_pages`), which a capture forbids: the
+        // pages stay.
+        if self.stream_captures(stream) {
             return None;
         }
         let mapped = self.expandable.get_mut(seg)?.take_runs_inside(first, last);
