@@ -220,10 +220,14 @@ async fn begin(
     // The capture begins once the stream's queued work has run (PyTorch's `torch.cuda.graph`
     // synchronizes the device there): a block freed on the stream may serve the capture, and
     // the graph, launched on any stream, must not write it while that work still uses it.
-    stream.completed().await?;
+    // (On a stream that captures already, the backend refuses the begin below; an event
+    // recorded there would be the other capture's.)
+    if !backend.stream_capture_status(h)?.is_capturing() {
+        stream.completed().await?;
+    }
     // No page release that would synchronize the stream starts from now, and none is in
     // flight when the backend's capture begins (`DeviceCore::prepare_capture`).
-    let prepared = Prepared(Some((actor.clone(), h)));
+    let prepared = Prepared(actor.clone(), h);
     while !actor.call(move |st| st.core.prepare_capture(h)).await? {
         tokio::time::sleep(PREPARE_RETRY).await;
     }
@@ -254,7 +258,7 @@ async fn begin(
     .await;
     match announced {
         Ok(id) => {
-            prepared.announced();
+            drop(prepared);
             Ok(Capture {
                 holder,
                 pool,
@@ -274,22 +278,15 @@ async fn begin(
 /// is still in flight (a driver call or two).
 const PREPARE_RETRY: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// A capture prepared on a stream (`DeviceCore::prepare_capture`): given up when dropped
-/// before the core heard of the capture's begin (a refused begin, or a dropped future).
-struct Prepared(Option<(Arc<DeviceActor>, StreamHandle)>);
-
-impl Prepared {
-    /// The core announced the capture, which ended the preparation.
-    fn announced(mut self) {
-        self.0 = None;
-    }
-}
+/// A capture prepared on a stream (`DeviceCore::prepare_capture`), given up when dropped:
+/// a refused begin, a dropped future, or (a no-op then) a begin the core heard of, which
+/// ended the preparation itself.
+struct Prepared(Arc<DeviceActor>, StreamHandle);
 
 impl Drop for Prepared {
     fn drop(&mut self) {
-        if let Some((actor, h)) = self.0.take() {
-            actor.post_core(move |core| core.unprepare_capture(h));
-        }
+        let h = self.1;
+        self.0.post_core(move |core| core.unprepare_capture(h));
     }
 }
 

@@ -386,3 +386,34 @@ async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_i
         alloc.shutdown().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_capture_begin_leaves_the_streams_free_pages_releasable() {
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let first = alloc.graph_pool(D0).await.unwrap();
+    let second = alloc.graph_pool(D0).await.unwrap();
+    let capture = first.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+    // The stream captures already: the backend refuses the second begin.
+    assert!(second
+        .begin_capture(&s, CaptureMode::Relaxed)
+        .await
+        .is_err());
+    drop(capture);
+    // Nothing of the refused begin stays: the stream's free pages go back as always.
+    let buf = alloc.malloc(40 * MIB, &s).await.unwrap();
+    drop(buf);
+    let mut left = u64::MAX;
+    for _ in 0..200 {
+        alloc.empty_cache().await.unwrap();
+        left = reserved(&alloc).await;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(left, 0);
+    drop((first, second));
+    alloc.shutdown().await.unwrap();
+}
