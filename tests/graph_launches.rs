@@ -417,3 +417,35 @@ async fn a_refused_capture_begin_leaves_the_streams_free_pages_releasable() {
     drop((first, second));
     alloc.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_stream_captures_into_another_pool_refuses_to_sleep_until_the_capture_ends() {
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:True");
+    let s = alloc.new_stream(D0).unwrap();
+    let pool = alloc.pool("weights", PoolOptions::default()).await.unwrap();
+    let kept = pool.malloc(4 * MIB, &s).await.unwrap();
+    let freed = pool.malloc(4 * MIB, &s).await.unwrap();
+    drop(freed);
+    let graphs = alloc.graph_pool(D0).await.unwrap();
+    let capture = graphs
+        .begin_capture(&s, CaptureMode::Relaxed)
+        .await
+        .unwrap();
+    let scratch = alloc.malloc(MIB, &s).await.unwrap();
+    // The sleep would wait for s, which captures: refused, and the capture is untouched.
+    assert_eq!(
+        pool.sleep(SleepMode::Discard).await,
+        Err(Error::Alloc(AllocError::CaptureUnderway(
+            "putting a pool to sleep"
+        )))
+    );
+    let graph = capture.end().await;
+    assert!(graph.is_ok(), "the capture was invalidated: {graph:?}");
+    assert_eq!(sim.live_graphs(), (0, 1), "one graph instantiated");
+    // After the capture the pool sleeps and wakes as always.
+    pool.sleep(SleepMode::Discard).await.unwrap();
+    pool.wake().await.unwrap();
+    drop((graph, scratch, kept, graphs));
+    alloc.shutdown().await.unwrap();
+}

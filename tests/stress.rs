@@ -428,7 +428,9 @@ async fn task(
                         matches!(
                             e,
                             Error::Alloc(
-                                AllocError::NotSupported(_) | AllocError::PoolInGraph { .. }
+                                AllocError::NotSupported(_)
+                                    | AllocError::PoolInGraph { .. }
+                                    | AllocError::CaptureUnderway(_)
                             )
                         ),
                         "sleep: {e}"

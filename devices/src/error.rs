@@ -113,9 +113,13 @@ pub enum AllocError {
         /// Bytes it could have (free device memory, or room under the memory-fraction cap).
         free: u64,
     },
-    /// The call would synchronize the device, which a stream capture under way forbids (the
-    /// driver would invalidate the capture); PyTorch refuses it during a capture too.
-    #[error("{0} is not allowed while a stream capture is under way (it synchronizes the device)")]
+    /// The call would synchronize the device, or wait for a stream that is capturing, which a
+    /// stream capture under way forbids (the driver would invalidate the capture, or the
+    /// event it waits for would be the graph's); PyTorch refuses `empty_cache` during a
+    /// capture too.
+    #[error(
+        "{0} is not allowed while a stream capture is under way (it would wait for a capturing stream)"
+    )]
     CaptureUnderway(&'static str),
     /// No capture of this id is under way (or one already is, for a begin).
     #[error("stream capture {0} is not under way as this call needs")]

@@ -472,3 +472,32 @@ fn no_page_of_a_stream_about_to_capture_is_released_and_its_capture_waits_for_on
         "no preparation left after the announced capture"
     );
 }
+
+#[test]
+fn a_pool_whose_stream_captures_into_another_pool_refuses_to_sleep() {
+    use gpualloc_devices::{PoolOptions, SleepMode};
+    let mut r = rig("expandable_segments:True");
+    let named = r.core.create_named_pool("weights", PoolOptions::default());
+    let a = r.core.malloc_in(named, 4 * MIB, r.s0).unwrap();
+    r.core.free(a.ptr).unwrap();
+    let graphs = r.core.create_pool(false);
+    r.sim
+        .stream_begin_capture(r.s0, CaptureMode::Relaxed)
+        .unwrap();
+    let id = capture_id(&r.sim, r.s0);
+    r.core.begin_capture(id, graphs, r.s0).unwrap();
+    r.sim.reset_counts();
+    assert_eq!(
+        r.core.begin_sleep(named, SleepMode::Discard).map(|_| ()),
+        Err(AllocError::CaptureUnderway("putting a pool to sleep"))
+    );
+    assert_eq!(
+        r.sim.counts().get(Op::EventRecord),
+        0,
+        "nothing recorded in the capture"
+    );
+    r.core.end_capture(id).unwrap();
+    let g = r.sim.stream_end_capture(r.s0).unwrap();
+    r.sim.graph_destroy(g).unwrap();
+    assert!(r.core.begin_sleep(named, SleepMode::Discard).is_ok());
+}

@@ -319,7 +319,8 @@ pub const DEVIATIONS: &[Deviation] = &[
         gpualloc: "the capture begins once its stream's queued work has run (awaited, not the \
                     device), and from just before it begins (`prepare_capture`) until it ends, \
                     no free page of the stream's expandable segments is unmapped, and no \
-                    release already detached is still in flight",
+                    release already detached is still in flight; a pool's sleep that would wait \
+                    for a capturing stream is refused (`AllocError::CaptureUnderway`)",
         why: "a block freed on the stream may serve the capture while the stream's work still \
                reads it, and the graph may be launched on another stream; synchronizing a \
                capturing stream invalidates its capture",

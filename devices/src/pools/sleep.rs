@@ -254,6 +254,10 @@ impl DeviceCore {
         streams.sort_by_key(|s| (s.device.0, s.raw));
         streams.dedup();
         copies.sort_by_key(|c| c.0 .0);
+        // An event recorded on a capturing stream would be the graph's, not a point to wait for.
+        if streams.iter().any(|&s| self.stream_captures(s)) {
+            return Err(AllocError::CaptureUnderway("putting a pool to sleep"));
+        }
         let mut events = Vec::with_capacity(streams.len());
         for stream in streams {
             match self.record_event(stream) {
