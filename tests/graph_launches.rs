@@ -82,6 +82,18 @@ async fn capture_fill(
     (graph, holder, p)
 }
 
+/// The first 16 bytes at `p`, read in `s`'s order.
+fn head(sim: &SimBackend, s: &Stream, p: DevicePtr) -> [u8; 16] {
+    let mut got = [0u8; 16];
+    sim.copy_from_device(s.handle(), &mut got, p).unwrap();
+    got
+}
+
+/// True when the `len` bytes at `a` and at `b` do not overlap.
+fn apart(a: DevicePtr, b: DevicePtr, len: u64) -> bool {
+    a.0 + len <= b.0 || b.0 + len <= a.0
+}
+
 async fn reserved(alloc: &Allocator) -> u64 {
     alloc.stats(D0).await.unwrap().reserved_bytes[0].current
 }
@@ -206,15 +218,13 @@ async fn dropping_the_capture_stream_of_a_live_graph_neither_unmaps_nor_lends_it
         );
         let other = pool.malloc(len, &b).await.unwrap();
         assert!(
-            other.ptr().0 + len <= p.0 || p.0 + len <= other.ptr().0,
+            apart(other.ptr(), p, len),
             "{conf}: a request on another stream got the graph's memory"
         );
         graph.launch(&b).unwrap();
         b.synchronize().unwrap();
         assert_eq!(sim.kernel_failures(), 0, "{conf}");
-        let mut got = vec![0u8; 16];
-        sim.copy_from_device(b.handle(), &mut got, p).unwrap();
-        assert_eq!(got, vec![7; 16], "{conf}");
+        assert_eq!(head(&sim, &b, p), [7; 16], "{conf}");
         drop((other, graph, pool));
         alloc.shutdown().await.unwrap();
     }
@@ -248,9 +258,7 @@ async fn a_request_at_its_pools_quota_does_not_release_the_memory_of_a_graph_of_
         graph.launch(&s).unwrap();
         s.synchronize().unwrap();
         assert_eq!(sim.kernel_failures(), 0, "{conf}");
-        let mut got = vec![0u8; 16];
-        sim.copy_from_device(s.handle(), &mut got, p).unwrap();
-        assert_eq!(got, vec![7; 16], "{conf}");
+        assert_eq!(head(&sim, &s, p), [7; 16], "{conf}");
         drop((graph, pool));
         alloc.shutdown().await.unwrap();
     }
@@ -274,7 +282,7 @@ async fn a_use_on_oom_pool_does_not_lend_the_memory_of_a_live_graph() {
         let loan = alloc.malloc(len, &s).await;
         if let Ok(l) = &loan {
             assert!(
-                l.ptr().0 + len <= p.0 || p.0 + len <= l.ptr().0,
+                apart(l.ptr(), p, len),
                 "{conf}: a request outside the pool got the graph's memory"
             );
         }
