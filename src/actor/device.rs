@@ -580,14 +580,13 @@ impl DeviceActor {
     /// A graph captured into pool `pool` was dropped (`graph.rs`), with launches of it that
     /// may still run (`launches_running`) or none: queued.
     pub(crate) fn graph_dropped_later(&self, pool: MemPoolId, launches_running: bool) {
-        self.mailbox
-            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
-                if launches_running {
-                    st.core.graph_dropped_with_launches(pool)
-                } else {
-                    st.core.graph_dropped(pool)
-                }
-            })));
+        self.post_core(move |core| {
+            if launches_running {
+                core.graph_dropped_with_launches(pool)
+            } else {
+                core.graph_dropped(pool)
+            }
+        });
     }
 
     /// Runs `f` on the core, queued (for a caller that cannot await: a drop).
@@ -600,10 +599,7 @@ impl DeviceActor {
 
     /// The launches of a graph dropped with launches running have all run: queued.
     pub(crate) fn graph_launches_done_later(&self, pool: MemPoolId) {
-        self.mailbox
-            .post(DeviceMsg::Job(Box::new(move |st: &mut DeviceState| {
-                st.core.graph_launches_done(pool)
-            })));
+        self.post_core(move |core| core.graph_launches_done(pool));
     }
 
     /// Statistics of this device.

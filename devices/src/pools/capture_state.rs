@@ -29,7 +29,7 @@ pub(crate) struct Captures {
     /// graph's, ordered by it, so no event is recorded for it later (PyTorch's
     /// `block_to_cudagraph_stream_uses`).
     graph_uses: HashMap<BlockId, Vec<StreamHandle>>,
-    /// Streams about to begin a capture (once per caller: [`Captures::prepare`]).
+    /// Streams about to begin a capture ([`Captures::prepare`]; the core prepares each once).
     preparing: Vec<StreamHandle>,
 }
 
@@ -50,7 +50,7 @@ impl Captures {
         });
     }
 
-    /// `stream` is about to begin a capture: counted until [`Captures::unprepare`].
+    /// `stream` is about to begin a capture, until [`Captures::unprepare`].
     pub(crate) fn prepare(&mut self, stream: StreamHandle) {
         self.preparing.push(stream);
     }
