@@ -248,6 +248,30 @@ fn a_use_on_a_stream_that_captures_unannounced_holds_the_free_back() {
     assert_eq!(r.core.stats().active_bytes[0].current, 0);
 }
 
+/// The same for a stream whose capture the owner prepared (`prepare_capture`, before the
+/// backend's begin, which may run between the core's check and its record): the free is
+/// held back until the preparation ends, then made with its event.
+#[test]
+fn a_use_on_a_stream_about_to_capture_holds_the_free_back() {
+    for conf in CONFIGS {
+        let mut r = rig(conf);
+        let a = r.core.malloc(3 * MIB, r.s0).unwrap();
+        r.core.record_stream(a.ptr, r.s1).unwrap();
+        assert!(r.core.prepare_capture(r.s1));
+        r.sim.reset_counts();
+        r.core.free(a.ptr).unwrap();
+        r.core.process_events().unwrap();
+        assert_eq!(r.sim.counts().get(Op::EventRecord), 0, "{conf}");
+        assert_eq!(r.core.stats().active_bytes[0].current, a.block_size);
+        r.core.unprepare_capture(r.s1);
+        r.core.process_events().unwrap();
+        assert_eq!(r.sim.counts().get(Op::EventRecord), 1, "{conf}");
+        r.sim.stream_synchronize(r.s1).unwrap();
+        r.core.process_events().unwrap();
+        assert_eq!(r.core.stats().active_bytes[0].current, 0, "{conf}");
+    }
+}
+
 #[test]
 fn capture_announcements_are_checked() {
     let mut r = rig("expandable_segments:False");

@@ -51,6 +51,15 @@ fn accounting_rig(
     (backend, core, s0, s1)
 }
 
+/// The stream of the segment that holds `addr`.
+fn segment_stream(core: &DeviceCore, addr: u64) -> u64 {
+    let segments = core.snapshot().segments;
+    let seg = segments
+        .iter()
+        .find(|s| (s.address..s.address + s.total_size).contains(&addr));
+    seg.expect("a segment holds the block").stream
+}
+
 /// The bytes at `ptr`, read by a kernel on `stream` after its work.
 fn read(sim: &SimBackend, stream: StreamHandle, ptr: gpualloc_runtime::DevicePtr) -> Vec<u8> {
     let out = Arc::new(Mutex::new(Vec::new()));
@@ -366,6 +375,51 @@ fn nothing_is_lent_during_a_capture() {
         core.free(x.ptr).unwrap();
     }
     core.check_invariants().unwrap();
+}
+
+/// A stream whose capture the owner prepared (`DeviceCore::prepare_capture`, before the
+/// backend's begin) neither lends nor borrows: its status still reads "not capturing", but
+/// its begin may run on the user's thread between the core's check and the loan's event
+/// record, and then the record is a node of the capture and the borrower's wait joins the
+/// borrower into it (the capture's end fails: a stream was not joined back). Found by the
+/// stress test on the emulated driver.
+#[test]
+fn a_stream_about_to_capture_neither_lends_nor_borrows() {
+    for conf in CONFIGS {
+        let (sim, mut core, s0, s1) = sim_rig(conf);
+        let (s2, s3) = (
+            sim.stream_create(D0).unwrap(),
+            sim.stream_create(D0).unwrap(),
+        );
+        // s0 has a small free block, s1 a 40 MiB one.
+        let a = core.malloc(4 * MIB, s0).unwrap();
+        let b = core.malloc(40 * MIB, s1).unwrap();
+        core.free(a.ptr).unwrap();
+        core.free(b.ptr).unwrap();
+        assert!(core.prepare_capture(s0));
+        sim.reset_counts();
+        // s0 would borrow s1's block (its own is too small): it gets new memory.
+        let e = core.malloc(30 * MIB, s0).unwrap();
+        assert_ne!(e.ptr.0, b.ptr.0, "{conf}: s0 borrowed while it prepares");
+        assert_eq!(sim.counts().get(Op::EventRecord), 0, "{conf}");
+        // s2 would be lent s0's block (the smallest that fits): it gets other memory.
+        let f = core.malloc(4 * MIB, s2).unwrap();
+        assert_ne!(f.ptr.0, a.ptr.0, "{conf}: s0 lent while it prepares");
+        // Given up: s0 lends again (its free block is the smallest that fits).
+        core.unprepare_capture(s0);
+        core.free(e.ptr).unwrap();
+        let g = core.malloc(4 * MIB, s3).unwrap();
+        assert_eq!(g.stream, s3);
+        assert_eq!(
+            segment_stream(&core, g.ptr.0),
+            s0.raw,
+            "{conf}: not lent s0's block"
+        );
+        for x in [f, g] {
+            core.free(x.ptr).unwrap();
+        }
+        core.check_invariants().unwrap();
+    }
 }
 
 /// The best fit among the other streams' free blocks, under the size rules of the request's

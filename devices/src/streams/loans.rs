@@ -28,9 +28,9 @@
 //!   own at its first miss and hits from then on (on llama7b-offload the small pool's loans
 //!   saved 4 MiB of 20,852).
 //!
-//! Not while an announced capture is under way, nor to or from a stream that captures (an
-//! event must not be recorded on, or waited for by, a capturing stream; a stream whose status
-//! the backend cannot tell counts as capturing), nor under the `pytorch` policy. A loan is an
+//! Not while an announced capture is under way, nor to or from a stream that captures or is
+//! about to (an event must not be recorded on, or waited for by, a capturing stream; a stream
+//! whose status the backend cannot tell counts as capturing), nor under the `pytorch` policy. A loan is an
 //! optimization: where the backend fails to record or wait for its event, the request goes on
 //! to new memory as it would without loans. A job whose streams take turns makes a
 //! record and a wait per loan and an event per return, no driver memory call: after warm-up a
@@ -249,8 +249,16 @@ impl DeviceCore {
     }
 
     /// True when `stream` is capturing, or the backend cannot say (asked only where the
-    /// backend says a capture may be under way): such a stream neither lends nor borrows.
+    /// backend says a capture may be under way), or its owner prepares a capture on it
+    /// ([`DeviceCore::prepare_capture`]): such a stream neither lends nor borrows. The last
+    /// because the backend's begin runs on the owner's thread, outside the core: between this
+    /// check and the loan's event record it could begin, and the record would be a node of
+    /// the capture, the borrower's wait a fork into it (its end then fails: a stream was not
+    /// joined back).
     fn capturing(&self, stream: StreamHandle) -> bool {
+        if self.captures.preparing(stream) {
+            return true;
+        }
         if !self.backend.capture_may_be_underway() {
             return false;
         }
