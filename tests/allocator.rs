@@ -189,6 +189,8 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
     let (_acc, alloc) = accounting(1, 64 * MIB);
     let s = alloc.new_stream(DeviceId(0)).unwrap();
     let hog = alloc.malloc(60 * MIB, &s).await.unwrap();
+    // 40 MiB waiters on a 64 MiB device: one is served at a time (two served by one pass
+    // would push their numbers in whatever order their tasks run).
     let order = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut handles = Vec::new();
     for i in 0..3u32 {
@@ -197,7 +199,7 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
             let alloc = a;
             let buf = alloc
                 .malloc_with(
-                    30 * MIB,
+                    40 * MIB,
                     &s,
                     MallocOptions::wait_for(Duration::from_secs(10)),
                 )
@@ -215,7 +217,7 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
         tokio::spawn(async move {
             let _ = alloc
                 .malloc_with(
-                    30 * MIB,
+                    40 * MIB,
                     &s,
                     MallocOptions::wait_for(Duration::from_secs(10)),
                 )
