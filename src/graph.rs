@@ -259,13 +259,35 @@ async fn begin(
     match announced {
         Ok(id) => {
             drop(prepared);
-            Ok(Capture {
+            let capture = Capture {
                 holder,
                 pool,
                 stream: stream.clone(),
                 id,
                 ended: false,
-            })
+            };
+            // The pool's memory on other streams: their queued work must have run before
+            // the capture can hand it out (`DeviceCore::streams_before_capture`). Those
+            // streams do not capture (one that does is skipped: an event there would be its
+            // capture's). A failure drops the capture, which ends it.
+            let others = actor
+                .call(move |st| {
+                    let handles = st.core.streams_before_capture(id);
+                    handles
+                        .into_iter()
+                        .filter_map(|h| st.streams.get(h))
+                        .collect::<Vec<Stream>>()
+                })
+                .await?;
+            for other in others {
+                if !backend
+                    .stream_capture_status(other.handle())?
+                    .is_capturing()
+                {
+                    other.completed().await?;
+                }
+            }
+            Ok(capture)
         }
         Err(e) => {
             actor.signals.captures.fetch_sub(1, Ordering::AcqRel);

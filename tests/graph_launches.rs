@@ -402,6 +402,105 @@ async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_i
     }
 }
 
+/// The same for a stream that joins the capture (it waits on an event recorded in it) and
+/// allocates there: a block it freed before the capture, with its work still reading it,
+/// is not the capture's until that work has run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_freed_on_a_stream_that_joins_a_capture_is_reused_only_after_its_work() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+        let s = alloc.new_stream(D0).unwrap();
+        let j = alloc.new_stream(D0).unwrap();
+        let b = alloc.new_stream(D0).unwrap();
+        let len = 4 * MIB;
+        // A buffer of the pool, read by a slow kernel on j, and freed there.
+        let used = pool.malloc(len, &j).await.unwrap();
+        let p = used.ptr();
+        slow_fill(&sim, &j, p, len, 5, Duration::ZERO);
+        sim.launch_kernel_touching(
+            j.handle(),
+            Duration::from_millis(300),
+            &[(p, len)],
+            move |m| {
+                assert!(m.check(p, len, 5)?, "overwritten before it was read");
+                Ok(())
+            },
+        )
+        .unwrap();
+        drop(used);
+        // A capture on s that j joins, and a request of j in it.
+        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+        j.wait_event(&s.record_event().unwrap()).unwrap();
+        let scratch = alloc.malloc(len, &j).await.unwrap();
+        let q = scratch.ptr();
+        slow_fill(&sim, &j, q, len, 9, Duration::ZERO);
+        s.wait_event(&j.record_event().unwrap()).unwrap();
+        let graph = capture.end().await.unwrap();
+        graph.launch(&b).unwrap();
+        b.synchronize().unwrap();
+        j.synchronize().unwrap();
+        assert_eq!(
+            sim.kernel_failures(),
+            0,
+            "{conf}: the graph wrote {q:?} under j's read"
+        );
+        drop((graph, scratch, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
+/// And for a block of the pool freed eagerly on another stream while the capture is under
+/// way: held back until the capture ends, so the stream that joins it later does not get it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_captures_end() {
+    for conf in CONFIGS {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+        let s = alloc.new_stream(D0).unwrap();
+        let j = alloc.new_stream(D0).unwrap();
+        let len = 4 * MIB;
+        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+        // Eager work on j, beside the capture, with a buffer of the pool, freed there.
+        let used = pool.malloc(len, &j).await.unwrap();
+        let p = used.ptr();
+        slow_fill(&sim, &j, p, len, 5, Duration::ZERO);
+        sim.launch_kernel_touching(
+            j.handle(),
+            Duration::from_millis(300),
+            &[(p, len)],
+            move |m| {
+                assert!(m.check(p, len, 5)?, "overwritten before it was read");
+                Ok(())
+            },
+        )
+        .unwrap();
+        drop(used);
+        // j joins the capture: its request there gets other memory.
+        j.wait_event(&s.record_event().unwrap()).unwrap();
+        let scratch = alloc.malloc(len, &j).await.unwrap();
+        assert!(
+            apart(scratch.ptr(), p, len),
+            "{conf}: the capture got j's eager block"
+        );
+        let active = || async { alloc.stats(D0).await.unwrap().active_bytes[0].current };
+        assert_eq!(active().await, 2 * len, "{conf}: the free is held back");
+        s.wait_event(&j.record_event().unwrap()).unwrap();
+        let graph = capture.end().await.unwrap();
+        assert_eq!(
+            active().await,
+            len,
+            "{conf}: and made when the capture ended"
+        );
+        j.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        drop((graph, scratch, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_capture_begin_leaves_the_streams_free_pages_releasable() {
     let sim = sim(1 << 30);

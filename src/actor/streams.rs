@@ -62,6 +62,11 @@ impl KeptStreams {
             .or_insert_with(|| stream.clone());
     }
 
+    /// A clone of kept stream `handle`, if kept.
+    pub fn get(&self, handle: StreamHandle) -> Option<Stream> {
+        self.streams.get(&handle).cloned()
+    }
+
     /// The kept streams whose users dropped every clone since the last call (only ours is
     /// left: no user and no buffer holds one), for the core to retire (`orphans.rs`).
     pub fn dropped_by_users(&mut self) -> Vec<StreamHandle> {

@@ -67,6 +67,10 @@ impl DeviceCore {
             // A lent block (it has uses) is freed by its borrower, as it was allocated.
             self.restream_if_lent(TraceAction::FreeRequested, ptr.0);
             self.free_with_uses(id);
+        } else if !self.captures.is_quiet() && self.eager_free_into_capture(id) {
+            // Its stream's work is not the graph's: held back until the capture ends
+            // (`DeviceCore::streams_before_capture`).
+            self.captures.defer(id);
         } else {
             self.free_block(id);
         }

@@ -183,6 +183,41 @@ impl DeviceCore {
             || self.captures.fills(id.0)
     }
 
+    /// The streams, other than capture `capture`'s own, that segments of its pool belong
+    /// to: their work queued before the capture may still use the pool's blocks, which the
+    /// capture may hand out (a block freed on such a stream serves its requests once it joins
+    /// the capture), and the graph runs wherever it is launched, unordered with that work.
+    /// The owner waits for their queued work after announcing the capture, as it waited for
+    /// the capture stream's before the begin (PyTorch's `torch.cuda.graph` synchronizes the
+    /// device). Frees of the pool's blocks on streams outside the capture, from the
+    /// announcement on, are held back until it ends ([`DeviceCore::free`]). Empty for a
+    /// capture not under way.
+    pub fn streams_before_capture(&self, capture: u64) -> Vec<StreamHandle> {
+        let Some(c) = self.captures.get(capture) else {
+            return Vec::new();
+        };
+        let mut out: Vec<StreamHandle> = self
+            .segments
+            .values()
+            .filter(|m| self.owner_of(m.pool) == Some(MemPoolId(c.pool)))
+            .map(|m| m.stream)
+            .filter(|s| !c.streams.contains(s))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// True for a free of block `id` that a capture under way must not get: the block is of
+    /// a pool a capture fills, and its stream is outside every capture (its work is eager,
+    /// unordered with the graph's). Asked only while captures are under way.
+    pub(crate) fn eager_free_into_capture(&self, id: BlockId) -> bool {
+        let b = self.blocks.get(id);
+        self.owner_of(b.pool())
+            .is_some_and(|pool| self.captures.fills(pool.0))
+            && !self.stream_captures(b.stream())
+    }
+
     /// The capture announced as under way on `stream` (begun or joined there), if any.
     pub fn capture_of(&self, stream: StreamHandle) -> Option<u64> {
         self.captures.of_stream(stream)
