@@ -102,17 +102,23 @@ impl Drop for GraphPoolInner {
 
 /// Releases pool `id` and frees its whole free segments.
 fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
-    let detached = {
+    let (detached, in_flight) = {
         let mut held = actor.mailbox.hold_blocking();
         let core = &mut held.state().core;
-        core.release_pool(id)
-            .and_then(|()| core.detach_pool_segments(id))
+        let detached = core
+            .release_pool(id)
+            .and_then(|()| core.detach_pool_segments(id));
+        // Shutdown waits for these frees (`Signals::detached_frees`).
+        let in_flight = matches!(&detached, Ok(s) if !s.is_empty())
+            .then(|| actor.signals.detached_frees.begin());
+        (detached, in_flight)
     };
     match detached {
         Ok(segments) => {
             if let Err(e) = free_detached(actor.backend.as_ref(), actor.device, &segments) {
                 tracing::warn!(pool = id.0, error = %e, "freeing a graph pool's segments");
             }
+            drop(in_flight);
             if !segments.is_empty() {
                 actor.signals.waiters.wake_head();
             }

@@ -501,6 +501,35 @@ async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_capt
     }
 }
 
+/// `shutdown` returns once every segment is back with the device: a graph pool's release
+/// frees its segments off the dropping thread, and may still be in a (slow) driver free when
+/// the user shuts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_a_graph_pools_segment_frees() {
+    let sim = sim(1 << 30);
+    let alloc = build(sim.clone(), "expandable_segments:False");
+    let s = alloc.new_stream(D0).unwrap();
+    let other = alloc.new_stream(D0).unwrap();
+    let pool = alloc.graph_pool(D0).await.unwrap();
+    let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+    drop(alloc.malloc(4 * MIB, &s).await.unwrap());
+    let graph = capture.end().await.unwrap();
+    // Work on the device for 300 ms: a segment free synchronizes the device first.
+    sim.launch_kernel(other.handle(), Duration::from_millis(300), |_| Ok(()))
+        .unwrap();
+    drop((graph, pool));
+    // The release detaches the segment at once and is then in its free.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(reserved(&alloc).await, 0);
+    assert_eq!(
+        sim.used_bytes(D0).unwrap(),
+        20 * MIB,
+        "the free is under way"
+    );
+    alloc.shutdown().await.unwrap();
+    assert_eq!(sim.used_bytes(D0).unwrap(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_capture_begin_leaves_the_streams_free_pages_releasable() {
     let sim = sim(1 << 30);

@@ -118,12 +118,13 @@ impl DeviceActor {
                 tracing::warn!(device = self.device.0, error = %err, "event synchronize failed");
             }
         }
-        let detached = self
-            .mailbox
-            .hold_blocking()
-            .state()
-            .core
-            .detach_free_segments();
+        let (detached, in_flight) = {
+            let mut held = self.mailbox.hold_blocking();
+            let detached = held.state().core.detach_free_segments();
+            let in_flight = matches!(&detached, Ok(s) if !s.is_empty())
+                .then(|| self.signals.detached_frees.begin());
+            (detached, in_flight)
+        };
         let segments = match detached {
             Ok(s) => s,
             Err(e) => {
@@ -136,6 +137,7 @@ impl DeviceActor {
         let freed = guarded("a cache release's segment frees", || {
             free_detached(self.backend.as_ref(), self.device, &segments)
         });
+        drop(in_flight);
         if let Err(e) = freed {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");
         }
@@ -234,9 +236,19 @@ impl DeviceActor {
             let result = st.core.shutdown();
             (result, st.streams.take_all())
         };
+        // Segments detached before the core shut down may still be on their way back.
+        if !self.signals.detached_frees.wait_none(SHUTDOWN_FREES_WAIT) {
+            tracing::warn!(
+                device = self.device.0,
+                "segment frees off the gate still running after {SHUTDOWN_FREES_WAIT:?}"
+            );
+        }
         // Every segment went back: no stream is needed any more.
         drop(kept);
         self.signals.waiters.wake_head();
         result.map_err(Error::from)
     }
 }
+
+/// How long shutdown waits for segment frees already off the gate (each a driver call).
+const SHUTDOWN_FREES_WAIT: std::time::Duration = std::time::Duration::from_secs(10);

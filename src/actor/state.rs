@@ -27,6 +27,46 @@ pub(crate) struct Signals {
     /// Captures under way into graph pools (`graph.rs`): while not zero the thread cache
     /// serves nothing.
     pub captures: std::sync::atomic::AtomicUsize,
+    /// Segment frees off the gate: segments the core detached (off its books) whose driver
+    /// frees have not returned yet (a cache release, a graph pool's release). Shutdown waits
+    /// for none, so every segment is back with the device when it returns.
+    pub detached_frees: DetachedFrees,
+}
+
+/// The count behind [`Signals::detached_frees`].
+#[derive(Debug, Default)]
+pub(crate) struct DetachedFrees(std::sync::atomic::AtomicUsize);
+
+impl DetachedFrees {
+    /// One batch of detached segments is on its way back to the device until the guard is
+    /// dropped. Taken while the gate is held, in the step that detached them, so a shutdown
+    /// after that step sees it.
+    pub fn begin(&self) -> DetachedFreeGuard<'_> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        DetachedFreeGuard(self)
+    }
+
+    /// Waits (sleeping, off the runtime's workers) until no batch is in flight, or `limit`.
+    /// False on the limit.
+    pub fn wait_none(&self, limit: std::time::Duration) -> bool {
+        let start = std::time::Instant::now();
+        while self.0.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+/// See [`DetachedFrees::begin`]; ends the batch when dropped (a panic in the frees too).
+pub(crate) struct DetachedFreeGuard<'a>(&'a DetachedFrees);
+
+impl Drop for DetachedFreeGuard<'_> {
+    fn drop(&mut self) {
+        (self.0).0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// One device's core, plus the signals its handlers raise.
