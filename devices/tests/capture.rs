@@ -525,3 +525,48 @@ fn a_pool_whose_stream_captures_into_another_pool_refuses_to_sleep() {
     r.sim.graph_destroy(g).unwrap();
     assert!(r.core.begin_sleep(named, SleepMode::Discard).is_ok());
 }
+
+/// After announcing a capture, its owner waits for the other streams with segments in the
+/// capture's pool (`streams_before_capture`): their queued work may still use blocks the
+/// capture can hand out. A block of the pool freed during the capture on a stream outside
+/// it is held back until the capture ends; one freed on the capture's stream is not.
+#[test]
+fn a_capture_names_its_pools_other_streams_and_holds_their_eager_frees_back() {
+    use gpualloc_devices::PoolOptions;
+    for conf in CONFIGS {
+        let mut r = rig(conf);
+        let s2 = r.sim.stream_create(D0).unwrap();
+        let named = r.core.create_named_pool("decode", PoolOptions::default());
+        let other = r.core.create_named_pool("other", PoolOptions::default());
+        // s0 and s1 have segments in the pool, s2 only in another pool and the default one.
+        let a = r.core.malloc_in(named, 4 * MIB, r.s0).unwrap();
+        let b = r.core.malloc_in(named, 4 * MIB, r.s1).unwrap();
+        let c = r.core.malloc_in(other, 4 * MIB, s2).unwrap();
+        let d = r.core.malloc(4 * MIB, s2).unwrap();
+        r.sim
+            .stream_begin_capture(r.s0, CaptureMode::Relaxed)
+            .unwrap();
+        let id = capture_id(&r.sim, r.s0);
+        assert!(
+            r.core.streams_before_capture(id).is_empty(),
+            "not announced"
+        );
+        r.core.begin_capture(id, named, r.s0).unwrap();
+        assert_eq!(r.core.streams_before_capture(id), vec![r.s1], "{conf}");
+        let active = |r: &Rig| r.core.stats().active_bytes[0].current;
+        let before = active(&r);
+        // s1's eager free is held back; s0's (the capture's) and the other pools' are not.
+        r.core.free(b.ptr).unwrap();
+        assert_eq!(active(&r), before, "{conf}: s1's free was made");
+        for x in [a, c, d] {
+            r.core.free(x.ptr).unwrap();
+        }
+        assert_eq!(active(&r), before - 3 * a.block_size, "{conf}");
+        r.core.end_capture(id).unwrap();
+        let g = r.sim.stream_end_capture(r.s0).unwrap();
+        r.sim.graph_destroy(g).unwrap();
+        assert_eq!(active(&r), 0, "{conf}: made at the capture's end");
+        assert!(r.core.streams_before_capture(id).is_empty(), "ended");
+        r.core.check_invariants().unwrap();
+    }
+}
