@@ -29,9 +29,13 @@
 //! A capture begins once the work queued on its stream has run (awaited, as PyTorch's
 //! `torch.cuda.graph` synchronizes the device before it): a block freed on the stream may
 //! serve the capture, and the graph, launched on any stream, must not write it while that
-//! work still uses it. (A stream that joins the capture later, through an event, is not
-//! waited for: a block freed on it with its work still queued should not serve the capture;
-//! wait for that stream before joining it.)
+//! work still uses it. The same holds for a stream that joins the capture later (through an
+//! event) and gets its own free blocks of the pool there: once the capture is announced,
+//! `begin_capture` also waits for the queued work of every other stream with segments in the
+//! pool, and until the capture ends a free of the pool's blocks on a stream outside it is
+//! held back (made when the capture ends). Not covered: a buffer allocated from the pool on
+//! such a stream during the capture and freed after that stream joined it (its eager work is
+//! the user's to order, as with a pool PyTorch uses both eagerly and for captures).
 //!
 //! While a capture is under way (PyTorch's rules, `gpualloc_devices`' `pools/capture.rs`):
 //! allocations on the capturing stream, and on streams that joined the capture through an
