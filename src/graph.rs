@@ -73,7 +73,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use gpualloc_devices::{free_detached, AllocError, MemPoolId};
 use gpualloc_runtime::capture::{CaptureMode, GraphExecHandle};
-use gpualloc_runtime::{DeviceId, EventHandle, Stream, StreamHandle};
+use gpualloc_runtime::{Backend, DeviceId, EventHandle, Stream, StreamHandle};
 
 use crate::actor::DeviceActor;
 use crate::{Allocator, Error, Pool};
@@ -232,9 +232,7 @@ async fn begin(
     // the graph, launched on any stream, must not write it while that work still uses it.
     // (On a stream that captures already, the backend refuses the begin below; an event
     // recorded there would be the other capture's.)
-    if !backend.stream_capture_status(h)?.is_capturing() {
-        stream.completed().await?;
-    }
+    completed_unless_capturing(backend.as_ref(), stream).await?;
     // No page release that would synchronize the stream starts from now, and none is in
     // flight when the backend's capture begins (`DeviceCore::prepare_capture`).
     let prepared = Prepared(actor.clone(), h);
@@ -290,12 +288,7 @@ async fn begin(
                 })
                 .await?;
             for other in others {
-                if !backend
-                    .stream_capture_status(other.handle())?
-                    .is_capturing()
-                {
-                    other.completed().await?;
-                }
+                completed_unless_capturing(backend.as_ref(), &other).await?;
             }
             Ok(capture)
         }
@@ -304,6 +297,18 @@ async fn begin(
             Err(e)
         }
     }
+}
+
+/// Waits until the work queued on `stream` so far has run, unless it captures (an event
+/// recorded there would be its capture's, and its work does not run until a launch).
+async fn completed_unless_capturing(backend: &dyn Backend, stream: &Stream) -> Result<(), Error> {
+    if !backend
+        .stream_capture_status(stream.handle())?
+        .is_capturing()
+    {
+        stream.completed().await?;
+    }
+    Ok(())
 }
 
 /// How long `begin` waits before asking the core again whether a page release of the stream

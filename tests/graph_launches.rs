@@ -36,6 +36,22 @@ fn slow_fill(sim: &SimBackend, s: &Stream, p: DevicePtr, len: u64, v: u8, dur: D
     .unwrap();
 }
 
+/// Fills `len` bytes at `p` with 5 on `s`, then reads them back in a 300 ms kernel there
+/// that fails (`kernel_failures`) if they changed meanwhile.
+fn fill_then_read_slowly(sim: &SimBackend, s: &Stream, p: DevicePtr, len: u64) {
+    slow_fill(sim, s, p, len, 5, Duration::ZERO);
+    sim.launch_kernel_touching(
+        s.handle(),
+        Duration::from_millis(300),
+        &[(p, len)],
+        move |m| {
+            assert!(m.check(p, len, 5)?, "overwritten before it was read");
+            Ok(())
+        },
+    )
+    .unwrap();
+}
+
 /// What holds the pool a graph was captured into, for the test to drop.
 enum Holder {
     Graph(gpualloc::GraphPool),
@@ -371,17 +387,7 @@ async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_i
         // may serve the next request of the pool on s (stream order) ...
         let used = pool.malloc(len, &s).await.unwrap();
         let p = used.ptr();
-        slow_fill(&sim, &s, p, len, 5, Duration::ZERO);
-        sim.launch_kernel_touching(
-            s.handle(),
-            Duration::from_millis(300),
-            &[(p, len)],
-            move |m| {
-                assert!(m.check(p, len, 5)?, "overwritten before it was read");
-                Ok(())
-            },
-        )
-        .unwrap();
+        fill_then_read_slowly(&sim, &s, p, len);
         drop(used);
         // ... which a capture on s is, but the graph runs wherever it is launched.
         let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
@@ -418,17 +424,7 @@ async fn a_block_freed_on_a_stream_that_joins_a_capture_is_reused_only_after_its
         // A buffer of the pool, read by a slow kernel on j, and freed there.
         let used = pool.malloc(len, &j).await.unwrap();
         let p = used.ptr();
-        slow_fill(&sim, &j, p, len, 5, Duration::ZERO);
-        sim.launch_kernel_touching(
-            j.handle(),
-            Duration::from_millis(300),
-            &[(p, len)],
-            move |m| {
-                assert!(m.check(p, len, 5)?, "overwritten before it was read");
-                Ok(())
-            },
-        )
-        .unwrap();
+        fill_then_read_slowly(&sim, &j, p, len);
         drop(used);
         // A capture on s that j joins, and a request of j in it.
         let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
@@ -466,17 +462,7 @@ async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_capt
         // Eager work on j, beside the capture, with a buffer of the pool, freed there.
         let used = pool.malloc(len, &j).await.unwrap();
         let p = used.ptr();
-        slow_fill(&sim, &j, p, len, 5, Duration::ZERO);
-        sim.launch_kernel_touching(
-            j.handle(),
-            Duration::from_millis(300),
-            &[(p, len)],
-            move |m| {
-                assert!(m.check(p, len, 5)?, "overwritten before it was read");
-                Ok(())
-            },
-        )
-        .unwrap();
+        fill_then_read_slowly(&sim, &j, p, len);
         drop(used);
         // j joins the capture: its request there gets other memory.
         j.wait_event(&s.record_event().unwrap()).unwrap();

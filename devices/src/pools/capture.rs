@@ -284,18 +284,15 @@ impl DeviceCore {
         }
     }
 
-    /// True when a stream block `id` was used on is capturing now (a capture the owner may
-    /// not have announced), or its owner prepares a capture on it (the backend's begin may
-    /// run between this check and the event's record, on the owner's thread): no event may
-    /// be recorded there.
+    /// True when a stream block `id` was used on is part of a capture
+    /// ([`DeviceCore::stream_captures`]: one the owner may not have announced, or one it
+    /// prepares, whose begin may run between this check and the event's record on the
+    /// owner's thread): no event may be recorded there.
     pub(crate) fn uses_capturing(&self, id: BlockId) -> bool {
-        let uses = self.blocks.get(id).stream_uses();
-        uses.iter().any(|s| self.captures.preparing(*s))
-            || (self.backend.capture_may_be_underway()
-                && uses.iter().any(|s| {
-                    self.backend
-                        .stream_capture_status(*s)
-                        .is_ok_and(|c| c.is_capturing())
-                }))
+        self.blocks
+            .get(id)
+            .stream_uses()
+            .iter()
+            .any(|s| self.stream_captures(*s))
     }
 }
