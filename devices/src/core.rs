@@ -38,6 +38,7 @@ use crate::ledger::history::History;
 use crate::ledger::observer::SegmentObserver;
 use crate::ledger::stats::DeviceStats;
 use crate::malloc::callbacks::FreeMemoryCallbacks;
+use crate::malloc::spill_state::SpillState;
 use crate::pools::capture_state::Captures;
 use crate::pools::private::PrivatePools;
 use crate::streams::loan_table::Loans;
@@ -128,6 +129,8 @@ pub struct DeviceCore {
     pub(crate) captures: Captures,
     /// Allocations lent to another stream than their block's (`streams/loans.rs`).
     pub(crate) loans: Loans,
+    /// What the spill decides by (`malloc/spill_state.rs`).
+    pub(crate) spill: SpillState,
     pub(crate) shut_down: bool,
     #[cfg(feature = "rule-knobs")]
     pub(crate) knobs: RuleKnobs,
@@ -186,6 +189,7 @@ impl DeviceCore {
             cross_stream: CrossStreamLog::default(),
             captures: Captures::default(),
             loans: Loans::default(),
+            spill: SpillState::default(),
             shut_down: false,
             #[cfg(feature = "rule-knobs")]
             knobs: RuleKnobs::default(),

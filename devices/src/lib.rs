@@ -28,7 +28,7 @@ mod streams;
 // The public modules, at the paths they had before the core's folders.
 pub use config::{policy, sizes};
 pub use ledger::{snapshot, snapshot_pickle, stats, trace};
-pub use malloc::{map_ahead, placement};
+pub use malloc::{map_ahead, placement, spill};
 pub use streams::orphans;
 
 #[cfg(feature = "rule-knobs")]

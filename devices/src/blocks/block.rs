@@ -66,6 +66,8 @@ pub(crate) struct Block {
     /// Mapped by a growth, and no request has taken from it since: a tail for the placement
     /// rule (`placement.rs`) even where the growth filled the gap behind it.
     fresh: bool,
+    /// The allocation count when the block was last handed out (`malloc/spill_state.rs`).
+    born: u64,
 }
 
 impl Block {
@@ -98,6 +100,7 @@ impl Block {
             mapped: true,
             expandable: false,
             fresh: false,
+            born: 0,
         }
     }
 
@@ -209,7 +212,7 @@ impl Block {
 
     /// Hands the free block to a user who asked for `requested` bytes.
     #[inline]
-    pub fn allocate(&mut self, requested: u64) {
+    pub fn allocate(&mut self, requested: u64, born: u64) {
         debug_assert_eq!(
             self.state,
             BlockState::Free,
@@ -218,6 +221,13 @@ impl Block {
         self.state = BlockState::Allocated;
         self.requested = requested;
         self.fresh = false;
+        self.born = born;
+    }
+
+    /// The allocation count when the block was last handed out.
+    #[inline]
+    pub fn born(&self) -> u64 {
+        self.born
     }
 
     /// The user freed the block: it waits for its streams' events before it is cached.
@@ -429,6 +439,7 @@ impl BlockArena {
             mapped: found.mapped,
             expandable: found.expandable,
             fresh: false,
+            born: 0,
         };
         let prev = found.prev;
         let front_id = self.insert(front);

@@ -10,7 +10,7 @@ pub(crate) mod release;
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
-use crate::core::{Allocation, DeviceCore};
+use crate::core::{Allocation, DeviceCore, LARGE_POOL};
 use crate::error::AllocError;
 use crate::ledger::books::Counted;
 use crate::ledger::trace::TraceAction;
@@ -53,7 +53,13 @@ impl DeviceCore {
             block.pool(),
         );
         let has_uses = !block.stream_uses().is_empty();
+        let born = block.born();
         let small = self.pools[pool].is_small;
+        // The default pools' blocks teach the spill (`malloc/spill.rs`); `learn` keeps small
+        // sizes only (its bounds check is the size test).
+        if pool <= LARGE_POOL {
+            self.spill.learn(size, born);
+        }
         self.book_freed(pool, small, size);
         self.record(TraceAction::FreeRequested, ptr.0, requested, stream.raw);
         if self.config.debug_cross_stream_frees

@@ -5,7 +5,7 @@
 //! usage of the private pool they belong to. Nothing outside `ledger/` writes the statistics
 //! (`devices/tests/module_arrows.rs` checks): a counter PyTorch keeps is changed in one place.
 
-use crate::core::DeviceCore;
+use crate::core::{DeviceCore, SMALL_POOL};
 use crate::expandable::segment::Booking;
 use crate::ledger::stats::{for_pool, Stat, StatArray};
 
@@ -137,6 +137,9 @@ impl DeviceCore {
         };
         for_pool(&mut self.stats.segment, small, |s| change(s, 1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| change(s, size));
+        if pool == SMALL_POOL {
+            self.spill.small_pool_changed(size, added);
+        }
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.segments, small, |s| change(s, 1));
             for_pool(&mut u.reserved, small, |s| change(s, size));
@@ -155,6 +158,10 @@ impl DeviceCore {
             Booking::Restored => s.undo_decrease(len),
         };
         for_pool(&mut self.stats.reserved_bytes, small, change);
+        if pool == SMALL_POOL {
+            self.spill
+                .small_pool_changed(len, !matches!(booking, Booking::Released));
+        }
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.reserved, small, change);
         }

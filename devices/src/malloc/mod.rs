@@ -9,6 +9,8 @@ pub mod map_ahead;
 pub(crate) mod oom;
 pub mod placement;
 pub(crate) mod segment_request;
+pub mod spill;
+pub(crate) mod spill_state;
 
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
@@ -306,7 +308,7 @@ impl DeviceCore {
             self.book_inactive_split_shrank(small, 1, found.size());
         }
         let block = self.blocks.get_mut(id);
-        block.allocate(requested);
+        block.allocate(requested, self.spill.tick());
         let (addr, bsize, stream, pool) =
             (block.addr(), block.size(), block.stream(), block.pool());
         self.active.insert(addr, id);

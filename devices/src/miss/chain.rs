@@ -31,6 +31,9 @@ pub(crate) enum Link {
     AdoptOrphan,
     /// A free block of another stream, lent after that stream's work (`streams/loans.rs`).
     BorrowFree,
+    /// A short-lived small request in the default large pool's free memory
+    /// (`malloc/spill.rs`).
+    SpillSmall,
     /// A new segment, or the pages of an expandable segment (PyTorch's `alloc_block`).
     AllocBlock { retry: bool, when: When },
     /// A block the `gpualloc` policy passed over.
@@ -75,6 +78,7 @@ pub(crate) const CHAIN: &[Link] = &[
     // Every request from here.
     AdoptOrphan,
     BorrowFree,
+    SpillSmall,
     ReleaseBeforeGrowth,
     AllocBlock {
         retry: false,
@@ -211,6 +215,7 @@ impl DeviceCore {
                 }
                 self.alloc_block_step(params, miss.off_core)
             }
+            SpillSmall => found_if(self.spill_small(params)),
             TakePassedOver => found_if(self.take_passed_over(params)),
             PrivatePoolOnOom => found_if(self.use_private_pool_on_oom(params)),
             ReleaseOversize => {

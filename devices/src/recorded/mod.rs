@@ -446,7 +446,9 @@ impl DeviceCore {
             self.pools[pool].file_free(self.blocks.get(rest), rest);
         }
         let small = self.pools[pool].is_small;
-        self.blocks.get_mut(range).allocate(requested);
+        self.blocks
+            .get_mut(range)
+            .allocate(requested, self.spill.tick());
         self.active.insert(addr, range);
         self.book_allocated(pool, small, size, requested);
     }

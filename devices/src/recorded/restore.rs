@@ -115,7 +115,7 @@ impl DeviceCore {
             prev = Some(id);
             match requested {
                 Some(req) => {
-                    self.blocks.get_mut(id).allocate(req);
+                    self.blocks.get_mut(id).allocate(req, self.spill.tick());
                     self.active.insert(shift(addr), id);
                     self.book_allocated(pool, small, bsize, req);
                 }

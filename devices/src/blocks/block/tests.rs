@@ -111,7 +111,7 @@ fn a_blocks_life_steps() {
             ..b.stream()
         },
     );
-    b.allocate(0xf0);
+    b.allocate(0xf0, 1);
     assert_eq!((b.state(), b.requested()), (BlockState::Allocated, 0xf0));
     assert!(!b.record_use(own), "the block's own stream is no use");
     assert!(b.record_use(other));

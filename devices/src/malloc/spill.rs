@@ -1,0 +1,75 @@
+//! The `gpualloc` policy's spill: a small request that misses the default small pool takes a
+//! free block of the default large pool's expandable segment instead of a new small page,
+//! when its size is known to be short-lived.
+//!
+//! PyTorch keeps the pools apart: blocks of 1 MiB or less come from 2 MiB small-pool pages,
+//! the rest from the large pool, and neither pool's free memory serves the other. A job whose
+//! small temporaries peak while its large blocks are low (a CNN's 1 MiB workspaces between
+//! layers) then holds the small pool's extra page all run, beside the large pool's peak:
+//! cnn-counterfactual-small reserves 108 MiB where its two pools' own peaks need 106.
+//!
+//! The rule: on a miss of the default small pool (nothing free there on the request's stream)
+//! where a new small page would pass the most the small pool ever held, a request whose
+//! size's last block lived at most [`SPILL_LIFETIME`] allocations (`spill_state.rs`: learned
+//! from the frees of both default pools) takes the best fit among the free mapped blocks of the
+//! default large pool's expandable segments on its stream, split to its size; freed, the block
+//! goes back to the large pool and merges there. Within the small pool's mark (its pages given
+//! to a growth of the large pool by the page move before it, `miss/chain.rs`) the small pool
+//! grows back as before: spilling there put a step's small temporaries in the large pool's
+//! holes at different places each step, and a repeated step of mixed sizes
+//! (`devices/tests/placement.rs`) reserved 98 MiB instead of 94 and mapped pages until its
+//! third step. A size never freed
+//! yet does not spill: long-lived small blocks (a model's biases and norms, kept activations)
+//! in the large pool's holes pin them, and a later large request that the hole with its
+//! neighbour would have held maps new pages instead (spilling every small miss measured
+//! transformer-lm-forward-bf16 at 780 MiB instead of 756, BENCHMARKS.md).
+//!
+//! Not during a stream capture (a capture's requests are its graph pool's), not for private
+//! pools (their memory is their own), not with ordinary segments (a block of a 20 MiB
+//! `cudaMalloc` segment would keep the segment from `empty_cache` for a 512-byte tensor), and
+//! not under PyTorch's policy. A spilled block is a large-pool block: its statistics count
+//! in `large_pool`, and [`crate::Allocation::small_pool`] is false.
+
+use crate::blocks::pool::key;
+use crate::config::sizes::SMALL_BUFFER;
+use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
+
+/// A small size spills only if its last block lived at most this many allocations (of any
+/// pool). Measured on the shared traces (default config): 20, 200 and 1,000 give the same
+/// peaks; 5,000 or no bound lower llama-lora-finetune by 2 MiB more (0.46% against 0.50%). The
+/// bound keeps a size that turned long-lived (a kept activation) out of the large pool's holes.
+pub const SPILL_LIFETIME: u64 = 1_000;
+
+impl DeviceCore {
+    /// The spill (see the module docs): true when `params` now holds a free block of the
+    /// default large pool (taken out of its pool, `params.pool` set to it).
+    pub(crate) fn spill_small(&mut self, params: &mut AllocParams) -> bool {
+        if params.pool != SMALL_POOL
+            || !self.config.policy.spills_small_requests()
+            || !self.captures.is_quiet()
+            || !self.spill.small_pool_passes_most(SMALL_BUFFER)
+            || self
+                .spill
+                .last(params.size)
+                .is_none_or(|l| l > SPILL_LIFETIME)
+        {
+            return false;
+        }
+        let stream = params.stream.raw;
+        let blocks = &self.blocks;
+        // Best fit: the free tree is ordered by stream, size, address. Only blocks of an
+        // expandable segment: ordinary segments are left out (module docs).
+        let found = self.pools[LARGE_POOL]
+            .free_range(key(stream, params.size, 0)..)
+            .take_while(|(k, _)| k.0 == stream)
+            .map(|(_, id)| *id)
+            .find(|&id| blocks.get(id).expandable());
+        let Some(id) = found else {
+            return false;
+        };
+        self.pools[LARGE_POOL].unfile_free(self.blocks.get(id));
+        params.pool = LARGE_POOL;
+        params.block = Some(id);
+        true
+    }
+}

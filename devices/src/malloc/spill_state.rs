@@ -1,0 +1,109 @@
+//! What the `gpualloc` policy's spill (`spill.rs`) decides by: how long the last block of each
+//! small size lived, counted in allocations, and the bytes the default small pool holds
+//! against the most it ever held.
+
+use crate::config::sizes::{MIN_BLOCK_SIZE, SMALL_SIZE};
+
+/// A size whose last block has not been freed yet.
+const UNKNOWN: u32 = u32::MAX;
+
+/// See the module docs (leaf).
+#[derive(Debug)]
+pub(crate) struct SpillState {
+    /// Allocations handed out so far.
+    clock: u64,
+    /// The last lifetime by block size, in `MIN_BLOCK_SIZE` steps up to `SMALL_SIZE`.
+    last: Vec<u32>,
+    /// Bytes the default small pool holds (its segments and mapped pages).
+    small_held: u64,
+    /// The most it ever held (no statistics reset lowers it).
+    small_most: u64,
+}
+
+impl Default for SpillState {
+    fn default() -> Self {
+        SpillState {
+            clock: 0,
+            last: vec![UNKNOWN; (SMALL_SIZE / MIN_BLOCK_SIZE) as usize + 1],
+            small_held: 0,
+            small_most: 0,
+        }
+    }
+}
+
+impl SpillState {
+    /// One more allocation: its birth stamp.
+    #[inline]
+    pub fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// A block of `size` bytes born at `born` is freed now (sizes over `SMALL_SIZE` are not
+    /// kept).
+    #[inline]
+    pub fn learn(&mut self, size: u64, born: u64) {
+        if let Some(slot) = self.last.get_mut((size / MIN_BLOCK_SIZE) as usize) {
+            *slot = self.clock.saturating_sub(born).min(u64::from(UNKNOWN - 1)) as u32;
+        }
+    }
+
+    /// How many allocations the last freed block of `size` bytes lived; `None` before one was
+    /// freed.
+    pub fn last(&self, size: u64) -> Option<u64> {
+        match self.last.get((size / MIN_BLOCK_SIZE) as usize) {
+            Some(&l) if l != UNKNOWN => Some(u64::from(l)),
+            _ => None,
+        }
+    }
+
+    /// The default small pool now holds `bytes` more (`added`) or fewer.
+    pub fn small_pool_changed(&mut self, bytes: u64, added: bool) {
+        if added {
+            self.small_held += bytes;
+            self.small_most = self.small_most.max(self.small_held);
+        } else {
+            self.small_held = self.small_held.saturating_sub(bytes);
+        }
+    }
+
+    /// Whether `bytes` more in the default small pool would pass the most it ever held.
+    pub fn small_pool_passes_most(&self, bytes: u64) -> bool {
+        self.small_held + bytes > self.small_most
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lifetime_is_the_allocations_between_birth_and_free() {
+        let mut s = SpillState::default();
+        assert_eq!(s.last(512), None);
+        let born = s.tick();
+        s.tick();
+        s.tick();
+        s.learn(512, born);
+        assert_eq!(s.last(512), Some(2));
+        assert_eq!(s.last(1024), None, "each size its own");
+        let now = s.tick();
+        s.learn(SMALL_SIZE, now);
+        assert_eq!(s.last(SMALL_SIZE), Some(0));
+        s.learn(SMALL_SIZE + MIN_BLOCK_SIZE, born);
+        assert_eq!(s.last(SMALL_SIZE + MIN_BLOCK_SIZE), None, "not kept");
+    }
+
+    #[test]
+    fn the_small_pools_mark_is_the_most_it_ever_held() {
+        let mut s = SpillState::default();
+        s.small_pool_changed(4 << 20, true);
+        assert!(!s.small_pool_passes_most(0));
+        assert!(s.small_pool_passes_most(1));
+        s.small_pool_changed(2 << 20, false);
+        assert!(!s.small_pool_passes_most(2 << 20));
+        assert!(s.small_pool_passes_most((2 << 20) + 1));
+        s.small_pool_changed(2 << 20, true);
+        assert!(s.small_pool_passes_most(1));
+    }
+}

@@ -1,0 +1,159 @@
+//! The `gpualloc` policy's spill (`malloc/spill.rs`): a small request that misses the default
+//! small pool, where a new small page would pass the most that pool ever held, takes a free
+//! block of the default large pool's expandable segment, when its size's last block lived at
+//! most `SPILL_LIFETIME` allocations; never under PyTorch's policy.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::rig;
+use gpualloc_accounting::AccountingBackend;
+use gpualloc_devices::spill::SPILL_LIFETIME;
+use gpualloc_devices::DeviceCore;
+use gpualloc_runtime::StreamHandle;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const EXPANDABLE: &str = "expandable_segments:True";
+
+/// A core whose large pool holds a free 10 MiB block (and more mapped ahead), whose small
+/// pool's one 2 MiB page is full (two live 1 MiB blocks, returned), and which has seen a
+/// 1 MiB block live for no other allocation.
+type Rig = (Arc<AccountingBackend>, DeviceCore, StreamHandle);
+
+fn small_pool_full(conf: &str) -> (Rig, Vec<u64>) {
+    let (backend, mut core, s) = rig(1 << 40, conf);
+    let big = core.malloc(10 * MIB, s).unwrap();
+    core.free(big.ptr).unwrap();
+    let once = core.malloc(MIB, s).unwrap();
+    core.free(once.ptr).unwrap();
+    let live = [core.malloc(MIB, s).unwrap(), core.malloc(MIB, s).unwrap()];
+    assert!(live.iter().all(|a| a.small_pool));
+    let ptrs = live.iter().map(|a| a.ptr.0).collect();
+    ((backend, core, s), ptrs)
+}
+
+fn calls(b: &AccountingBackend) -> (u64, u64, u64) {
+    let c = b.counts();
+    (c.mallocs, c.maps, c.unmaps)
+}
+
+#[test]
+fn a_short_lived_small_size_past_the_small_pools_mark_takes_large_pool_memory() {
+    let ((backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
+    let (before, reserved) = (calls(&backend), core.reserved_bytes());
+    let large_free = core.stats().inactive_split_bytes.large().current;
+    let spilled = core.malloc(MIB, s).unwrap();
+    assert!(!spilled.small_pool, "a large-pool block");
+    assert_eq!(spilled.block_size, MIB, "split to its size");
+    assert_eq!(calls(&backend), before, "no driver call");
+    assert_eq!(core.reserved_bytes(), reserved);
+    assert_eq!(core.stats().allocated_bytes.large().current, MIB);
+    core.check_invariants().unwrap();
+    // Freed, it merges back: the large pool's 10 MiB serve a 10 MiB request with no call.
+    core.free(spilled.ptr).unwrap();
+    assert_eq!(
+        core.stats().inactive_split_bytes.large().current,
+        large_free
+    );
+    let big = core.malloc(10 * MIB, s).unwrap();
+    assert_eq!(calls(&backend), before);
+    core.free(big.ptr).unwrap();
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_size_never_freed_grows_the_small_pool() {
+    let ((backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
+    let maps = backend.counts().maps;
+    let a = core.malloc(768 * KIB, s).unwrap();
+    assert!(a.small_pool);
+    assert_eq!(backend.counts().maps, maps + 1, "a new small page");
+}
+
+#[test]
+fn a_size_that_lived_long_grows_the_small_pool() {
+    let ((backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
+    // A 512 KiB block lives across `SPILL_LIFETIME` + 1 other allocations.
+    let long = core.malloc(512 * KIB, s).unwrap();
+    assert!(long.small_pool, "the small pool's second page");
+    for _ in 0..=SPILL_LIFETIME {
+        let t = core.malloc(4 * KIB, s).unwrap();
+        core.free(t.ptr).unwrap();
+    }
+    core.free(long.ptr).unwrap();
+    // Fill the second page, then ask for 512 KiB again.
+    let fill = [core.malloc(MIB, s).unwrap(), core.malloc(MIB, s).unwrap()];
+    assert!(fill.iter().all(|a| a.small_pool));
+    let maps = backend.counts().maps;
+    let a = core.malloc(512 * KIB, s).unwrap();
+    assert!(a.small_pool);
+    assert_eq!(backend.counts().maps, maps + 1);
+}
+
+#[test]
+fn within_the_small_pools_mark_the_small_pool_grows_back() {
+    let ((backend, mut core, s), live) = small_pool_full(EXPANDABLE);
+    for p in live {
+        core.free(gpualloc_runtime::DevicePtr(p)).unwrap();
+    }
+    core.empty_cache().unwrap();
+    assert_eq!(core.reserved_bytes(), 0);
+    let big = core.malloc(10 * MIB, s).unwrap();
+    core.free(big.ptr).unwrap();
+    let maps = backend.counts().maps;
+    // The small pool held 2 MiB once: its page comes back.
+    let a = core.malloc(MIB, s).unwrap();
+    assert!(a.small_pool);
+    assert_eq!(backend.counts().maps, maps + 1);
+}
+
+#[test]
+fn pytorchs_policy_and_ordinary_segments_never_spill() {
+    for conf in [
+        "policy:pytorch,expandable_segments:True",
+        "expandable_segments:False",
+    ] {
+        let ((_backend, mut core, s), _live) = small_pool_full(conf);
+        let a = core.malloc(MIB, s).unwrap();
+        assert!(a.small_pool, "[{conf}]");
+    }
+}
+
+/// One step of a CNN-like job: a large activation with small workspaces beside it, the
+/// workspaces freed, then the large peak with one workspace. The first step has one workspace
+/// (the small pool holds one page, room for two); from the second on, three at once.
+fn step(core: &mut DeviceCore, s: StreamHandle, workspaces: usize) -> Vec<bool> {
+    let act = core.malloc(12 * MIB, s).unwrap();
+    let ws: Vec<_> = (0..workspaces)
+        .map(|_| core.malloc(MIB, s).unwrap())
+        .collect();
+    let pools = ws.iter().map(|a| a.small_pool).collect();
+    for w in ws {
+        core.free(w.ptr).unwrap();
+    }
+    core.free(act.ptr).unwrap();
+    let peak = core.malloc(16 * MIB, s).unwrap();
+    let w = core.malloc(MIB, s).unwrap();
+    core.free(w.ptr).unwrap();
+    core.free(peak.ptr).unwrap();
+    core.check_invariants().unwrap();
+    pools
+}
+
+#[test]
+fn a_repeated_step_with_spills_makes_no_driver_call() {
+    let (backend, mut core, s) = rig(1 << 40, EXPANDABLE);
+    assert_eq!(step(&mut core, s, 1), [true]);
+    // Past the small pool's one page: the third workspace spills.
+    assert_eq!(step(&mut core, s, 3), [true, true, false]);
+    let (before, reserved) = (calls(&backend), core.reserved_bytes());
+    for _ in 0..5 {
+        assert_eq!(step(&mut core, s, 3), [true, true, false]);
+    }
+    assert_eq!(calls(&backend), before, "no driver call in a repeated step");
+    assert_eq!(core.reserved_bytes(), reserved);
+    // The small pool never grew past its one page.
+    assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
+}

@@ -1,0 +1,71 @@
+//! The spill (the `gpualloc` policy: a small request past the most the small pool ever held,
+//! of a size seen short-lived, takes free memory of the large pool's expandable segment), used
+//! as a user would: the public API only, on the sim, every buffer's bytes checked while the
+//! spilled workspaces sit beside the large activation.
+
+mod common;
+
+use common::{build, fill_mib, read_mib, sim, MIB};
+use gpualloc::runtime::sim::SimBackend;
+use gpualloc::{Allocator, DeviceBuffer, DeviceId, Stream};
+
+/// Fills every buffer with its own byte, then reads each back.
+fn fill_and_check(sim: &SimBackend, stream: &Stream, bufs: &[&DeviceBuffer]) {
+    for (i, b) in bufs.iter().enumerate() {
+        fill_mib(sim, stream, b.ptr(), 0x10 + i as u8);
+    }
+    for (i, b) in bufs.iter().enumerate() {
+        let bytes = read_mib(sim, stream, b.ptr());
+        assert!(bytes.iter().all(|&x| x == 0x10 + i as u8), "buffer {i}");
+    }
+}
+
+/// A CNN-like step: a 12 MiB activation with `workspaces` 1 MiB workspaces beside it, all
+/// checked, the workspaces dropped, then a 16 MiB peak with one workspace. Returns the bytes
+/// the small pool and the whole device hold at the end.
+async fn step(
+    alloc: &Allocator,
+    sim: &SimBackend,
+    stream: &Stream,
+    workspaces: usize,
+) -> (u64, u64) {
+    let act = alloc.malloc(12 * MIB, stream).await.unwrap();
+    let mut ws = Vec::new();
+    for _ in 0..workspaces {
+        ws.push(alloc.malloc(MIB, stream).await.unwrap());
+    }
+    let mut all: Vec<&DeviceBuffer> = ws.iter().collect();
+    all.push(&act);
+    fill_and_check(sim, stream, &all);
+    drop(ws);
+    drop(act);
+    let peak = alloc.malloc(16 * MIB, stream).await.unwrap();
+    let w = alloc.malloc(MIB, stream).await.unwrap();
+    fill_and_check(sim, stream, &[&peak, &w]);
+    drop((peak, w));
+    let st = alloc.stats(DeviceId(0)).await.unwrap();
+    (st.reserved_bytes[1].current, st.reserved_bytes[0].current)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spilled_workspaces_keep_their_bytes_and_the_small_pool_its_one_page() {
+    for (conf, small_pool) in [
+        ("", 2 * MIB),
+        ("expandable_segments:True,thread_cache:False", 2 * MIB),
+        ("garbage_collection_threshold:0.8", 2 * MIB),
+        // PyTorch's policy grows the small pool for the third workspace.
+        ("policy:pytorch,expandable_segments:True", 4 * MIB),
+    ] {
+        let sim = sim(4 << 30);
+        let alloc = build(sim.clone(), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        step(&alloc, &sim, &stream, 1).await;
+        step(&alloc, &sim, &stream, 3).await;
+        let warm = step(&alloc, &sim, &stream, 3).await;
+        for _ in 0..3 {
+            assert_eq!(step(&alloc, &sim, &stream, 3).await, warm, "[{conf}]");
+        }
+        assert_eq!(warm.0, small_pool, "[{conf}]");
+        alloc.shutdown().await.unwrap();
+    }
+}
