@@ -137,9 +137,6 @@ impl DeviceCore {
         };
         for_pool(&mut self.stats.segment, small, |s| change(s, 1));
         for_pool(&mut self.stats.reserved_bytes, small, |s| change(s, size));
-        if pool == SMALL_POOL {
-            self.spill.small_pool_changed(size, added);
-        }
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.segments, small, |s| change(s, 1));
             for_pool(&mut u.reserved, small, |s| change(s, size));
@@ -158,6 +155,9 @@ impl DeviceCore {
             Booking::Restored => s.undo_decrease(len),
         };
         for_pool(&mut self.stats.reserved_bytes, small, change);
+        // The small pool's mark for the spill (`malloc/spill.rs`): it counts mapped pages
+        // only, since the spill needs expandable segments, and a config has them in both
+        // default pools or in neither.
         if pool == SMALL_POOL {
             self.spill
                 .small_pool_changed(len, !matches!(booking, Booking::Released));

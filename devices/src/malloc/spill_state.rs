@@ -14,7 +14,7 @@ pub(crate) struct SpillState {
     clock: u64,
     /// The last lifetime by block size, in `MIN_BLOCK_SIZE` steps up to `SMALL_SIZE`.
     last: Vec<u32>,
-    /// Bytes the default small pool holds (its segments and mapped pages).
+    /// Bytes the default small pool has mapped (its expandable segment's pages).
     small_held: u64,
     /// The most it ever held (no statistics reset lowers it).
     small_most: u64,
