@@ -487,6 +487,54 @@ async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_capt
     }
 }
 
+/// And for a block of the pool of another stream, allocated before the capture or eagerly
+/// while it is under way, used there after the capture began, and freed once that stream has
+/// joined the capture: the free is held back until the capture ends (the stream's work from
+/// before the join is not the graph's), so the capture's request on that stream gets other
+/// memory, and a launch of the graph does not write the block under that work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_freed_by_a_stream_after_it_joined_a_capture_waits_for_its_end() {
+    for conf in CONFIGS {
+        for before_the_capture in [false, true] {
+            let sim = sim(1 << 30);
+            let alloc = build(sim.clone(), conf);
+            let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+            let s = alloc.new_stream(D0).unwrap();
+            let j = alloc.new_stream(D0).unwrap();
+            let b = alloc.new_stream(D0).unwrap();
+            let len = 4 * MIB;
+            let early = match before_the_capture {
+                true => Some(pool.malloc(len, &j).await.unwrap()),
+                false => None,
+            };
+            let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+            // Eager work on j, beside the capture, with a buffer of the pool.
+            let used = match early {
+                Some(buf) => buf,
+                None => pool.malloc(len, &j).await.unwrap(),
+            };
+            let p = used.ptr();
+            fill_then_read_slowly(&sim, &j, p, len);
+            // j joins the capture, then frees the buffer and asks for as much there.
+            j.wait_event(&s.record_event().unwrap()).unwrap();
+            drop(used);
+            let scratch = alloc.malloc(len, &j).await.unwrap();
+            let q = scratch.ptr();
+            let case = format!("{conf}, allocated before the capture: {before_the_capture}");
+            assert!(apart(q, p, len), "{case}: the capture got j's eager block");
+            slow_fill(&sim, &j, q, len, 9, Duration::ZERO);
+            s.wait_event(&j.record_event().unwrap()).unwrap();
+            let graph = capture.end().await.unwrap();
+            graph.launch(&b).unwrap();
+            b.synchronize().unwrap();
+            j.synchronize().unwrap();
+            assert_eq!(sim.kernel_failures(), 0, "{case}");
+            drop((graph, scratch, pool));
+            alloc.shutdown().await.unwrap();
+        }
+    }
+}
+
 /// `shutdown` returns once every segment is back with the device: a graph pool's release
 /// frees its segments off the dropping thread, and may still be in a (slow) driver free when
 /// the user shuts down.

@@ -570,3 +570,57 @@ fn a_capture_names_its_pools_other_streams_and_holds_their_eager_frees_back() {
         r.core.check_invariants().unwrap();
     }
 }
+
+/// A block of the pool handed out to a stream before it joined the capture (during the
+/// capture, or before it began) is eager work's: freed after that stream joined, it is still
+/// held back until the capture ends, and the stream's request in the capture gets other
+/// memory. One handed out to it in the capture is not held back.
+#[test]
+fn a_block_handed_out_before_its_stream_joined_a_capture_is_held_back() {
+    use gpualloc_devices::PoolOptions;
+    for conf in CONFIGS {
+        for before_the_capture in [false, true] {
+            let mut r = rig(conf);
+            let named = r.core.create_named_pool("decode", PoolOptions::default());
+            let early = before_the_capture.then(|| r.core.malloc_in(named, 4 * MIB, r.s1).unwrap());
+            r.sim
+                .stream_begin_capture(r.s0, CaptureMode::Relaxed)
+                .unwrap();
+            let id = capture_id(&r.sim, r.s0);
+            r.core.begin_capture(id, named, r.s0).unwrap();
+            let eager = match early {
+                Some(a) => a,
+                None => r.core.malloc_in(named, 4 * MIB, r.s1).unwrap(),
+            };
+            // s1 joins the capture, then frees the eager block and asks for as much there.
+            let fork = r.sim.event_create(D0).unwrap();
+            r.sim.event_record(fork, r.s0).unwrap();
+            r.sim.stream_wait_event(r.s1, fork).unwrap();
+            let active = |r: &Rig| r.core.stats().active_bytes[0].current;
+            r.core.free(eager.ptr).unwrap();
+            let case = format!("{conf}, before the capture: {before_the_capture}");
+            assert_eq!(active(&r), 4 * MIB, "{case}: the free is held back");
+            let in_capture = r.core.malloc(4 * MIB, r.s1).unwrap();
+            assert_eq!(in_capture.pool, Some(named));
+            assert_ne!(
+                in_capture.ptr, eager.ptr,
+                "{case}: the capture got the eager block"
+            );
+            // Handed out in the capture: its free there is the graph's, made at once.
+            r.core.free(in_capture.ptr).unwrap();
+            assert_eq!(
+                active(&r),
+                4 * MIB,
+                "{case}: the capture's free was held back"
+            );
+            let join = r.sim.event_create(D0).unwrap();
+            r.sim.event_record(join, r.s1).unwrap();
+            r.sim.stream_wait_event(r.s0, join).unwrap();
+            r.core.end_capture(id).unwrap();
+            let g = r.sim.stream_end_capture(r.s0).unwrap();
+            r.sim.graph_destroy(g).unwrap();
+            assert_eq!(active(&r), 0, "{case}: made at the capture's end");
+            r.core.check_invariants().unwrap();
+        }
+    }
+}

@@ -367,9 +367,10 @@ pub const DEVIATIONS: &[Deviation] = &[
                    stream goes back to its pool at once, a capture's included",
         gpualloc: "after the capture is announced, it waits for the queued work of every other \
                     stream that has segments in the capture's pool; a free of a block of that \
-                    pool on a stream outside the capture is held back until the capture ends; a \
-                    stream that prepares a capture neither lends nor borrows, and a use on it \
-                    holds a free back",
+                    pool on a stream outside the capture is held back until the capture ends, \
+                    and so is the free, on a stream that joined the capture, of one handed out \
+                    to that stream before it joined; a stream that prepares a capture neither \
+                    lends nor borrows, and a use on it holds a free back",
         why: "a stream that joins the capture gets its own free blocks of the pool there, and \
                the graph runs wherever it is launched, unordered with that stream's work from \
                before the join; a named pool serves eager requests too; the core's check of a \
@@ -377,7 +378,9 @@ pub const DEVIATIONS: &[Deviation] = &[
         evidence: "`tests/graph_launches.rs`: a block freed on a stream with a 300 ms read queued, \
                     reused once that stream joined the capture, was overwritten by a launch \
                     before the read without the wait, and a block freed there during the \
-                    capture was handed to it without the hold; `devices/tests/loans.rs`, \
+                    capture was handed to it without the hold, as was one allocated there before \
+                    or during the capture, read there after its begin and freed after the stream \
+                    joined it; `devices/tests/loans.rs`, \
                     `devices/tests/capture.rs`; the stress test on the emulated driver: 1 failed \
                     run in 2 (60 seeds each, `expandable_segments:False`) before, 0 in 6 after",
     },

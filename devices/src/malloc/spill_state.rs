@@ -32,6 +32,12 @@ impl Default for SpillState {
 }
 
 impl SpillState {
+    /// The birth stamp the next allocation will get: a block handed out before now has a
+    /// lower one. Captures stamp their streams' joins with it (`pools/capture.rs`).
+    pub fn next_stamp(&self) -> u64 {
+        self.clock + 1
+    }
+
     /// One more allocation: its birth stamp.
     #[inline]
     pub fn tick(&mut self) -> u64 {
@@ -81,7 +87,9 @@ mod tests {
     fn a_lifetime_is_the_allocations_between_birth_and_free() {
         let mut s = SpillState::default();
         assert_eq!(s.last(512), None);
+        assert_eq!(s.next_stamp(), 1);
         let born = s.tick();
+        assert!(born < s.next_stamp());
         s.tick();
         s.tick();
         s.learn(512, born);

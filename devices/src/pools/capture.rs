@@ -89,7 +89,7 @@ impl DeviceCore {
         if stream.device != self.device {
             return false;
         }
-        match self.captures.join(capture, stream) {
+        match self.captures.join(capture, stream, self.spill.next_stamp()) {
             Some(pool) => {
                 self.private.route(stream.raw, pool);
                 true
@@ -209,13 +209,25 @@ impl DeviceCore {
     }
 
     /// True for a free of block `id` that a capture under way must not get: the block is of
-    /// a pool a capture fills, and its stream is outside every capture (its work is eager,
-    /// unordered with the graph's). Asked only while captures are under way.
+    /// a pool a capture fills, and either its stream is outside every capture (its work is
+    /// eager, unordered with the graph's), or the block was handed out before its stream
+    /// joined the capture (the stream's work from before the join is eager too: only the
+    /// queued work of the pool's streams at the capture's begin is waited for,
+    /// `streams_before_capture`). A join the core has not seen yet (it learns of one at the
+    /// stream's next request) counts as made just now. Asked only while captures are under way.
     pub(crate) fn eager_free_into_capture(&self, id: BlockId) -> bool {
         let b = self.blocks.get(id);
-        self.owner_of(b.pool())
+        if !self
+            .owner_of(b.pool())
             .is_some_and(|pool| self.captures.fills(pool.0))
-            && !self.stream_captures(b.stream())
+        {
+            return false;
+        }
+        if !self.stream_captures(b.stream()) {
+            return true;
+        }
+        let joined = self.captures.joined_at(b.stream()).unwrap_or(u64::MAX);
+        b.born() < joined
     }
 
     /// The capture announced as under way on `stream` (begun or joined there), if any.

@@ -10,12 +10,15 @@ use gpualloc_runtime::StreamHandle;
 use crate::blocks::block::BlockId;
 
 /// One announced capture: its id (the backend's), the private pool its allocations go to,
-/// and the streams routed there for it (the one it began on, and those that joined).
+/// and the streams routed there for it (the one it began on, and those that joined), with the
+/// stamp the core's next allocation had when each joined (0 for the one it began on: see
+/// `malloc/spill_state.rs`).
 #[derive(Debug, Clone)]
 pub(crate) struct Capture {
     pub id: u64,
     pub pool: u64,
     pub streams: Vec<StreamHandle>,
+    joined_at: Vec<u64>,
 }
 
 /// Captures under way and the frees they hold back.
@@ -47,6 +50,7 @@ impl Captures {
             id,
             pool,
             streams: vec![stream],
+            joined_at: vec![0],
         });
     }
 
@@ -80,13 +84,25 @@ impl Captures {
             .map(|c| c.id)
     }
 
-    /// `stream` joined capture `id`: its pool, if the capture is under way.
-    pub(crate) fn join(&mut self, id: u64, stream: StreamHandle) -> Option<u64> {
+    /// `stream` joined capture `id` when the next allocation's stamp was `clock` (or before:
+    /// the core learns of a join at the stream's next request): its pool, if the capture is
+    /// under way.
+    pub(crate) fn join(&mut self, id: u64, stream: StreamHandle, clock: u64) -> Option<u64> {
         let c = self.underway.iter_mut().find(|c| c.id == id)?;
         if !c.streams.contains(&stream) {
             c.streams.push(stream);
+            c.joined_at.push(clock);
         }
         Some(c.pool)
+    }
+
+    /// The next allocation's stamp when `stream` joined the capture under way on it (0 for
+    /// the stream it began on); `None` for a stream in no announced capture.
+    pub(crate) fn joined_at(&self, stream: StreamHandle) -> Option<u64> {
+        self.underway.iter().find_map(|c| {
+            let at = c.streams.iter().position(|s| *s == stream)?;
+            c.joined_at.get(at).copied()
+        })
     }
 
     /// Ends capture `id`, returning it.
@@ -149,9 +165,14 @@ mod tests {
         c.begin(7, 3, s(1));
         assert_eq!(c.get(7).map(|c| c.pool), Some(3));
         assert!(c.get(8).is_none());
-        assert_eq!(c.join(7, s(2)), Some(3));
-        assert_eq!(c.join(7, s(2)), Some(3));
-        assert_eq!(c.join(8, s(2)), None);
+        assert_eq!(c.join(7, s(2), 40), Some(3));
+        assert_eq!(c.join(7, s(2), 50), Some(3));
+        assert_eq!(c.join(8, s(3), 60), None);
+        assert_eq!(
+            (c.joined_at(s(1)), c.joined_at(s(2)), c.joined_at(s(3))),
+            (Some(0), Some(40), None),
+            "the first join counts"
+        );
         assert!(c.fills(3) && !c.fills(4));
         let ended = c.end(7).unwrap();
         assert_eq!(ended.streams, vec![s(1), s(2)]);
