@@ -46,11 +46,13 @@ impl SpillState {
     }
 
     /// A block of `size` bytes born at `born` is freed now (sizes over `SMALL_SIZE` are not
-    /// kept).
+    /// kept). On the hit path: the lifetime is taken modulo 2^32 (one subtraction), so a
+    /// block that lived 4 billion allocations or more may read as short-lived, or as unknown
+    /// (`u32::MAX`): the spill only places blocks, and either answer is safe.
     #[inline]
     pub fn learn(&mut self, size: u64, born: u64) {
         if let Some(slot) = self.last.get_mut((size / MIN_BLOCK_SIZE) as usize) {
-            *slot = self.clock.saturating_sub(born).min(u64::from(UNKNOWN - 1)) as u32;
+            *slot = (self.clock as u32).wrapping_sub(born as u32);
         }
     }
 
