@@ -4,13 +4,16 @@
 //! buffers (the copies awaited, or dropped unawaited), drop and replace streams while
 //! their buffers live, empty the cache, and capture graphs (into graph pools, or the task's
 //! named pool) that they launch on any of their streams and drop with their buffers in any
-//! order, on a device small enough to run out of memory often; in the second test each task
+//! order, export buffers to an importer in the same process (on the sim) that checks them
+//! and lets go by a release message or a silent drop, on a device small enough to run out of
+//! memory often; in the second test each task
 //! also allocates from a named pool of its own (half of them under a quota) and puts it to
 //! sleep with its data offloaded and wakes it. Checked
 //! throughout and at the end, in every config:
 //! - no two live buffers overlap;
 //! - every buffer holds the byte a kernel of its stream (or a pinned copy from the host) wrote
-//!   until it is freed, and a pinned copy to the host holds it too (a check
+//!   until it is freed, an importer's mapping of it too, until the importer lets go, and a
+//!   pinned copy to the host holds it too (a check
 //!   kernel on its stream, or on the stream it was used on, fails otherwise), across a sleep
 //!   and a wake of its pool too;
 //! - after the tasks end: nothing allocated, nothing reserved after `empty_cache`, no kernel
@@ -39,8 +42,11 @@ use std::time::{Duration, Instant};
 
 use common::{build, MIB};
 use gpualloc::devices::AllocError;
+use gpualloc::ipc::{
+    AsyncExportConn, AsyncImportConn, ExportId, ImportedBuffer, PeerPolicy, Received,
+};
 use gpualloc::runtime::sim::{KernelMemory, SimBackend, SimConfig};
-use gpualloc::runtime::Backend;
+use gpualloc::runtime::{Backend, DevicePtr};
 use gpualloc::{
     Allocator, BackendKind, CaptureMode, DeviceBuffer, DeviceId, Error, Graph, GraphPool,
     MallocOptions, Pool, PoolOptions, SleepMode, Stream,
@@ -111,7 +117,11 @@ impl Live {
     }
 
     fn release(&self, buf: &DeviceBuffer) {
-        self.0.lock().unwrap().remove(&buf.ptr().0);
+        self.release_at(buf.ptr());
+    }
+
+    fn release_at(&self, p: DevicePtr) {
+        self.0.lock().unwrap().remove(&p.0);
     }
 }
 
@@ -207,6 +217,91 @@ impl Captured {
     }
 }
 
+/// Buffers a task exported to an importer in the same process (on the sim, which opens its
+/// own IPC handles): both ends of the connection and what the importer holds, each with the
+/// exporter's pointer (its live range until the importer lets go) and the byte it holds.
+struct Exports {
+    exp: AsyncExportConn,
+    imp: AsyncImportConn,
+    imported: Vec<(ImportedBuffer, DevicePtr, u8)>,
+}
+
+impl Exports {
+    async fn new(alloc: &Allocator) -> Exports {
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        let backend = alloc.backend().clone();
+        let policy = PeerPolicy::default();
+        let exp = AsyncExportConn::new(a, &policy, backend.clone())
+            .await
+            .unwrap();
+        let imp = AsyncImportConn::new(b, &policy, backend, DeviceId(0))
+            .await
+            .unwrap();
+        Exports {
+            exp,
+            imp,
+            imported: Vec::new(),
+        }
+    }
+
+    /// Exports `h`'s buffer (it stays allocated while imported) and imports it: the importer's
+    /// mapping holds the byte (the exporter synchronized the buffer's stream before sending).
+    async fn export(&mut self, alloc: &Allocator, sim: &SimBackend, h: Held, stream: &Stream) {
+        let (p, byte) = (h.buf.ptr(), h.byte);
+        alloc.export(&mut self.exp, h.buf).await.unwrap();
+        let Received::Device(buf) = self.imp.recv().await.unwrap() else {
+            panic!("expected a device buffer");
+        };
+        check_at(sim, stream, buf.ptr(), buf.len(), byte);
+        self.imported.push((buf, p, byte));
+    }
+
+    /// The importer lets go of one buffer (after checking its byte once more): a release
+    /// message, or, with `silent`, a drop the exporter finds by its shared counter. The
+    /// exporter's buffer is freed then; its range leaves `live` just before.
+    async fn finish_one(
+        &mut self,
+        live: &Live,
+        sim: &SimBackend,
+        stream: &Stream,
+        k: usize,
+        silent: bool,
+    ) {
+        let (buf, p, byte) = self.imported.swap_remove(k);
+        check_at(sim, stream, buf.ptr(), buf.len(), byte);
+        let id: ExportId = buf.id();
+        live.release_at(p);
+        if silent {
+            // The check above ran to completion (`check_at` synchronizes).
+            drop(buf);
+            assert_eq!(self.exp.collect(), vec![id]);
+        } else {
+            self.imp.release(buf, &[stream.handle()]).await.unwrap();
+            self.exp.wait_returned(id).await.unwrap();
+        }
+    }
+}
+
+/// Checks on `stream` that the head of the `len` bytes at `p` (an imported mapping) holds
+/// `byte`, and waits for it.
+fn check_at(sim: &SimBackend, stream: &Stream, p: DevicePtr, len: u64, byte: u8) {
+    let l = len.min(CHECKED);
+    sim.launch_kernel(
+        stream.handle(),
+        Duration::ZERO,
+        move |m: &mut KernelMemory| {
+            assert!(
+                m.check(p, l, byte)?,
+                "the import of [{:#x}, +{l}) does not hold its byte",
+                p.0
+            );
+            Ok(())
+        },
+    )
+    .unwrap();
+    stream.synchronize().unwrap();
+}
+
 /// One task's random operations. With `pool`, half its mallocs come from that pool (the
 /// task's own: nothing else uses it), and now and then the pool sleeps with its data offloaded
 /// and wakes, after which every buffer must still hold its byte; without expandable segments
@@ -225,6 +320,10 @@ async fn task(
         .collect();
     let mut held: Vec<Held> = Vec::new();
     let mut graphs: Vec<Captured> = Vec::new();
+    let mut exports = match &*gpu {
+        Gpu::Sim(sim) => Some((Exports::new(&alloc).await, sim.clone())),
+        Gpu::Driver(_) => None,
+    };
     for i in 0..ops {
         let pick = |rng: &mut Rng, n: usize| rng.below(n as u64) as usize;
         match rng.below(20) {
@@ -375,6 +474,19 @@ async fn task(
                     );
                 }
             }
+            18 if exports.is_some() && (i % 2 == 1 || pool.is_none()) => {
+                // Export a buffer to an importer of this process, or let go of an import.
+                let (ex, sim) = exports.as_mut().unwrap();
+                let stream = streams[pick(&mut rng, streams.len())].clone();
+                if !ex.imported.is_empty() && (held.is_empty() || rng.below(2) == 0) {
+                    let k = pick(&mut rng, ex.imported.len());
+                    let silent = rng.below(2) == 0;
+                    ex.finish_one(&live, sim, &stream, k, silent).await;
+                } else if !held.is_empty() && ex.imported.len() < 4 {
+                    let h = held.swap_remove(pick(&mut rng, held.len()));
+                    ex.export(&alloc, sim, h, &stream).await;
+                }
+            }
             18 if i % 2 == 0 && pool.is_some() => {
                 let p = pool.as_ref().unwrap();
                 match p.sleep(SleepMode::Offload).await {
@@ -432,6 +544,7 @@ async fn task(
                                 AllocError::NotSupported(_)
                                     | AllocError::PoolInGraph { .. }
                                     | AllocError::CaptureUnderway(_)
+                                    | AllocError::PoolExported { .. }
                             )
                         ),
                         "sleep: {e}"
@@ -448,6 +561,14 @@ async fn task(
         gpu.check(&stream, &buf, byte, Duration::ZERO);
         live.release(&buf);
         drop(buf);
+    }
+    if let Some((mut ex, sim)) = exports {
+        let stream = streams[0].clone();
+        while !ex.imported.is_empty() {
+            let silent = ex.imported.len() % 2 == 0;
+            ex.finish_one(&live, &sim, &stream, 0, silent).await;
+        }
+        assert_eq!(ex.exp.outstanding(), 0);
     }
     let mut launched = Vec::new();
     for (k, g) in graphs.drain(..).enumerate() {
