@@ -18,11 +18,11 @@
 //! grows back as before: spilling there put a step's small temporaries in the large pool's
 //! holes at different places each step, and a repeated step of mixed sizes
 //! (`devices/tests/placement.rs`) reserved 98 MiB instead of 94 and mapped pages until its
-//! third step. A size never freed
-//! yet does not spill: long-lived small blocks (a model's biases and norms, kept activations)
-//! in the large pool's holes pin them, and a later large request that the hole with its
-//! neighbour would have held maps new pages instead (spilling every small miss measured
-//! transformer-lm-forward-bf16 at 780 MiB instead of 756, BENCHMARKS.md).
+//! third step. A size never freed yet does not spill: long-lived small blocks (a model's
+//! biases and norms, kept activations) in the large pool's holes pin them, and a later large
+//! request that the hole with its neighbour would have held maps new pages instead (spilling
+//! every small miss measured transformer-lm-forward-bf16 at 780 MiB instead of 756,
+//! BENCHMARKS.md).
 //!
 //! Not during a stream capture (a capture's requests are its graph pool's), not for private
 //! pools (their memory is their own), not with ordinary segments (a block of a 20 MiB
@@ -35,9 +35,11 @@ use crate::config::sizes::SMALL_BUFFER;
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
 
 /// A small size spills only if its last block lived at most this many allocations (of any
-/// pool). Measured on the shared traces (default config): 20, 200 and 1,000 give the same
-/// peaks; 5,000 or no bound lower llama-lora-finetune by 2 MiB more (0.46% against 0.50%). The
-/// bound keeps a size that turned long-lived (a kept activation) out of the large pool's holes.
+/// pool). Measured on the shared traces (default config, before the small pool's mark was a
+/// condition): 20, 200 and 1,000 give the same peaks, 5,000 or no bound lower
+/// llama-lora-finetune by 2 MiB more; with the mark, 1,000 gives that lower figure too. The
+/// bound keeps a size that turned long-lived (a kept activation) out of the large pool's
+/// holes.
 pub const SPILL_LIFETIME: u64 = 1_000;
 
 impl DeviceCore {
