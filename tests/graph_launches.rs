@@ -11,13 +11,14 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{build, sim, MIB};
 use gpualloc::runtime::sim::{Op, SimBackend};
 use gpualloc::{
-    AllocError, Allocator, Backend, CaptureMode, DeviceId, DevicePtr, Error, Graph, PoolOptions,
-    SleepMode, Stream,
+    AllocError, Allocator, Backend, Capture, CaptureMode, DeviceId, DevicePtr, Error, Graph, Pool,
+    PoolOptions, SleepMode, Stream,
 };
 
 const D0: DeviceId = DeviceId(0);
@@ -408,42 +409,74 @@ async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_i
     }
 }
 
+/// A sim, an allocator under `conf` with a named pool `decode`, and three streams: the one a
+/// capture begins on (`s`), one that joins it (`j`), and one the graph is launched on (`b`).
+struct JoinRig {
+    sim: Arc<SimBackend>,
+    alloc: Allocator,
+    pool: Pool,
+    s: Stream,
+    j: Stream,
+    b: Stream,
+}
+
+impl JoinRig {
+    async fn new(conf: &str) -> JoinRig {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
+        let [s, j, b] = [(); 3].map(|()| alloc.new_stream(D0).unwrap());
+        JoinRig {
+            sim,
+            alloc,
+            pool,
+            s,
+            j,
+            b,
+        }
+    }
+
+    /// `j` joins back into `capture` (begun on `s`), which ends; the graph is launched on
+    /// `b`, and once both streams' work has run no kernel failed.
+    async fn end_and_launch(&self, capture: Capture, case: &str) -> Graph {
+        self.s.wait_event(&self.j.record_event().unwrap()).unwrap();
+        let graph = capture.end().await.unwrap();
+        graph.launch(&self.b).unwrap();
+        self.b.synchronize().unwrap();
+        self.j.synchronize().unwrap();
+        assert_eq!(
+            self.sim.kernel_failures(),
+            0,
+            "{case}: the graph wrote under j's read"
+        );
+        graph
+    }
+}
+
 /// The same for a stream that joins the capture (it waits on an event recorded in it) and
 /// allocates there: a block it freed before the capture, with its work still reading it,
 /// is not the capture's until that work has run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_freed_on_a_stream_that_joins_a_capture_is_reused_only_after_its_work() {
     for conf in CONFIGS {
-        let sim = sim(1 << 30);
-        let alloc = build(sim.clone(), conf);
-        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
-        let s = alloc.new_stream(D0).unwrap();
-        let j = alloc.new_stream(D0).unwrap();
-        let b = alloc.new_stream(D0).unwrap();
+        let r = JoinRig::new(conf).await;
         let len = 4 * MIB;
         // A buffer of the pool, read by a slow kernel on j, and freed there.
-        let used = pool.malloc(len, &j).await.unwrap();
-        let p = used.ptr();
-        fill_then_read_slowly(&sim, &j, p, len);
+        let used = r.pool.malloc(len, &r.j).await.unwrap();
+        fill_then_read_slowly(&r.sim, &r.j, used.ptr(), len);
         drop(used);
         // A capture on s that j joins, and a request of j in it.
-        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
-        j.wait_event(&s.record_event().unwrap()).unwrap();
-        let scratch = alloc.malloc(len, &j).await.unwrap();
-        let q = scratch.ptr();
-        slow_fill(&sim, &j, q, len, 9, Duration::ZERO);
-        s.wait_event(&j.record_event().unwrap()).unwrap();
-        let graph = capture.end().await.unwrap();
-        graph.launch(&b).unwrap();
-        b.synchronize().unwrap();
-        j.synchronize().unwrap();
-        assert_eq!(
-            sim.kernel_failures(),
-            0,
-            "{conf}: the graph wrote {q:?} under j's read"
-        );
-        drop((graph, scratch, pool));
-        alloc.shutdown().await.unwrap();
+        let capture = r
+            .pool
+            .begin_capture(&r.s, CaptureMode::Relaxed)
+            .await
+            .unwrap();
+        r.j.wait_event(&r.s.record_event().unwrap()).unwrap();
+        let scratch = r.alloc.malloc(len, &r.j).await.unwrap();
+        slow_fill(&r.sim, &r.j, scratch.ptr(), len, 9, Duration::ZERO);
+        let graph = r.end_and_launch(capture, conf).await;
+        drop((graph, scratch, r.pool));
+        r.alloc.shutdown().await.unwrap();
     }
 }
 
@@ -496,41 +529,35 @@ async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_capt
 async fn a_block_freed_by_a_stream_after_it_joined_a_capture_waits_for_its_end() {
     for conf in CONFIGS {
         for before_the_capture in [false, true] {
-            let sim = sim(1 << 30);
-            let alloc = build(sim.clone(), conf);
-            let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
-            let s = alloc.new_stream(D0).unwrap();
-            let j = alloc.new_stream(D0).unwrap();
-            let b = alloc.new_stream(D0).unwrap();
+            let r = JoinRig::new(conf).await;
             let len = 4 * MIB;
             let early = match before_the_capture {
-                true => Some(pool.malloc(len, &j).await.unwrap()),
+                true => Some(r.pool.malloc(len, &r.j).await.unwrap()),
                 false => None,
             };
-            let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+            let capture = r
+                .pool
+                .begin_capture(&r.s, CaptureMode::Relaxed)
+                .await
+                .unwrap();
             // Eager work on j, beside the capture, with a buffer of the pool.
             let used = match early {
                 Some(buf) => buf,
-                None => pool.malloc(len, &j).await.unwrap(),
+                None => r.pool.malloc(len, &r.j).await.unwrap(),
             };
             let p = used.ptr();
-            fill_then_read_slowly(&sim, &j, p, len);
+            fill_then_read_slowly(&r.sim, &r.j, p, len);
             // j joins the capture, then frees the buffer and asks for as much there.
-            j.wait_event(&s.record_event().unwrap()).unwrap();
+            r.j.wait_event(&r.s.record_event().unwrap()).unwrap();
             drop(used);
-            let scratch = alloc.malloc(len, &j).await.unwrap();
+            let scratch = r.alloc.malloc(len, &r.j).await.unwrap();
             let q = scratch.ptr();
             let case = format!("{conf}, allocated before the capture: {before_the_capture}");
             assert!(apart(q, p, len), "{case}: the capture got j's eager block");
-            slow_fill(&sim, &j, q, len, 9, Duration::ZERO);
-            s.wait_event(&j.record_event().unwrap()).unwrap();
-            let graph = capture.end().await.unwrap();
-            graph.launch(&b).unwrap();
-            b.synchronize().unwrap();
-            j.synchronize().unwrap();
-            assert_eq!(sim.kernel_failures(), 0, "{case}");
-            drop((graph, scratch, pool));
-            alloc.shutdown().await.unwrap();
+            slow_fill(&r.sim, &r.j, q, len, 9, Duration::ZERO);
+            let graph = r.end_and_launch(capture, &case).await;
+            drop((graph, scratch, r.pool));
+            r.alloc.shutdown().await.unwrap();
         }
     }
 }
