@@ -33,9 +33,9 @@
 //! event) and gets its own free blocks of the pool there: once the capture is announced,
 //! `begin_capture` also waits for the queued work of every other stream with segments in the
 //! pool, and until the capture ends a free of the pool's blocks on a stream outside it is
-//! held back (made when the capture ends). Not covered: a buffer allocated from the pool on
-//! such a stream during the capture and freed after that stream joined it (its eager work is
-//! the user's to order, as with a pool PyTorch uses both eagerly and for captures).
+//! held back (made when the capture ends), and so is a free, after that stream joined the
+//! capture, of a block the stream got before it joined (its work queued between the begin
+//! and the join is eager, not the graph's).
 //!
 //! While a capture is under way (PyTorch's rules, `gpualloc_devices`' `pools/capture.rs`):
 //! allocations on the capturing stream, and on streams that joined the capture through an
@@ -113,8 +113,7 @@ fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
             .release_pool(id)
             .and_then(|()| core.detach_pool_segments(id));
         // Shutdown waits for these frees (`Signals::detached_frees`).
-        let in_flight = matches!(&detached, Ok(s) if !s.is_empty())
-            .then(|| actor.signals.detached_frees.begin());
+        let in_flight = actor.signals.detached_frees.begin_if_any(&detached);
         (detached, in_flight)
     };
     match detached {

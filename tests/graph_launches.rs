@@ -375,40 +375,6 @@ async fn each_launch_stream_has_one_event_and_the_longest_launch_keeps_the_pool(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_is_safe_to_reuse() {
-    for conf in CONFIGS {
-        let sim = sim(1 << 30);
-        let alloc = build(sim.clone(), conf);
-        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
-        let s = alloc.new_stream(D0).unwrap();
-        let b = alloc.new_stream(D0).unwrap();
-        let len = 4 * MIB;
-        // A buffer of the pool, written then read by a slow kernel on s, and freed: its block
-        // may serve the next request of the pool on s (stream order) ...
-        let used = pool.malloc(len, &s).await.unwrap();
-        let p = used.ptr();
-        fill_then_read_slowly(&sim, &s, p, len);
-        drop(used);
-        // ... which a capture on s is, but the graph runs wherever it is launched.
-        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
-        let scratch = alloc.malloc(len, &s).await.unwrap();
-        assert_eq!(
-            scratch.ptr(),
-            p,
-            "{conf}: the capture reuses the freed block"
-        );
-        slow_fill(&sim, &s, p, len, 9, Duration::ZERO);
-        let graph = capture.end().await.unwrap();
-        graph.launch(&b).unwrap();
-        b.synchronize().unwrap();
-        s.synchronize().unwrap();
-        assert_eq!(sim.kernel_failures(), 0, "{conf}");
-        drop((graph, scratch, pool));
-        alloc.shutdown().await.unwrap();
-    }
-}
-
 /// A sim, an allocator under `conf` with a named pool `decode`, and three streams: the one a
 /// capture begins on (`s`), one that joins it (`j`), and one the graph is launched on (`b`).
 struct JoinRig {
@@ -453,6 +419,43 @@ impl JoinRig {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capture_begins_after_its_streams_queued_work_so_a_block_freed_there_is_safe_to_reuse() {
+    for conf in CONFIGS {
+        let JoinRig {
+            sim,
+            alloc,
+            pool,
+            s,
+            b,
+            ..
+        } = JoinRig::new(conf).await;
+        let len = 4 * MIB;
+        // A buffer of the pool, written then read by a slow kernel on s, and freed: its block
+        // may serve the next request of the pool on s (stream order) ...
+        let used = pool.malloc(len, &s).await.unwrap();
+        let p = used.ptr();
+        fill_then_read_slowly(&sim, &s, p, len);
+        drop(used);
+        // ... which a capture on s is, but the graph runs wherever it is launched.
+        let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
+        let scratch = alloc.malloc(len, &s).await.unwrap();
+        assert_eq!(
+            scratch.ptr(),
+            p,
+            "{conf}: the capture reuses the freed block"
+        );
+        slow_fill(&sim, &s, p, len, 9, Duration::ZERO);
+        let graph = capture.end().await.unwrap();
+        graph.launch(&b).unwrap();
+        b.synchronize().unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(sim.kernel_failures(), 0, "{conf}");
+        drop((graph, scratch, pool));
+        alloc.shutdown().await.unwrap();
+    }
+}
+
 /// The same for a stream that joins the capture (it waits on an event recorded in it) and
 /// allocates there: a block it freed before the capture, with its work still reading it,
 /// is not the capture's until that work has run.
@@ -485,11 +488,14 @@ async fn a_block_freed_on_a_stream_that_joins_a_capture_is_reused_only_after_its
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_freed_eagerly_during_a_capture_into_its_pool_waits_for_the_captures_end() {
     for conf in CONFIGS {
-        let sim = sim(1 << 30);
-        let alloc = build(sim.clone(), conf);
-        let pool = alloc.pool("decode", PoolOptions::default()).await.unwrap();
-        let s = alloc.new_stream(D0).unwrap();
-        let j = alloc.new_stream(D0).unwrap();
+        let JoinRig {
+            sim,
+            alloc,
+            pool,
+            s,
+            j,
+            ..
+        } = JoinRig::new(conf).await;
         let len = 4 * MIB;
         let capture = pool.begin_capture(&s, CaptureMode::Relaxed).await.unwrap();
         // Eager work on j, beside the capture, with a buffer of the pool, freed there.

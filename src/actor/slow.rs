@@ -121,8 +121,7 @@ impl DeviceActor {
         let (detached, in_flight) = {
             let mut held = self.mailbox.hold_blocking();
             let detached = held.state().core.detach_free_segments();
-            let in_flight = matches!(&detached, Ok(s) if !s.is_empty())
-                .then(|| self.signals.detached_frees.begin());
+            let in_flight = self.signals.detached_frees.begin_if_any(&detached);
             (detached, in_flight)
         };
         let segments = match detached {

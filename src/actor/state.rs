@@ -41,9 +41,18 @@ impl DetachedFrees {
     /// One batch of detached segments is on its way back to the device until the guard is
     /// dropped. Taken while the gate is held, in the step that detached them, so a shutdown
     /// after that step sees it.
-    pub fn begin(&self) -> DetachedFreeGuard<'_> {
+    fn begin(&self) -> DetachedFreeGuard<'_> {
         self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         DetachedFreeGuard(self)
+    }
+
+    /// [`DetachedFrees::begin`] for the outcome of a step that detached segments, when it
+    /// holds some to free.
+    pub fn begin_if_any<T, E>(
+        &self,
+        detached: &Result<Vec<T>, E>,
+    ) -> Option<DetachedFreeGuard<'_>> {
+        matches!(detached, Ok(s) if !s.is_empty()).then(|| self.begin())
     }
 
     /// Waits (sleeping, off the runtime's workers) until no batch is in flight, or `limit`.
