@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use common::rig;
 use gpualloc_accounting::AccountingBackend;
+use gpualloc_devices::snapshot::BlockStateName;
 use gpualloc_devices::spill::SPILL_LIFETIME;
 use gpualloc_devices::DeviceCore;
 use gpualloc_runtime::StreamHandle;
@@ -161,4 +162,76 @@ fn a_repeated_step_with_spills_makes_no_driver_call() {
     assert_eq!(core.reserved_bytes(), reserved);
     // The small pool never grew past its one page.
     assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
+}
+
+/// The history marks a spilled `alloc` (`TraceEntry::spilled`), and only that one, with the
+/// block's address: a replay follows the mark.
+#[test]
+fn the_history_marks_a_spill() {
+    let ((_backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
+    core.record_history(Some(100));
+    let spilled = core.malloc(MIB, s).unwrap();
+    let large = core.malloc(4 * MIB, s).unwrap();
+    assert!(!spilled.small_pool);
+    let marks: Vec<(u64, bool)> = core
+        .snapshot()
+        .trace
+        .iter()
+        .filter(|e| e.action == gpualloc_devices::TraceAction::Alloc)
+        .map(|e| (e.addr, e.spilled))
+        .collect();
+    assert_eq!(marks, [(spilled.ptr.0, true), (large.ptr.0, false)]);
+}
+
+/// A replay following a history (`TraceEntry::spilled`): the spill where the history names
+/// it, into the block at its address, and none of the chain's own.
+#[test]
+fn a_replay_spills_where_the_history_says_and_nowhere_else() {
+    let ((backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
+    core.spill_as_recorded(true);
+    let large = core.stats().allocated_bytes.large().current;
+    // The chain spills nothing: the 1 MiB known short-lived grows the small pool.
+    let maps = backend.counts().maps;
+    let grown = core.malloc(MIB, s).unwrap();
+    assert!(grown.small_pool);
+    assert_eq!(backend.counts().maps, maps + 1, "a new small page");
+    // The history's spill: into the large pool's free block at its address, split.
+    let at = core
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|seg| !seg.is_small)
+        .flat_map(|seg| seg.blocks.iter())
+        .find(|b| b.state == BlockStateName::Inactive && b.mapped && b.size >= MIB)
+        .map(|b| b.address)
+        .expect("a free large block");
+    let request = core.segment_request_in(None, 512 * KIB, s).unwrap();
+    let Ok(spilled) = core.malloc_spilled(request, at) else {
+        panic!("the named block serves it");
+    };
+    assert_eq!(spilled.ptr.0, at);
+    assert!(!spilled.small_pool);
+    assert_eq!(spilled.block_size, 512 * KIB);
+    assert_eq!(
+        core.stats().allocated_bytes.large().current,
+        large + 512 * KIB
+    );
+    // No free block there now: the request comes back for an ordinary malloc.
+    let request = core.segment_request_in(None, 512 * KIB, s).unwrap();
+    assert!(core.malloc_spilled(request, at).is_err());
+    // A large request is no spill.
+    let request = core.segment_request_in(None, 2 * MIB, s).unwrap();
+    assert!(core.malloc_spilled(request, at + 512 * KIB).is_err());
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn a_replay_under_pytorchs_policy_spills_nothing() {
+    let ((_backend, mut core, s), _live) =
+        small_pool_full("expandable_segments:True,policy:pytorch");
+    let big = core.malloc(12 * MIB, s).unwrap();
+    let at = big.ptr.0;
+    core.free(big.ptr).unwrap();
+    let request = core.segment_request_in(None, 512 * KIB, s).unwrap();
+    assert!(core.malloc_spilled(request, at).is_err());
 }

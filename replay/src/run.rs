@@ -300,6 +300,23 @@ impl Replayer {
         }
     }
 
+    /// A malloc the history shows served by the spill into the large pool's free block at
+    /// `addr` (`TraceEntry::spilled`): the same spill (`DeviceCore::malloc_spilled`), or,
+    /// where that block is not free here, an ordinary malloc.
+    fn malloc_spilled(
+        &mut self,
+        pool: Option<MemPoolId>,
+        size: u64,
+        stream: StreamHandle,
+        addr: u64,
+    ) -> Result<Allocation, AllocError> {
+        let request = self.core.segment_request_in(pool, size, stream)?;
+        match self.core.malloc_spilled(request, addr) {
+            Ok(a) => Ok(a),
+            Err(_) => self.malloc_in(pool, size, stream),
+        }
+    }
+
     /// Makes reservation `res` at its base, with the start segments `inside` it (its mapped
     /// runs, none when the history maps its first page at event `index`) and their live
     /// blocks; returns how many live blocks it placed.
@@ -462,6 +479,8 @@ impl Replayer {
             self.malloc_passed_over(pool, e.size, stream)
         } else if options.warm && e.borrowed {
             self.malloc_borrowed(pool, e.size, stream, e.addr)
+        } else if options.warm && e.spilled {
+            self.malloc_spilled(pool, e.size, stream, e.addr)
         } else {
             self.malloc_in(pool, e.size, stream)
         };
@@ -607,6 +626,16 @@ pub fn replay_core(
             .is_some_and(|c| c.policy.lends_across_streams())
     {
         core.lend_as_recorded(true);
+    }
+    // Likewise a history recorded under a policy that spills small requests into the large
+    // pool marks its spills (`gpualloc_spilled`): what decided them is not in the history.
+    if options.warm
+        && trace
+            .recorded_config
+            .as_ref()
+            .is_some_and(|c| c.policy.spills_small_requests())
+    {
+        core.spill_as_recorded(true);
     }
     let mut r = Replayer {
         backend,

@@ -331,6 +331,34 @@ mod off_the_core {
         }
     }
 
+    /// A small request spilled into the large pool's free memory (the `gpualloc` policy's
+    /// spill) by what the allocator learned before recording began: its size was freed
+    /// short-lived then, which the snapshot does not carry. The history marks the spill, and
+    /// the warm replay spills where the mark is, into the block the history names (before,
+    /// the replay saw the size as unknown and grew the small pool instead: 0 of 2 addresses).
+    #[test]
+    fn a_spill_decided_by_what_was_learned_before_recording_replays() {
+        let conf = "";
+        let (_backend, mut core, s) = rig(conf);
+        // The 1 MiB size is learned short-lived, and the large pool keeps a free 12 MiB block.
+        let w = core.malloc(MIB, s).unwrap();
+        core.free(w.ptr).unwrap();
+        let act = core.malloc(12 * MIB, s).unwrap();
+        core.free(act.ptr).unwrap();
+        // The small pool's one page is full: a third 1 MiB block would pass its mark.
+        let small: Vec<_> = (0..2).map(|_| core.malloc(MIB, s).unwrap()).collect();
+        core.record_history(Some(1000));
+        let spilled = core.malloc(MIB, s).unwrap();
+        assert!(!spilled.small_pool, "live, the request spills");
+        assert_eq!(spilled.ptr, act.ptr, "into the large pool's free block");
+        let after = core.malloc(MIB, s).unwrap();
+        let (matched, compared) = replayed(&core, conf);
+        assert_eq!((matched, compared), (2, 2));
+        for p in [spilled.ptr, after.ptr, small[0].ptr, small[1].ptr] {
+            core.free(p).unwrap();
+        }
+    }
+
     /// A 4 MiB block parked in a thread cache (`a`) while the core serves another 4 MiB
     /// request (`c`), then freed in the core; `old`: the entries as the thread cache wrote
     /// them before (the park recorded the free's request and its completion). Returns the
@@ -355,6 +383,7 @@ mod off_the_core {
                 pool: 0,
                 passed_over: false,
                 borrowed: false,
+                spilled: false,
                 grouped_pages: None,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)

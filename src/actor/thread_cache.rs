@@ -205,6 +205,7 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         pool: 0,
         passed_over: false,
         borrowed: false,
+        spilled: false,
         grouped_pages: None,
     };
     (seq, entry)

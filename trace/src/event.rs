@@ -135,6 +135,10 @@ pub struct TraceEntry {
     /// entry's stream (`gpualloc_devices::TraceEntry::borrowed`): written as
     /// `gpualloc_borrowed: True`, only where set.
     pub borrowed: bool,
+    /// gpualloc's `alloc` of a small request served by a free block of the large pool (the
+    /// spill, `gpualloc_devices::TraceEntry::spilled`): written as `gpualloc_spilled: True`,
+    /// only where set.
+    pub spilled: bool,
     /// gpualloc's `segment_map` whose first `n` pages share physical handles and whose
     /// later pages are a handle each (`gpualloc_devices::TraceEntry::grouped_pages`):
     /// written as `gpualloc_grouped_pages: n`, only where set. `None`: every page grouped.
@@ -155,6 +159,7 @@ impl TraceEntry {
             pool_id: None,
             passed_over: false,
             borrowed: false,
+            spilled: false,
             grouped_pages: None,
         }
     }

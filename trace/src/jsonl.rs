@@ -263,6 +263,7 @@ fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
         pool_id: None,
         passed_over: false,
         borrowed: false,
+        spilled: false,
         grouped_pages: None,
     })
 }

@@ -416,8 +416,8 @@ fn a_maps_grouped_pages_read_and_write_back() {
 }
 
 /// gpualloc's events in a private pool carry its `segment_pool_id`, and an `alloc` served by
-/// a passed-over block `gpualloc_passed_over`, one served by a loan `gpualloc_borrowed`
-/// (keys of its own, which PyTorch's readers ignore): read, written back, and absent where
+/// a passed-over block `gpualloc_passed_over`, one served by a loan `gpualloc_borrowed`, a
+/// small request served by the large pool `gpualloc_spilled` (keys of its own, which PyTorch's readers ignore): read, written back, and absent where
 /// the event has none.
 #[test]
 fn an_events_pool_id_reads_and_writes_back() {
@@ -430,6 +430,7 @@ fn an_events_pool_id_reads_and_writes_back() {
         ));
         items.push((s("gpualloc_passed_over"), Value::Bool(true)));
         items.push((s("gpualloc_borrowed"), Value::Bool(true)));
+        items.push((s("gpualloc_spilled"), Value::Bool(true)));
     }
     set(&mut v, &["device_traces", "0", "1"], Some(alloc));
     let snap = load(&v).unwrap();
@@ -440,6 +441,8 @@ fn an_events_pool_id_reads_and_writes_back() {
     assert!(!trace[0].passed_over);
     assert!(trace[1].borrowed);
     assert!(!trace[0].borrowed);
+    assert!(trace[1].spilled);
+    assert!(!trace[0].spilled);
     let again = Snapshot::from_pickle(&snap.to_pickle().unwrap()).unwrap();
     assert_eq!(again, snap);
     // A pool id that is not a pair is named.

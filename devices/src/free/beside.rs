@@ -78,6 +78,7 @@ mod tests {
             pool: 0,
             passed_over: false,
             borrowed: false,
+            spilled: false,
             grouped_pages: None,
         }
     }

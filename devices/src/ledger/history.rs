@@ -101,6 +101,7 @@ impl History {
                     pool,
                     passed_over: false,
                     borrowed: false,
+                    spilled: false,
                     grouped_pages: None,
                 };
                 ring.push(seq, entry);
@@ -118,6 +119,18 @@ impl History {
                 ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
             {
                 e.passed_over = true;
+            }
+        }
+    }
+
+    /// Marks the `alloc` entry just recorded for `addr` as a small request served by the
+    /// large pool (the spill).
+    pub fn mark_spilled(&mut self, addr: u64) {
+        if let Some(ring) = &mut self.ring {
+            if let Some(e) =
+                ring.newest_mut(1, |e| e.action == TraceAction::Alloc && e.addr == addr)
+            {
+                e.spilled = true;
             }
         }
     }

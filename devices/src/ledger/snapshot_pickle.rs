@@ -199,6 +199,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                     }
                     t.passed_over = e.passed_over;
                     t.borrowed = e.borrowed;
+                    t.spilled = e.spilled;
                     t.grouped_pages = e.grouped_pages;
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);

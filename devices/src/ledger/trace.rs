@@ -92,6 +92,12 @@ pub struct TraceEntry {
     /// the history shows ahead of it (its own block's, pending then); a replay serves it by
     /// the same loan. (gpualloc's own: PyTorch has no loans.)
     pub borrowed: bool,
+    /// An `alloc` of a small request served by a free block of the large pool (the spill,
+    /// `malloc/spill.rs`). What decided it (the lifetimes the allocator learned before
+    /// recording began) is not in the history; a replay spills where this mark is, into the
+    /// block the entry names, and nowhere else. (gpualloc's own: PyTorch keeps the pools
+    /// apart.)
+    pub spilled: bool,
     /// A `segment_map` whose pages are not all grouped into physical handles of up to
     /// `large_segment_size`: its first `n` pages are, and each page after them is a handle
     /// of its own (`map_ahead.rs`: a growth's handles end where its request ends). `None`:
@@ -213,6 +219,7 @@ mod tests {
                     pool: 0,
                     passed_over: false,
                     borrowed: false,
+                    spilled: false,
                     grouped_pages: None,
                     action: TraceAction::Alloc,
                     addr: i,
@@ -236,6 +243,7 @@ mod tests {
             pool: 0,
             passed_over: false,
             borrowed: false,
+            spilled: false,
             grouped_pages: None,
             action: TraceAction::Alloc,
             addr,

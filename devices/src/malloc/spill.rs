@@ -33,6 +33,8 @@
 use crate::blocks::pool::key;
 use crate::config::sizes::SMALL_BUFFER;
 use crate::core::{AllocParams, DeviceCore, LARGE_POOL, SMALL_POOL};
+use crate::malloc::segment_request::SegmentRequest;
+use crate::Allocation;
 
 /// A small size spills only if its last block lived at most this many allocations (of any
 /// pool). Measured on the shared traces (default config, before the small pool's mark was a
@@ -47,6 +49,7 @@ impl DeviceCore {
     /// default large pool (taken out of its pool, `params.pool` set to it).
     pub(crate) fn spill_small(&mut self, params: &mut AllocParams) -> bool {
         if params.pool != SMALL_POOL
+            || self.spill.as_recorded
             || !self.config.policy.spills_small_requests()
             || !self.captures.is_quiet()
             || !self.spill.small_pool_passes_most(SMALL_BUFFER)
@@ -73,5 +76,64 @@ impl DeviceCore {
         params.pool = LARGE_POOL;
         params.block = Some(id);
         true
+    }
+}
+
+impl DeviceCore {
+    /// For a replay that follows a history (`TraceEntry::spilled`): serves `request`, a
+    /// small request of the default pools, as the live allocator did, by the spill into the
+    /// free block of the default large pool on its stream that starts at `addr`, split to its
+    /// size. What decided the live spill (lifetimes learned before recording began, the
+    /// small pool's mark) is not in the history. `Err` gives the request back where no such
+    /// block is free, it is too small, or the policy, the pool or a capture rules a spill out:
+    /// the caller then serves it as an ordinary request.
+    pub fn malloc_spilled(
+        &mut self,
+        mut request: SegmentRequest,
+        addr: u64,
+    ) -> Result<Allocation, SegmentRequest> {
+        // As a lookup does first (an error here is the ordinary request's to report).
+        if self.process_events().is_err() {
+            return Err(request);
+        }
+        let params = &request.params;
+        if params.pool != SMALL_POOL
+            || !self.config.policy.spills_small_requests()
+            || !self.captures.is_quiet()
+        {
+            return Err(request);
+        }
+        let k = key(params.stream.raw, params.size, 0);
+        let found = self.pools[LARGE_POOL]
+            .free_range(k..)
+            .take_while(|(k, _)| k.0 == params.stream.raw)
+            .find(|(k, id)| k.2 == addr && self.blocks.get(**id).expandable())
+            .map(|(k, id)| (*k, *id));
+        let Some((k, id)) = found else {
+            return Err(request);
+        };
+        self.pools[LARGE_POOL].take_free(&k);
+        request.params.pool = LARGE_POOL;
+        request.params.block = Some(id);
+        match self.finish(&request.params, request.size) {
+            Ok(a) => {
+                self.history.mark_spilled(a.ptr.0);
+                Ok(a)
+            }
+            Err(_) => {
+                // `finish` fails only without a block; the block goes back all the same.
+                self.pools[LARGE_POOL].file_free(self.blocks.get(id), id);
+                request.params.pool = SMALL_POOL;
+                request.params.block = None;
+                Err(request)
+            }
+        }
+    }
+
+    /// For a replay that follows a history recorded under a policy that spills: the miss
+    /// chain spills nothing, and a small request is served by the large pool only through
+    /// [`DeviceCore::malloc_spilled`], where the history shows it.
+    pub fn spill_as_recorded(&mut self, on: bool) {
+        self.spill.as_recorded = on;
     }
 }

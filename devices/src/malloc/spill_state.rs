@@ -18,6 +18,9 @@ pub(crate) struct SpillState {
     small_held: u64,
     /// The most it ever held (no statistics reset lowers it).
     small_most: u64,
+    /// A replay follows a history's spills (`DeviceCore::spill_as_recorded`): the miss
+    /// chain spills nothing by itself.
+    pub as_recorded: bool,
 }
 
 impl Default for SpillState {
@@ -27,6 +30,7 @@ impl Default for SpillState {
             last: vec![UNKNOWN; (SMALL_SIZE / MIN_BLOCK_SIZE) as usize + 1],
             small_held: 0,
             small_most: 0,
+            as_recorded: false,
         }
     }
 }

@@ -160,7 +160,14 @@ impl DeviceCore {
                     return match self.finish(params, size) {
                         // Another stream's block: lent to the request's stream.
                         Ok(a) if miss.borrowed => MissStep::Done(self.lend(a, params.stream)),
-                        Ok(a) => MissStep::Done(a),
+                        Ok(a) => {
+                            if miss.spilled {
+                                // A warm replay spills where the history says, and nowhere
+                                // else (`malloc/spill.rs`).
+                                self.history.mark_spilled(a.ptr.0);
+                            }
+                            MissStep::Done(a)
+                        }
                         Err(e) => MissStep::Failed(e),
                     };
                 }
@@ -215,7 +222,10 @@ impl DeviceCore {
                 }
                 self.alloc_block_step(params, miss.off_core)
             }
-            SpillSmall => found_if(self.spill_small(params)),
+            SpillSmall => {
+                miss.spilled = self.spill_small(params);
+                found_if(miss.spilled)
+            }
             TakePassedOver => found_if(self.take_passed_over(params)),
             PrivatePoolOnOom => found_if(self.use_private_pool_on_oom(params)),
             ReleaseOversize => {

@@ -68,6 +68,8 @@ pub struct Miss {
     regrowths: usize,
     /// The block found is another stream's, to lend (the `BorrowFree` link).
     borrowed: bool,
+    /// The block found is the large pool's, for a small request (the `SpillSmall` link).
+    spilled: bool,
 }
 
 /// How many times an off-core miss grows again after another request took the pages it
@@ -86,6 +88,7 @@ impl Miss {
             off_core: false,
             regrowths: 0,
             borrowed: false,
+            spilled: false,
         }
     }
 

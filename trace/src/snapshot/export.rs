@@ -149,6 +149,9 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
     if e.borrowed {
         items.push(("gpualloc_borrowed", Value::Bool(true)));
     }
+    if e.spilled {
+        items.push(("gpualloc_spilled", Value::Bool(true)));
+    }
     if let Some(n) = e.grouped_pages {
         items.push((
             "gpualloc_grouped_pages",

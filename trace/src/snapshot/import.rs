@@ -266,6 +266,10 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         Some(v) => doc.bool(v, &path.key("gpualloc_borrowed"))?,
         None => false,
     };
+    let spilled = match doc.field(items, "gpualloc_spilled") {
+        Some(v) => doc.bool(v, &path.key("gpualloc_spilled"))?,
+        None => false,
+    };
     let grouped_pages = match doc.field(items, "gpualloc_grouped_pages") {
         Some(v) => Some(doc.u64(v, &path.key("gpualloc_grouped_pages"))?),
         None => None,
@@ -281,6 +285,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         pool_id,
         passed_over,
         borrowed,
+        spilled,
         grouped_pages,
     })
 }
