@@ -69,3 +69,77 @@ async fn spilled_workspaces_keep_their_bytes_and_the_small_pool_its_one_page() {
         alloc.shutdown().await.unwrap();
     }
 }
+
+/// A small job as a user runs it: small weights loaded and kept (the small pool grows for
+/// them: nothing small freed yet), then steps whose first workspaces are of a size never freed
+/// before (the weights' 1 MiB), past the small pool's pages while the large pool is small:
+/// they go to the large pool's mapped end, and later steps keep the small pool where the
+/// first left it. Every
+/// buffer's bytes checked, in four configs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_steps_new_small_sizes_go_to_the_large_pools_end() {
+    for (conf, spills) in [
+        ("", true),
+        ("expandable_segments:True,thread_cache:False", true),
+        ("garbage_collection_threshold:0.8", true),
+        ("policy:pytorch,expandable_segments:True", false),
+    ] {
+        let sim = sim(4 << 30);
+        let alloc = build(sim.clone(), conf);
+        let stream = alloc.new_stream(DeviceId(0)).unwrap();
+        // Small weights, kept: two pages, the second half full.
+        let mut weights = Vec::new();
+        for _ in 0..3 {
+            weights.push(alloc.malloc(MIB, &stream).await.unwrap());
+        }
+        let small = |st: &gpualloc::devices::stats::DeviceStats| st.reserved_bytes[1].current;
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(small(&st), 4 * MIB, "[{conf}] the weights' pages");
+        // A step: a 12 MiB activation, a 4 MiB scratch and a small input freed at once, then
+        // two new workspaces. The frees are of buffers used on another stream too, so they go
+        // to the core: one dropped on its own stream parks in the thread cache, and the core
+        // learns of it only when the cache gives it back (`gpualloc_devices::spill`).
+        let act = alloc.malloc(12 * MIB, &stream).await.unwrap();
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        let scratch = alloc.malloc(4 * MIB, &stream).await.unwrap();
+        let input = alloc.malloc(4 << 10, &stream).await.unwrap();
+        for b in [scratch, input] {
+            b.record_stream(&other).unwrap();
+            drop(b);
+        }
+        other.synchronize().unwrap();
+        let ws = [
+            alloc.malloc(MIB, &stream).await.unwrap(),
+            alloc.malloc(MIB, &stream).await.unwrap(),
+        ];
+        let mut all: Vec<&DeviceBuffer> = weights.iter().chain(ws.iter()).collect();
+        all.push(&act);
+        fill_and_check(&sim, &stream, &all);
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        let grew = small(&st) > 4 * MIB;
+        assert_eq!(
+            !grew,
+            spills,
+            "[{conf}] small pool {} MiB",
+            small(&st) >> 20
+        );
+        drop(ws);
+        drop(act);
+        // The next steps: the same sizes again, no new small page either way.
+        let before = small(&alloc.stats(DeviceId(0)).await.unwrap());
+        for _ in 0..3 {
+            let act = alloc.malloc(12 * MIB, &stream).await.unwrap();
+            let ws = [
+                alloc.malloc(MIB, &stream).await.unwrap(),
+                alloc.malloc(MIB, &stream).await.unwrap(),
+            ];
+            let mut all: Vec<&DeviceBuffer> = ws.iter().collect();
+            all.push(&act);
+            fill_and_check(&sim, &stream, &all);
+        }
+        let st = alloc.stats(DeviceId(0)).await.unwrap();
+        assert_eq!(small(&st), before, "[{conf}]");
+        drop(weights);
+        alloc.shutdown().await.unwrap();
+    }
+}

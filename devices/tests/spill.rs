@@ -1,7 +1,10 @@
 //! The `gpualloc` policy's spill (`malloc/spill.rs`): a small request that misses the default
 //! small pool, where a new small page would pass the most that pool ever held, takes a free
 //! block of the default large pool's expandable segment, when its size's last block lived at
-//! most `SPILL_LIFETIME` allocations; never under PyTorch's policy.
+//! most `SPILL_LIFETIME` allocations; a size never freed yet, once a small block has been freed
+//! and where a new small page would make the small pool more than 1 / `UNKNOWN_SPILL_SHARE` of
+//! the large pool, takes a free block at the end of the large pool's mapped pages; never under
+//! PyTorch's policy.
 
 mod common;
 
@@ -10,7 +13,7 @@ use std::sync::Arc;
 use common::rig;
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::snapshot::BlockStateName;
-use gpualloc_devices::spill::SPILL_LIFETIME;
+use gpualloc_devices::spill::{SPILL_LIFETIME, UNKNOWN_SPILL_SHARE};
 use gpualloc_devices::DeviceCore;
 use gpualloc_runtime::StreamHandle;
 
@@ -18,13 +21,20 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const EXPANDABLE: &str = "expandable_segments:True";
 
-/// A core whose large pool holds a free 10 MiB block (and more mapped ahead), whose small
-/// pool's one 2 MiB page is full (two live 1 MiB blocks, returned), and which has seen a
-/// 1 MiB block live for no other allocation.
 type Rig = (Arc<AccountingBackend>, DeviceCore, StreamHandle);
 
-fn small_pool_full(conf: &str) -> (Rig, Vec<u64>) {
+/// A live large block beside which the small pool stays under 1 / `UNKNOWN_SPILL_SHARE` of the
+/// large pool up to two pages: only the known short-lived spill applies there.
+const HELD_LARGE: u64 = 100 * MIB;
+
+/// A core whose large pool holds a live `held` block (none for 0) and after it a free 10 MiB
+/// block (and more mapped ahead), whose small pool's one 2 MiB page is full (two live 1 MiB
+/// blocks, returned), and which has seen a 1 MiB block live for no other allocation.
+fn small_pool_full_beside(conf: &str, held: u64) -> (Rig, Vec<u64>) {
     let (backend, mut core, s) = rig(1 << 40, conf);
+    if held > 0 {
+        core.malloc(held, s).unwrap(); // kept to the end
+    }
     let big = core.malloc(10 * MIB, s).unwrap();
     core.free(big.ptr).unwrap();
     let once = core.malloc(MIB, s).unwrap();
@@ -33,6 +43,11 @@ fn small_pool_full(conf: &str) -> (Rig, Vec<u64>) {
     assert!(live.iter().all(|a| a.small_pool));
     let ptrs = live.iter().map(|a| a.ptr.0).collect();
     ((backend, core, s), ptrs)
+}
+
+/// [`small_pool_full_beside`] a live 100 MiB block.
+fn small_pool_full(conf: &str) -> (Rig, Vec<u64>) {
+    small_pool_full_beside(conf, HELD_LARGE)
 }
 
 fn calls(b: &AccountingBackend) -> (u64, u64, u64) {
@@ -50,7 +65,10 @@ fn a_short_lived_small_size_past_the_small_pools_mark_takes_large_pool_memory() 
     assert_eq!(spilled.block_size, MIB, "split to its size");
     assert_eq!(calls(&backend), before, "no driver call");
     assert_eq!(core.reserved_bytes(), reserved);
-    assert_eq!(core.stats().allocated_bytes.large().current, MIB);
+    assert_eq!(
+        core.stats().allocated_bytes.large().current,
+        HELD_LARGE + MIB
+    );
     core.check_invariants().unwrap();
     // Freed, it merges back: the large pool's 10 MiB serve a 10 MiB request with no call.
     core.free(spilled.ptr).unwrap();
@@ -65,12 +83,118 @@ fn a_short_lived_small_size_past_the_small_pools_mark_takes_large_pool_memory() 
 }
 
 #[test]
-fn a_size_never_freed_grows_the_small_pool() {
+fn a_size_never_freed_beside_a_large_pool_many_times_the_small_one_grows_the_small_pool() {
     let ((backend, mut core, s), _live) = small_pool_full(EXPANDABLE);
     let maps = backend.counts().maps;
     let a = core.malloc(768 * KIB, s).unwrap();
     assert!(a.small_pool);
     assert_eq!(backend.counts().maps, maps + 1, "a new small page");
+}
+
+const SMALL_PAGE: u64 = 2 * MIB;
+
+#[test]
+fn a_size_never_freed_where_the_small_pool_is_a_large_share_takes_the_large_pools_end() {
+    // Beside a large pool of 10 MiB (and pages ahead): the second small page would be more
+    // than 1/16 of it.
+    let ((backend, mut core, s), _live) = small_pool_full_beside(EXPANDABLE, 0);
+    let (before, reserved) = (calls(&backend), core.reserved_bytes());
+    let a = core.malloc(768 * KIB, s).unwrap();
+    assert!(!a.small_pool, "spilled");
+    assert_eq!(calls(&backend), before, "no driver call");
+    assert_eq!(core.reserved_bytes(), reserved);
+    // Into the free block at the end of the large pool's mapped pages.
+    let end = core
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|seg| !seg.is_small)
+        .flat_map(|seg| seg.blocks.iter())
+        .filter(|b| b.mapped)
+        .map(|b| b.address + b.size)
+        .max()
+        .unwrap();
+    assert!(a.ptr.0 < end);
+    core.free(a.ptr).unwrap();
+    core.check_invariants().unwrap();
+    // Around the share: it spills exactly where the second page (4 MiB) would be more than
+    // 1/16 of what the large pool has mapped (64 MiB).
+    let mut seen = [false, false];
+    for held in (30..=70).step_by(2) {
+        let ((_backend, mut core, s), _live) = small_pool_full_beside(EXPANDABLE, held * MIB);
+        let mapped = core.stats().reserved_bytes.large().current;
+        let a = core.malloc(768 * KIB, s).unwrap();
+        let over = 2 * SMALL_PAGE * UNKNOWN_SPILL_SHARE > mapped;
+        assert_eq!(!a.small_pool, over, "beside {} MiB mapped", mapped >> 20);
+        seen[usize::from(over)] = true;
+    }
+    assert_eq!(seen, [true, true], "both sides of the share");
+}
+
+#[test]
+fn before_any_small_block_is_freed_a_size_never_freed_grows_the_small_pool() {
+    // A job loading what it keeps: no small block freed yet, only a large one.
+    let (backend, mut core, s) = rig(1 << 40, EXPANDABLE);
+    let big = core.malloc(10 * MIB, s).unwrap();
+    core.free(big.ptr).unwrap();
+    let kept: Vec<_> = (0..4).map(|_| core.malloc(512 * KIB, s).unwrap()).collect();
+    let maps = backend.counts().maps;
+    let a = core.malloc(768 * KIB, s).unwrap();
+    assert!(a.small_pool, "loading: the small pool grows");
+    assert_eq!(backend.counts().maps, maps + 1);
+    // One small block freed: a new size spills (the small pool at 4 MiB, 1/16 of 64 MiB).
+    let (x, y) = (
+        core.malloc(640 * KIB, s).unwrap(),
+        core.malloc(4 * KIB, s).unwrap(),
+    );
+    assert!(x.small_pool && y.small_pool, "the second page's rest");
+    core.free(y.ptr).unwrap();
+    let b = core.malloc(896 * KIB, s).unwrap();
+    assert!(!b.small_pool, "spilled");
+    assert_eq!(backend.counts().maps, maps + 1, "no driver call");
+    drop(kept);
+}
+
+#[test]
+fn a_size_never_freed_takes_no_hole_between_live_blocks() {
+    // The large pool's free 10 MiB lies between two live blocks, with no free memory mapped
+    // after the second: the request grows the small pool.
+    let (backend, mut core, s) = rig(1 << 40, EXPANDABLE);
+    let hole = core.malloc(10 * MIB, s).unwrap();
+    let after = core.malloc(4 * MIB, s).unwrap();
+    // Fill what the growth mapped ahead of `after`.
+    let tail: Vec<u64> = core
+        .snapshot()
+        .segments
+        .iter()
+        .filter(|seg| !seg.is_small)
+        .flat_map(|seg| seg.blocks.iter())
+        .filter(|b| b.mapped && b.state == BlockStateName::Inactive)
+        .map(|b| b.size)
+        .collect();
+    assert!(
+        tail.iter().all(|&n| n > MIB),
+        "large requests fill it: {tail:?}"
+    );
+    let maps = backend.counts().maps;
+    let ahead: Vec<_> = tail.iter().map(|&n| core.malloc(n, s).unwrap()).collect();
+    assert_eq!(backend.counts().maps, maps, "only what was mapped");
+    core.free(hole.ptr).unwrap();
+    let once = core.malloc(MIB, s).unwrap();
+    core.free(once.ptr).unwrap();
+    let live = [core.malloc(MIB, s).unwrap(), core.malloc(MIB, s).unwrap()];
+    assert!(live.iter().all(|a| a.small_pool));
+    let maps = backend.counts().maps;
+    let a = core.malloc(768 * KIB, s).unwrap();
+    assert!(a.small_pool, "the hole is not the large pool's end");
+    assert_eq!(backend.counts().maps, maps + 1, "a new small page");
+    // A size known short-lived takes the hole (past the small pool's mark).
+    core.free(a.ptr).unwrap();
+    let (x, y) = (core.malloc(MIB, s).unwrap(), core.malloc(MIB, s).unwrap());
+    assert!(x.small_pool && y.small_pool, "the small pool's second page");
+    let spilled = core.malloc(MIB, s).unwrap();
+    assert_eq!(spilled.ptr, hole.ptr);
+    drop((after, ahead));
 }
 
 /// Learns 512 KiB with a lifetime of `lived` allocations in a core from `small_pool_full`,
@@ -100,7 +224,7 @@ fn a_size_that_lived_long_grows_the_small_pool() {
 
 #[test]
 fn within_the_small_pools_mark_the_small_pool_grows_back() {
-    let ((backend, mut core, s), live) = small_pool_full(EXPANDABLE);
+    let ((backend, mut core, s), live) = small_pool_full_beside(EXPANDABLE, 0);
     for p in live {
         core.free(gpualloc_runtime::DevicePtr(p)).unwrap();
     }

@@ -162,9 +162,9 @@ fn a_small_models_inference_under_both_policies() {
         figures,
         [
             ("", Policy::Pytorch, 102, 2196),
-            ("", Policy::Gpualloc, 82, 357),
+            ("", Policy::Gpualloc, 80, 116),
             ("expandable_segments:True", Policy::Pytorch, 92, 1405),
-            ("expandable_segments:True", Policy::Gpualloc, 82, 357),
+            ("expandable_segments:True", Policy::Gpualloc, 80, 116),
         ]
     );
     assert!(

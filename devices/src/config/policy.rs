@@ -267,24 +267,37 @@ pub const DEVIATIONS: &[Deviation] = &[
         rule: "small requests in the large pool's free memory (spill)",
         pytorch: "blocks of 1 MiB or less come only from the small pool's 2 MiB pages; a small \
                    request that misses maps or allocates a new one",
-        gpualloc: "a small request that misses the default small pool, of a size whose last \
-                    block lived at most 1,000 allocations, takes the best-fitting free block of \
-                    the default large pool's expandable segment on its stream, split to its \
-                    size, and goes back there when freed; sizes never freed yet, private pools, \
+        gpualloc: "a small request that misses the default small pool, where a new small page \
+                    would pass the most that pool ever held, of a size whose last block lived at \
+                    most 1,000 allocations, takes the best-fitting free block of the default \
+                    large pool's expandable segment on its stream, split to its size, and goes \
+                    back there when freed; a size never freed yet does so too once a small block \
+                    has been freed and where a new small page would make the small pool more than \
+                    1/16 of the large pool's mapped memory, but only into a free block at the end \
+                    of the large pool's mapped pages; known long-lived sizes, private pools, \
                     ordinary segments and captures never spill \
                     (`devices/src/malloc/spill.rs`, `spill_state.rs`)",
         why: "small temporaries that peak while the large blocks are low otherwise hold an extra \
-               small page all run beside the large pool's peak; long-lived small blocks would \
-               pin the large pool's holes, so only sizes seen short-lived spill",
-        evidence: "default config, peak reserved (fragmentation): cnn-counterfactual-small 108 -> \
-                    106 MiB (4.39% -> 2.59%), llama-lora-finetune 5,640 -> 5,630 MiB (0.64% -> \
-                    0.46%; growths 258 -> 214), transformer-lm-forward 756 MiB (growths 44 -> 43), the \
-                    others unchanged; with `roundup_power2_divisions:4` llama-lora 5,994 -> 5,992 \
-                    MiB, transformer-lm-forward 846 -> 844 MiB; a generated MiniLM-like inference \
-                    84 -> 82 MiB (5.86% -> 3.57%, `replay/tests/small_model.rs`). \
-                    Spilling within the small pool's mark too: llama7b-offload 0.16% -> 0.26%, \
-                    qwen2 1.25% -> 1.39%, and a repeated step of mixed sizes mapped pages until \
-                    its third step (`replay/tests/real_traces.rs`, `devices/tests/spill.rs`)",
+               small page all run beside the large pool's peak, and a first step's temporaries, \
+               not freed yet, set the small pool's mark for every later step; long-lived small \
+               blocks would pin the large pool's holes, so sizes not known short-lived go only \
+               to its mapped end, and not while a job loads what it keeps (nothing small freed \
+               yet) or where its small pool is a negligible share",
+        evidence: "default config, peak reserved (fragmentation): known short-lived sizes: \
+                    cnn-counterfactual-small 108 -> 106 MiB (4.39% -> 2.59%), llama-lora-finetune \
+                    5,640 -> 5,630 MiB (0.64% -> 0.46%; growths 258 -> 214), \
+                    transformer-lm-forward 756 MiB (growths 44 -> 43), the others unchanged; with \
+                    `roundup_power2_divisions:4` llama-lora 5,994 -> 5,992 MiB, \
+                    transformer-lm-forward 846 -> 844 MiB; a generated MiniLM-like inference 84 \
+                    -> 82 MiB (5.86% -> 3.57%, `replay/tests/small_model.rs`). Then sizes never \
+                    freed: cnn-counterfactual-small 106 -> 104 MiB (2.59% -> 0.71%; growths 17 -> \
+                    16, driver maps 38 -> 36), llama-lora 5,630 -> 5,634 MiB (0.46% -> 0.53%), \
+                    with `roundup_power2_divisions:4` 5,992 -> 5,998 MiB, the MiniLM-like \
+                    inference 82 -> 80 MiB (3.57% -> 1.16%), the others unchanged. Spilling \
+                    within the small pool's mark too: llama7b-offload 0.16% -> 0.26%, qwen2 1.25% \
+                    -> 1.39%, and a repeated step of mixed sizes mapped pages until its third \
+                    step; sizes never freed without the share: qwen3-gcn device 2 20,618 -> \
+                    20,694 MiB (`replay/tests/real_traces.rs`, `devices/tests/spill.rs`)",
     },
     Deviation {
         rule: "segments under a config that does not name `expandable_segments`",

@@ -5,7 +5,7 @@
 //! usage of the private pool they belong to. Nothing outside `ledger/` writes the statistics
 //! (`devices/tests/module_arrows.rs` checks): a counter PyTorch keeps is changed in one place.
 
-use crate::core::{DeviceCore, SMALL_POOL};
+use crate::core::{DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::expandable::segment::Booking;
 use crate::ledger::stats::{for_pool, Stat, StatArray};
 
@@ -158,9 +158,11 @@ impl DeviceCore {
         // The small pool's mark for the spill (`malloc/spill.rs`): it counts mapped pages
         // only, since the spill needs expandable segments, and a config has them in both
         // default pools or in neither.
+        let added = !matches!(booking, Booking::Released);
         if pool == SMALL_POOL {
-            self.spill
-                .small_pool_changed(len, !matches!(booking, Booking::Released));
+            self.spill.small_pool_changed(len, added);
+        } else if pool == LARGE_POOL {
+            self.spill.large_pool_changed(len, added);
         }
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.reserved, small, change);

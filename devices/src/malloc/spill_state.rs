@@ -18,6 +18,10 @@ pub(crate) struct SpillState {
     small_held: u64,
     /// The most it ever held (no statistics reset lowers it).
     small_most: u64,
+    /// Bytes the default large pool has mapped.
+    large_held: u64,
+    /// A small block of the default pools has been freed (found once, then kept).
+    freed_small: bool,
     /// A replay follows a history's spills (`DeviceCore::spill_as_recorded`): the miss
     /// chain spills nothing by itself.
     pub as_recorded: bool,
@@ -30,6 +34,8 @@ impl Default for SpillState {
             last: vec![UNKNOWN; (SMALL_SIZE / MIN_BLOCK_SIZE) as usize + 1],
             small_held: 0,
             small_most: 0,
+            large_held: 0,
+            freed_small: false,
             as_recorded: false,
         }
     }
@@ -79,6 +85,31 @@ impl SpillState {
         }
     }
 
+    /// The default large pool now holds `bytes` more (`added`) or fewer.
+    pub fn large_pool_changed(&mut self, bytes: u64, added: bool) {
+        if added {
+            self.large_held += bytes;
+        } else {
+            self.large_held = self.large_held.saturating_sub(bytes);
+        }
+    }
+
+    /// Whether `bytes` more in the default small pool would make it hold more than 1 / `share`
+    /// of what the default large pool holds.
+    pub fn small_pool_outgrows_share(&self, bytes: u64, share: u64) -> bool {
+        self.small_held.saturating_add(bytes).saturating_mul(share) > self.large_held
+    }
+
+    /// Whether a small block of the default pools has been freed yet. Off the hit path: the
+    /// lifetimes are looked through until the first is found (a free only stores one), then
+    /// the answer is kept.
+    pub fn freed_small(&mut self) -> bool {
+        if !self.freed_small {
+            self.freed_small = self.last.iter().any(|&l| l != UNKNOWN);
+        }
+        self.freed_small
+    }
+
     /// Whether `bytes` more in the default small pool would pass the most it ever held.
     pub fn small_pool_passes_most(&self, bytes: u64) -> bool {
         self.small_held + bytes > self.small_most
@@ -106,6 +137,43 @@ mod tests {
         assert_eq!(s.last(SMALL_SIZE), Some(0));
         s.learn(SMALL_SIZE + MIN_BLOCK_SIZE, born);
         assert_eq!(s.last(SMALL_SIZE + MIN_BLOCK_SIZE), None, "not kept");
+    }
+
+    #[test]
+    fn a_small_free_is_found_once_and_kept() {
+        let mut s = SpillState::default();
+        assert!(!s.freed_small());
+        let born = s.tick();
+        s.learn(SMALL_SIZE + MIN_BLOCK_SIZE, born);
+        assert!(!s.freed_small(), "a large block is not kept");
+        s.learn(MIN_BLOCK_SIZE, born);
+        assert!(s.freed_small());
+        s.last[1] = UNKNOWN;
+        assert!(s.freed_small(), "kept once found");
+    }
+
+    #[test]
+    fn the_share_compares_the_small_pool_with_the_large_pools_mapped_bytes() {
+        let mut s = SpillState::default();
+        s.small_pool_changed(2 << 20, true);
+        s.large_pool_changed(64 << 20, true);
+        // (2 + 2) MiB * 16 = 64 MiB: not more than the large pool.
+        assert!(!s.small_pool_outgrows_share(2 << 20, 16));
+        assert!(s.small_pool_outgrows_share((2 << 20) + 1, 16));
+        s.large_pool_changed(2 << 20, false);
+        assert!(s.small_pool_outgrows_share(2 << 20, 16), "62 MiB left");
+        s.large_pool_changed(4 << 20, true);
+        assert!(
+            !s.small_pool_outgrows_share(2 << 20, 16),
+            "66 MiB: 64 is not more"
+        );
+        assert!(s.small_pool_outgrows_share(2 << 20, 17), "66 MiB: 68 is");
+        s.large_pool_changed(u64::MAX, false);
+        assert!(s.small_pool_outgrows_share(0, 1), "never below zero");
+        assert!(
+            s.small_pool_outgrows_share(u64::MAX, u64::MAX),
+            "no overflow"
+        );
     }
 
     #[test]
