@@ -288,6 +288,30 @@ fn a_repeated_step_with_spills_makes_no_driver_call() {
     assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
 }
 
+/// The sixth rule's case, repeated: the first step's three workspaces are of a size never
+/// freed, after a small input was freed; the third goes to the large pool's mapped end instead
+/// of a second small page, and every later step (the size now known short-lived) spills its
+/// third workspace too. After the first step no driver call, and the small pool keeps its one
+/// page.
+#[test]
+fn a_repeated_step_whose_first_spill_was_of_an_unknown_size_makes_no_driver_call() {
+    let (backend, mut core, s) = rig(1 << 40, EXPANDABLE);
+    // The large pool's 16 MiB mapped and free (the step's activation leaves 4 MiB at its end),
+    // and a small input freed.
+    let peak = core.malloc(16 * MIB, s).unwrap();
+    core.free(peak.ptr).unwrap();
+    let input = core.malloc(4 * KIB, s).unwrap();
+    core.free(input.ptr).unwrap();
+    assert_eq!(step(&mut core, s, 3), [true, true, false]);
+    let (before, reserved) = (calls(&backend), core.reserved_bytes());
+    for _ in 0..5 {
+        assert_eq!(step(&mut core, s, 3), [true, true, false]);
+    }
+    assert_eq!(calls(&backend), before, "no driver call in a repeated step");
+    assert_eq!(core.reserved_bytes(), reserved);
+    assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
+}
+
 /// The history marks a spilled `alloc` (`TraceEntry::spilled`), and only that one, with the
 /// block's address: a replay follows the mark.
 #[test]
