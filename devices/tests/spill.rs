@@ -278,13 +278,18 @@ fn a_repeated_step_with_spills_makes_no_driver_call() {
     assert_eq!(step(&mut core, s, 1), [true]);
     // Past the small pool's one page: the third workspace spills.
     assert_eq!(step(&mut core, s, 3), [true, true, false]);
-    let (before, reserved) = (calls(&backend), core.reserved_bytes());
+    repeat_steps(&backend, &mut core, s);
+}
+
+/// Five more steps of three workspaces: each spills its third, with no driver call, and the
+/// small pool never grows past its one page.
+fn repeat_steps(backend: &AccountingBackend, core: &mut DeviceCore, s: StreamHandle) {
+    let (before, reserved) = (calls(backend), core.reserved_bytes());
     for _ in 0..5 {
-        assert_eq!(step(&mut core, s, 3), [true, true, false]);
+        assert_eq!(step(core, s, 3), [true, true, false]);
     }
-    assert_eq!(calls(&backend), before, "no driver call in a repeated step");
+    assert_eq!(calls(backend), before, "no driver call in a repeated step");
     assert_eq!(core.reserved_bytes(), reserved);
-    // The small pool never grew past its one page.
     assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
 }
 
@@ -303,13 +308,7 @@ fn a_repeated_step_whose_first_spill_was_of_an_unknown_size_makes_no_driver_call
     let input = core.malloc(4 * KIB, s).unwrap();
     core.free(input.ptr).unwrap();
     assert_eq!(step(&mut core, s, 3), [true, true, false]);
-    let (before, reserved) = (calls(&backend), core.reserved_bytes());
-    for _ in 0..5 {
-        assert_eq!(step(&mut core, s, 3), [true, true, false]);
-    }
-    assert_eq!(calls(&backend), before, "no driver call in a repeated step");
-    assert_eq!(core.reserved_bytes(), reserved);
-    assert_eq!(core.stats().reserved_bytes.small().current, 2 * MIB);
+    repeat_steps(&backend, &mut core, s);
 }
 
 /// The history marks a spilled `alloc` (`TraceEntry::spilled`), and only that one, with the

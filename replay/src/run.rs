@@ -42,7 +42,7 @@ use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, Allocation, AllocatorConfig,
     DeviceCore, MemPoolId, Policy, PoolInfo, PoolOptions, PoolState, RestorePool, RestoredBlock,
-    SleepMode,
+    SegmentRequest, SleepMode,
 };
 use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -56,6 +56,10 @@ use crate::analysis::{
 use crate::input::Trace;
 use crate::recorded_miss::malloc_with_new_segment;
 use crate::report::{Mismatch, ReplayReport, Sample, Served};
+
+/// A link of the miss chain a replay applies to the block the history names
+/// (`DeviceCore::malloc_borrowed`, `DeviceCore::malloc_spilled`).
+type RecordedLink = fn(&mut DeviceCore, SegmentRequest, u64) -> Result<Allocation, SegmentRequest>;
 
 /// Why a replay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -282,36 +286,22 @@ impl Replayer {
         }
     }
 
-    /// A malloc the history shows served by a loan of another stream's free block at `addr`
-    /// (`TraceEntry::borrowed`): the same loan (`DeviceCore::malloc_borrowed`), or, where that
-    /// block is not free here, an ordinary malloc (`recorded_miss.rs` says why this link is
-    /// applied directly).
-    fn malloc_borrowed(
+    /// A malloc the history shows served by one link of the chain from the free block at
+    /// `addr`: a loan of another stream's block (`TraceEntry::borrowed`,
+    /// `DeviceCore::malloc_borrowed`) or the spill into the large pool
+    /// (`TraceEntry::spilled`, `DeviceCore::malloc_spilled`). The same link, or, where that
+    /// block is not free here, an ordinary malloc (`recorded_miss.rs` says why these links
+    /// are applied directly).
+    fn malloc_by_link(
         &mut self,
+        link: RecordedLink,
         pool: Option<MemPoolId>,
         size: u64,
         stream: StreamHandle,
         addr: u64,
     ) -> Result<Allocation, AllocError> {
         let request = self.core.segment_request_in(pool, size, stream)?;
-        match self.core.malloc_borrowed(request, addr) {
-            Ok(a) => Ok(a),
-            Err(_) => self.malloc_in(pool, size, stream),
-        }
-    }
-
-    /// A malloc the history shows served by the spill into the large pool's free block at
-    /// `addr` (`TraceEntry::spilled`): the same spill (`DeviceCore::malloc_spilled`), or,
-    /// where that block is not free here, an ordinary malloc.
-    fn malloc_spilled(
-        &mut self,
-        pool: Option<MemPoolId>,
-        size: u64,
-        stream: StreamHandle,
-        addr: u64,
-    ) -> Result<Allocation, AllocError> {
-        let request = self.core.segment_request_in(pool, size, stream)?;
-        match self.core.malloc_spilled(request, addr) {
+        match link(&mut self.core, request, addr) {
             Ok(a) => Ok(a),
             Err(_) => self.malloc_in(pool, size, stream),
         }
@@ -478,9 +468,9 @@ impl Replayer {
         } else if options.warm && e.passed_over {
             self.malloc_passed_over(pool, e.size, stream)
         } else if options.warm && e.borrowed {
-            self.malloc_borrowed(pool, e.size, stream, e.addr)
+            self.malloc_by_link(DeviceCore::malloc_borrowed, pool, e.size, stream, e.addr)
         } else if options.warm && e.spilled {
-            self.malloc_spilled(pool, e.size, stream, e.addr)
+            self.malloc_by_link(DeviceCore::malloc_spilled, pool, e.size, stream, e.addr)
         } else {
             self.malloc_in(pool, e.size, stream)
         };

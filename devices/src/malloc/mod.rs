@@ -15,6 +15,7 @@ pub(crate) mod spill_state;
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
 use crate::blocks::block::{Block, BlockId};
+use crate::blocks::pool::FreeKey;
 use crate::config::sizes::{allocation_size, is_small, round_size, MIN_BLOCK_SIZE, SMALL_SIZE};
 use crate::core::{AllocParams, Allocation, DeviceCore, LARGE_POOL, SMALL_POOL};
 use crate::error::AllocError;
@@ -153,6 +154,32 @@ impl DeviceCore {
                 size,
                 reason: "no block found (internal)",
             }),
+        }
+    }
+
+    /// Serves `request` from free block `id` (free key `k`) of `pool`, taken out of it: a link
+    /// of the miss chain a replay applies where the history names the block (a loan, a spill).
+    /// `Err` gives the request back, the block free again.
+    pub(crate) fn finish_from_free(
+        &mut self,
+        mut request: SegmentRequest,
+        pool: usize,
+        k: &FreeKey,
+        id: BlockId,
+    ) -> Result<Allocation, SegmentRequest> {
+        let own = request.params.pool;
+        self.pools[pool].take_free(k);
+        request.params.pool = pool;
+        request.params.block = Some(id);
+        match self.finish(&request.params, request.size) {
+            Ok(a) => Ok(a),
+            Err(_) => {
+                // `finish` fails only without a block; the block goes back all the same.
+                self.pools[pool].file_free(self.blocks.get(id), id);
+                request.params.pool = own;
+                request.params.block = None;
+                Err(request)
+            }
         }
     }
 

@@ -141,7 +141,7 @@ impl DeviceCore {
     /// the caller then serves it as an ordinary request.
     pub fn malloc_spilled(
         &mut self,
-        mut request: SegmentRequest,
+        request: SegmentRequest,
         addr: u64,
     ) -> Result<Allocation, SegmentRequest> {
         // As a lookup does first (an error here is the ordinary request's to report).
@@ -164,22 +164,9 @@ impl DeviceCore {
         let Some((k, id)) = found else {
             return Err(request);
         };
-        self.pools[LARGE_POOL].take_free(&k);
-        request.params.pool = LARGE_POOL;
-        request.params.block = Some(id);
-        match self.finish(&request.params, request.size) {
-            Ok(a) => {
-                self.history.mark_spilled(a.ptr.0);
-                Ok(a)
-            }
-            Err(_) => {
-                // `finish` fails only without a block; the block goes back all the same.
-                self.pools[LARGE_POOL].file_free(self.blocks.get(id), id);
-                request.params.pool = SMALL_POOL;
-                request.params.block = None;
-                Err(request)
-            }
-        }
+        let a = self.finish_from_free(request, LARGE_POOL, &k, id)?;
+        self.history.mark_spilled(a.ptr.0);
+        Ok(a)
     }
 
     /// For a replay that follows a history recorded under a policy that spills: the miss

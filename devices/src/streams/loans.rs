@@ -138,7 +138,7 @@ impl DeviceCore {
     /// caller then serves it as an ordinary request.
     pub fn malloc_borrowed(
         &mut self,
-        mut request: SegmentRequest,
+        request: SegmentRequest,
         addr: u64,
     ) -> Result<Allocation, SegmentRequest> {
         // As a lookup does first: loans whose borrower's work is done are back with their
@@ -168,17 +168,9 @@ impl DeviceCore {
         {
             return Err(request);
         }
-        self.pools[request.params.pool].take_free(&k);
-        request.params.block = Some(id);
-        match self.finish(&request.params, request.size) {
-            Ok(a) => Ok(self.lend(a, request.params.stream)),
-            Err(_) => {
-                // `finish` fails only without a block; the block goes back all the same.
-                self.pools[request.params.pool].file_free(self.blocks.get(id), id);
-                request.params.block = None;
-                Err(request)
-            }
-        }
+        let (pool, borrower) = (request.params.pool, request.params.stream);
+        let a = self.finish_from_free(request, pool, &k, id)?;
+        Ok(self.lend(a, borrower))
     }
 
     /// For a replay that follows a history recorded under a policy that lends: the miss
