@@ -75,6 +75,75 @@ async fn recorded(conf: &str) -> Vec<u8> {
     bytes
 }
 
+/// A spilled block (a small request in the large pool, `gpualloc_devices::spill`) dropped on its
+/// own stream parks in the thread cache, and the next request of its size revives it there:
+/// the revive's `alloc`, written by the thread cache, is marked spilled too, so the replay
+/// serves it from the large pool as the live allocator did (before, the replay looked in the
+/// small pool, full there, and grew it).
+#[test]
+fn a_spilled_block_revived_by_the_thread_cache_replays_at_its_address() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let bytes = rt.block_on(async {
+        let sim = gpualloc::runtime::sim::SimBackend::new(gpualloc::runtime::sim::SimConfig {
+            capacity_per_device: 1 << 30,
+            ..gpualloc::runtime::sim::SimConfig::fast(1)
+        })
+        .unwrap();
+        let alloc = Allocator::builder()
+            .config_str("")
+            .backend_instance(sim)
+            .build()
+            .unwrap();
+        let s = alloc.new_stream(DeviceId(0)).unwrap();
+        let other = alloc.new_stream(DeviceId(0)).unwrap();
+        // Frees the core sees (a buffer used on another stream is not parked): a free 12 MiB
+        // block of the large pool, and 1 MiB learned short-lived.
+        for size in [12 * MIB, MIB] {
+            let b = alloc.malloc(size, &s).await.unwrap();
+            b.record_stream(&other).unwrap();
+            drop(b);
+            other.synchronize().unwrap();
+        }
+        // The small pool's one page full: a third 1 MiB spills.
+        let full = [
+            alloc.malloc(MIB, &s).await.unwrap(),
+            alloc.malloc(MIB, &s).await.unwrap(),
+        ];
+        alloc
+            .record_history(HistoryOptions::default())
+            .await
+            .unwrap();
+        let spilled = alloc.malloc(MIB, &s).await.unwrap();
+        let at = spilled.ptr();
+        drop(spilled);
+        let revived = alloc.malloc(MIB, &s).await.unwrap();
+        assert_eq!(revived.ptr(), at, "the thread cache revives it");
+        let bytes = alloc.snapshot_pickle().await.unwrap();
+        drop((full, revived));
+        alloc.shutdown().await.unwrap();
+        bytes
+    });
+    let trace = from_bytes("own.pickle", &bytes).unwrap().remove(0);
+    let spilled: Vec<bool> = trace
+        .events
+        .iter()
+        .filter(|e| e.action == gpualloc_trace::Action::Alloc)
+        .map(|e| e.spilled)
+        .collect();
+    assert_eq!(spilled, [true, true], "both allocs marked");
+    let options = ReplayOptions {
+        warm: true,
+        config: trace.recorded_config.clone().unwrap(),
+        capacity: Some(1 << 30),
+        ..ReplayOptions::default()
+    };
+    let report = replay(&trace, &options).unwrap();
+    assert_eq!(report.address_match, Some((2, 2)));
+}
+
 #[test]
 fn a_recorded_history_replays_warm_at_the_same_addresses() {
     let rt = tokio::runtime::Builder::new_multi_thread()

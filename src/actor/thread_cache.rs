@@ -52,6 +52,7 @@ use std::sync::Arc;
 
 use arrayvec::ArrayVec;
 use gpualloc_actor::thread_slots::{thread_index, SlotState, ThreadSlots, MAX_SLOTS};
+use gpualloc_devices::sizes::SMALL_SIZE;
 use gpualloc_devices::{Allocation, Frames, RoundTrips, TraceAction, TraceEntry};
 use gpualloc_runtime::{DevicePtr, StreamHandle};
 
@@ -205,7 +206,9 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         pool: 0,
         passed_over: false,
         borrowed: false,
-        spilled: false,
+        // A small block of the large pool is a spill's (`gpualloc_devices::spill`): its
+        // revive is served from the large pool, and a replay must do the same.
+        spilled: action == TraceAction::Alloc && !a.small_pool && a.block_size <= SMALL_SIZE,
         grouped_pages: None,
     };
     (seq, entry)

@@ -87,24 +87,21 @@ impl DeviceCore {
             return false;
         }
         let unknown = match self.spill.last(params.size) {
-            Some(l) if l <= SPILL_LIFETIME => {
-                if !self.spill.small_pool_passes_most(SMALL_BUFFER) {
-                    return false;
-                }
-                false
-            }
-            Some(_) => return false,
-            None => {
-                if !self.spill.freed_small()
-                    || !self
-                        .spill
-                        .small_pool_outgrows_share(SMALL_BUFFER, UNKNOWN_SPILL_SHARE)
-                {
-                    return false;
-                }
-                true
-            }
+            Some(l) if l <= SPILL_LIFETIME => false,
+            Some(_) => return false, // known long-lived
+            None => true,
         };
+        let may = if unknown {
+            self.spill.freed_small()
+                && self
+                    .spill
+                    .small_pool_outgrows_share(SMALL_BUFFER, UNKNOWN_SPILL_SHARE)
+        } else {
+            self.spill.small_pool_passes_most(SMALL_BUFFER)
+        };
+        if !may {
+            return false;
+        }
         let stream = params.stream.raw;
         let blocks = &self.blocks;
         // A block of unknown lifetime goes to a tail: a free block with no mapped block after
