@@ -607,25 +607,13 @@ pub fn replay_core(
     if let Some(hook) = options.core_hook {
         hook(&mut core);
     }
-    // A history recorded under a policy that lends marks its loans (`gpualloc_borrowed`):
-    // a warm replay lends there and nowhere else.
-    if options.warm
-        && trace
-            .recorded_config
-            .as_ref()
-            .is_some_and(|c| c.policy.lends_across_streams())
-    {
-        core.lend_as_recorded(true);
-    }
-    // Likewise a history recorded under a policy that spills small requests into the large
-    // pool marks its spills (`gpualloc_spilled`): what decided them is not in the history.
-    if options.warm
-        && trace
-            .recorded_config
-            .as_ref()
-            .is_some_and(|c| c.policy.spills_small_requests())
-    {
-        core.spill_as_recorded(true);
+    // A history recorded under a policy that lends marks its loans (`gpualloc_borrowed`), and
+    // one under a policy that spills small requests into the large pool its spills
+    // (`gpualloc_spilled`): a warm replay lends and spills there and nowhere else (what
+    // decided them live is not in the history).
+    if let Some(recorded) = trace.recorded_config.as_ref().filter(|_| options.warm) {
+        core.lend_as_recorded(recorded.policy.lends_across_streams());
+        core.spill_as_recorded(recorded.policy.spills_small_requests());
     }
     let mut r = Replayer {
         backend,

@@ -158,11 +158,12 @@ impl DeviceCore {
         // The small pool's mark for the spill (`malloc/spill.rs`): it counts mapped pages
         // only, since the spill needs expandable segments, and a config has them in both
         // default pools or in neither.
-        let added = !matches!(booking, Booking::Released);
-        if pool == SMALL_POOL {
-            self.spill.small_pool_changed(len, added);
-        } else if pool == LARGE_POOL {
-            self.spill.large_pool_changed(len, added);
+        if pool <= LARGE_POOL {
+            self.spill.pages_changed(
+                pool == SMALL_POOL,
+                len,
+                !matches!(booking, Booking::Released),
+            );
         }
         if let Some(u) = self.usage_mut(pool) {
             for_pool(&mut u.reserved, small, change);

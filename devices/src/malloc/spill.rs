@@ -126,9 +126,7 @@ impl DeviceCore {
         params.block = Some(id);
         true
     }
-}
 
-impl DeviceCore {
     /// For a replay that follows a history (`TraceEntry::spilled`): serves `request`, a
     /// small request of the default pools, as the live allocator did, by the spill into the
     /// free block of the default large pool on its stream that starts at `addr`, split to its

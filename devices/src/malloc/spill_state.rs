@@ -1,6 +1,7 @@
 //! What the `gpualloc` policy's spill (`spill.rs`) decides by: how long the last block of each
-//! small size lived, counted in allocations, and the bytes the default small pool holds
-//! against the most it ever held.
+//! small size lived, counted in allocations (and whether any was freed yet), and the bytes the
+//! default small pool holds against the most it ever held and against what the default large
+//! pool holds.
 
 use crate::config::sizes::{MIN_BLOCK_SIZE, SMALL_SIZE};
 
@@ -75,23 +76,20 @@ impl SpillState {
         }
     }
 
-    /// The default small pool now holds `bytes` more (`added`) or fewer.
-    pub fn small_pool_changed(&mut self, bytes: u64, added: bool) {
-        if added {
-            self.small_held += bytes;
-            self.small_most = self.small_most.max(self.small_held);
+    /// The default small pool (`small`) or large pool now holds `bytes` more (`added`) or
+    /// fewer.
+    pub fn pages_changed(&mut self, small: bool, bytes: u64, added: bool) {
+        let held = if small {
+            &mut self.small_held
         } else {
-            self.small_held = self.small_held.saturating_sub(bytes);
-        }
-    }
-
-    /// The default large pool now holds `bytes` more (`added`) or fewer.
-    pub fn large_pool_changed(&mut self, bytes: u64, added: bool) {
-        if added {
-            self.large_held += bytes;
+            &mut self.large_held
+        };
+        *held = if added {
+            *held + bytes
         } else {
-            self.large_held = self.large_held.saturating_sub(bytes);
-        }
+            held.saturating_sub(bytes)
+        };
+        self.small_most = self.small_most.max(self.small_held);
     }
 
     /// Whether `bytes` more in the default small pool would make it hold more than 1 / `share`
@@ -155,20 +153,20 @@ mod tests {
     #[test]
     fn the_share_compares_the_small_pool_with_the_large_pools_mapped_bytes() {
         let mut s = SpillState::default();
-        s.small_pool_changed(2 << 20, true);
-        s.large_pool_changed(64 << 20, true);
+        s.pages_changed(true, 2 << 20, true);
+        s.pages_changed(false, 64 << 20, true);
         // (2 + 2) MiB * 16 = 64 MiB: not more than the large pool.
         assert!(!s.small_pool_outgrows_share(2 << 20, 16));
         assert!(s.small_pool_outgrows_share((2 << 20) + 1, 16));
-        s.large_pool_changed(2 << 20, false);
+        s.pages_changed(false, 2 << 20, false);
         assert!(s.small_pool_outgrows_share(2 << 20, 16), "62 MiB left");
-        s.large_pool_changed(4 << 20, true);
+        s.pages_changed(false, 4 << 20, true);
         assert!(
             !s.small_pool_outgrows_share(2 << 20, 16),
             "66 MiB: 64 is not more"
         );
         assert!(s.small_pool_outgrows_share(2 << 20, 17), "66 MiB: 68 is");
-        s.large_pool_changed(u64::MAX, false);
+        s.pages_changed(false, u64::MAX, false);
         assert!(s.small_pool_outgrows_share(0, 1), "never below zero");
         assert!(
             s.small_pool_outgrows_share(u64::MAX, u64::MAX),
@@ -179,13 +177,13 @@ mod tests {
     #[test]
     fn the_small_pools_mark_is_the_most_it_ever_held() {
         let mut s = SpillState::default();
-        s.small_pool_changed(4 << 20, true);
+        s.pages_changed(true, 4 << 20, true);
         assert!(!s.small_pool_passes_most(0));
         assert!(s.small_pool_passes_most(1));
-        s.small_pool_changed(2 << 20, false);
+        s.pages_changed(true, 2 << 20, false);
         assert!(!s.small_pool_passes_most(2 << 20));
         assert!(s.small_pool_passes_most((2 << 20) + 1));
-        s.small_pool_changed(2 << 20, true);
+        s.pages_changed(true, 2 << 20, true);
         assert!(s.small_pool_passes_most(1));
     }
 }

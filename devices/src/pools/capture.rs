@@ -121,7 +121,7 @@ impl DeviceCore {
             .captures
             .end(capture)
             .ok_or(AllocError::UnknownCapture(capture))?;
-        for stream in ended.streams {
+        for stream in ended.streams() {
             if self.private.routed(stream.raw) == Some(ended.pool) {
                 self.private.unroute(stream.raw);
             }
@@ -201,7 +201,7 @@ impl DeviceCore {
             .values()
             .filter(|m| self.owner_of(m.pool) == Some(MemPoolId(c.pool)))
             .map(|m| m.stream)
-            .filter(|s| !c.streams.contains(s))
+            .filter(|s| !c.has(*s))
             .collect();
         out.sort();
         out.dedup();

@@ -10,15 +10,26 @@ use gpualloc_runtime::StreamHandle;
 use crate::blocks::block::BlockId;
 
 /// One announced capture: its id (the backend's), the private pool its allocations go to,
-/// and the streams routed there for it (the one it began on, and those that joined), with the
-/// stamp the core's next allocation had when each joined (0 for the one it began on: see
+/// and the streams routed there for it (the one it began on, and those that joined), each with
+/// the stamp the core's next allocation had when it joined (0 for the one it began on: see
 /// `malloc/spill_state.rs`).
 #[derive(Debug, Clone)]
 pub(crate) struct Capture {
     pub id: u64,
     pub pool: u64,
-    pub streams: Vec<StreamHandle>,
-    joined_at: Vec<u64>,
+    joined: Vec<(StreamHandle, u64)>,
+}
+
+impl Capture {
+    /// True when `stream` is one of the capture's.
+    pub(crate) fn has(&self, stream: StreamHandle) -> bool {
+        self.joined.iter().any(|(s, _)| *s == stream)
+    }
+
+    /// The capture's streams, the one it began on first.
+    pub(crate) fn streams(&self) -> impl Iterator<Item = StreamHandle> + '_ {
+        self.joined.iter().map(|(s, _)| *s)
+    }
 }
 
 /// Captures under way and the frees they hold back.
@@ -49,8 +60,7 @@ impl Captures {
         self.underway.push(Capture {
             id,
             pool,
-            streams: vec![stream],
-            joined_at: vec![0],
+            joined: vec![(stream, 0)],
         });
     }
 
@@ -78,10 +88,7 @@ impl Captures {
 
     /// The capture under way on `stream`, if any.
     pub(crate) fn of_stream(&self, stream: StreamHandle) -> Option<u64> {
-        self.underway
-            .iter()
-            .find(|c| c.streams.contains(&stream))
-            .map(|c| c.id)
+        self.underway.iter().find(|c| c.has(stream)).map(|c| c.id)
     }
 
     /// `stream` joined capture `id` when the next allocation's stamp was `clock` (or before:
@@ -89,9 +96,8 @@ impl Captures {
     /// under way.
     pub(crate) fn join(&mut self, id: u64, stream: StreamHandle, clock: u64) -> Option<u64> {
         let c = self.underway.iter_mut().find(|c| c.id == id)?;
-        if !c.streams.contains(&stream) {
-            c.streams.push(stream);
-            c.joined_at.push(clock);
+        if !c.has(stream) {
+            c.joined.push((stream, clock));
         }
         Some(c.pool)
     }
@@ -100,8 +106,10 @@ impl Captures {
     /// the stream it began on); `None` for a stream in no announced capture.
     pub(crate) fn joined_at(&self, stream: StreamHandle) -> Option<u64> {
         self.underway.iter().find_map(|c| {
-            let at = c.streams.iter().position(|s| *s == stream)?;
-            c.joined_at.get(at).copied()
+            c.joined
+                .iter()
+                .find(|(s, _)| *s == stream)
+                .map(|(_, at)| *at)
         })
     }
 
@@ -175,7 +183,7 @@ mod tests {
         );
         assert!(c.fills(3) && !c.fills(4));
         let ended = c.end(7).unwrap();
-        assert_eq!(ended.streams, vec![s(1), s(2)]);
+        assert_eq!(ended.streams().collect::<Vec<_>>(), vec![s(1), s(2)]);
         assert!(c.is_quiet() && c.end(7).is_none());
     }
 
