@@ -30,6 +30,9 @@ pub(crate) struct Budget {
     /// Whether the next growth past the high-water mark may release the default pools' free
     /// pages first: set by each rise of the mark, taken by that release.
     page_move_allowed: bool,
+    /// Whether such a page move was ever made: from then on growths map no pages ahead
+    /// (`malloc/map_ahead.rs`).
+    pages_moved: bool,
 }
 
 /// What a growth past the high-water mark releases first ([`Budget::take_release_before_growth`]).
@@ -62,6 +65,7 @@ impl Budget {
             high_water: 0,
             releases_allowed: 0,
             page_move_allowed: false,
+            pages_moved: false,
         }
     }
 
@@ -93,10 +97,17 @@ impl Budget {
             self.releases_allowed -= 1;
             ReleaseBeforeGrowth::Cache
         } else if may_move && std::mem::take(&mut self.page_move_allowed) {
+            self.pages_moved = true;
             ReleaseBeforeGrowth::PoolPages
         } else {
             ReleaseBeforeGrowth::Nothing
         }
+    }
+
+    /// Whether a release of the default pools' free pages before a growth was ever taken
+    /// ([`ReleaseBeforeGrowth::PoolPages`]).
+    pub fn pages_moved(&self) -> bool {
+        self.pages_moved
     }
 
     /// Whether a growth of `bytes` would pass the high-water mark.
@@ -204,10 +215,18 @@ mod tests {
         b.reserve(100);
         b.user_released();
         assert_eq!(b.take_release_before_growth(1, false, false), Nothing);
+        assert!(!b.pages_moved());
         assert_eq!(b.take_release_before_growth(1, false, true), PoolPages);
+        assert!(b.pages_moved(), "a page move is remembered");
         assert_eq!(b.take_release_before_growth(1, false, true), Nothing);
         b.reserve(1);
         assert_eq!(b.take_release_before_growth(1, true, false), Cache);
+        assert!(b.pages_moved(), "and stays remembered");
+        let mut c = Budget::new(1 << 40, None);
+        c.reserve(100);
+        c.user_released();
+        assert_eq!(c.take(1), Cache);
+        assert!(!c.pages_moved(), "a release of the cache is no page move");
         assert_eq!(b.take_release_before_growth(1, false, true), PoolPages);
         for _ in 1..RELEASES_PER_EMPTY_CACHE {
             assert_eq!(b.take(1), Cache);

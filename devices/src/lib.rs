@@ -62,3 +62,4 @@ pub use pools::sleep::{
     WakePlan, WokenPages,
 };
 pub use recorded::restore::{RestorePool, RestoredBlock};
+pub use recorded::RecordedHandles;

@@ -53,13 +53,14 @@ fn growth_maps_2_mib_pages_ahead_in_handles_that_end_where_the_request_ends() {
     assert_eq!((core.reserved_bytes(), maps()), (188 * MIB, 16));
     // 1/8 of 188 MiB is over 20 MiB: from now on the segment grows as with PyTorch's pages, to
     // the next multiple of 20 MiB from its base: 2 MiB needed, 12 MiB mapped (to 200 MiB):
-    // one page wholly inside the request, then five of their own.
+    // one page wholly inside the request, then two of their own (the page it ends in, the
+    // first page ahead), then the other three pages ahead as one handle.
     let e = core.malloc(3 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (200 * MIB, 22));
+    assert_eq!((core.reserved_bytes(), maps()), (200 * MIB, 20));
     // 15 MiB more needed: the 14 MiB wholly inside the request as one handle, then three
-    // pages of their own, to 220 MiB.
+    // pages of their own (two, and the one page left ahead), to 220 MiB.
     let f = core.malloc(25 * MIB, s).unwrap();
-    assert_eq!((core.reserved_bytes(), maps()), (220 * MIB, 26));
+    assert_eq!((core.reserved_bytes(), maps()), (220 * MIB, 24));
     assert_eq!(backend.counts().mallocs, 0, "no cuMemAlloc-style segment");
     core.check_invariants().unwrap();
     for p in [a.ptr, b.ptr, c.ptr, d.ptr, e.ptr, f.ptr] {
@@ -68,7 +69,7 @@ fn growth_maps_2_mib_pages_ahead_in_handles_that_end_where_the_request_ends() {
     core.empty_cache().unwrap();
     assert_eq!(core.reserved_bytes(), 0);
     assert_eq!(backend.used(DeviceId(0)), 0);
-    assert_eq!(backend.counts().unmaps, 26, "one unmap per handle");
+    assert_eq!(backend.counts().unmaps, 24, "one unmap per handle");
     core.check_invariants().unwrap();
 }
 
@@ -119,16 +120,17 @@ fn free_pages_between_live_blocks_are_whole_handles() {
 }
 
 /// The history's `segment_map` records how the growth split its handles, so a replay maps
-/// the same ones (`TraceEntry::grouped_pages`): the first 2 pages of a 5 MiB request's 6 MiB
-/// share a handle, the third is its own; a map that groups every page (a 4 MiB request's two
-/// pages; PyTorch's one page per handle) records nothing.
+/// the same ones (`TraceEntry::grouped_pages`, `TraceEntry::single_pages`): the first 2 pages
+/// of a 5 MiB request's 6 MiB share a handle, the third is its own (of at most two single
+/// pages); a map that groups every page (a 4 MiB request's two pages; PyTorch's one page per
+/// handle) records nothing.
 #[test]
 fn the_history_records_where_a_growths_shared_handles_end() {
     use gpualloc_devices::{Policy, TraceAction};
     for (policy, size, expected) in [
-        (Policy::Gpualloc, 5 * MIB, Some(2)),
-        (Policy::Gpualloc, 4 * MIB, None),
-        (Policy::Pytorch, 5 * MIB, None),
+        (Policy::Gpualloc, 5 * MIB, (Some(2), Some(2))),
+        (Policy::Gpualloc, 4 * MIB, (None, None)),
+        (Policy::Pytorch, 5 * MIB, (None, None)),
     ] {
         let config = AllocatorConfig::parse("expandable_segments:True")
             .unwrap()
@@ -143,7 +145,7 @@ fn the_history_records_where_a_growths_shared_handles_end() {
             .trace
             .iter()
             .filter(|e| e.action == TraceAction::SegmentMap)
-            .map(|e| (e.addr, e.grouped_pages))
+            .map(|e| (e.addr, (e.grouped_pages, e.single_pages)))
             .collect();
         assert_eq!(maps, [(a.ptr.0, expected)], "{policy} {size}");
     }

@@ -200,6 +200,50 @@ fn a_growth_after_a_move_maps_no_pages_ahead() {
     core.check_invariants().unwrap();
 }
 
+/// Nor does any later growth (`map_ahead.rs`): a move shows the job at the most memory it
+/// needs, where pages ahead are held unused. After the move above, 3 MiB and then 7 MiB map
+/// 4 MiB (two handles: a whole page, the page it ends in) and 6 MiB (the 7 MiB block starts
+/// in the free MiB of the last page: one handle), not to the next 20 MiB boundary; the same
+/// requests without the move (the first 200 MiB kept) fit in the pages mapped ahead of c.
+#[test]
+fn no_growth_after_a_move_maps_pages_ahead() {
+    for moved in [true, false] {
+        let (backend, mut core, s) = rig(GPUALLOC);
+        let a = core.malloc(200 * MIB, s).unwrap();
+        let b = core.malloc(200 * MIB, s).unwrap();
+        if moved {
+            core.free(a.ptr).unwrap();
+        }
+        let c = core.malloc(210 * MIB, s).unwrap();
+        let (reserved, maps) = (core.reserved_bytes(), backend.counts().maps);
+        let d = core.malloc(3 * MIB, s).unwrap();
+        let after_d = (
+            core.reserved_bytes() - reserved,
+            backend.counts().maps - maps,
+        );
+        let e = core.malloc(7 * MIB, s).unwrap();
+        let after_e = (
+            core.reserved_bytes() - reserved,
+            backend.counts().maps - maps,
+        );
+        if moved {
+            assert_eq!(reserved, 410 * MIB);
+            assert_eq!([after_d, after_e], [(4 * MIB, 2), (10 * MIB, 3)]);
+        } else {
+            // c mapped ahead to 620 MiB; d and e fit there; nothing more is mapped.
+            assert_eq!(reserved, 620 * MIB);
+            assert_eq!([after_d, after_e], [(0, 0), (0, 0)]);
+        }
+        for p in [b.ptr, c.ptr, d.ptr, e.ptr] {
+            core.free(p).unwrap();
+        }
+        if !moved {
+            core.free(a.ptr).unwrap();
+        }
+        core.check_invariants().unwrap();
+    }
+}
+
 /// A move takes the small pool's whole free pages too: a freed 512 KiB block's 2 MiB page goes
 /// with the 100 MiB hole, 220 MiB where 222 would stay mapped.
 #[test]

@@ -41,8 +41,8 @@ use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::sizes::{allocation_size, round_size};
 use gpualloc_devices::{
     map_wake, release_slept_pages, wait_for_pool_streams, AllocError, Allocation, AllocatorConfig,
-    DeviceCore, MemPoolId, Policy, PoolInfo, PoolOptions, PoolState, RestorePool, RestoredBlock,
-    SegmentRequest, SleepMode,
+    DeviceCore, MemPoolId, Policy, PoolInfo, PoolOptions, PoolState, RecordedHandles, RestorePool,
+    RestoredBlock, SegmentRequest, SleepMode,
 };
 use gpualloc_runtime::addr_map::AddrMap;
 use gpualloc_runtime::{Backend, DeviceId, DevicePtr, StreamHandle};
@@ -695,7 +695,14 @@ pub fn replay_core(
                 // freed meanwhile compete with them, as they did live. (Without expandable
                 // segments in the config nothing is mapped.)
                 r.core
-                    .map_recorded_growth(e.addr, e.size, e.grouped_pages)
+                    .map_recorded_growth(
+                        e.addr,
+                        e.size,
+                        RecordedHandles {
+                            grouped_pages: e.grouped_pages,
+                            single_pages: e.single_pages,
+                        },
+                    )
                     .map_err(|source| ReplayError::Alloc { index: i, source })?;
             }
             Action::SegmentMap => {}

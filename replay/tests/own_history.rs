@@ -299,6 +299,42 @@ mod off_the_core {
         }
     }
 
+    /// A growth's physical handles as the history records them (`gpualloc_grouped_pages`,
+    /// `gpualloc_single_pages`): the replay maps the same handles, so it makes the same driver
+    /// maps as the live allocator. 2 MiB past 90 MiB maps 10 MiB as [1][1][1][2] pages (the
+    /// request's page, two single pages, the rest of the pages ahead shared); every page a
+    /// handle of its own (histories before the pages ahead shared handles) would be one more.
+    #[test]
+    fn a_growths_handles_replay_as_recorded() {
+        let conf = "expandable_segments:True";
+        let (backend, mut core, s) = rig(conf);
+        core.record_history(Some(1000));
+        let a = core.malloc(90 * MIB, s).unwrap();
+        let b = core.malloc(2 * MIB, s).unwrap();
+        assert_eq!(
+            (core.reserved_bytes(), backend.counts().maps),
+            (100 * MIB, 9)
+        );
+        let c = core.malloc(5 * MIB, s).unwrap();
+        let d = core.malloc(3 * MIB / 2, s).unwrap();
+        assert_eq!(d.ptr.0 - a.ptr.0, 97 * MIB);
+        core.free(c.ptr).unwrap();
+        core.empty_cache().unwrap();
+        // The two single pages [92, 96) went back; d keeps the shared handle [96, 100).
+        assert_eq!(core.reserved_bytes(), 96 * MIB);
+        let e = core.malloc(2 * MIB, s).unwrap();
+        let live = backend.counts();
+        let report = replay_warm(&core, AllocatorConfig::parse(conf).unwrap());
+        assert_eq!(report.address_match, Some((5, 5)));
+        assert_eq!(
+            (report.page_maps, report.page_unmaps),
+            (live.maps, live.unmaps)
+        );
+        for p in [a.ptr, b.ptr, d.ptr, e.ptr] {
+            core.free(p).unwrap();
+        }
+    }
+
     #[test]
     fn a_segment_obtained_off_the_core_serves_its_request_in_the_replay() {
         let conf = "expandable_segments:False";
@@ -454,6 +490,7 @@ mod off_the_core {
                 borrowed: false,
                 spilled: false,
                 grouped_pages: None,
+                single_pages: None,
             };
             (seq.fetch_add(1, Ordering::Relaxed), e)
         };

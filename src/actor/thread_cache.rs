@@ -210,6 +210,7 @@ fn logged(seq: u64, action: TraceAction, a: &Allocation, rec: &Recording) -> Log
         // revive is served from the large pool, and a replay must do the same.
         spilled: action == TraceAction::Alloc && !a.small_pool && a.block_size <= SMALL_SIZE,
         grouped_pages: None,
+        single_pages: None,
     };
     (seq, entry)
 }

@@ -140,9 +140,14 @@ pub struct TraceEntry {
     /// only where set.
     pub spilled: bool,
     /// gpualloc's `segment_map` whose first `n` pages share physical handles and whose
-    /// later pages are a handle each (`gpualloc_devices::TraceEntry::grouped_pages`):
-    /// written as `gpualloc_grouped_pages: n`, only where set. `None`: every page grouped.
+    /// later pages are a handle each, or as `single_pages` says
+    /// (`gpualloc_devices::TraceEntry::grouped_pages`): written as
+    /// `gpualloc_grouped_pages: n`, only where set. `None`: every page grouped.
     pub grouped_pages: Option<u64>,
+    /// With `grouped_pages`: the pages after the grouped ones that are a handle each, the
+    /// rest sharing handles again (`gpualloc_devices::TraceEntry::single_pages`): written as
+    /// `gpualloc_single_pages: n`, only where set. `None`: every later page a handle each.
+    pub single_pages: Option<u64>,
 }
 
 impl TraceEntry {
@@ -161,6 +166,7 @@ impl TraceEntry {
             borrowed: false,
             spilled: false,
             grouped_pages: None,
+            single_pages: None,
         }
     }
 }

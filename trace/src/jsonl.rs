@@ -265,6 +265,7 @@ fn entry(f: Fields<'_>) -> Result<TraceEntry, String> {
         borrowed: false,
         spilled: false,
         grouped_pages: None,
+        single_pages: None,
     })
 }
 

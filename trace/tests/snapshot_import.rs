@@ -387,32 +387,39 @@ fn shared_frame_lists_cannot_blow_up_memory() {
 }
 
 /// gpualloc's `segment_map` whose handles end where its request ended carries
-/// `gpualloc_grouped_pages`: read, written back, absent where the event has none, and a value
-/// that is not a count is named.
+/// `gpualloc_grouped_pages` and `gpualloc_single_pages`: read, written back, absent where the
+/// event has none, and a value that is not a count is named.
 #[test]
 fn a_maps_grouped_pages_read_and_write_back() {
     let mut v = modern();
     let mut map = event("segment_map", 0x7f00_0000_0000, 10 << 20);
     if let Value::Dict(items) = &mut map {
         items.push((s("gpualloc_grouped_pages"), Value::Int(3)));
+        items.push((s("gpualloc_single_pages"), Value::Int(2)));
     }
     set(&mut v, &["device_traces", "0", "1"], Some(map));
     let snap = load(&v).unwrap();
     let trace = &snap.device_traces[0];
-    assert_eq!(trace[1].grouped_pages, Some(3));
-    assert_eq!(trace[0].grouped_pages, None);
+    assert_eq!(
+        (trace[1].grouped_pages, trace[1].single_pages),
+        (Some(3), Some(2))
+    );
+    assert_eq!(
+        (trace[0].grouped_pages, trace[0].single_pages),
+        (None, None)
+    );
     let again = Snapshot::from_pickle(&snap.to_pickle().unwrap()).unwrap();
     assert_eq!(again, snap);
-    set(
-        &mut v,
-        &["device_traces", "0", "1", "gpualloc_grouped_pages"],
-        Some(Value::Int(-1)),
-    );
-    let err = load(&v).unwrap_err().to_string();
-    assert!(
-        err.contains("device_traces[0][1].gpualloc_grouped_pages"),
-        "{err}"
-    );
+    for key in ["gpualloc_grouped_pages", "gpualloc_single_pages"] {
+        let mut bad = v.clone();
+        set(
+            &mut bad,
+            &["device_traces", "0", "1", key],
+            Some(Value::Int(-1)),
+        );
+        let err = load(&bad).unwrap_err().to_string();
+        assert!(err.contains(&format!("device_traces[0][1].{key}")), "{err}");
+    }
 }
 
 /// gpualloc's events in a private pool carry its `segment_pool_id`, and an `alloc` served by

@@ -59,10 +59,12 @@ impl GrowthPlan {
         self.block
     }
 
-    /// The plan with only its first `grouped` pages grouped into shared handles, each page
-    /// after them a handle of its own (a recorded map's layout).
-    pub(crate) fn grouping_first(mut self, grouped: usize) -> GrowthPlan {
+    /// The plan with only its first `grouped` pages grouped into shared handles, the
+    /// `singles` pages after them a handle each and the rest shared again (a recorded map's
+    /// layout).
+    pub(crate) fn grouping_first(mut self, grouped: usize, singles: usize) -> GrowthPlan {
         self.handles.grouped = grouped;
+        self.handles.singles = singles;
         self
     }
 }
@@ -243,7 +245,11 @@ impl DeviceCore {
         self.book_mapped(plan.block);
         let pages = (len / plan.page) as usize;
         if plan.handles.grouped < pages {
-            self.mark_grouped_pages(plan.addr, plan.handles.grouped as u64);
+            self.mark_grouped_pages(
+                plan.addr,
+                plan.handles.grouped as u64,
+                plan.handles.singles as u64,
+            );
         }
         Ok(())
     }

@@ -7,8 +7,9 @@
 //!   the small pool, and for the large pool `large_segment_size` (20 MiB) under PyTorch's
 //!   policy, 2 MiB under gpualloc's (`map_ahead.rs`). Physical memory comes in runs: one
 //!   handle mapped over one or more pages (PyTorch: one page each; gpualloc: the pages
-//!   wholly inside the request, up to 20 MiB, then a page each), unmapped and released only
-//!   whole, since CUDA can neither unmap nor release part of a handle.
+//!   wholly inside the request, up to 20 MiB, then two pages a handle each, then the pages
+//!   ahead in one handle: `map_ahead.rs`), unmapped and released only whole, since CUDA can
+//!   neither unmap nor release part of a handle.
 //! - Unmapped ranges are blocks too (`mapped == false`), kept per pool ordered by (stream,
 //!   address). An allocation looks for a run of free and unmapped blocks that together fit
 //!   (`find_expandable_block`), maps what is missing and merges it into one free block.
@@ -235,11 +236,13 @@ impl MappedPages {
 }
 
 /// How the pages of one map are grouped into physical handles: the first `grouped` pages at
-/// most `per_handle` to a handle, each page after them a handle of its own.
+/// most `per_handle` to a handle, the `singles` pages after them a handle each, and the rest
+/// again at most `per_handle` to a handle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Handles {
     pub per_handle: usize,
     pub grouped: usize,
+    pub singles: usize,
 }
 
 impl Handles {
@@ -248,15 +251,20 @@ impl Handles {
         Handles {
             per_handle,
             grouped: usize::MAX,
+            singles: 0,
         }
     }
 
     /// Pages in the handle that starts `at` pages into a map of `pages` pages.
     pub fn at(self, at: usize, pages: usize) -> usize {
+        let per_handle = self.per_handle.max(1);
+        let singles_end = self.grouped.saturating_add(self.singles);
         let n = if at < self.grouped {
-            self.per_handle.max(1).min(self.grouped - at)
-        } else {
+            per_handle.min(self.grouped - at)
+        } else if at < singles_end {
             1
+        } else {
+            per_handle
         };
         n.min(pages - at)
     }
@@ -346,9 +354,10 @@ mod tests {
     use super::*;
 
     /// The handles of a map, as sizes in pages: grouped pages `per_handle` at a time, then
-    /// one page each; never past the map's end.
+    /// `singles` pages one each, then the rest `per_handle` at a time; never past the map's
+    /// end.
     #[test]
-    fn handles_group_their_first_pages_then_take_one_page_each() {
+    fn handles_group_their_first_pages_then_take_one_page_each_then_group_the_rest() {
         let sizes = |h: Handles, pages: usize| {
             let (mut at, mut out) = (0, Vec::new());
             while at < pages {
@@ -361,21 +370,27 @@ mod tests {
         assert_eq!(sizes(Handles::of(10), 13), [10, 3]);
         assert_eq!(sizes(Handles::of(10), 3), [3]);
         assert_eq!(sizes(Handles::of(1), 3), [1, 1, 1]);
-        let split = Handles {
+        let split = |grouped, singles| Handles {
             per_handle: 10,
-            grouped: 14,
+            grouped,
+            singles,
         };
-        assert_eq!(sizes(split, 17), [10, 4, 1, 1, 1]);
+        assert_eq!(sizes(split(14, usize::MAX), 17), [10, 4, 1, 1, 1]);
         assert_eq!(
-            sizes(split, 12),
+            sizes(split(14, usize::MAX), 12),
             [10, 2],
             "a map shorter than its grouped pages"
         );
-        let none = Handles {
-            per_handle: 10,
-            grouped: 0,
-        };
-        assert_eq!(sizes(none, 3), [1, 1, 1]);
+        assert_eq!(sizes(split(0, usize::MAX), 3), [1, 1, 1]);
+        assert_eq!(sizes(split(14, 2), 24), [10, 4, 1, 1, 8]);
+        assert_eq!(sizes(split(1, 2), 10), [1, 1, 1, 7]);
+        assert_eq!(sizes(split(0, 2), 25), [1, 1, 10, 10, 3]);
+        assert_eq!(
+            sizes(split(3, 2), 4),
+            [3, 1],
+            "a map ending in its single pages"
+        );
+        assert_eq!(sizes(split(2, 0), 5), [2, 3]);
     }
 
     #[test]

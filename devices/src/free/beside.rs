@@ -80,6 +80,7 @@ mod tests {
             borrowed: false,
             spilled: false,
             grouped_pages: None,
+            single_pages: None,
         }
     }
 

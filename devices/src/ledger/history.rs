@@ -103,6 +103,7 @@ impl History {
                     borrowed: false,
                     spilled: false,
                     grouped_pages: None,
+                    single_pages: None,
                 };
                 ring.push(seq, entry);
             }
@@ -147,13 +148,15 @@ impl History {
     }
 
     /// Marks the `segment_map` entry just recorded for `addr` as grouping only its first
-    /// `grouped` pages into shared physical handles.
-    pub fn mark_grouped_pages(&mut self, addr: u64, grouped: u64) {
+    /// `grouped` pages into shared physical handles, the `singles` pages after them a handle
+    /// each (the rest shared again).
+    pub fn mark_grouped_pages(&mut self, addr: u64, grouped: u64, singles: u64) {
         if let Some(ring) = &mut self.ring {
             if let Some(e) =
                 ring.newest_mut(1, |e| e.action == TraceAction::SegmentMap && e.addr == addr)
             {
                 e.grouped_pages = Some(grouped);
+                e.single_pages = Some(singles);
             }
         }
     }

@@ -116,8 +116,9 @@ impl DeviceCore {
     }
 
     /// Marks the `segment_map` entry just recorded for `addr` as grouping only its first
-    /// `grouped` pages into shared physical handles.
-    pub(crate) fn mark_grouped_pages(&mut self, addr: u64, grouped: u64) {
-        self.history.mark_grouped_pages(addr, grouped);
+    /// `grouped` pages into shared physical handles, the `singles` pages after them a handle
+    /// each (the rest shared again).
+    pub(crate) fn mark_grouped_pages(&mut self, addr: u64, grouped: u64, singles: u64) {
+        self.history.mark_grouped_pages(addr, grouped, singles);
     }
 }

@@ -201,6 +201,7 @@ pub fn to_snapshot(devices: &[DeviceSnapshot], config: &AllocatorConfig) -> Snap
                     t.borrowed = e.borrowed;
                     t.spilled = e.spilled;
                     t.grouped_pages = e.grouped_pages;
+                    t.single_pages = e.single_pages;
                     if e.action == TraceAction::Oom {
                         t.device_free = Some(e.addr);
                     }

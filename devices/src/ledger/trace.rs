@@ -99,11 +99,17 @@ pub struct TraceEntry {
     /// apart.)
     pub spilled: bool,
     /// A `segment_map` whose pages are not all grouped into physical handles of up to
-    /// `large_segment_size`: its first `n` pages are, and each page after them is a handle
-    /// of its own (`map_ahead.rs`: a growth's handles end where its request ends). `None`:
+    /// `large_segment_size`: its first `n` pages are, and the pages after them are handles
+    /// as `single_pages` says (`map_ahead.rs`: a growth's handles end where its request
+    /// ends). `None`:
     /// every page grouped, as PyTorch's maps (one page each there) and every other entry.
     /// A replay maps the pages as they were, so it releases the same ones later.
     pub grouped_pages: Option<u64>,
+    /// With `grouped_pages`: how many pages after the grouped ones are a handle each; the
+    /// pages after those share handles of up to `large_segment_size` again (`map_ahead.rs`:
+    /// the pages ahead). `None`: every page after the grouped ones is a handle of its own
+    /// (histories recorded before the pages ahead shared handles).
+    pub single_pages: Option<u64>,
 }
 
 /// Bounded history; the oldest entries fall off.
@@ -221,6 +227,7 @@ mod tests {
                     borrowed: false,
                     spilled: false,
                     grouped_pages: None,
+                    single_pages: None,
                     action: TraceAction::Alloc,
                     addr: i,
                     size: 1,
@@ -245,6 +252,7 @@ mod tests {
             borrowed: false,
             spilled: false,
             grouped_pages: None,
+            single_pages: None,
             action: TraceAction::Alloc,
             addr,
             size: 1,

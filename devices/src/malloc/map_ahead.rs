@@ -11,14 +11,16 @@
 //! - a growth's physical handles in the default large pool end where its request ends: the pages
 //!   wholly inside the request share handles of up to `large_segment_size` (10 pages of
 //!   2 MiB: one `cuMemCreate` and one `cuMemMap` for up to 20 MiB of the request instead of
-//!   one per page), and each page after them (the page the request ends in, shared with the
-//!   next block, and the pages ahead, where later blocks go) is a handle of its own. A handle
-//!   is unmapped and released only whole (CUDA cannot release part of one), so a handle that
-//!   reached past its request kept free pages between live blocks mapped: a release, or the
-//!   page move before a growth (`miss/chain.rs`), could not give them back. Now the whole
-//!   pages of every freed block are whole handles. The cost is driver calls: up to ten more
-//!   per growth, in the first pass only (a repeated step maps nothing). A private pool's
-//!   growth stays one handle of up to `large_segment_size` (see `handles_for`);
+//!   one per page); the next [`AHEAD_SINGLE_PAGES`] pages (the page the request ends in,
+//!   shared with the next block, and the first page ahead) are a handle each; the rest of the
+//!   pages ahead share handles of up to `large_segment_size` again. A handle is unmapped and
+//!   released only whole (CUDA cannot release part of one), so a handle that reaches past its
+//!   request keeps free pages between live blocks mapped: a release, or the page move before
+//!   a growth (`miss/chain.rs`), cannot give them back. The pages where a request ends and
+//!   the next begins are where the holes of the page move were measured to be (a handle each
+//!   keeps that move possible); a handle per page ahead too (as before) cost up to ten
+//!   driver calls per growth for three pages moved on transformer-lm-forward. A private
+//!   pool's growth stays one handle of up to `large_segment_size` (see `handles_for`);
 //! - a growth of the large pool maps ahead: at least 1/8 of what the segment has mapped, at
 //!   most `large_segment_size`, so a segment that keeps growing grows as often as with
 //!   20 MiB pages; but never past the next multiple of `large_segment_size` from the
@@ -27,7 +29,11 @@
 //!   only what the request needs; the pages ahead never push reserved memory past
 //!   `per_process_memory_fraction`. Nor does a growth for which free pages were just moved
 //!   (`miss/chain.rs`, `ReleaseBeforeGrowth`) map ahead: the move is made to keep reserved
-//!   memory near the most it ever held, which pages ahead would pass.
+//!   memory near the most it ever held, which pages ahead would pass. And once such a move
+//!   was made, no later growth maps ahead: a move is made when free memory strands in holes
+//!   as reserved memory passes the most it ever held, so the job is at its peak, where pages
+//!   ahead are held unused (PyTorch's `ExpandableSegment` never maps ahead; a job whose
+//!   segments still grow after that pays a growth per request, in its first pass only).
 //!
 //! Measured (`gpualloc replay --policy both`, `expandable_segments:True`; BENCHMARKS.md): see
 //! the policy's [`DEVIATIONS`](crate::config::policy::DEVIATIONS) entry.
@@ -38,6 +44,14 @@ use crate::expandable::segment::Handles;
 
 /// The large pool's page under the `gpualloc` policy.
 pub const LARGE_POOL_PAGE: u64 = SMALL_BUFFER;
+
+/// Pages after a large-pool growth's request's whole pages that are a physical handle each
+/// (the page the request ends in, and the first page ahead); the pages ahead after them share
+/// handles. Measured (`gpualloc replay --policy gpualloc`, default config, with no pages
+/// ahead after a page move), transformer-lm-forward-bf16 peak reserved / driver maps: 1 page,
+/// 760 MiB (2.14%) / 107; 2 pages, 758 MiB (1.89%) / 141; 3 pages, 758 / 174; every page
+/// ahead a handle, 754 / 323. PyTorch maps 42 with `expandable_segments:True`.
+pub const AHEAD_SINGLE_PAGES: usize = 2;
 
 /// A growth of the large pool maps ahead at least this share of what its segment has mapped
 /// (under the `gpualloc` policy).
@@ -79,6 +93,7 @@ impl DeviceCore {
         Handles {
             per_handle,
             grouped: (need / page) as usize,
+            singles: AHEAD_SINGLE_PAGES,
         }
     }
 
@@ -99,7 +114,11 @@ impl DeviceCore {
         };
         let want = need.div_ceil(es.page).saturating_mul(es.page).min(avail);
         // (A pool of unsplit blocks needs no rule here: its segment is exactly the block.)
-        if !ahead || self.pools[pool].is_small || !self.config.policy.fine_large_pages() {
+        if !ahead
+            || self.pools[pool].is_small
+            || !self.config.policy.fine_large_pages()
+            || self.budget.pages_moved()
+        {
             return (want, want);
         }
         let big = self.config.large_segment_size;

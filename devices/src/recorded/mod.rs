@@ -47,6 +47,19 @@ use crate::expandable::shrink::{release_pages, PageRelease};
 use crate::malloc::segment_request::SegmentRequest;
 use crate::recorded::restore::{RestorePool, RestoredBlock};
 
+/// How a recorded `segment_map` grouped its pages into physical handles (the history's
+/// `TraceEntry::grouped_pages` and `TraceEntry::single_pages`). The default, neither set:
+/// every page grouped, as PyTorch's maps and every map that did not split are recorded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordedHandles {
+    /// The first pages, sharing handles of up to `large_segment_size`; `None`: all of them.
+    pub grouped_pages: Option<u64>,
+    /// The pages after those that are a handle each, the rest sharing handles again; `None`:
+    /// every page after the grouped ones (histories recorded before the pages ahead shared
+    /// handles). Read only with `grouped_pages`.
+    pub single_pages: Option<u64>,
+}
+
 /// A recorded map or unmap's range inside an expandable segment (`recorded_range`).
 #[derive(Clone, Copy)]
 struct RecordedRange {
@@ -226,19 +239,19 @@ impl DeviceCore {
     /// it. The in-place driver of [`DeviceCore::plan_recorded_map`]: the map is the growth's
     /// own three steps, the driver call made here.
     pub fn map_recorded_pages(&mut self, addr: u64, len: u64) -> Result<bool, AllocError> {
-        self.map_recorded_growth(addr, len, None)
+        self.map_recorded_growth(addr, len, RecordedHandles::default())
     }
 
-    /// [`DeviceCore::map_recorded_pages`] for a `segment_map` that grouped only its first
-    /// `grouped` pages into shared physical handles (`TraceEntry::grouped_pages`; `None`: all
-    /// of them), mapped the same way, so that a later release unmaps the same pages.
+    /// [`DeviceCore::map_recorded_pages`] for a `segment_map` whose pages were grouped into
+    /// physical handles as `handles` says, mapped the same way, so that a later release
+    /// unmaps the same pages.
     pub fn map_recorded_growth(
         &mut self,
         addr: u64,
         len: u64,
-        grouped: Option<u64>,
+        handles: RecordedHandles,
     ) -> Result<bool, AllocError> {
-        let Some(plan) = self.plan_recorded_growth(addr, len, grouped)? else {
+        let Some(plan) = self.plan_recorded_growth(addr, len, handles)? else {
             return Ok(false);
         };
         let backend = self.backend.clone();
@@ -276,7 +289,7 @@ impl DeviceCore {
         addr: u64,
         len: u64,
     ) -> Result<Option<GrowthPlan>, AllocError> {
-        self.plan_recorded_growth(addr, len, None)
+        self.plan_recorded_growth(addr, len, RecordedHandles::default())
     }
 
     /// [`DeviceCore::plan_recorded_map`] with the handles of
@@ -285,7 +298,7 @@ impl DeviceCore {
         &mut self,
         addr: u64,
         len: u64,
-        grouped: Option<u64>,
+        handles: RecordedHandles,
     ) -> Result<Option<GrowthPlan>, AllocError> {
         let Some(rec) = self.recorded_range(addr, len)? else {
             return Ok(None);
@@ -309,8 +322,10 @@ impl DeviceCore {
         }
         let avail = self.blocks.get(range).size();
         let plan = self.plan_pages(range, len, avail, false, false);
-        Ok(plan.map(|p| match grouped {
-            Some(n) => p.grouping_first(usize::try_from(n).unwrap_or(usize::MAX)),
+        let pages =
+            |n: Option<u64>| n.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        Ok(plan.map(|p| match handles.grouped_pages {
+            Some(_) => p.grouping_first(pages(handles.grouped_pages), pages(handles.single_pages)),
             None => p,
         }))
     }

@@ -158,6 +158,12 @@ fn event_value(e: &TraceEntry) -> Result<Value, TraceError> {
             int("device_traces.gpualloc_grouped_pages", n)?,
         ));
     }
+    if let Some(n) = e.single_pages {
+        items.push((
+            "gpualloc_single_pages",
+            int("device_traces.gpualloc_single_pages", n)?,
+        ));
+    }
     if let Some((a, b)) = e.pool_id {
         items.push((
             "segment_pool_id",

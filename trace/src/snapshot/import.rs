@@ -274,6 +274,10 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         Some(v) => Some(doc.u64(v, &path.key("gpualloc_grouped_pages"))?),
         None => None,
     };
+    let single_pages = match doc.field(items, "gpualloc_single_pages") {
+        Some(v) => Some(doc.u64(v, &path.key("gpualloc_single_pages"))?),
+        None => None,
+    };
     Ok(TraceEntry {
         action,
         addr,
@@ -287,6 +291,7 @@ fn read_event(doc: &mut Doc<'_>, id: Id, path: &Path<'_>) -> Result<TraceEntry, 
         borrowed,
         spilled,
         grouped_pages,
+        single_pages,
     })
 }
 
