@@ -522,3 +522,21 @@ fn an_off_core_growth_maps_one_handle_per_20_mib() {
     core.free(a.ptr).unwrap();
     core.check_invariants().unwrap();
 }
+
+/// The small pool never maps ahead: 24 blocks of 1 MiB (two to a 2 MiB page) map 12 pages,
+/// one growth each, however much the small pool holds already (1/8 of 16 MiB would be a page
+/// ahead).
+#[test]
+fn the_small_pool_maps_no_pages_ahead() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let mut live = Vec::new();
+    for i in 1..=24u64 {
+        live.push(core.malloc(MIB, s).unwrap());
+        assert_eq!(core.reserved_bytes(), i.div_ceil(2) * 2 * MIB, "block {i}");
+    }
+    assert_eq!(backend.counts().maps, 12);
+    for b in live {
+        core.free(b.ptr).unwrap();
+    }
+    core.check_invariants().unwrap();
+}
