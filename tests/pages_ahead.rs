@@ -1,6 +1,7 @@
-//! No pages ahead after a page move (the `gpualloc` policy's seventh rule of issue 44), used as a
-//! user would: the public API only, on the sim, misses served off the gate by the device
-//! actor, every buffer's bytes checked after the move.
+//! No pages ahead after a page move (the `gpualloc` policy: once free pages were moved before a
+//! growth, the job is at its peak, where pages mapped ahead stay unused), used as a user
+//! would: the public API only, on the sim, misses served off the gate by the device actor,
+//! every buffer's bytes checked after the move.
 
 mod common;
 

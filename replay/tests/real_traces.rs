@@ -222,10 +222,11 @@ const CONFIGS: [&str; 7] = [
 /// most PyTorch's at its peak, on every trace and config. Growths are the core's
 /// `segment_map`s (for PyTorch's ordinary segments, its segment mallocs); driver maps are the
 /// backend's `map` calls (one per physical handle). Where the `gpualloc` policy maps pages,
-/// its driver calls stay within the allowance of issue 44: at most 4x the maps PyTorch makes
-/// with `expandable_segments:True` (and the rest of the config as it is), and at most 4x
-/// PyTorch's growths under the same config (transformer-lm-forward-bf16: 141 maps against 42,
-/// 3.4x; 324 before the pages ahead shared handles).
+/// its driver calls stay within what its first pass may spend for the memory it saves: at
+/// most 4x the maps PyTorch makes with `expandable_segments:True` (and the rest of the config
+/// as it is), and at most 4x PyTorch's growths under the same config
+/// (transformer-lm-forward-bf16: 141 maps against 42, 3.4x; 324 before the pages ahead shared
+/// handles).
 ///
 /// Two exceptions were listed here before and are gone: llama7b-offload-10streams with
 /// garbage collection and a fraction cap (garbage collection, PyTorch's rule, reclaims nothing
