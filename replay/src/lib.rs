@@ -16,6 +16,7 @@ pub mod export;
 pub mod input;
 pub mod plot;
 mod recorded_miss;
+mod replayer;
 pub mod report;
 pub mod run;
 pub mod summary;
