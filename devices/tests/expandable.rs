@@ -1,6 +1,6 @@
 //! Expandable segments: growth by mapping pages, release by unmapping them, rollback of a
-//! failed map, page-level invariants, and the two workloads the issue names (batch growth,
-//! and PyTorch's max_split_size + expandable cycle).
+//! failed map, page-level invariants, and the two workloads expandable segments are for (batch
+//! growth, and PyTorch's max_split_size + expandable cycle).
 //!
 //! The page mechanics are pinned with PyTorch's pages (`policy:pytorch`: 20 MiB large-pool
 //! pages, one physical handle each); the `gpualloc` policy's 2 MiB pages, handles of several

@@ -241,7 +241,9 @@ fn cold_replay_peak_is_at_most_pytorchs() {
 /// peak (see `cold_replay_peak_is_at_most_pytorchs`): the one 392 MiB segment more.
 const QWEN2_BOTTOM_UP_EXCESS: u64 = 392 << 20;
 
-/// The configs the replay issue names (the gc one with a device capacity, below).
+/// The configs every trace is replayed under: PyTorch's defaults, expandable segments off and
+/// on, the oversize rule alone and with them, power-of-two rounding, and garbage collection
+/// under a fraction cap (that one with a device capacity, below).
 const CONFIGS: [&str; 7] = [
     "",
     "expandable_segments:False",

@@ -155,7 +155,7 @@ fn a_small_models_inference_under_both_policies() {
     }
     // (config, policy, peak reserved MiB, fragmentation in hundredths of a percent). With
     // expandable segments the gpualloc policy's 2 MiB large-pool pages (`map_ahead.rs`) leave
-    // at most half of PyTorch's fragmentation (20 MiB pages), the target; with the
+    // at most half of PyTorch's fragmentation (20 MiB pages), the point of the small pages; with the
     // default config the gpualloc policy runs expandable segments (the accounting backend has
     // virtual memory): at most half of PyTorch's ordinary segments' too.
     assert_eq!(
