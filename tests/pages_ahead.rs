@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{build, fill_mib, read_mib, sim, MIB};
+use common::{build, fill_mib, is_pytorch, read_mib, sim, MIB, POLICY_CONFIGS};
 use gpualloc::{DeviceBuffer, DeviceId};
 
 /// 200 MiB freed before a live 200 MiB, then 210 MiB: the growth past the most ever held first
@@ -15,12 +15,8 @@ use gpualloc::{DeviceBuffer, DeviceId};
 /// pages: 620 MiB throughout. Bytes checked in every buffer after each step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_page_move_growths_map_only_what_they_need() {
-    for (conf, moved) in [
-        ("", true),
-        ("expandable_segments:True,thread_cache:False", true),
-        ("garbage_collection_threshold:0.8", true),
-        ("policy:pytorch,expandable_segments:True", false),
-    ] {
+    for conf in POLICY_CONFIGS {
+        let moved = !is_pytorch(conf);
         let sim = sim(4 << 30);
         let alloc = build(sim.clone(), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{build, fill_mib, read_mib, sim, MIB};
+use common::{build, fill_mib, is_pytorch, read_mib, sim, MIB, POLICY_CONFIGS};
 use gpualloc::runtime::sim::SimBackend;
 use gpualloc::{Allocator, DeviceBuffer, DeviceId, Stream};
 
@@ -49,13 +49,9 @@ async fn step(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spilled_workspaces_keep_their_bytes_and_the_small_pool_its_one_page() {
-    for (conf, small_pool) in [
-        ("", 2 * MIB),
-        ("expandable_segments:True,thread_cache:False", 2 * MIB),
-        ("garbage_collection_threshold:0.8", 2 * MIB),
+    for conf in POLICY_CONFIGS {
         // PyTorch's policy grows the small pool for the third workspace.
-        ("policy:pytorch,expandable_segments:True", 4 * MIB),
-    ] {
+        let small_pool = if is_pytorch(conf) { 4 * MIB } else { 2 * MIB };
         let sim = sim(4 << 30);
         let alloc = build(sim.clone(), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();
@@ -78,12 +74,8 @@ async fn spilled_workspaces_keep_their_bytes_and_the_small_pool_its_one_page() {
 /// buffer's bytes checked, in four configs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_steps_new_small_sizes_go_to_the_large_pools_end() {
-    for (conf, spills) in [
-        ("", true),
-        ("expandable_segments:True,thread_cache:False", true),
-        ("garbage_collection_threshold:0.8", true),
-        ("policy:pytorch,expandable_segments:True", false),
-    ] {
+    for conf in POLICY_CONFIGS {
+        let spills = !is_pytorch(conf);
         let sim = sim(4 << 30);
         let alloc = build(sim.clone(), conf);
         let stream = alloc.new_stream(DeviceId(0)).unwrap();

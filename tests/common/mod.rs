@@ -12,6 +12,21 @@ use gpualloc::{Allocator, Backend, DeviceActor, DeviceId, DevicePtr, HistoryOpti
 
 pub const MIB: u64 = 1 << 20;
 
+/// The configs a rule of the `gpualloc` policy is tried in as a user would: the default,
+/// expandable segments without the thread cache, garbage collection, and PyTorch's policy
+/// (where the rule does not apply: see [`is_pytorch`]).
+pub const POLICY_CONFIGS: [&str; 4] = [
+    "",
+    "expandable_segments:True,thread_cache:False",
+    "garbage_collection_threshold:0.8",
+    "policy:pytorch,expandable_segments:True",
+];
+
+/// Whether `conf` runs PyTorch's policy.
+pub fn is_pytorch(conf: &str) -> bool {
+    conf.contains("policy:pytorch")
+}
+
 /// Waits (up to `ms` milliseconds, polling each one) until `ok` holds of the actor's misses in
 /// flight; returns the count then, for the caller's assertion.
 pub async fn wait_in_flight(actor: &DeviceActor, ms: u32, ok: impl Fn(usize) -> bool) -> usize {

@@ -322,10 +322,13 @@ impl DeviceCore {
         }
         let avail = self.blocks.get(range).size();
         let plan = self.plan_pages(range, len, avail, false, false);
-        let pages =
-            |n: Option<u64>| n.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
+        // A count past `usize` (or none: every later page single) groups without bound.
+        let pages = |n: Option<u64>| {
+            n.and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(usize::MAX)
+        };
         Ok(plan.map(|p| match handles.grouped_pages {
-            Some(_) => p.grouping_first(pages(handles.grouped_pages), pages(handles.single_pages)),
+            Some(g) => p.grouping_first(pages(Some(g)), pages(handles.single_pages)),
             None => p,
         }))
     }
