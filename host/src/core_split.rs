@@ -76,9 +76,12 @@ impl FreshRequest {
                 self.backend.host_alloc(self.bytes)? as u64,
                 Origin::HostAlloc,
             ),
-            Some(threads) => {
-                super::alloc_registered(self.backend.as_ref(), self.bytes, self.requested, threads)?
-            }
+            Some(threads) => super::memory::alloc_registered(
+                self.backend.as_ref(),
+                self.bytes,
+                self.requested,
+                threads,
+            )?,
         };
         Ok(FreshMemory {
             addr,

@@ -1,14 +1,15 @@
 //! `impl Backend for SimBackend`: each call is counted, may be failed by fault injection,
-//! is validated, then performed on real memory and charged its modelled latency.
+//! is validated, then performed on real memory and charged its modelled latency. The host
+//! memory calls are made in `host.rs`, the legacy IPC calls in `ipc.rs`, the virtual memory
+//! calls in `vmm.rs`.
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use crate::ipc::IpcInfo;
 use crate::memory::{Region, RegionKind};
 use crate::os::{self, Mapping};
 use crate::queue::{SimEvent, SimStream};
-use crate::{host, latency, lock, Op, SimBackend};
+use crate::{latency, lock, Op, SimBackend};
 use gpualloc_runtime::backend::Backend;
 use gpualloc_runtime::capture::{CaptureMode, CaptureStatus, GraphExecHandle, GraphHandle};
 use gpualloc_runtime::error::{BackendError, Result};
@@ -444,30 +445,7 @@ impl Backend for SimBackend {
     }
 
     fn host_alloc(&self, size: u64) -> Result<*mut u8> {
-        self.enter(Op::HostAlloc)?;
-        if size == 0 {
-            return Err(BackendError::invalid("host_alloc of 0 bytes"));
-        }
-        let rounded = self
-            .page_round(size)
-            .ok_or_else(|| BackendError::OutOfMemory {
-                requested: size,
-                what: "pinned host".into(),
-            })?;
-        let mapping = Mapping::anonymous(rounded)?;
-        let addr = mapping.addr();
-        let region = Region {
-            len: rounded,
-            kind: RegionKind::PinnedHost,
-            device: None,
-            accessible: true,
-            read_only: false,
-            _mapping: Some(mapping),
-            fd: None,
-        };
-        self.mem.insert(addr, region)?;
-        latency::pay(self.latency().host_alloc_cost(size));
-        Ok(addr as *mut u8)
+        self.pinned_alloc(size)
     }
 
     unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
@@ -475,33 +453,7 @@ impl Backend for SimBackend {
     }
 
     unsafe fn host_register(&self, ptr: *mut u8, len: u64, flags: HostRegisterFlags) -> Result<()> {
-        self.enter(Op::HostRegister)?;
-        let start = ptr as u64;
-        if len == 0 {
-            return Err(BackendError::invalid("host_register of 0 bytes"));
-        }
-        if start == 0 {
-            return Err(BackendError::invalid("host_register of a null pointer"));
-        }
-        // Any byte range, as the driver takes it (it locks the pages the range touches); the
-        // region is the range itself, so a copy counts as pinned only inside it.
-        let end = start
-            .checked_add(len)
-            .ok_or_else(|| BackendError::invalid("host_register range overflows"))?;
-        let pages = start - start % self.page..end.next_multiple_of(self.page);
-        let mappings = host::count_own_mappings(pages.start, pages.end, !flags.read_only)?;
-        let region = Region {
-            len,
-            kind: RegionKind::RegisteredHost,
-            device: None,
-            accessible: true,
-            read_only: flags.read_only,
-            _mapping: None,
-            fd: None,
-        };
-        self.mem.insert(start, region)?;
-        latency::pay(self.latency().host_register_cost(len, mappings));
-        Ok(())
+        self.register_range(ptr, len, flags)
     }
 
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
@@ -562,116 +514,14 @@ impl Backend for SimBackend {
     }
 
     fn ipc_get_mem_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
-        self.enter(Op::IpcGetMemHandle)?;
-        let info = self
-            .mem
-            .find_containing(ptr.0, |start, r| {
-                let fd = r.fd.as_ref().map(|fd| fd.as_raw_fd());
-                match (r.kind, r.device, fd) {
-                    (RegionKind::Device, Some(device), Some(fd)) => Some(IpcInfo {
-                        pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
-                        fd,
-                        base: start,
-                        size: r.len,
-                        device: device.0,
-                    }),
-                    _ => None,
-                }
-            })
-            .flatten()
-            .ok_or_else(|| BackendError::invalid(format!("{ptr} is not in a device allocation")))?;
-        latency::pay(self.latency().ipc);
-        Ok(info.encode())
+        self.ipc_export(ptr)
     }
 
     fn ipc_open_mem_handle(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
-        self.enter(Op::IpcOpenMemHandle)?;
-        self.check_device(device)?;
-        let info = IpcInfo::decode(handle)?;
-        let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| BackendError::invalid(format!("cannot open IPC handle ({e})")))?;
-        let fd = OwnedFd::from(file);
-        // A shared lock on the memory's file while it is open here: the exporter can tell that
-        // its allocation is still in use by another process (`opened_by_another_process`).
-        // Advisory only; the kernel drops it with the last fd of this open.
-        let _ = rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockShared);
-        let size = os::memory_file_size(fd.as_fd())?;
-        if size != info.size {
-            return Err(BackendError::invalid(format!(
-                "IPC handle names {} bytes but the memory has {size}",
-                info.size
-            )));
-        }
-        let mapping = Mapping::shared(&fd, size, &device.to_string())?;
-        let addr = mapping.addr();
-        let region = Region {
-            len: size,
-            kind: RegionKind::IpcOpened,
-            device: Some(device),
-            accessible: true,
-            read_only: false,
-            _mapping: Some(mapping),
-            fd: Some(fd),
-        };
-        self.mem.insert(addr, region)?;
-        latency::pay(self.latency().ipc);
-        Ok(DevicePtr(addr))
+        self.ipc_open(device, handle)
     }
 
     fn ipc_close_mem_handle(&self, ptr: DevicePtr) -> Result<()> {
-        self.enter(Op::IpcCloseMemHandle)?;
-        let region = self.mem.remove(ptr.0, RegionKind::IpcOpened)?;
-        drop(region);
-        latency::pay(self.latency().ipc);
-        Ok(())
-    }
-}
-
-/// The calls the [`Backend`] trait marks `unsafe` because a GPU cannot check host addresses;
-/// the sim checks every one, so it offers them safe.
-impl SimBackend {
-    /// [`Backend::memcpy_async`], safe on the sim: every address is checked against the sim's
-    /// own regions (device memory, its pinned memory, and ranges registered through the unsafe
-    /// [`Backend::host_register`], whose contract keeps them mapped) when the copy is queued
-    /// and again, under the region table's lock, when it runs; nothing else is touched.
-    pub fn memcpy_async(&self, stream: StreamHandle, dst: u64, src: u64, len: u64) -> Result<()> {
-        self.enter(Op::MemcpyAsync)?;
-        let (shared, tx) = self.stream(stream)?;
-        if len == 0 {
-            return Ok(());
-        }
-        self.mem.validate_write(dst, len)?;
-        self.mem.validate(src, len)?;
-        let mem = self.mem.clone();
-        latency::pay(self.latency().launch);
-        let touches = [(dst, len), (src, len)];
-        self.enqueue_timed(&shared, &tx, len, &touches, move || mem.copy(dst, src, len))
-    }
-
-    /// [`Backend::host_free`], safe on the sim: only a pinned allocation of the sim's own is
-    /// freed, under the region table's write lock, so a queued copy that reaches it later
-    /// fails instead of touching unmapped memory.
-    pub fn host_free(&self, ptr: *mut u8) -> Result<()> {
-        self.enter(Op::HostFree)?;
-        let region = self
-            .mem
-            .remove(Self::host_ptr(ptr).0, RegionKind::PinnedHost)?;
-        let len = region.len;
-        drop(region);
-        latency::pay(self.latency().host_free_cost(len));
-        Ok(())
-    }
-
-    /// [`Backend::host_unregister`], safe on the sim: copies queued on the range fail once
-    /// it is gone (they check the region table when they run).
-    pub fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        self.enter(Op::HostUnregister)?;
-        self.mem.remove(ptr as u64, RegionKind::RegisteredHost)?;
-        latency::pay(self.latency().host_unregister);
-        Ok(())
+        self.ipc_close(ptr)
     }
 }

@@ -1,7 +1,14 @@
-//! The sim's legacy IPC handle layout: which process, which memfd, which allocation.
+//! The sim's legacy IPC: its handle layout (which process, which memfd, which allocation),
+//! and exporting, opening and closing handles.
 
 use gpualloc_runtime::error::{BackendError, Result};
-use gpualloc_runtime::types::IpcMemHandle;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use gpualloc_runtime::types::{DeviceId, DevicePtr, IpcMemHandle};
+
+use crate::memory::{Region, RegionKind};
+use crate::os::{self, Mapping};
+use crate::{latency, Op, SimBackend};
 
 const MAGIC: &[u8; 8] = b"GPUASIM\x01";
 
@@ -54,6 +61,82 @@ impl IpcInfo {
             return Err(bad());
         }
         Ok(info)
+    }
+}
+
+impl SimBackend {
+    /// [`gpualloc_runtime::Backend::ipc_get_mem_handle`]: a handle naming the device
+    /// allocation that contains `ptr` (its memfd, base and size, and this process).
+    pub(crate) fn ipc_export(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        self.enter(Op::IpcGetMemHandle)?;
+        let info = self
+            .mem
+            .find_containing(ptr.0, |start, r| {
+                let fd = r.fd.as_ref().map(|fd| fd.as_raw_fd());
+                match (r.kind, r.device, fd) {
+                    (RegionKind::Device, Some(device), Some(fd)) => Some(IpcInfo {
+                        pid: rustix::process::getpid().as_raw_nonzero().get() as u32,
+                        fd,
+                        base: start,
+                        size: r.len,
+                        device: device.0,
+                    }),
+                    _ => None,
+                }
+            })
+            .flatten()
+            .ok_or_else(|| BackendError::invalid(format!("{ptr} is not in a device allocation")))?;
+        latency::pay(self.latency().ipc);
+        Ok(info.encode())
+    }
+
+    /// [`gpualloc_runtime::Backend::ipc_open_mem_handle`]: maps the memory a handle names
+    /// (through the exporting process's fd), with a shared lock on it while it is open.
+    pub(crate) fn ipc_open(&self, device: DeviceId, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        self.enter(Op::IpcOpenMemHandle)?;
+        self.check_device(device)?;
+        let info = IpcInfo::decode(handle)?;
+        let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| BackendError::invalid(format!("cannot open IPC handle ({e})")))?;
+        let fd = OwnedFd::from(file);
+        // A shared lock on the memory's file while it is open here: the exporter can tell that
+        // its allocation is still in use by another process (`opened_by_another_process`).
+        // Advisory only; the kernel drops it with the last fd of this open.
+        let _ = rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockShared);
+        let size = os::memory_file_size(fd.as_fd())?;
+        if size != info.size {
+            return Err(BackendError::invalid(format!(
+                "IPC handle names {} bytes but the memory has {size}",
+                info.size
+            )));
+        }
+        let mapping = Mapping::shared(&fd, size, &device.to_string())?;
+        let addr = mapping.addr();
+        let region = Region {
+            len: size,
+            kind: RegionKind::IpcOpened,
+            device: Some(device),
+            accessible: true,
+            read_only: false,
+            _mapping: Some(mapping),
+            fd: Some(fd),
+        };
+        self.mem.insert(addr, region)?;
+        latency::pay(self.latency().ipc);
+        Ok(DevicePtr(addr))
+    }
+
+    /// [`gpualloc_runtime::Backend::ipc_close_mem_handle`]: unmaps an opened handle's memory.
+    pub(crate) fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        self.enter(Op::IpcCloseMemHandle)?;
+        let region = self.mem.remove(ptr.0, RegionKind::IpcOpened)?;
+        drop(region);
+        latency::pay(self.latency().ipc);
+        Ok(())
     }
 }
 
