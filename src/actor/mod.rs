@@ -8,6 +8,7 @@
 //! - `device`: the actor's shared handle and the async request paths (hits inline); a miss
 //!   lands through `gpualloc_actor::landing` (its request, or the cache if the request was
 //!   cancelled).
+//! - `queries`: diagnostics, statistics and snapshots, and the jobs drops post.
 //! - `slow`: what runs on tokio's blocking pool, outside the gate: device mallocs on a miss,
 //!   the OOM chain's event synchronization and segment frees, `empty_cache`, shutdown.
 //! - `streams`: the streams the core still names, kept alive after their users dropped them.
@@ -17,6 +18,7 @@
 //! - `wait`: malloc that waits for memory (FIFO, bounded, cancellable) instead of failing.
 
 mod device;
+mod queries;
 mod slow;
 mod state;
 mod streams;
