@@ -6,7 +6,7 @@ use std::time::Duration;
 
 mod common;
 
-use common::until_waiting;
+use common::{until_parked, until_waiting};
 use gpualloc::runtime::accounting::AccountingBackend;
 use gpualloc::{
     Allocator, AllocatorConfig, BackendError, BackendKind, DeviceId, Error, MallocOptions,
@@ -206,9 +206,11 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
                 .await
                 .unwrap();
             order.lock().unwrap().push(i);
-            // Held long enough for the waiters behind to retry, fail and park again (see
+            // Held until the waiters behind have retried, failed and parked again (see
             // below): a retry still running when this buffer goes back would take it.
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            // (Nobody is served while this is held: the queue stays as it is.)
+            let behind = alloc.device_actor(DeviceId(0)).unwrap().waiting();
+            until_parked(&alloc, behind).await;
             drop(buf);
         }));
         until_waiting(&alloc, i as usize + 1).await;
@@ -233,10 +235,10 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
     // A waiter retries once right after it joins, a turn that leaves passes its wake-up on,
     // and a woken head that still does not fit passes the memory that came back to the
     // waiters behind it: a retry still running when memory goes back takes it, as the
-    // queue's bounded overtaking allows (a loaded CI machine saw [2, 0, 1], and [0, 2, 1]
-    // with 5 ms holds). Let those retries end first: the order asserted is the one memory
-    // coming back to parked waiters is served in.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // queue's bounded overtaking allows (a loaded CI machine saw [2, 0, 1] when memory came
+    // back after a fixed wait). Those retries end first, each waiter parked: the order
+    // asserted is the one memory coming back to parked waiters is served in.
+    until_parked(&alloc, 3).await;
     drop(hog);
     for h in handles {
         tokio::time::timeout(Duration::from_secs(5), h)

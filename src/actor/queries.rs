@@ -79,6 +79,14 @@ impl DeviceActor {
         self.signals.waiters.len()
     }
 
+    /// Requests waiting for memory that are parked: each retried, failed and now waits for
+    /// memory to come back, so none is retrying right now (`gpualloc_actor::Waiters::parked`).
+    /// At most [`DeviceActor::waiting`]. Diagnostics: memory freed once every waiter is
+    /// parked goes to them in queue order.
+    pub fn parked_waiters(&self) -> usize {
+        self.signals.waiters.parked()
+    }
+
     /// Releases private pool `id` (a [`crate::Pool`]'s last handle was dropped): queued,
     /// never blocks.
     pub(crate) fn release_pool(&self, id: MemPoolId) {

@@ -75,6 +75,23 @@ pub async fn until_waiting(alloc: &Allocator, n: usize) {
     panic!("expected {n} waiters, found {}", actor.waiting());
 }
 
+/// Waits until every request waiting for memory on device 0 is parked (retried, failed and
+/// waiting again: `DeviceActor::parked_waiters`), `n` of them; panics after 5 s.
+pub async fn until_parked(alloc: &Allocator, n: usize) {
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    for _ in 0..2500 {
+        if actor.waiting() == n && actor.parked_waiters() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!(
+        "expected {n} parked waiters, found {} of {}",
+        actor.parked_waiters(),
+        actor.waiting()
+    );
+}
+
 /// Ranges `(addr, size)` in address order with the ones that touch joined into one.
 pub fn joined(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();

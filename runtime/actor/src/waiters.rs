@@ -79,6 +79,20 @@ impl Waiters {
         self.len() == 0
     }
 
+    /// Waiting requests that are parked: their [`WaitTurn::wait`] was polled and is pending,
+    /// with no wake-up since, so none of them is retrying (a request that joined, or was
+    /// woken, is not parked until its retry failed and it waits again). A turn whose wait
+    /// future was dropped unfinished still counts until it is woken or leaves (the facade
+    /// drops one only at a timeout, right before its turn). Takes the queue's lock: for
+    /// diagnostics and tests, not for every free.
+    pub fn parked(&self) -> usize {
+        lock(&self.inner)
+            .queue
+            .iter()
+            .filter(|e| !e.notified && e.waker.is_some())
+            .count()
+    }
+
     /// Joins the tail of the queue.
     pub fn join(&self) -> WaitTurn<'_> {
         let mut inner = lock(&self.inner);
@@ -278,8 +292,15 @@ mod tests {
             b.wait().now_or_never().is_some(),
             "joining behind a head tries once at once"
         );
+        assert_eq!(
+            w.parked(),
+            0,
+            "both were woken at their join and polled nothing yet"
+        );
         assert!(a.wait().now_or_never().is_none());
+        assert_eq!(w.parked(), 1, "a waits for memory");
         w.wake_head();
+        assert_eq!(w.parked(), 0, "a's wake-up is pending");
         assert!(b.wait().now_or_never().is_none(), "b is not the head");
         assert!(a.wait().now_or_never().is_some());
         a.finish();
