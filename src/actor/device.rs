@@ -7,7 +7,7 @@
 //! atomic gate acquire, the core's best-fit lookup and one release: no channel, no wake-up).
 //! If the gate is busy the request is queued and its future awaits the reply. A miss leaves
 //! the gate at once and continues on the blocking pool (`slow.rs`), so hits keep being served
-//! while the device allocates.
+//! while the device allocates. Its queries and the jobs drops post are in `queries.rs`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
