@@ -9,7 +9,7 @@ use common::{drive, kind, oom};
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
     AllocError, AllocatorConfig, CachedOutcome, DeviceCore, IoDone, Miss, MissIo, MissStep,
-    SegmentRequest,
+    RecordedHandles, SegmentRequest,
 };
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
 
@@ -609,5 +609,60 @@ fn off_the_core_a_miss_of_a_pool_forgotten_meanwhile_brings_no_memory_into_it() 
     );
     assert_eq!(core.reserved_bytes(), 0);
     assert_eq!(backend.used(DEV), 0);
+    core.check_invariants().unwrap();
+}
+
+/// The replay's third driver answers a growth with the pages the history shows mapped, which
+/// may not be the ones the replay's chain planned ("these pages, not the planned ones"): with
+/// the core's public steps alone, the driver aborts the chain's plan, plans the recorded range
+/// (`plan_recorded_growth`), makes that map and advances the miss with it; the miss commits
+/// the recorded pages and serves the request from them, the books as if the chain had planned
+/// them.
+#[test]
+fn off_the_core_a_map_answered_with_other_pages_serves_the_request_from_them() {
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:True");
+    let _a = core.malloc(4 * MIB, s).unwrap();
+    let before = core.reserved_bytes();
+    let [first] = core.segment_ranges()[..] else {
+        panic!("one mapped stretch")
+    };
+    assert_eq!(first.size, before, "everything reserved is that stretch");
+    let request = miss(&mut core, 10 * MIB, s);
+    let mut m = Miss::off_core(request);
+    let MissStep::Io(MissIo::MapPages(plan)) = core.advance_miss(&mut m, None) else {
+        panic!("expected a map")
+    };
+    let planned = plan.bytes();
+    println!("reserved {before} bytes, the plan maps {planned}");
+    assert!(planned >= 10 * MIB - (before - 4 * MIB), "{planned}");
+    // The history shows two pages more mapped, from where the plan starts (the mapped end).
+    assert_eq!(
+        core.abort_growth(plan),
+        None,
+        "the reservation stays: pages are mapped"
+    );
+    assert_eq!(core.reserved_bytes(), before, "the plan left no trace");
+    core.check_invariants().unwrap();
+    let (addr, len) = (first.addr + first.size, planned + 4 * MIB);
+    let recorded = core
+        .plan_recorded_growth(addr, len, RecordedHandles::default())
+        .unwrap()
+        .expect("the recorded range is unmapped and fits");
+    assert_eq!(recorded.bytes(), len);
+    let maps = backend.counts().maps;
+    let done = MissIo::MapPages(recorded).perform(backend.as_ref());
+    let MissStep::Done(got) = core.advance_miss(&mut m, Some(done)) else {
+        panic!("expected the request served from the recorded pages")
+    };
+    assert!(
+        backend.counts().maps > maps,
+        "the recorded range was mapped"
+    );
+    assert!(got.ptr.0 >= first.addr && got.ptr.0 + got.block_size <= addr + len);
+    assert_eq!(core.reserved_bytes(), before + len);
+    let [stretch] = core.segment_ranges()[..] else {
+        panic!("the new pages joined the mapped stretch")
+    };
+    assert_eq!((stretch.addr, stretch.size), (first.addr, before + len));
     core.check_invariants().unwrap();
 }
