@@ -20,6 +20,10 @@
 //! The core never blocks on the GPU except in [`HostCore::drain_events`], never reads a clock
 //! but the [`Clock`] it is given, and owns no threads (prefault's scoped threads end before
 //! `malloc` returns).
+//!
+//! Where segments come from and go back to (the backend's calls, the reserve segment, a
+//! dropped core's leftovers) is `core_memory.rs`; the malloc split for an owner that calls the
+//! backend off its lock is `core_split.rs`.
 
 use std::collections::{HashMap, VecDeque};
 

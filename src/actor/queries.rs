@@ -1,5 +1,5 @@
 //! The device actor's queries and queued commands, off the malloc and free paths:
-//! diagnostics (misses in flight, waiters, a one-line description), statistics and
+//! diagnostics (waiters, parked waiters, a one-line description), statistics and
 //! snapshots (a call on the state), and the jobs that drops post without waiting (a pool
 //! released, a dropped capture ended, a graph dropped).
 
