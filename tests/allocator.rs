@@ -239,6 +239,12 @@ async fn waiters_are_served_in_order_and_cancelled_ones_leave_cleanly() {
     // back after a fixed wait). Those retries end first, each waiter parked: the order
     // asserted is the one memory coming back to parked waiters is served in.
     until_parked(&alloc, 3).await;
+    let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    assert!(
+        actor.describe().contains("3 waiting for memory (3 parked)"),
+        "{}",
+        actor.describe()
+    );
     drop(hog);
     for h in handles {
         tokio::time::timeout(Duration::from_secs(5), h)

@@ -19,13 +19,15 @@ impl DeviceActor {
         self.device
     }
 
-    /// A one-line description of the actor's state, for diagnosing a stall: waiters, misses
-    /// in flight, whether the gate is held and whether messages are queued.
+    /// A one-line description of the actor's state, for diagnosing a stall: waiters (and how
+    /// many of them are parked: every waiter parked while memory is free would be a lost
+    /// wake-up), misses in flight, whether the gate is held and whether messages are queued.
     pub fn describe(&self) -> String {
         format!(
-            "{}: {} waiting for memory, {} misses in flight, gate {}, queue {}, reaper {}, {} revived by the thread cache",
+            "{}: {} waiting for memory ({} parked), {} misses in flight, gate {}, queue {}, reaper {}, {} revived by the thread cache",
             self.device,
             self.waiting(),
+            self.parked_waiters(),
             self.misses_in_flight(),
             if self.mailbox.is_busy() {
                 "held"
