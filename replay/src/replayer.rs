@@ -216,6 +216,24 @@ impl Replayer {
         }
     }
 
+    /// Where a restored segment of the history's pool `pool` goes (`small`: its small pool).
+    fn restore_target(&mut self, pool: PoolKey, small: bool) -> RestorePool {
+        RestorePool {
+            private: self.pool(pool),
+            small,
+        }
+    }
+
+    /// Maps the history's addresses of restored `blocks` (in a segment the history had at
+    /// `recorded`) to the replay's, the segment having landed at `base`; returns how many.
+    fn map_restored(&mut self, blocks: &[RestoredBlock], recorded: u64, base: DevicePtr) -> usize {
+        for b in blocks {
+            self.addrs
+                .insert(b.addr, DevicePtr(b.addr - recorded + base.0));
+        }
+        blocks.len()
+    }
+
     /// Makes reservation `res` at its base, with the start segments `inside` it (its mapped
     /// runs, none when the history maps its first page at event `index`) and their live
     /// blocks; returns how many live blocks it placed.
@@ -240,21 +258,14 @@ impl Replayer {
             .flat_map(|s| start_blocks(s, initial, true))
             .collect();
         let stream = self.stream(res.stream);
-        let target = RestorePool {
-            private: self.pool(res.pool),
-            small: res.small,
-        };
+        let target = self.restore_target(res.pool, res.small);
         self.backend.place_next(DEVICE, res.base);
         let restored = self
             .core
             .restore_expandable(res.base, res.size, stream, target, &runs, &blocks);
         self.backend.clear_placement(DEVICE);
         let base = restored.map_err(|source| ReplayError::Alloc { index, source })?;
-        for b in &blocks {
-            self.addrs
-                .insert(b.addr, DevicePtr(b.addr - res.base + base.0));
-        }
-        Ok(blocks.len())
+        Ok(self.map_restored(&blocks, res.base, base))
     }
 
     /// Warm: PyTorch's state when recording began, its segments at their addresses with the
@@ -288,20 +299,13 @@ impl Replayer {
         for seg in segments.iter().filter(|_| plan.is_empty()) {
             let blocks = start_blocks(seg, initial, false);
             let stream = self.stream(seg.stream);
-            let target = RestorePool {
-                private: self.pool(seg.pool),
-                small: seg.small,
-            };
+            let target = self.restore_target(seg.pool, seg.small);
             self.backend.place_next(DEVICE, seg.addr);
             let base = self
                 .core
                 .restore_segment(seg.addr, seg.size, stream, target, &blocks)
                 .map_err(|source| ReplayError::Alloc { index: 0, source })?;
-            for b in &blocks {
-                self.addrs
-                    .insert(b.addr, DevicePtr(b.addr - seg.addr + base.0));
-            }
-            placed += blocks.len();
+            placed += self.map_restored(&blocks, seg.addr, base);
         }
         self.warnings += (initial.len() - placed) as u64;
         Ok(plan)

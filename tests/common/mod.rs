@@ -65,31 +65,28 @@ pub fn build(backend: Arc<dyn Backend>, conf: &str) -> Allocator {
 
 /// Waits (up to 5 s) until `n` requests wait for memory on device 0.
 pub async fn until_waiting(alloc: &Allocator, n: usize) {
-    let actor = alloc.device_actor(DeviceId(0)).unwrap();
-    for _ in 0..2500 {
-        if actor.waiting() == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("expected {n} waiters, found {}", actor.waiting());
+    until_waiters(alloc, n, false).await;
 }
 
-/// Waits until every request waiting for memory on device 0 is parked (retried, failed and
-/// waiting again: `DeviceActor::parked_waiters`), `n` of them; panics after 5 s.
+/// Waits (up to 5 s) until `n` requests wait for memory on device 0, every one of them parked
+/// (retried, failed and waiting again: `DeviceActor::parked_waiters`).
 pub async fn until_parked(alloc: &Allocator, n: usize) {
+    until_waiters(alloc, n, true).await;
+}
+
+/// `n` waiters on device 0, all of them parked if `parked`; panics after 5 s.
+async fn until_waiters(alloc: &Allocator, n: usize, parked: bool) {
     let actor = alloc.device_actor(DeviceId(0)).unwrap();
+    let counts = || (actor.waiting(), actor.parked_waiters());
+    let reached = |(waiting, parks): (usize, usize)| waiting == n && (!parked || parks == n);
     for _ in 0..2500 {
-        if actor.waiting() == n && actor.parked_waiters() == n {
+        if reached(counts()) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    panic!(
-        "expected {n} parked waiters, found {} of {}",
-        actor.parked_waiters(),
-        actor.waiting()
-    );
+    let (waiting, parks) = counts();
+    panic!("expected {n} waiters (parked: {parked}), found {waiting} ({parks} parked)");
 }
 
 /// Ranges `(addr, size)` in address order with the ones that touch joined into one.
