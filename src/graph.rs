@@ -106,21 +106,31 @@ impl Drop for GraphPoolInner {
 
 /// Releases pool `id` and frees its whole free segments.
 fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
-    let (detached, in_flight) = {
+    let (detached, in_flight, releasing) = {
         let mut held = actor.mailbox.hold_blocking();
         let core = &mut held.state().core;
         let detached = core
             .release_pool(id)
             .and_then(|()| core.detach_pool_segments(id));
-        // Shutdown waits for these frees (`Signals::detached_frees`).
+        // Shutdown waits for these frees (`Signals::detached_frees`), and a request out of
+        // memory meanwhile for their end (`DeviceActor::release_in_flight`).
         let in_flight = actor.signals.detached_frees.begin_if_any(&detached);
-        (detached, in_flight)
+        let releasing = in_flight.is_some().then(|| actor.release_in_flight());
+        (detached, in_flight, releasing)
     };
     match detached {
         Ok(segments) => {
             if let Err(e) = free_detached(actor.backend.as_ref(), actor.device, &segments) {
                 tracing::warn!(pool = id.0, error = %e, "freeing a graph pool's segments");
             }
+            // Back with the device: no longer counted against the cap.
+            actor
+                .mailbox
+                .hold_blocking()
+                .state()
+                .core
+                .finish_segment_frees(&segments);
+            drop(releasing);
             drop(in_flight);
             if !segments.is_empty() {
                 actor.signals.waiters.wake_head();

@@ -1,9 +1,13 @@
 //! The device memory the core may hold: what it holds from the backend (PyTorch's
 //! `total_allocated_memory`), what is being obtained off the core right now (segments claimed
-//! by an owner's device malloc, pages being mapped), and the cap `per_process_memory_fraction`
-//! puts on both together (PyTorch's `allowed_memory_maximum`). A component that owns its
-//! fields: every check against the cap is [`Budget::fits`], so the rule "what is in flight
-//! counts against the cap until it lands" is written once.
+//! by an owner's device malloc, pages being mapped), what is being given back off the core
+//! right now (segments taken out of the books whose driver frees have not returned, pages
+//! being unmapped), and the cap `per_process_memory_fraction` puts on all of it together
+//! (PyTorch's `allowed_memory_maximum`). A component that owns its fields: every check
+//! against the cap is [`Budget::fits`], so the rule "what is in flight, either way, counts
+//! against the cap until the driver call returns" is written once. (PyTorch holds its lock
+//! across `cudaFree` and lowers `total_allocated_memory` after it: a request made meanwhile
+//! waits, and never sees the memory as gone before the device has it back.)
 //!
 //! It also keeps the most the core has ever held (its high-water mark, which no stats reset
 //! lowers) and the releases before a growth that are still allowed
@@ -18,6 +22,9 @@ pub(crate) struct Budget {
     reserved: u64,
     /// Bytes being obtained off the core, counted against the cap until they land.
     in_flight: u64,
+    /// Bytes out of the books whose driver release has not returned yet (off the core),
+    /// counted against the cap until it has.
+    releasing: u64,
     /// The cap, when `per_process_memory_fraction` sets one.
     allowed: Option<u64>,
     /// The device's total memory, read once.
@@ -60,6 +67,7 @@ impl Budget {
         Budget {
             reserved: 0,
             in_flight: 0,
+            releasing: 0,
             allowed: fraction.map(|f| (device_total as f64 * f) as u64),
             device_total,
             high_water: 0,
@@ -135,9 +143,16 @@ impl Budget {
         self.device_total
     }
 
-    /// Held and in flight together: what the cap is checked against.
+    /// Bytes out of the books whose driver release has not returned yet.
+    pub fn releasing(&self) -> u64 {
+        self.releasing
+    }
+
+    /// Held and in flight (either way) together: what the cap is checked against.
     pub fn held(&self) -> u64 {
-        self.reserved.saturating_add(self.in_flight)
+        self.reserved
+            .saturating_add(self.in_flight)
+            .saturating_add(self.releasing)
     }
 
     /// True when `bytes` more fit under the cap (always, without one).
@@ -170,9 +185,23 @@ impl Budget {
         self.reserved -= bytes;
     }
 
-    /// Everything went back (the core shut down).
+    /// `bytes` left the books ([`Budget::unreserve`]) before the driver call that gives them
+    /// back, made off the core: they count against the cap until [`Budget::released`].
+    pub fn releasing_begins(&mut self, bytes: u64) {
+        self.releasing += bytes;
+    }
+
+    /// The driver call that gives back `bytes` of [`Budget::releasing_begins`] returned
+    /// (or failed: the books let them go either way).
+    pub fn released(&mut self, bytes: u64) {
+        self.releasing = self.releasing.saturating_sub(bytes);
+    }
+
+    /// Everything went back (the core shut down). A release still in flight ends with
+    /// [`Budget::released`] as usual, which then changes nothing.
     pub fn release_all(&mut self) {
         self.reserved = 0;
+        self.releasing = 0;
     }
 }
 
@@ -197,6 +226,20 @@ mod tests {
         assert!(!b.fits(u64::MAX), "no overflow past the cap");
         let open = Budget::new(100, None);
         assert!(open.fits(u64::MAX), "no cap");
+        // Memory out of the books counts until its driver release returns.
+        let mut r = Budget::new(100, Some(0.5));
+        r.reserve(40);
+        r.unreserve(40);
+        r.releasing_begins(40);
+        assert_eq!((r.reserved(), r.releasing(), r.held()), (0, 40, 40));
+        assert!(r.fits(10) && !r.fits(11));
+        r.released(40);
+        r.released(1); // never below zero
+        assert_eq!(r.releasing(), 0);
+        assert!(r.fits(50));
+        r.releasing_begins(5);
+        r.release_all();
+        assert_eq!(r.held(), 0, "a shutdown ends every release");
         b.reserve(7);
         b.release_all();
         assert_eq!(b.reserved(), 0);

@@ -185,6 +185,11 @@ pub struct OomReport {
     /// (`DeviceCore::growing_bytes`: segments allocated and pages mapped by the owner's misses).
     /// Memory of a cancelled request counts here until it lands in the cache.
     pub in_flight: u64,
+    /// Bytes being given back to the device off the core right now (`DeviceCore::releasing_bytes`:
+    /// segments being freed and pages being unmapped by the owner's releases): out of the
+    /// books, but the device's until the driver call returns, so they count against
+    /// `per_process_memory_fraction` until then. A retry once they are back may succeed.
+    pub releasing: u64,
     /// Device memory this process has in use, inside the allocator and out, where the backend
     /// can tell (PyTorch's "this process has X memory in use"); `None` where it cannot.
     pub process_used: Option<u64>,
@@ -261,6 +266,13 @@ impl fmt::Display for OomReport {
                 format_size(self.in_flight)
             )?;
         }
+        if self.releasing > 0 {
+            write!(
+                f,
+                "{} is being returned to the device by releases in flight. ",
+                format_size(self.releasing)
+            )?;
+        }
         if let Some(used) = self.process_used {
             write!(
                 f,
@@ -317,6 +329,7 @@ mod tests {
             allocated: 10 << 30,
             reserved: 14 << 30,
             in_flight: 0,
+            releasing: 0,
             process_used: None,
             expandable_segments: false,
         };
@@ -340,6 +353,7 @@ mod tests {
 
         let busy = OomReport {
             in_flight: 15 << 30,
+            releasing: 0,
             process_used: Some(15 << 30),
             ..r.clone()
         }
@@ -363,6 +377,7 @@ mod tests {
             allocated: 10 << 30,
             reserved: 16 << 30,
             in_flight: 0,
+            releasing: 0,
             process_used: None,
             expandable_segments: false,
         };
@@ -415,6 +430,7 @@ mod tests {
             allocated: 0,
             reserved: 0,
             in_flight: 0,
+            releasing: 0,
             process_used: None,
             expandable_segments: false,
         };

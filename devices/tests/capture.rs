@@ -426,6 +426,7 @@ fn a_released_graph_pool_gives_its_free_segments_back_at_once() {
             "{conf}: PyTorch's 20 MiB segment of `a`"
         );
         gpualloc_devices::free_detached(r.core.backend().as_ref(), D0, &segments).unwrap();
+        r.core.finish_segment_frees(&segments);
         assert_eq!(
             r.core.stats().reserved_bytes[0].current,
             b.block_size,

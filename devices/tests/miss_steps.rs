@@ -447,6 +447,113 @@ fn off_the_core_blocks_freed_by_the_last_release_serve_the_miss_before_a_new_seg
     }
 }
 
+/// A segment the chain took out of the books is the device's until its free returns: off the
+/// core, a request made meanwhile must not get memory the cap only has once it is back
+/// (PyTorch lowers `total_allocated_memory` after `cudaFree`, under the lock the request
+/// waits for).
+#[test]
+fn off_the_core_a_segment_being_freed_counts_against_the_cap_until_its_free_returns() {
+    // 100 MiB allowed of 1 GiB; blocks from 24 MiB are oversize.
+    let (backend, mut core, s) = rig(
+        1 << 30,
+        "max_split_size_mb:24,per_process_memory_fraction:0.09765625",
+    );
+    let cached = core.malloc(60 * MIB, s).unwrap();
+    core.free(cached.ptr).unwrap();
+    // 60 + 70 > 100: the miss releases the cached oversize segment first.
+    let request = miss(&mut core, 70 * MIB, s);
+    let mut first = Miss::off_core(request);
+    let step = core.advance_miss(&mut first, None);
+    assert_eq!(kind(&step), "free [60] MiB");
+    let MissStep::Io(free) = step else {
+        unreachable!()
+    };
+    assert_eq!(core.reserved_bytes(), 0, "out of the books");
+    assert_eq!(core.releasing_bytes(), 60 * MIB);
+    // Meanwhile another request of 50 MiB: the device still holds the 60 MiB (60 + 50 > 100),
+    // so the chain has no room for its segment and it runs out of memory, saying why.
+    let second = miss(&mut core, 50 * MIB, s);
+    let step = core.advance_miss(&mut Miss::off_core(second), None);
+    assert_eq!(kind(&step), "failed oom");
+    let MissStep::Failed(AllocError::OutOfMemory(report)) = step else {
+        unreachable!()
+    };
+    assert_eq!(report.releasing, 60 * MIB);
+    assert!(
+        report
+            .to_string()
+            .contains("60.00 MiB is being returned to the device"),
+        "{report}"
+    );
+    // The free returns: the first request gets its segment, and the device never held more
+    // than the cap.
+    let (steps, end) = drive(
+        &mut core,
+        &mut first,
+        Some(free.perform(backend.as_ref())),
+        |core, io| {
+            let backend = core.backend().clone();
+            io.perform(backend.as_ref())
+        },
+    );
+    assert_eq!(steps, ["alloc 70 MiB", "done 70 MiB"]);
+    assert!(matches!(end, MissStep::Done(_)));
+    assert_eq!((core.releasing_bytes(), backend.used(DEV)), (0, 70 * MIB));
+    core.check_invariants().unwrap();
+}
+
+/// The same for pages of an expandable segment: being unmapped off the core, they are the
+/// device's until the unmap returns.
+#[test]
+fn off_the_core_pages_being_unmapped_count_against_the_cap_until_the_unmap_returns() {
+    // 100 MiB allowed of 1 GiB.
+    let (backend, mut core, s) = rig(
+        1 << 30,
+        "policy:pytorch,expandable_segments:True,per_process_memory_fraction:0.09765625",
+    );
+    let t = backend.stream_create(DEV).unwrap();
+    let u = backend.stream_create(DEV).unwrap();
+    let cached = core.malloc(60 * MIB, s).unwrap();
+    core.free(cached.ptr).unwrap();
+    assert_eq!(core.reserved_bytes(), 60 * MIB);
+    // A request of another stream: its own segment has no room beside the 60 MiB mapped, so
+    // the last release unmaps them.
+    let request = miss(&mut core, 70 * MIB, t);
+    let mut first = Miss::off_core(request);
+    let step = core.advance_miss(&mut first, None);
+    assert_eq!(kind(&step), "unmap 60 MiB");
+    let MissStep::Io(unmap) = step else {
+        unreachable!()
+    };
+    assert_eq!(
+        (core.reserved_bytes(), core.releasing_bytes()),
+        (0, 60 * MIB)
+    );
+    // Meanwhile a third stream's 50 MiB: no room while the pages are the device's.
+    let second = miss(&mut core, 50 * MIB, u);
+    let step = core.advance_miss(&mut Miss::off_core(second), None);
+    assert_eq!(kind(&step), "failed oom");
+    // The unmap returns: the first request maps its pages.
+    let (steps, end) = drive(
+        &mut core,
+        &mut first,
+        Some(unmap.perform(backend.as_ref())),
+        |core, io| {
+            let backend = core.backend().clone();
+            io.perform(backend.as_ref())
+        },
+    );
+    // (Pages of 20 MiB in the large pool, as PyTorch's.)
+    assert_eq!(steps, ["map 80 MiB", "done 70 MiB"]);
+    assert!(matches!(end, MissStep::Done(_)));
+    assert_eq!(core.releasing_bytes(), 0);
+    assert_eq!(
+        (core.reserved_bytes(), backend.used(DEV)),
+        (80 * MIB, 80 * MIB)
+    );
+    core.check_invariants().unwrap();
+}
+
 #[test]
 fn a_segment_that_reaches_the_memory_fraction_exactly_fits() {
     // 64 MiB allowed of 1 GiB: one 64 MiB segment is all of it.

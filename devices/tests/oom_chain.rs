@@ -244,17 +244,19 @@ fn detached_garbage_collection_picks_old_segments_round_by_round() {
     // Ages a 9, b 5, c 2, d 1, x 0; 92 MiB reserved, 47 MiB to reclaim. Round 1 (average
     // 3.4): a, b (40 MiB). Round 2 over c, d, x (average 1): c, d.
     assert_eq!(core.reserved_bytes(), 92 * MIB);
-    let mut got: Vec<u64> = core
-        .detach_gc_victims()
-        .unwrap()
-        .iter()
-        .map(|s| s.ptr.0)
-        .collect();
+    let victims = core.detach_gc_victims().unwrap();
+    let mut got: Vec<u64> = victims.iter().map(|s| s.ptr.0).collect();
     got.sort_unstable();
     let mut want = vec![a.ptr.0, b.ptr.0, c.ptr.0, d.ptr.0];
     want.sort_unstable();
     assert_eq!(got, want);
     assert_eq!(core.reserved_bytes(), 12 * MIB);
+    // Out of the books, the device's until the caller's frees return.
+    assert_eq!(core.releasing_bytes(), 80 * MIB);
+    let backend = core.backend().clone();
+    gpualloc_devices::free_detached(backend.as_ref(), core.device(), &victims).unwrap();
+    core.finish_segment_frees(&victims);
+    assert_eq!(core.releasing_bytes(), 0);
     core.check_invariants().unwrap();
     assert!(
         core.detach_gc_victims().unwrap().is_empty(),

@@ -220,9 +220,14 @@ fn discard_copies_nothing_and_maps_the_same_runs_back() {
     let a = core.malloc_in(w, 30 * MIB, s).unwrap();
     let b = core.malloc_in(w, 1000, s).unwrap();
     let handles = sim.counts().get(Op::PhysCreate);
+    let reserved = core.reserved_bytes();
     let plan = core.begin_sleep(w, SleepMode::Discard).unwrap();
     assert!(plan.copies().is_empty());
+    // Out of the books, the device's until the unmap returns.
+    assert_eq!(core.releasing_bytes(), plan.bytes());
+    assert_eq!(reserved - core.reserved_bytes(), plan.bytes());
     assert!(complete_sleep(&mut core, plan, s).is_empty());
+    assert_eq!(core.releasing_bytes(), 0);
     wake(&mut core, w, &[], s);
     // One new handle per handle the pool had, at the same places.
     assert_eq!(sim.counts().get(Op::PhysCreate), 2 * handles);
@@ -479,7 +484,10 @@ fn a_failed_sleep_puts_the_pages_back() {
     let before = used(&sim);
     let plan = core.begin_sleep(kv, SleepMode::Offload).unwrap();
     assert_eq!(core.stats().num_device_free, stats.num_device_free + 1);
+    // The pages are the device's until the unmap: they count against the cap meanwhile.
+    assert_eq!(core.releasing_bytes(), 6 * MIB);
     assert!(core.abort_sleep(plan).is_empty());
+    assert_eq!(core.releasing_bytes(), 0);
     assert_eq!(core.pool_state(kv), Some(PoolState::Awake));
     assert_eq!(core.stats().reserved_bytes, stats.reserved_bytes);
     assert_eq!(core.stats().num_device_free, stats.num_device_free);

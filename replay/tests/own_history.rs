@@ -561,6 +561,7 @@ mod off_the_core {
         let c = core.malloc(5 * MIB, s).unwrap();
         assert_eq!(c.ptr.0, b.ptr.0 + 9 * MIB);
         free_detached(backend.as_ref(), DeviceId(0), &detached).unwrap();
+        core.finish_segment_frees(&detached);
         assert_eq!(core.process_events().unwrap(), 1, "b's free completes now");
         let later = core.malloc(9 * MIB, s).unwrap();
         assert_eq!(later.ptr, b.ptr);

@@ -126,8 +126,9 @@ impl DeviceActor {
         })
     }
 
-    /// Misses whose device allocation is running on the blocking pool right now (they finish
-    /// even if their request was cancelled, then return the block).
+    /// Misses whose driver calls are running on the blocking pool right now (they finish
+    /// even if their request was cancelled, then return the block), and releases off the gate
+    /// outside any miss (a cache release, a graph pool's: `DeviceActor::release_in_flight`).
     pub fn misses_in_flight(&self) -> usize {
         self.misses.count.load(Ordering::Acquire)
     }
@@ -238,8 +239,11 @@ impl DeviceActor {
             let wait = match &r {
                 Err(e) => {
                     retries < LANDING_RETRIES
-                        && self.misses_in_flight() > 0
-                        && e.oom_report().is_some_and(|r| !r.exceeds_device())
+                        && e.oom_report().is_some_and(|r| {
+                            // A release that was in flight at the failure may have landed
+                            // since: one more try then.
+                            !r.exceeds_device() && (self.misses_in_flight() > 0 || r.releasing > 0)
+                        })
                 }
                 Ok(_) => false,
             };
@@ -503,7 +507,8 @@ fn cached(
 
 /// Misses in flight: counted while they run on the blocking pool, and announced to requests
 /// that ran out of memory meanwhile when they land (`DeviceActor::malloc`). A type of its own,
-/// private to the actor, so nothing but a miss's landing counts or announces one.
+/// private to the actor, so nothing but a miss's landing, or a release's end
+/// ([`ReleaseInFlight`]), counts or announces one.
 #[derive(Default)]
 pub(crate) struct MissesInFlight {
     count: AtomicUsize,
@@ -519,5 +524,29 @@ impl LandingOwner for MissesInFlight {
     fn landed(&self) {
         self.count.fetch_sub(1, Ordering::AcqRel);
         self.landed.notify_waiters();
+    }
+}
+
+/// A release made off the gate outside any miss (a cache release's frees and unmaps, a graph
+/// pool's frees), counted with the misses in flight until dropped
+/// ([`DeviceActor::release_in_flight`]).
+pub(crate) struct ReleaseInFlight<'a>(&'a MissesInFlight);
+
+impl Drop for ReleaseInFlight<'_> {
+    fn drop(&mut self) {
+        self.0.landed();
+    }
+}
+
+impl DeviceActor {
+    /// Counts a release off the gate with the misses in flight until the guard is dropped:
+    /// the memory it gives back counts against `per_process_memory_fraction` until its
+    /// driver calls return and the core books them (`DeviceCore::releasing_bytes`), so a
+    /// request that runs out of memory meanwhile waits for it and tries again, as it waits for
+    /// a miss. Take it in the step that takes the memory out of the books; drop it after the
+    /// step that books the release's end.
+    pub(crate) fn release_in_flight(&self) -> ReleaseInFlight<'_> {
+        self.misses.started();
+        ReleaseInFlight(&self.misses)
     }
 }

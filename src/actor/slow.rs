@@ -63,6 +63,9 @@ impl DeviceActor {
         let mut miss = Miss::off_core(req);
         let mut done = None;
         let mut released = false;
+        // A release's driver call returned: its memory is booked back with the device in the
+        // next step, and only then may waiters look (before, the cap still counts it).
+        let mut wake_after_step = false;
         let result = loop {
             let step = {
                 let mut held = self.mailbox.hold_blocking();
@@ -79,6 +82,11 @@ impl DeviceActor {
                 }
                 step
             };
+            if std::mem::take(&mut wake_after_step) {
+                // Requests waiting for memory may find some now.
+                released = true;
+                self.signals.waiters.wake_head();
+            }
             match step {
                 MissStep::Done(a) => break Ok(DeviceBuffer::new(a, self.clone(), stream)),
                 MissStep::Failed(e) => {
@@ -88,13 +96,8 @@ impl DeviceActor {
                     break Err(e.into());
                 }
                 MissStep::Io(io) => {
-                    let frees = io.releases_memory();
+                    wake_after_step = io.releases_memory();
                     done = Some(io.perform(self.backend.as_ref()));
-                    if frees {
-                        // Requests waiting for memory may find some now.
-                        released = true;
-                        self.signals.waiters.wake_head();
-                    }
                 }
             }
         };
@@ -118,11 +121,14 @@ impl DeviceActor {
                 tracing::warn!(device = self.device.0, error = %err, "event synchronize failed");
             }
         }
-        let (detached, in_flight) = {
+        let (detached, in_flight, releasing) = {
             let mut held = self.mailbox.hold_blocking();
             let detached = held.state().core.detach_free_segments();
             let in_flight = self.signals.detached_frees.begin_if_any(&detached);
-            (detached, in_flight)
+            // Taken in the step that detached them: a request that runs out of memory after
+            // it waits for the frees (`DeviceActor::malloc`).
+            let releasing = in_flight.is_some().then(|| self.release_in_flight());
+            (detached, in_flight, releasing)
         };
         let segments = match detached {
             Ok(s) => s,
@@ -136,6 +142,13 @@ impl DeviceActor {
         let freed = guarded("a cache release's segment frees", || {
             free_detached(self.backend.as_ref(), self.device, &segments)
         });
+        // Back with the device: no longer counted against the cap (`finish_segment_frees`).
+        self.mailbox
+            .hold_blocking()
+            .state()
+            .core
+            .finish_segment_frees(&segments);
+        drop(releasing);
         drop(in_flight);
         if let Err(e) = freed {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");
@@ -152,12 +165,12 @@ impl DeviceActor {
     /// synchronization and the driver calls off the gate (`gpualloc_devices::shrink`).
     /// Returns how many free blocks gave up pages.
     fn release_free_pages_blocking(&self) -> usize {
-        let detached = self
-            .mailbox
-            .hold_blocking()
-            .state()
-            .core
-            .detach_free_pages();
+        let (detached, releasing) = {
+            let mut held = self.mailbox.hold_blocking();
+            let detached = held.state().core.detach_free_pages();
+            let some = matches!(&detached, Ok(r) if !r.is_empty());
+            (detached, some.then(|| self.release_in_flight()))
+        };
         let releases = match detached {
             Ok(r) if !r.is_empty() => r,
             _ => return 0,
@@ -182,6 +195,7 @@ impl DeviceActor {
                 }
             }
         }
+        drop(releasing);
         for reservation in orphaned {
             release_reservation(self.backend.as_ref(), self.device, reservation);
         }

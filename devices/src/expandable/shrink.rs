@@ -5,6 +5,8 @@
 //!    expandable segment gives up its whole pages. They are booked as released at once
 //!    (reserved memory goes down, `segment_unmap` is traced) and become a block in state
 //!    `Unmapping`: out of every set, so nothing maps, merges or allocates them meanwhile.
+//!    Until step 3 they still count against `per_process_memory_fraction` (`budget.rs`):
+//!    the device has them until the unmap returns.
 //! 2. [`release_pages`], off the core: waits for each segment's stream (unlike a segment free,
 //!    an unmap does not synchronize), then unmaps and releases the pages.
 //! 3. [`DeviceCore::finish_page_release`], under the core: the block joins the unmapped set
@@ -114,6 +116,8 @@ impl DeviceCore {
             return None;
         }
         self.book_unmapped(id, mapped.start, mapped.bytes(), true);
+        // The device has them until the unmap returns (`finish_page_release`).
+        self.budget.releasing_begins(mapped.bytes());
         self.expandable.begin_work(seg);
         Some(PageRelease {
             block: id,
@@ -131,6 +135,7 @@ impl DeviceCore {
         release: PageRelease,
     ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
         let reservation = self.expandable.end_work(release.seg);
+        self.budget.released(release.bytes());
         let id = release.block;
         let live = !self.shut_down
             && self.blocks.contains(id)

@@ -6,8 +6,12 @@
 //!   off the core; afterwards `process_events` completes those frees without blocking.
 //! - [`DeviceCore::detach_free_segments`]: takes every whole cached segment out of the books
 //!   (as `release_block` does, minus the driver free) and returns them for the caller to free
-//!   with [`free_detached`] off the core. The books drop them at once, so reserved memory
-//!   reads as released a moment before the driver has it back.
+//!   with [`free_detached`] off the core, then hand back to
+//!   [`DeviceCore::finish_segment_frees`]. The books drop them at once (the history shows
+//!   the `segment_free` before the driver call, as PyTorch's does, so a watcher lets go of
+//!   the range before it goes), but they count against `per_process_memory_fraction` until
+//!   `finish_segment_frees` (`budget.rs`): the device has them until the free returns, and a
+//!   request made meanwhile must not take the room twice.
 //! - [`DeviceCore::detach_gc_victims`]: the same for the segments a garbage-collection pass
 //!   reclaims.
 //! - [`DeviceCore::is_shut_down`]: an owner finishing a segment allocation made off the core
@@ -43,7 +47,8 @@ impl DeviceCore {
 
     /// The garbage-collection pass of a miss, split: takes the cached segments it would
     /// release out of the books (the same ones, chosen by age) and returns them for the caller
-    /// to free with [`free_detached`] off the core. Empty unless `garbage_collection_threshold`
+    /// to free with [`free_detached`] off the core (then [`DeviceCore::finish_segment_frees`]).
+    /// Empty unless `garbage_collection_threshold`
     /// and `per_process_memory_fraction` are set and reserved memory is above the threshold.
     pub fn detach_gc_victims(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
         if self.shut_down {
@@ -57,7 +62,8 @@ impl DeviceCore {
     }
 
     /// Takes every whole free segment of the default pools (and of released private pools)
-    /// out of the books and returns them; the caller must free each with [`free_detached`].
+    /// out of the books and returns them; the caller must free each with [`free_detached`],
+    /// then hand them to [`DeviceCore::finish_segment_frees`].
     /// Does not wait for pending frees (synchronize [`DeviceCore::pending_events`] and call
     /// `process_events` first to include them). Expandable segments are not detached.
     pub fn detach_free_segments(&mut self) -> Result<Vec<DetachedSegment>, AllocError> {
@@ -74,7 +80,8 @@ impl DeviceCore {
 
     /// Takes the whole free segments of released private pool `pool` out of the books (a
     /// graph pool whose last holder went: its memory goes back now, not at the next
-    /// `empty_cache`); the caller frees each with [`free_detached`]. A pool that is not
+    /// `empty_cache`); the caller frees each with [`free_detached`], then hands them to
+    /// [`DeviceCore::finish_segment_frees`]. A pool that is not
     /// released keeps its segments (an empty list).
     pub fn detach_pool_segments(
         &mut self,
@@ -109,7 +116,24 @@ impl DeviceCore {
         whole.into_iter().map(|id| self.detach_block(id)).collect()
     }
 
-    /// `release_block` without the driver call.
+    /// The driver frees of `segments` (detached by this core, freed with [`free_detached`])
+    /// returned, or failed: the memory no longer counts against
+    /// `per_process_memory_fraction` (a segment whose free failed stays out of the books, as
+    /// before). Every batch a `detach_*` call returned must come back here once, or the cap
+    /// stays lowered by it until the core shuts down.
+    pub fn finish_segment_frees(&mut self, segments: &[DetachedSegment]) {
+        self.budget.released(segments.iter().map(|s| s.size).sum());
+    }
+
+    /// Bytes out of the books whose driver release has not returned yet: segments being
+    /// freed and pages being unmapped off the core. They count against
+    /// `per_process_memory_fraction` until it has.
+    pub fn releasing_bytes(&self) -> u64 {
+        self.budget.releasing()
+    }
+
+    /// `release_block` without the driver call: the segment leaves the books, and counts
+    /// against the cap until [`DeviceCore::finish_segment_frees`].
     pub(crate) fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
         let b = self.blocks.get(id);
         let (addr, size, stream, pool) = (b.addr(), b.size(), b.stream(), b.pool());
@@ -119,6 +143,7 @@ impl DeviceCore {
         self.blocks.remove(id);
         self.segments.remove(addr);
         self.budget.unreserve(size);
+        self.budget.releasing_begins(size);
         let small = self.pools[pool].is_small;
         self.book_segment_stats(pool, small, size, false);
         self.count(Counted::DeviceFree);
@@ -188,7 +213,10 @@ mod tests {
         );
         assert_eq!(core.reserved_bytes(), (16 << 20) + (2 << 20));
         core.check_invariants().unwrap();
+        assert_eq!(core.releasing_bytes(), 12 << 20);
         free_detached(backend.as_ref(), dev, &segs).unwrap();
+        core.finish_segment_frees(&segs);
+        assert_eq!(core.releasing_bytes(), 0);
         assert_eq!(acc.used(dev), (16 << 20) + (2 << 20));
         for e in core.pending_events() {
             backend.event_synchronize(e).unwrap();
@@ -196,8 +224,11 @@ mod tests {
         core.free(b.ptr).unwrap();
         let segs = core.detach_free_segments().unwrap();
         assert_eq!(segs.len(), 2);
+        assert_eq!(core.releasing_bytes(), (16 << 20) + (2 << 20));
         free_detached(backend.as_ref(), dev, &segs).unwrap();
+        core.finish_segment_frees(&segs);
         assert_eq!((core.reserved_bytes(), acc.used(dev)), (0, 0));
+        assert_eq!(core.releasing_bytes(), 0);
         assert_eq!(core.stats().reserved_bytes[0].current, 0);
         core.check_invariants().unwrap();
         assert!(!core.is_shut_down());

@@ -80,6 +80,7 @@ impl DeviceCore {
         self.backend.free(self.device, DevicePtr(addr))?;
         // The bookkeeping is the detached path's (`detached.rs`), after the driver call.
         self.detach_block(id);
+        self.budget.released(size);
         Ok(())
     }
 

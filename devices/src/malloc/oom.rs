@@ -29,6 +29,7 @@ impl DeviceCore {
             allocated: self.stats().allocated_bytes[0].current,
             reserved: self.stats().reserved_bytes[0].current,
             in_flight: self.budget.in_flight(),
+            releasing: self.budget.releasing(),
             process_used: self.backend.process_used(self.device).ok().flatten(),
             expandable_segments: self.config.expandable_segments,
         };

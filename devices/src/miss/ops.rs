@@ -276,11 +276,18 @@ impl DeviceCore {
 
             (
                 op @ (Op::Free | Op::Release(_) | Op::Mismatch | Op::GiveBack),
-                Outcome::Freed(result),
-            ) => match result {
-                Ok(()) => self.after_op(op),
-                Err(e) => Flow::Fail(e),
-            },
+                Outcome::Freed(bytes, result),
+            ) => {
+                // Segments the chain took out of the books count against the cap until their
+                // frees return (`budget.rs`); those of a mix-up or a shutdown never entered.
+                if matches!(op, Op::Free | Op::Release(_)) {
+                    self.budget.released(bytes);
+                }
+                match result {
+                    Ok(()) => self.after_op(op),
+                    Err(e) => Flow::Fail(e),
+                }
+            }
             (Op::Release(r), Outcome::Synced(n, error)) => {
                 if miss.off_core {
                     // Others ran meanwhile: their lookups may have completed some of these
@@ -334,7 +341,7 @@ impl DeviceCore {
                 .map(|(ptr, size)| self.give_back_reservation(ptr, size)),
             Outcome::Unmapped(releases, _) => self.finish_releases(releases),
             Outcome::Segment(_, Err(_))
-            | Outcome::Freed(_)
+            | Outcome::Freed(..)
             | Outcome::Synced(..)
             | Outcome::GaveBack => None,
         };

@@ -284,6 +284,8 @@ impl DeviceCore {
         }
         for (seg, _, m) in &pages {
             self.book_segment_pages(*seg, m.start, m.bytes(), Booking::Released);
+            // The device has them until the unmap returns (`finish_sleep`, `abort_sleep`).
+            self.budget.releasing_begins(m.bytes());
         }
         let name = self.set_state(pool, PoolState::FallingAsleep);
         tracing::debug!(
@@ -308,6 +310,7 @@ impl DeviceCore {
         let mut bytes = 0;
         for (seg, _, m) in &plan.pages {
             bytes += m.bytes();
+            self.budget.released(m.bytes());
             if let Some(r) = self.expandable.end_work(*seg) {
                 left.reservations.push(r);
             }
@@ -329,6 +332,7 @@ impl DeviceCore {
         self.pending.give_back(plan.events);
         let mut left = self.leftovers();
         for (seg, first, m) in plan.pages {
+            self.budget.released(m.bytes());
             if let Some(r) = self.expandable.end_work(seg) {
                 left.reservations.push(r);
             }

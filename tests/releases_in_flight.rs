@@ -1,0 +1,58 @@
+//! Memory on its way back to the device is the device's until the driver call returns: a
+//! request made while `empty_cache` frees a segment (or unmaps pages) off the gate, under
+//! `per_process_memory_fraction`, waits for the release instead of taking the device past
+//! the cap. (PyTorch holds its lock across `cudaFree`, so its request waits too.)
+//!
+//! The release is held up by work on the device: a segment free synchronizes the device, a
+//! page unmap the segment's stream; a 300 ms kernel keeps it in flight.
+
+use std::time::Duration;
+
+mod common;
+
+use common::{build, sim, wait_in_flight, MIB};
+use gpualloc::DeviceId;
+
+const D0: DeviceId = DeviceId(0);
+
+/// 100 MiB allowed of the sim's 1 GiB.
+const CAP: &str = "per_process_memory_fraction:0.09765625";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malloc_during_a_cache_release_waits_for_it_and_stays_under_the_cap() {
+    for conf in [
+        "expandable_segments:False,thread_cache:False",
+        "expandable_segments:False",
+        "expandable_segments:True,thread_cache:False",
+        "expandable_segments:True",
+    ] {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), &format!("{conf},{CAP}"));
+        let (s, t) = (alloc.new_stream(D0).unwrap(), alloc.new_stream(D0).unwrap());
+        // 60 MiB cached on `s`, and the device busy for a while.
+        drop(alloc.malloc(60 * MIB, &s).await.unwrap());
+        sim.launch_kernel(s.handle(), Duration::from_millis(300), |_| Ok(()))
+            .unwrap();
+        let emptier = {
+            let alloc = alloc.clone();
+            tokio::spawn(async move { alloc.empty_cache().await })
+        };
+        // The release took the memory out of the books and waits for the kernel.
+        let actor = alloc.device_actor(D0).unwrap();
+        assert_eq!(wait_in_flight(actor, 5000, |n| n == 1).await, 1, "{conf}");
+        assert_eq!(sim.used_bytes(D0).unwrap(), 60 * MIB, "{conf}");
+        // 60 + 50 > 100: the request waits for the release, then gets its memory.
+        let b = alloc.malloc(50 * MIB, &t).await.unwrap();
+        let used = sim.used_bytes(D0).unwrap();
+        assert!(
+            used <= 100 * MIB,
+            "{conf}: the device held {} MiB, past the 100 MiB allowed",
+            used / MIB
+        );
+        emptier.await.unwrap().unwrap();
+        assert_eq!(b.len(), 50 * MIB);
+        drop(b);
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(D0).unwrap(), 0, "{conf}");
+    }
+}
