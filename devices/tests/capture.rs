@@ -441,6 +441,25 @@ fn a_released_graph_pool_gives_its_free_segments_back_at_once() {
     }
 }
 
+/// A released pool whose last segment is being freed off the core is forgotten when the free
+/// returns, not before: until then the memory is the device's, and counts against its quota.
+#[test]
+fn a_released_pool_is_forgotten_once_its_last_segments_free_returns() {
+    let mut r = rig("expandable_segments:False");
+    let pool = r.core.create_pool(false);
+    let a = r.core.malloc_in(pool, 30 * MIB, r.s0).unwrap();
+    r.core.free(a.ptr).unwrap();
+    r.core.release_pool(pool).unwrap();
+    let segments = r.core.detach_pool_segments(pool).unwrap();
+    assert_eq!(segments.len(), 1);
+    assert!(r.core.pool_usage(pool).is_some(), "its free is in flight");
+    gpualloc_devices::free_detached(r.core.backend().as_ref(), D0, &segments).unwrap();
+    r.core.finish_segment_frees(&segments);
+    assert_eq!(r.core.pool_usage(pool), None, "forgotten");
+    assert_eq!(r.core.releasing_bytes(), 0);
+    r.core.check_invariants().unwrap();
+}
+
 #[test]
 fn no_page_of_a_stream_about_to_capture_is_released_and_its_capture_waits_for_one_in_flight() {
     let mut r = rig("expandable_segments:True");

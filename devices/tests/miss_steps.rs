@@ -502,6 +502,71 @@ fn off_the_core_a_segment_being_freed_counts_against_the_cap_until_its_free_retu
     core.check_invariants().unwrap();
 }
 
+/// A named pool's quota counts its segments being freed off the core the same way.
+#[test]
+fn off_the_core_a_pools_segment_being_freed_counts_against_its_quota_until_its_free_returns() {
+    use gpualloc_devices::PoolOptions;
+    let (backend, mut core, s) = rig(1 << 30, "expandable_segments:False");
+    let kv = core.create_named_pool(
+        "kv",
+        PoolOptions {
+            quota: Some(100 * MIB),
+            ..PoolOptions::default()
+        },
+    );
+    let cached = core.malloc_in(kv, 60 * MIB, s).unwrap();
+    core.free(cached.ptr).unwrap();
+    let in_kv = |core: &mut DeviceCore, size: u64| match core.try_cached_in(kv, size, s).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(a) => panic!("expected a miss, got {:?}", a.ptr),
+    };
+    // 60 + 70 > 100: at its quota, the pool releases its own cached segment first.
+    let request = in_kv(&mut core, 70 * MIB);
+    let mut first = Miss::off_core(request);
+    let step = core.advance_miss(&mut first, None);
+    assert_eq!(kind(&step), "free [60] MiB");
+    let MissStep::Io(free) = step else {
+        unreachable!()
+    };
+    // Meanwhile 50 MiB more in the pool: the device still holds its 60 MiB.
+    let second = in_kv(&mut core, 50 * MIB);
+    let step = core.advance_miss(&mut Miss::off_core(second), None);
+    assert!(
+        matches!(step, MissStep::Failed(AllocError::PoolQuota { .. })),
+        "{}",
+        kind(&step)
+    );
+    let (steps, end) = drive(
+        &mut core,
+        &mut first,
+        Some(free.perform(backend.as_ref())),
+        |core, io| {
+            let backend = core.backend().clone();
+            io.perform(backend.as_ref())
+        },
+    );
+    assert_eq!(steps, ["alloc 70 MiB", "done 70 MiB"]);
+    assert!(matches!(end, MissStep::Done(_)));
+    assert_eq!(backend.used(DEV), 70 * MIB);
+    // Nothing in flight is left counted: 30 MiB more fit the quota.
+    let third = in_kv(&mut core, 30 * MIB);
+    let step = core.advance_miss(&mut Miss::off_core(third), None);
+    assert_eq!(kind(&step), "alloc 30 MiB");
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    // And with the 30 MiB in flight, the pool is full.
+    let fourth = in_kv(&mut core, 1);
+    let end = core.advance_miss(&mut Miss::off_core(fourth), None);
+    assert!(
+        matches!(end, MissStep::Failed(AllocError::PoolQuota { .. })),
+        "{}",
+        kind(&end)
+    );
+    drop(io.fail(oom()));
+    core.check_invariants().unwrap();
+}
+
 /// The same for pages of an expandable segment: being unmapped off the core, they are the
 /// device's until the unmap returns.
 #[test]

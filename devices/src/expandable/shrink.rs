@@ -5,8 +5,8 @@
 //!    expandable segment gives up its whole pages. They are booked as released at once
 //!    (reserved memory goes down, `segment_unmap` is traced) and become a block in state
 //!    `Unmapping`: out of every set, so nothing maps, merges or allocates them meanwhile.
-//!    Until step 3 they still count against `per_process_memory_fraction` (`budget.rs`):
-//!    the device has them until the unmap returns.
+//!    Until step 3 they still count against `per_process_memory_fraction` (`budget.rs`)
+//!    and their pool's quota: the device has them until the unmap returns.
 //! 2. [`release_pages`], off the core: waits for each segment's stream (unlike a segment free,
 //!    an unmap does not synchronize), then unmaps and releases the pages.
 //! 3. [`DeviceCore::finish_page_release`], under the core: the block joins the unmapped set
@@ -29,6 +29,8 @@ use crate::expandable::segment::{unmap_pages, MappedPages};
 #[must_use = "detached pages must be released and the release finished"]
 pub struct PageRelease {
     block: BlockId,
+    /// The block pool the pages left (they count against its quota until released).
+    pool: usize,
     seg: u64,
     stream: StreamHandle,
     mapped: MappedPages,
@@ -105,7 +107,7 @@ impl DeviceCore {
         last: usize,
     ) -> Option<PageRelease> {
         let b = self.blocks.get(id);
-        let (seg, stream) = (b.segment(), b.stream());
+        let (seg, stream, pool) = (b.segment(), b.stream(), b.pool());
         // The release waits for this stream (`release_pages`), which a capture forbids: the
         // pages stay.
         if self.stream_captures(stream) {
@@ -116,11 +118,14 @@ impl DeviceCore {
             return None;
         }
         self.book_unmapped(id, mapped.start, mapped.bytes(), true);
-        // The device has them until the unmap returns (`finish_page_release`).
+        // The device has them until the unmap returns (`finish_page_release`): they count
+        // against the cap and the pool's quota until then.
         self.budget.releasing_begins(mapped.bytes());
+        self.claim_for_pool(pool, mapped.bytes(), true);
         self.expandable.begin_work(seg);
         Some(PageRelease {
             block: id,
+            pool,
             seg,
             stream,
             mapped,
@@ -136,6 +141,7 @@ impl DeviceCore {
     ) -> Result<Option<(DevicePtr, u64)>, AllocError> {
         let reservation = self.expandable.end_work(release.seg);
         self.budget.released(release.bytes());
+        self.claim_for_pool(release.pool, release.bytes(), false);
         let id = release.block;
         let live = !self.shut_down
             && self.blocks.contains(id)

@@ -32,6 +32,21 @@ pub struct DetachedSegment {
     pub ptr: DevicePtr,
     /// Bytes.
     pub size: u64,
+    /// The block pool it left, for one the books let go of (it counts against the cap and
+    /// the pool's quota until its free returns); `None` for one that never entered them (a
+    /// segment a shutdown or a mix-up sends back).
+    pub(crate) pool: Option<usize>,
+}
+
+impl DetachedSegment {
+    /// A segment that never entered the books, to free.
+    pub(crate) fn unbooked(ptr: DevicePtr, size: u64) -> Self {
+        DetachedSegment {
+            ptr,
+            size,
+            pool: None,
+        }
+    }
 }
 
 impl DeviceCore {
@@ -122,7 +137,19 @@ impl DeviceCore {
     /// before). Every batch a `detach_*` call returned must come back here once, or the cap
     /// stays lowered by it until the core shuts down.
     pub fn finish_segment_frees(&mut self, segments: &[DetachedSegment]) {
-        self.budget.released(segments.iter().map(|s| s.size).sum());
+        let mut forget = false;
+        for s in segments {
+            if let Some(pool) = s.pool {
+                self.budget.released(s.size);
+                self.claim_for_pool(pool, s.size, false);
+                // A released private pool is forgotten once nothing of it is left, frees in
+                // flight included (`forget_released_private_pools` checks which).
+                forget |= self.owner_of(pool).is_some();
+            }
+        }
+        if forget {
+            self.forget_released_private_pools();
+        }
     }
 
     /// Bytes out of the books whose driver release has not returned yet: segments being
@@ -133,7 +160,7 @@ impl DeviceCore {
     }
 
     /// `release_block` without the driver call: the segment leaves the books, and counts
-    /// against the cap until [`DeviceCore::finish_segment_frees`].
+    /// against the cap and its pool's quota until [`DeviceCore::finish_segment_frees`].
     pub(crate) fn detach_block(&mut self, id: BlockId) -> DetachedSegment {
         let b = self.blocks.get(id);
         let (addr, size, stream, pool) = (b.addr(), b.size(), b.stream(), b.pool());
@@ -144,12 +171,14 @@ impl DeviceCore {
         self.segments.remove(addr);
         self.budget.unreserve(size);
         self.budget.releasing_begins(size);
+        self.claim_for_pool(pool, size, true);
         let small = self.pools[pool].is_small;
         self.book_segment_stats(pool, small, size, false);
         self.count(Counted::DeviceFree);
         DetachedSegment {
             ptr: DevicePtr(addr),
             size,
+            pool: Some(pool),
         }
     }
 }
@@ -208,7 +237,8 @@ mod tests {
             segs,
             vec![DetachedSegment {
                 ptr: a.ptr,
-                size: 12 << 20
+                size: 12 << 20,
+                pool: Some(crate::core::LARGE_POOL),
             }]
         );
         assert_eq!(core.reserved_bytes(), (16 << 20) + (2 << 20));

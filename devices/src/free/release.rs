@@ -79,8 +79,8 @@ impl DeviceCore {
         let _span = tracing::debug_span!("device_free", device = self.device.0, size).entered();
         self.backend.free(self.device, DevicePtr(addr))?;
         // The bookkeeping is the detached path's (`detached.rs`), after the driver call.
-        self.detach_block(id);
-        self.budget.released(size);
+        let segment = self.detach_block(id);
+        self.finish_segment_frees(&[segment]);
         Ok(())
     }
 

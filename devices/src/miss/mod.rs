@@ -169,8 +169,8 @@ pub(crate) enum Outcome {
     /// The segment's size, and the allocation.
     Segment(u64, Result<DevicePtr, BackendError>),
     Mapped(GrowthPlan, Result<MappedPages, BackendError>),
-    /// The bytes of the segments, and the first error.
-    Freed(u64, Result<(), AllocError>),
+    /// The segments, and the first error.
+    Freed(Vec<DetachedSegment>, Result<(), AllocError>),
     /// How many events were synchronized, and the error that stopped the rest.
     Synced(usize, Option<BackendError>),
     /// The pages, and the error of a stream synchronization before unmapping them.
@@ -205,12 +205,12 @@ impl MissIo {
                 let mapped = guarded("a miss's page mapping", || map_growth(backend, &plan));
                 Outcome::Mapped(plan, mapped)
             }
-            MissIo::FreeSegments { device, segments } => Outcome::Freed(
-                segments.iter().map(|s| s.size).sum(),
-                guarded("a miss's segment frees", || {
+            MissIo::FreeSegments { device, segments } => {
+                let freed = guarded("a miss's segment frees", || {
                     free_detached(backend, device, &segments)
-                }),
-            ),
+                });
+                Outcome::Freed(segments, freed)
+            }
             MissIo::SynchronizeEvents(events) => {
                 let mut done = 0;
                 for e in &events {
@@ -254,10 +254,9 @@ impl MissIo {
         IoDone(match self {
             MissIo::AllocSegment { size, .. } => Outcome::Segment(size, Err(error)),
             MissIo::MapPages(plan) => Outcome::Mapped(plan, Err(error)),
-            MissIo::FreeSegments { segments, .. } => Outcome::Freed(
-                segments.iter().map(|s| s.size).sum(),
-                Err(AllocError::Backend(error)),
-            ),
+            MissIo::FreeSegments { segments, .. } => {
+                Outcome::Freed(segments, Err(AllocError::Backend(error)))
+            }
             MissIo::SynchronizeEvents(_) => Outcome::Synced(0, Some(error)),
             MissIo::UnmapPages(releases) => Outcome::Unmapped(releases, Some(error)),
             MissIo::GiveBack(_) => Outcome::GaveBack,

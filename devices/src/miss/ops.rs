@@ -276,13 +276,11 @@ impl DeviceCore {
 
             (
                 op @ (Op::Free | Op::Release(_) | Op::Mismatch | Op::GiveBack),
-                Outcome::Freed(bytes, result),
+                Outcome::Freed(segments, result),
             ) => {
-                // Segments the chain took out of the books count against the cap until their
-                // frees return (`budget.rs`); those of a mix-up or a shutdown never entered.
-                if matches!(op, Op::Free | Op::Release(_)) {
-                    self.budget.released(bytes);
-                }
+                // Segments the chain took out of the books count against the cap and their
+                // pool's quota until their frees return (`budget.rs`).
+                self.finish_segment_frees(&segments);
                 match result {
                     Ok(()) => self.after_op(op),
                     Err(e) => Flow::Fail(e),
@@ -326,7 +324,7 @@ impl DeviceCore {
                 Op::Mismatch,
                 MissIo::FreeSegments {
                     device: self.device,
-                    segments: vec![DetachedSegment { ptr, size }],
+                    segments: vec![DetachedSegment::unbooked(ptr, size)],
                 },
             )),
             Outcome::Mapped(plan, Ok(mapped)) => match self.commit_growth(plan, mapped) {
@@ -340,10 +338,12 @@ impl DeviceCore {
                 .abort_growth(plan)
                 .map(|(ptr, size)| self.give_back_reservation(ptr, size)),
             Outcome::Unmapped(releases, _) => self.finish_releases(releases),
-            Outcome::Segment(_, Err(_))
-            | Outcome::Freed(..)
-            | Outcome::Synced(..)
-            | Outcome::GaveBack => None,
+            // Frees made: what left the books is the device's no more.
+            Outcome::Freed(segments, _) => {
+                self.finish_segment_frees(&segments);
+                None
+            }
+            Outcome::Segment(_, Err(_)) | Outcome::Synced(..) | Outcome::GaveBack => None,
         };
         flow.unwrap_or(Flow::Fail(mismatch()))
     }
@@ -361,7 +361,7 @@ impl DeviceCore {
                 Op::GiveBack,
                 MissIo::FreeSegments {
                     device: self.device,
-                    segments: vec![DetachedSegment { ptr, size }],
+                    segments: vec![DetachedSegment::unbooked(ptr, size)],
                 },
             ),
             Ok(ptr) => {
