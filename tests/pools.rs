@@ -76,7 +76,9 @@ async fn a_quota_fails_with_a_typed_error_or_waits_for_a_free_in_the_pool() {
                 quota,
                 reserved,
                 requested,
+                in_flight,
             }) => {
+                assert_eq!(*in_flight, 0, "[{conf}]");
                 assert_eq!(
                     (pool.as_str(), *quota, *reserved, *requested),
                     ("kv_cache", 40 * MIB, 40 * MIB, 20 * MIB)

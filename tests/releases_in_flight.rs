@@ -11,7 +11,8 @@ use std::time::Duration;
 mod common;
 
 use common::{build, sim, wait_in_flight, MIB};
-use gpualloc::DeviceId;
+use gpualloc::runtime::sim::{Op, SimBackend};
+use gpualloc::{DeviceId, PoolOptions};
 
 const D0: DeviceId = DeviceId(0);
 
@@ -52,6 +53,62 @@ async fn a_malloc_during_a_cache_release_waits_for_it_and_stays_under_the_cap() 
         emptier.await.unwrap().unwrap();
         assert_eq!(b.len(), 50 * MIB);
         drop(b);
+        alloc.shutdown().await.unwrap();
+        assert_eq!(sim.used_bytes(D0).unwrap(), 0, "{conf}");
+    }
+}
+
+/// Waits until the sim has started `op` at least once since its counts were reset.
+async fn until_started(sim: &SimBackend, op: Op) {
+    for _ in 0..5000 {
+        if sim.counts().get(op) >= 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{op} never started");
+}
+
+/// A named pool's quota the same way: a request of the pool made while the pool's own release
+/// (its miss at the quota) frees a segment waits for that miss to land, then fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pools_request_during_its_own_release_waits_and_stays_within_its_quota() {
+    for conf in [
+        "expandable_segments:False,thread_cache:False",
+        "expandable_segments:False",
+    ] {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), conf);
+        let (s, t) = (alloc.new_stream(D0).unwrap(), alloc.new_stream(D0).unwrap());
+        let options = PoolOptions {
+            quota: Some(100 * MIB),
+            use_on_oom: false,
+            unsplit: None,
+        };
+        let kv = alloc.pool("kv_cache", options).await.unwrap();
+        // 30 MiB live and 60 MiB cached on `s`, and the device busy for a while.
+        let live = kv.malloc(30 * MIB, &s).await.unwrap();
+        drop(kv.malloc(60 * MIB, &s).await.unwrap());
+        sim.launch_kernel(s.handle(), Duration::from_millis(300), |_| Ok(()))
+            .unwrap();
+        sim.reset_counts();
+        // 20 MiB on `t`: 90 + 20 passes the quota, so the pool frees its cached 60 MiB first.
+        let first = {
+            let (kv, t) = (kv.clone(), t.clone());
+            tokio::spawn(async move { kv.malloc(20 * MIB, &t).await })
+        };
+        until_started(&sim, Op::Free).await;
+        // 40 MiB on `t`: 30 + 60 (being freed) + 40 passes it now; 30 + 20 + 40 will not.
+        let second = kv.malloc(40 * MIB, &t).await.unwrap();
+        let used = sim.used_bytes(D0).unwrap();
+        assert!(
+            used <= 100 * MIB,
+            "{conf}: the pool held {} MiB, past its 100 MiB quota",
+            used / MIB
+        );
+        let first = first.await.unwrap().unwrap();
+        assert_eq!((first.len(), second.len()), (20 * MIB, 40 * MIB));
+        drop((first, second, live));
         alloc.shutdown().await.unwrap();
         assert_eq!(sim.used_bytes(D0).unwrap(), 0, "{conf}");
     }

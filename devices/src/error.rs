@@ -38,10 +38,11 @@ pub enum AllocError {
     /// A request would take a private pool past its quota (after the pool's own cached
     /// segments were returned to the device).
     #[error(
-        "memory pool {pool:?} is at its quota: tried to allocate {} with {} of {} reserved",
+        "memory pool {pool:?} is at its quota: tried to allocate {} with {} of {} reserved{}",
         format_size(*requested),
         format_size(*reserved),
-        format_size(*quota)
+        format_size(*quota),
+        on_its_way(*in_flight)
     )]
     PoolQuota {
         /// The pool's name.
@@ -52,6 +53,10 @@ pub enum AllocError {
         reserved: u64,
         /// Bytes the request asked for.
         requested: u64,
+        /// Bytes of the pool on their way to or from the device right now (segments being
+        /// allocated or freed, pages being mapped or unmapped off the core): they count
+        /// against the quota until the driver call returns, and a retry after may fit.
+        in_flight: u64,
     },
     /// A named pool that is asleep, falling asleep or waking (`sleep.rs`) was asked to
     /// allocate, or to sleep again.
@@ -229,6 +234,18 @@ impl OomReport {
             && !self.exceeds_device()
             && idle >= HINT_FLOOR
             && idle * 5 > self.reserved
+    }
+}
+
+/// The tail of a pool quota's message: the bytes on their way, if any.
+fn on_its_way(in_flight: u64) -> String {
+    if in_flight == 0 {
+        String::new()
+    } else {
+        format!(
+            " and {} on its way to or from the device",
+            format_size(in_flight)
+        )
     }
 }
 

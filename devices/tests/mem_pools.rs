@@ -97,6 +97,7 @@ fn a_quota_fails_with_the_pools_name_and_usage() {
             pool: "kv_cache".into(),
             quota: 40 * MIB,
             reserved: 40 * MIB,
+            in_flight: 0,
             requested: 20 * MIB,
         }
     );
@@ -402,6 +403,7 @@ fn named_pools_grow_expandable_segments_under_their_quota() {
             pool: "kv_cache".into(),
             quota: 40 * MIB,
             reserved: 38 * MIB,
+            in_flight: 0,
             requested: 4 * MIB,
         }
     );

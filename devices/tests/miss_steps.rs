@@ -531,10 +531,14 @@ fn off_the_core_a_pools_segment_being_freed_counts_against_its_quota_until_its_f
     // Meanwhile 50 MiB more in the pool: the device still holds its 60 MiB.
     let second = in_kv(&mut core, 50 * MIB);
     let step = core.advance_miss(&mut Miss::off_core(second), None);
-    assert!(
-        matches!(step, MissStep::Failed(AllocError::PoolQuota { .. })),
-        "{}",
-        kind(&step)
+    let MissStep::Failed(quota @ AllocError::PoolQuota { in_flight, .. }) = step else {
+        panic!("expected the quota error, got {}", kind(&step))
+    };
+    assert_eq!(in_flight, 60 * MIB);
+    assert_eq!(
+        quota.to_string(),
+        "memory pool \"kv\" is at its quota: tried to allocate 50.00 MiB with 0 bytes of \
+         100.00 MiB reserved and 60.00 MiB on its way to or from the device"
     );
     let (steps, end) = drive(
         &mut core,

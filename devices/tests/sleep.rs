@@ -602,6 +602,7 @@ fn errors_say_where_the_pool_is_and_which_may_be_waited_out() {
         quota: 1,
         reserved: 1,
         requested: 1,
+        in_flight: 0,
     };
     assert!(quota.is_retryable());
 }

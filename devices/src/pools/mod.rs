@@ -208,6 +208,7 @@ impl DeviceCore {
             quota,
             reserved,
             requested,
+            in_flight: p.claimed,
         })
     }
 

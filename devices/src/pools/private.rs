@@ -19,8 +19,10 @@ pub(crate) struct PrivatePool {
     pub usage: PoolUsage,
     /// Made by `create_named_pool` (not PyTorch's unnamed `create_pool`).
     pub named: bool,
-    /// Bytes of segments being allocated for it by misses whose segment malloc is in flight
-    /// (an off-core miss's [`crate::MissIo::AllocSegment`]).
+    /// Bytes on their way to or from the device off the core: segments being allocated for it
+    /// by misses whose segment malloc is in flight (an off-core miss's
+    /// [`crate::MissIo::AllocSegment`]), and its segments and pages out of the books whose
+    /// free or unmap has not returned. They count against its quota.
     pub claimed: u64,
     /// Granularity of its unsplit blocks, or why the one asked for cannot be (`unsplit.rs`).
     pub unsplit: Option<Result<u64, &'static str>>,
