@@ -182,8 +182,8 @@ impl DeviceActor {
 
     /// `malloc` on this device: a hit inline, a miss on the blocking pool. Out of memory (or a
     /// pool's quota) while other misses or releases are in flight: wait for them to land and
-    /// retry (bounded by `LANDING_RETRIES` × `LANDING_WAIT`). The out-of-memory report counts the bytes other
-    /// misses are obtaining (`OomReport::in_flight`). A failure is not counted here
+    /// retry (bounded by `LANDING_RETRIES` × `LANDING_WAIT`, [`DeviceActor::may_land`]). The
+    /// out-of-memory report counts the bytes other misses are obtaining (`OomReport::in_flight`). A failure is not counted here
     /// (`SegmentRequest::quiet_oom`): the facade counts the one its user sees
     /// ([`DeviceActor::count_oom`], `oom.rs`), however often the request was tried (here, and
     /// by a malloc waiting for memory, `wait.rs`).
@@ -258,11 +258,14 @@ impl DeviceActor {
     /// True when `error` may not hold once the misses and releases in flight land: out of
     /// memory short of the device's own size, with some in flight (or a release in flight at
     /// the failure, which may have landed since: one more try then); or a pool's quota with
-    /// some in flight (the quota counts memory on its way in and out, so a request made while
-    /// the pool's own release is under way meets it until that ends).
+    /// some in flight, or some of the pool's memory on its way at the failure (the quota
+    /// counts memory on its way in and out, so a request made while the pool's own release is
+    /// under way meets it until that ends).
     fn may_land(&self, error: &Error) -> bool {
         match error {
-            Error::Alloc(AllocError::PoolQuota { .. }) => self.misses_in_flight() > 0,
+            Error::Alloc(AllocError::PoolQuota { in_flight, .. }) => {
+                self.misses_in_flight() > 0 || *in_flight > 0
+            }
             _ => error.oom_report().is_some_and(|r| {
                 !r.exceeds_device() && (self.misses_in_flight() > 0 || r.releasing > 0)
             }),

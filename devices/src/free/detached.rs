@@ -133,8 +133,8 @@ impl DeviceCore {
 
     /// The driver frees of `segments` (detached by this core, freed with [`free_detached`])
     /// returned, or failed: the memory no longer counts against
-    /// `per_process_memory_fraction` (a segment whose free failed stays out of the books, as
-    /// before). Every batch a `detach_*` call returned must come back here once, or the cap
+    /// `per_process_memory_fraction` and its pool's quota (a segment whose free failed stays
+    /// out of the books, as before). Every batch a `detach_*` call returned must come back here once, or the cap
     /// stays lowered by it until the core shuts down.
     pub fn finish_segment_frees(&mut self, segments: &[DetachedSegment]) {
         let mut forget = false;
