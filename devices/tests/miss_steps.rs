@@ -48,6 +48,17 @@ fn run(
     })
 }
 
+/// Makes driver call `io` of `m`, then every call after it, to the miss's end. Returns the
+/// kinds of the steps after `io` and the last step.
+fn perform_to_the_end(core: &mut DeviceCore, m: &mut Miss, io: MissIo) -> (Vec<String>, MissStep) {
+    let backend = core.backend().clone();
+    let done = io.perform(backend.as_ref());
+    drive(core, m, Some(done), |core, io| {
+        let backend = core.backend().clone();
+        io.perform(backend.as_ref())
+    })
+}
+
 #[test]
 fn a_full_device_walks_pytorchs_release_chain_in_order() {
     // Oversize blocks from 24 MiB; a 30 MiB block cached, a 16 MiB one freed behind an event.
@@ -487,15 +498,7 @@ fn off_the_core_a_segment_being_freed_counts_against_the_cap_until_its_free_retu
     );
     // The free returns: the first request gets its segment, and the device never held more
     // than the cap.
-    let (steps, end) = drive(
-        &mut core,
-        &mut first,
-        Some(free.perform(backend.as_ref())),
-        |core, io| {
-            let backend = core.backend().clone();
-            io.perform(backend.as_ref())
-        },
-    );
+    let (steps, end) = perform_to_the_end(&mut core, &mut first, free);
     assert_eq!(steps, ["alloc 70 MiB", "done 70 MiB"]);
     assert!(matches!(end, MissStep::Done(_)));
     assert_eq!((core.releasing_bytes(), backend.used(DEV)), (0, 70 * MIB));
@@ -540,15 +543,7 @@ fn off_the_core_a_pools_segment_being_freed_counts_against_its_quota_until_its_f
         "memory pool \"kv\" is at its quota: tried to allocate 50.00 MiB with 0 bytes of \
          100.00 MiB reserved and 60.00 MiB on its way to or from the device"
     );
-    let (steps, end) = drive(
-        &mut core,
-        &mut first,
-        Some(free.perform(backend.as_ref())),
-        |core, io| {
-            let backend = core.backend().clone();
-            io.perform(backend.as_ref())
-        },
-    );
+    let (steps, end) = perform_to_the_end(&mut core, &mut first, free);
     assert_eq!(steps, ["alloc 70 MiB", "done 70 MiB"]);
     assert!(matches!(end, MissStep::Done(_)));
     assert_eq!(backend.used(DEV), 70 * MIB);
@@ -603,15 +598,7 @@ fn off_the_core_pages_being_unmapped_count_against_the_cap_until_the_unmap_retur
     let step = core.advance_miss(&mut Miss::off_core(second), None);
     assert_eq!(kind(&step), "failed oom");
     // The unmap returns: the first request maps its pages.
-    let (steps, end) = drive(
-        &mut core,
-        &mut first,
-        Some(unmap.perform(backend.as_ref())),
-        |core, io| {
-            let backend = core.backend().clone();
-            io.perform(backend.as_ref())
-        },
-    );
+    let (steps, end) = perform_to_the_end(&mut core, &mut first, unmap);
     // (Pages of 20 MiB in the large pool, as PyTorch's.)
     assert_eq!(steps, ["map 80 MiB", "done 70 MiB"]);
     assert!(matches!(end, MissStep::Done(_)));
