@@ -106,17 +106,15 @@ impl Drop for GraphPoolInner {
 
 /// Releases pool `id` and frees its whole free segments.
 fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
-    let (detached, in_flight, releasing) = {
+    let (detached, in_flight) = {
         let mut held = actor.mailbox.hold_blocking();
         let core = &mut held.state().core;
         let detached = core
             .release_pool(id)
             .and_then(|()| core.detach_pool_segments(id));
-        // Shutdown waits for these frees (`Signals::detached_frees`), and a request out of
-        // memory meanwhile for their end (`DeviceActor::release_in_flight`).
-        let in_flight = actor.signals.detached_frees.begin_if_any(&detached);
-        let releasing = in_flight.is_some().then(|| actor.release_in_flight());
-        (detached, in_flight, releasing)
+        // Shutdown waits for these frees, and a request out of memory meanwhile for their end.
+        let in_flight = actor.segment_frees_begin(&detached);
+        (detached, in_flight)
     };
     match detached {
         Ok(segments) => {
@@ -130,7 +128,6 @@ fn release_graph_pool(actor: &Arc<DeviceActor>, id: MemPoolId) {
                 .state()
                 .core
                 .finish_segment_frees(&segments);
-            drop(releasing);
             drop(in_flight);
             if !segments.is_empty() {
                 actor.signals.waiters.wake_head();

@@ -7,22 +7,11 @@ use std::time::Duration;
 
 mod common;
 
-use common::{build, sim, MIB};
-use gpualloc::runtime::sim::{LatencyModel, Op, SimBackend};
+use common::{build, sim, until_started, MIB};
+use gpualloc::runtime::sim::{LatencyModel, Op};
 use gpualloc::DeviceId;
 
 const SLOW: Duration = Duration::from_millis(300);
-
-/// Waits until the sim has started `op` at least `n` times.
-async fn until_started(sim: &SimBackend, op: Op, n: u64) {
-    for _ in 0..5000 {
-        if sim.counts().get(op) >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    panic!("{op} never started");
-}
 
 /// A 512 KiB cache hit asked from a plain thread of its own (so no thread cache of a tokio
 /// worker can answer it): it must come back while the slow call is still in flight.

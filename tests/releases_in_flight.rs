@@ -10,8 +10,8 @@ use std::time::Duration;
 
 mod common;
 
-use common::{build, sim, wait_in_flight, MIB};
-use gpualloc::runtime::sim::{Op, SimBackend};
+use common::{build, sim, until_started, wait_in_flight, MIB};
+use gpualloc::runtime::sim::Op;
 use gpualloc::{DeviceId, PoolOptions};
 
 const D0: DeviceId = DeviceId(0);
@@ -58,17 +58,6 @@ async fn a_malloc_during_a_cache_release_waits_for_it_and_stays_under_the_cap() 
     }
 }
 
-/// Waits until the sim has started `op` at least once since its counts were reset.
-async fn until_started(sim: &SimBackend, op: Op) {
-    for _ in 0..5000 {
-        if sim.counts().get(op) >= 1 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    panic!("{op} never started");
-}
-
 /// A named pool's quota the same way: a request of the pool made while the pool's own release
 /// (its miss at the quota) frees a segment waits for that miss to land, then fits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,7 +86,7 @@ async fn a_pools_request_during_its_own_release_waits_and_stays_within_its_quota
             let (kv, t) = (kv.clone(), t.clone());
             tokio::spawn(async move { kv.malloc(20 * MIB, &t).await })
         };
-        until_started(&sim, Op::Free).await;
+        until_started(&sim, Op::Free, 1).await;
         // 40 MiB on `t`: 30 + 60 (being freed) + 40 passes it now; 30 + 20 + 40 will not.
         let second = kv.malloc(40 * MIB, &t).await.unwrap();
         let used = sim.used_bytes(D0).unwrap();

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use common::{drive, kind, oom};
 use gpualloc_accounting::AccountingBackend;
 use gpualloc_devices::{
-    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, IoDone, Miss, MissIo, MissStep,
-    RecordedHandles, SegmentRequest,
+    AllocError, AllocatorConfig, CachedOutcome, DeviceCore, IoDone, MemPoolId, Miss, MissIo,
+    MissStep, RecordedHandles, SegmentRequest,
 };
 use gpualloc_runtime::{Backend, BackendError, DeviceId, StreamHandle};
 
@@ -46,6 +46,31 @@ fn run(
         }
         io => io.perform(backend),
     })
+}
+
+/// The lookup of a request of `size` bytes on `stream` in private pool `pool`: a miss.
+fn miss_in(
+    core: &mut DeviceCore,
+    pool: MemPoolId,
+    size: u64,
+    stream: StreamHandle,
+) -> SegmentRequest {
+    match core.try_cached_in(pool, size, stream).unwrap() {
+        CachedOutcome::Miss(r) => r,
+        CachedOutcome::Hit(a) => panic!("expected a miss, got {:?}", a.ptr),
+    }
+}
+
+/// An off-core miss of `request` whose first step is driver call `want` (by its kind); returns
+/// the miss and the call.
+fn off_core_io(core: &mut DeviceCore, request: SegmentRequest, want: &str) -> (Miss, MissIo) {
+    let mut m = Miss::off_core(request);
+    let step = core.advance_miss(&mut m, None);
+    assert_eq!(kind(&step), want);
+    let MissStep::Io(io) = step else {
+        unreachable!()
+    };
+    (m, io)
 }
 
 /// Makes driver call `io` of `m`, then every call after it, to the miss's end. Returns the
@@ -473,12 +498,7 @@ fn off_the_core_a_segment_being_freed_counts_against_the_cap_until_its_free_retu
     core.free(cached.ptr).unwrap();
     // 60 + 70 > 100: the miss releases the cached oversize segment first.
     let request = miss(&mut core, 70 * MIB, s);
-    let mut first = Miss::off_core(request);
-    let step = core.advance_miss(&mut first, None);
-    assert_eq!(kind(&step), "free [60] MiB");
-    let MissStep::Io(free) = step else {
-        unreachable!()
-    };
+    let (mut first, free) = off_core_io(&mut core, request, "free [60] MiB");
     assert_eq!(core.reserved_bytes(), 0, "out of the books");
     assert_eq!(core.releasing_bytes(), 60 * MIB);
     // Meanwhile another request of 50 MiB: the device still holds the 60 MiB (60 + 50 > 100),
@@ -519,20 +539,11 @@ fn off_the_core_a_pools_segment_being_freed_counts_against_its_quota_until_its_f
     );
     let cached = core.malloc_in(kv, 60 * MIB, s).unwrap();
     core.free(cached.ptr).unwrap();
-    let in_kv = |core: &mut DeviceCore, size: u64| match core.try_cached_in(kv, size, s).unwrap() {
-        CachedOutcome::Miss(r) => r,
-        CachedOutcome::Hit(a) => panic!("expected a miss, got {:?}", a.ptr),
-    };
     // 60 + 70 > 100: at its quota, the pool releases its own cached segment first.
-    let request = in_kv(&mut core, 70 * MIB);
-    let mut first = Miss::off_core(request);
-    let step = core.advance_miss(&mut first, None);
-    assert_eq!(kind(&step), "free [60] MiB");
-    let MissStep::Io(free) = step else {
-        unreachable!()
-    };
+    let request = miss_in(&mut core, kv, 70 * MIB, s);
+    let (mut first, free) = off_core_io(&mut core, request, "free [60] MiB");
     // Meanwhile 50 MiB more in the pool: the device still holds its 60 MiB.
-    let second = in_kv(&mut core, 50 * MIB);
+    let second = miss_in(&mut core, kv, 50 * MIB, s);
     let step = core.advance_miss(&mut Miss::off_core(second), None);
     let MissStep::Failed(quota @ AllocError::PoolQuota { in_flight, .. }) = step else {
         panic!("expected the quota error, got {}", kind(&step))
@@ -548,14 +559,10 @@ fn off_the_core_a_pools_segment_being_freed_counts_against_its_quota_until_its_f
     assert!(matches!(end, MissStep::Done(_)));
     assert_eq!(backend.used(DEV), 70 * MIB);
     // Nothing in flight is left counted: 30 MiB more fit the quota.
-    let third = in_kv(&mut core, 30 * MIB);
-    let step = core.advance_miss(&mut Miss::off_core(third), None);
-    assert_eq!(kind(&step), "alloc 30 MiB");
-    let MissStep::Io(io) = step else {
-        unreachable!()
-    };
+    let third = miss_in(&mut core, kv, 30 * MIB, s);
+    let (_, io) = off_core_io(&mut core, third, "alloc 30 MiB");
     // And with the 30 MiB in flight, the pool is full.
-    let fourth = in_kv(&mut core, 1);
+    let fourth = miss_in(&mut core, kv, 1, s);
     let end = core.advance_miss(&mut Miss::off_core(fourth), None);
     assert!(
         matches!(end, MissStep::Failed(AllocError::PoolQuota { .. })),
@@ -583,12 +590,7 @@ fn off_the_core_pages_being_unmapped_count_against_the_cap_until_the_unmap_retur
     // A request of another stream: its own segment has no room beside the 60 MiB mapped, so
     // the last release unmaps them.
     let request = miss(&mut core, 70 * MIB, t);
-    let mut first = Miss::off_core(request);
-    let step = core.advance_miss(&mut first, None);
-    assert_eq!(kind(&step), "unmap 60 MiB");
-    let MissStep::Io(unmap) = step else {
-        unreachable!()
-    };
+    let (mut first, unmap) = off_core_io(&mut core, request, "unmap 60 MiB");
     assert_eq!(
         (core.reserved_bytes(), core.releasing_bytes()),
         (0, 60 * MIB)

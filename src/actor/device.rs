@@ -21,7 +21,7 @@ use gpualloc_devices::{
 };
 use gpualloc_runtime::{Backend, DeviceId, LostWatch, Stream, StreamHandle};
 
-use crate::actor::state::{DeviceMsg, DeviceState, Signals};
+use crate::actor::state::{DetachedFreeGuard, DeviceMsg, DeviceState, Signals};
 use crate::actor::thread_cache::{Park, ParkedFree, Revived, ThreadCache};
 use crate::buffer::DeviceBuffer;
 use crate::error::Error;
@@ -542,6 +542,15 @@ impl LandingOwner for MissesInFlight {
 /// ([`DeviceActor::release_in_flight`]).
 pub(crate) struct ReleaseInFlight<'a>(&'a MissesInFlight);
 
+/// A batch of detached segments on its way back to the device, in both counts that wait for
+/// it until dropped ([`DeviceActor::segment_frees_begin`]).
+pub(crate) struct SegmentFreesInFlight<'a> {
+    /// Shutdown waits for it (`Signals::detached_frees`).
+    _shutdown: DetachedFreeGuard<'a>,
+    /// A request out of memory meanwhile waits for it.
+    _release: ReleaseInFlight<'a>,
+}
+
 impl Drop for ReleaseInFlight<'_> {
     fn drop(&mut self) {
         self.0.landed();
@@ -558,5 +567,19 @@ impl DeviceActor {
     pub(crate) fn release_in_flight(&self) -> ReleaseInFlight<'_> {
         self.misses.started();
         ReleaseInFlight(&self.misses)
+    }
+
+    /// For the step that detached segments to free off the gate (`detached`, when it holds
+    /// some): the batch counts for shutdown and as a release in flight until the guard is
+    /// dropped, after the step that books the frees' end.
+    pub(crate) fn segment_frees_begin<T, E>(
+        &self,
+        detached: &Result<Vec<T>, E>,
+    ) -> Option<SegmentFreesInFlight<'_>> {
+        let shutdown = self.signals.detached_frees.begin_if_any(detached)?;
+        Some(SegmentFreesInFlight {
+            _shutdown: shutdown,
+            _release: self.release_in_flight(),
+        })
     }
 }

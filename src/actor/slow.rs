@@ -121,14 +121,13 @@ impl DeviceActor {
                 tracing::warn!(device = self.device.0, error = %err, "event synchronize failed");
             }
         }
-        let (detached, in_flight, releasing) = {
+        let (detached, in_flight) = {
             let mut held = self.mailbox.hold_blocking();
             let detached = held.state().core.detach_free_segments();
-            let in_flight = self.signals.detached_frees.begin_if_any(&detached);
-            // Taken in the step that detached them: a request that runs out of memory after
-            // it waits for the frees (`DeviceActor::malloc`).
-            let releasing = in_flight.is_some().then(|| self.release_in_flight());
-            (detached, in_flight, releasing)
+            // Taken in the step that detached them: a shutdown or a request that runs out of
+            // memory after it waits for the frees.
+            let in_flight = self.segment_frees_begin(&detached);
+            (detached, in_flight)
         };
         let segments = match detached {
             Ok(s) => s,
@@ -148,7 +147,6 @@ impl DeviceActor {
             .state()
             .core
             .finish_segment_frees(&segments);
-        drop(releasing);
         drop(in_flight);
         if let Err(e) = freed {
             tracing::warn!(device = self.device.0, error = %e, "segment free failed");

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpualloc::devices::{TraceAction, TraceEntry};
-use gpualloc::runtime::sim::{LatencyModel, SimBackend, SimConfig};
+use gpualloc::runtime::sim::{LatencyModel, Op, SimBackend, SimConfig};
 use gpualloc::{Allocator, Backend, DeviceActor, DeviceId, DevicePtr, HistoryOptions, Stream};
 
 pub const MIB: u64 = 1 << 20;
@@ -146,4 +146,15 @@ pub fn read_mib(sim: &SimBackend, stream: &Stream, ptr: DevicePtr) -> Vec<u8> {
     stream.synchronize().unwrap();
     let bytes = out.lock().unwrap().clone();
     bytes
+}
+
+/// Waits until the sim has started `op` at least `n` times.
+pub async fn until_started(sim: &SimBackend, op: Op, n: u64) {
+    for _ in 0..5000 {
+        if sim.counts().get(op) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("{op} never started");
 }
