@@ -12,7 +12,7 @@ mod common;
 
 use common::{build, sim, until_started, wait_in_flight, MIB};
 use gpualloc::runtime::sim::Op;
-use gpualloc::{DeviceId, PoolOptions};
+use gpualloc::{CaptureMode, DeviceId, PoolOptions};
 
 const D0: DeviceId = DeviceId(0);
 
@@ -100,5 +100,40 @@ async fn a_pools_request_during_its_own_release_waits_and_stays_within_its_quota
         drop((first, second, live));
         alloc.shutdown().await.unwrap();
         assert_eq!(sim.used_bytes(D0).unwrap(), 0, "{conf}");
+    }
+}
+
+/// A graph pool's release (its last holder gone) frees its segments off the caller's thread:
+/// once they are back, nothing of them is counted against the cap, and a request of all of it
+/// fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_graph_pools_release_the_whole_cap_is_free_again() {
+    for conf in [
+        "expandable_segments:False",
+        "expandable_segments:False,thread_cache:False",
+    ] {
+        let sim = sim(1 << 30);
+        let alloc = build(sim.clone(), &format!("{conf},{CAP}"));
+        let s = alloc.new_stream(D0).unwrap();
+        let pool = alloc.graph_pool(D0).await.unwrap();
+        let capture = pool
+            .begin_capture(&s, CaptureMode::ThreadLocal)
+            .await
+            .unwrap();
+        drop(alloc.malloc(60 * MIB, &s).await.unwrap());
+        let graph = capture.end().await.unwrap();
+        assert_eq!(sim.used_bytes(D0).unwrap(), 60 * MIB, "{conf}");
+        drop((graph, pool));
+        for _ in 0..5000 {
+            if sim.used_bytes(D0).unwrap() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert_eq!(sim.used_bytes(D0).unwrap(), 0, "{conf}: the pool's release");
+        let all = alloc.malloc(100 * MIB, &s).await.unwrap();
+        assert_eq!(all.len(), 100 * MIB, "{conf}");
+        drop(all);
+        alloc.shutdown().await.unwrap();
     }
 }
